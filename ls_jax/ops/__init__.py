@@ -1,0 +1,22 @@
+"""Fused Transformer operators: one public function per op, each a ``jax.custom_vjp`` whose forward and
+backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere. See ``ls_jax.backend``."""
+
+from ls_jax.ops.cross_entropy import label_smoothed_cross_entropy
+from ls_jax.ops.dropout import ACTIVATIONS, Activation, bias_act_dropout, bias_dropout_residual, dropout
+from ls_jax.ops.embedding import embed
+from ls_jax.ops.layer_norm import layer_norm
+from ls_jax.ops.random import dropout_seed
+from ls_jax.ops.softmax import attn_softmax
+
+__all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "attn_softmax",
+    "bias_act_dropout",
+    "bias_dropout_residual",
+    "dropout",
+    "dropout_seed",
+    "embed",
+    "label_smoothed_cross_entropy",
+    "layer_norm",
+]

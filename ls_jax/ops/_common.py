@@ -1,0 +1,89 @@
+"""Input validation and backend dispatch shared by every op module.
+
+Dtype rule for all ops: activations (the tensors an op normalizes, masks or adds) share one floating dtype
+(f32, bf16 or f16); parameters (gamma, beta, bias, embedding tables) are either that dtype or f32. Arithmetic
+is f32. Every op validates at trace time and raises ``ValueError`` naming the offending argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax import backend
+
+logger = logging.getLogger("ls_jax.ops")
+
+ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_activation(name: str, x: jax.Array, min_rank: int = 1) -> None:
+    if jnp.dtype(x.dtype) not in ACTIVATION_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.ndim < min_rank:
+        raise ValueError(f"{name} must have rank >= {min_rank}, got shape {x.shape}")
+
+
+def check_same_dtype(name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> None:
+    if x.dtype != ref.dtype:
+        raise ValueError(f"{name} has dtype {x.dtype} but {ref_name} has {ref.dtype}; they must match")
+
+
+def check_param(name: str, p: jax.Array, shape: tuple[int, ...], activation_dtype: Any) -> None:
+    if tuple(p.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(p.shape)}")
+    if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(activation_dtype)):
+        raise ValueError(f"{name} must be float32 or {jnp.dtype(activation_dtype)} (the activation dtype), got {p.dtype}")
+
+
+def check_integer(name: str, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+
+
+def check_dropout(rate: float, seed: jax.Array | None) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if rate > 0.0:
+        if seed is None:
+            raise ValueError("dropout_rate > 0 needs a seed: a uint32[2] array, e.g. ls_jax.ops.dropout_seed(key)")
+        if tuple(seed.shape) != (2,) or seed.dtype != jnp.uint32:
+            raise ValueError(f"seed must be a uint32[2] array, got {seed.dtype}{list(seed.shape)}")
+
+
+def rows(x: jax.Array) -> int:
+    """Number of rows when every axis but the last is flattened."""
+    count = 1
+    for dim in x.shape[:-1]:
+        count *= dim
+    return count
+
+
+@functools.cache
+def _log_fallback_once(op: str, reason: str) -> None:
+    logger.warning("ls_jax.ops.%s: running the XLA implementation on CUDA: %s", op, reason)
+
+
+def dispatch(
+    op: str,
+    xla_impl: Callable[..., Any],
+    ffi_impl: Callable[..., Any] | None,
+    args: Sequence[Any],
+    unsupported: str | None = None,
+) -> Any:
+    """Calls ``ffi_impl(*args)`` when lowering for CUDA with kernels enabled, else ``xla_impl(*args)``.
+
+    Both implementations take the same arguments and return the same pytree of shapes and dtypes, so one
+    ``jax.custom_vjp`` serves both. ``unsupported`` is a reason the kernels cannot take these shapes; the
+    op then runs XLA everywhere and logs the reason once.
+    """
+    if ffi_impl is None or not backend.kernels_enabled():
+        return xla_impl(*args)
+    if unsupported is not None:
+        _log_fallback_once(op, unsupported)
+        return xla_impl(*args)
+    return jax.lax.platform_dependent(*args, cuda=ffi_impl, default=xla_impl)

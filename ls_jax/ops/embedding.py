@@ -1,0 +1,156 @@
+"""Token embedding: lookup x scale + position embedding + dropout, zero at padding tokens.
+
+    y[b, t] = dropout(scale * table[tokens[b, t]] + pos_table[positions[b, t]]) * (tokens[b, t] != padding_id)
+
+Shapes: tokens, positions (B, L) int; table (V, H); pos_table (P, H) or None. ``positions`` defaults to
+``0..L-1`` in every row. Tables may be f32 while the output is bf16/f16 (``dtype``), so their gradients
+accumulate in f32. Token ids outside [0, V) and positions outside [0, P) are clamped (a gather cannot raise
+inside jit): validate data upstream. The backward scatters the output gradient into the tables:
+
+    dtable[v]   = scale * sum_{(b,t): tokens = v, not pad} dy[b, t] * m[b, t]
+    dpos[p]     =         sum_{(b,t): positions = p, not pad} dy[b, t] * m[b, t]
+
+Implementations share:
+  forward(tokens, positions, table, pos_table, seed) -> y
+  backward(dy, tokens, positions, seed) -> (dtable, dpos_table)    (dpos_table None without pos_table)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax.ops import _common
+from ls_jax.ops import random
+
+_f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about one embed call that is fixed at trace time."""
+
+    scale: float
+    padding_id: int | None
+    rate: float
+    dtype: jnp.dtype
+    table_shape: tuple[int, int]
+    table_dtype: jnp.dtype
+    pos_shape: tuple[int, int] | None
+    pos_dtype: jnp.dtype | None
+
+
+def _output_multiplier(tokens, seed, hidden, static: _Static):
+    """f32 (B, L, H) or (B, L, 1) factor: dropout keep / (1 - p) times the non-padding indicator."""
+    multiplier = random.dropout_multiplier(seed, tokens.shape + (hidden,), static.rate)
+    if static.padding_id is None:
+        return multiplier
+    return multiplier * (tokens != static.padding_id)[..., None].astype(_f32)
+
+
+def _forward_xla(tokens, positions, table, pos_table, seed, *, static: _Static):
+    y = jnp.take(table, tokens, axis=0, mode="clip").astype(_f32) * static.scale
+    if pos_table is not None:
+        y = y + jnp.take(pos_table, positions, axis=0, mode="clip").astype(_f32)
+    y = y * _output_multiplier(tokens, seed, table.shape[1], static)
+    return y.astype(static.dtype)
+
+
+def _backward_xla(dy, tokens, positions, seed, *, static: _Static):
+    grad = dy.astype(_f32) * _output_multiplier(tokens, seed, dy.shape[-1], static)
+    grad = grad.reshape(-1, dy.shape[-1])
+    token_index = jnp.clip(tokens.reshape(-1), 0, static.table_shape[0] - 1)
+    dtable = jnp.zeros(static.table_shape, _f32).at[token_index].add(grad * static.scale)
+    dpos = None
+    if static.pos_shape is not None:
+        pos_index = jnp.clip(positions.reshape(-1), 0, static.pos_shape[0] - 1)
+        dpos = jnp.zeros(static.pos_shape, _f32).at[pos_index].add(grad).astype(static.pos_dtype)
+    return dtable.astype(static.table_dtype), dpos
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _embed(tokens, positions, table, pos_table, seed, static):
+    return _embed_fwd(tokens, positions, table, pos_table, seed, static)[0]
+
+
+def _embed_fwd(tokens, positions, table, pos_table, seed, static):
+    forward_xla = functools.partial(_forward_xla, static=static)
+    y = _common.dispatch("embed", forward_xla, None, (tokens, positions, table, pos_table, seed))
+    return y, (tokens, positions, seed)
+
+
+def _embed_bwd(static, res, dy):
+    tokens, positions, seed = res
+    backward_xla = functools.partial(_backward_xla, static=static)
+    dtable, dpos = _common.dispatch("embed", backward_xla, None, (dy, tokens, positions, seed))
+    return None, None, dtable, dpos, None
+
+
+_embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+def embed(
+    tokens: jax.Array,
+    table: jax.Array,
+    pos_table: jax.Array | None = None,
+    *,
+    scale: float = 1.0,
+    padding_id: int | None = None,
+    positions: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    seed: jax.Array | None = None,
+    dtype: jnp.dtype | None = None,
+) -> jax.Array:
+    """Embeds ``tokens``: ``dropout(scale * table[tokens] + pos_table[positions])``, zero at padding.
+
+    Args:
+      tokens: (B, L) integer token ids.
+      table: (V, H) token embeddings, f32 or ``dtype``.
+      pos_table: optional (P, H) position embeddings (learned or sinusoidal), f32 or ``dtype``.
+      scale: multiplies the token embedding (``sqrt(H)`` in the original Transformer).
+      padding_id: tokens equal to it embed to zero and send no gradient to the tables.
+      positions: (B, L) integer positions; defaults to 0..L-1 in every row.
+      dropout_rate, seed: as in ``ls_jax.ops.dropout``.
+      dtype: output dtype (f32, bf16, f16); defaults to the table's.
+
+    Returns:
+      (B, L, H) embeddings of ``dtype``.
+    """
+    _common.check_integer("tokens", tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have shape (batch, length), got {tokens.shape}")
+    dtype = jnp.dtype(table.dtype if dtype is None else dtype)
+    if dtype not in _common.ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if table.ndim != 2:
+        raise ValueError(f"table must have shape (vocab, hidden), got {table.shape}")
+    _common.check_param("table", table, table.shape, dtype)
+    if pos_table is not None:
+        _common.check_param("pos_table", pos_table, (pos_table.shape[0], table.shape[1]), dtype)
+    if positions is None:
+        if pos_table is not None and tokens.shape[1] > pos_table.shape[0]:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds the {pos_table.shape[0]} positions of pos_table"
+            )
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    else:
+        _common.check_integer("positions", positions)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"positions has shape {positions.shape} but tokens has {tokens.shape}")
+    _common.check_dropout(dropout_rate, seed)
+    if dropout_rate == 0.0:
+        seed = None
+    static = _Static(
+        scale=float(scale),
+        padding_id=None if padding_id is None else int(padding_id),
+        rate=float(dropout_rate),
+        dtype=dtype,
+        table_shape=tuple(table.shape),
+        table_dtype=jnp.dtype(table.dtype),
+        pos_shape=None if pos_table is None else tuple(pos_table.shape),
+        pos_dtype=None if pos_table is None else jnp.dtype(pos_table.dtype),
+    )
+    return _embed(tokens.astype(jnp.int32), positions.astype(jnp.int32), table, pos_table, seed, static)

@@ -1,0 +1,156 @@
+"""LayerNorm over the last axis, with an optional fused residual add.
+
+    s = x (+ residual)
+    y = (s - mean(s)) * rstd * gamma + beta,   rstd = 1 / sqrt(var(s) + eps)
+
+Shapes: x, residual (..., H); gamma, beta (H,). Statistics are f32. Residuals saved for the backward:
+s (activation dtype), mean and rstd (f32, one per row) and gamma. The backward is
+
+    xhat = (s - mean) * rstd,  g = dy * gamma
+    dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
+    ds = rstd * (g - mean(g) - xhat * mean(g * xhat))  (+ dsum, the cotangent of s when s is returned)
+
+Implementations (XLA here, CUDA in ffi_kernels) share these signatures:
+  forward(x, gamma, beta) -> (y, mean, rstd)
+  add_forward(x, residual, gamma, beta) -> (y, s, mean, rstd)
+  backward(dy, s, mean, rstd, gamma) -> (ds, dgamma, dbeta)
+  add_backward(dy, dsum, s, mean, rstd, gamma) -> (ds, dgamma, dbeta)
+with ds in the activation dtype and dgamma, dbeta in gamma's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax.ops import _common
+
+_f32 = jnp.float32
+MAX_KERNEL_HIDDEN = 8192
+
+
+def _normalize(s: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float):
+    s32 = s.astype(_f32)
+    mean = jnp.mean(s32, axis=-1)
+    centered = s32 - mean[..., None]
+    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1) + eps)
+    y = centered * rstd[..., None] * gamma.astype(_f32) + beta.astype(_f32)
+    return y.astype(s.dtype), mean, rstd
+
+
+def _forward_xla(x, gamma, beta, *, eps):
+    return _normalize(x, gamma, beta, eps)
+
+
+def _add_forward_xla(x, residual, gamma, beta, *, eps):
+    s = x + residual
+    y, mean, rstd = _normalize(s, gamma, beta, eps)
+    return y, s, mean, rstd
+
+
+def _grads_f32(dy, s, mean, rstd, gamma):
+    dy32 = dy.astype(_f32)
+    xhat = (s.astype(_f32) - mean[..., None]) * rstd[..., None]
+    g = dy32 * gamma.astype(_f32)
+    ds = rstd[..., None] * (
+        g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
+    )
+    row_axes = tuple(range(dy.ndim - 1))
+    return ds, jnp.sum(dy32 * xhat, axis=row_axes), jnp.sum(dy32, axis=row_axes)
+
+
+def _backward_xla(dy, s, mean, rstd, gamma):
+    ds, dgamma, dbeta = _grads_f32(dy, s, mean, rstd, gamma)
+    return ds.astype(s.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+def _add_backward_xla(dy, dsum, s, mean, rstd, gamma):
+    ds, dgamma, dbeta = _grads_f32(dy, s, mean, rstd, gamma)
+    ds = ds + dsum.astype(_f32)
+    return ds.astype(s.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
+
+
+def _unsupported(x: jax.Array) -> str | None:
+    if x.shape[-1] > MAX_KERNEL_HIDDEN:
+        return f"hidden size {x.shape[-1]} exceeds the kernel limit of {MAX_KERNEL_HIDDEN}"
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm(x, gamma, beta, eps):
+    return _layer_norm_fwd(x, gamma, beta, eps)[0]
+
+
+def _layer_norm_fwd(x, gamma, beta, eps):
+    forward_xla = functools.partial(_forward_xla, eps=eps)
+    y, mean, rstd = _common.dispatch("layer_norm", forward_xla, None, (x, gamma, beta), _unsupported(x))
+    return y, (x, mean, rstd, gamma)
+
+
+def _layer_norm_bwd(eps, res, dy):
+    s, mean, rstd, gamma = res
+    return _common.dispatch("layer_norm", _backward_xla, None, (dy, s, mean, rstd, gamma), _unsupported(s))
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _add_layer_norm(x, residual, gamma, beta, eps):
+    return _add_layer_norm_fwd(x, residual, gamma, beta, eps)[0]
+
+
+def _add_layer_norm_fwd(x, residual, gamma, beta, eps):
+    forward_xla = functools.partial(_add_forward_xla, eps=eps)
+    y, s, mean, rstd = _common.dispatch(
+        "layer_norm", forward_xla, None, (x, residual, gamma, beta), _unsupported(x)
+    )
+    return (y, s), (s, mean, rstd, gamma)
+
+
+def _add_layer_norm_bwd(eps, res, cotangents):
+    dy, dsum = cotangents
+    s, mean, rstd, gamma = res
+    ds, dgamma, dbeta = _common.dispatch(
+        "layer_norm", _add_backward_xla, None, (dy, dsum, s, mean, rstd, gamma), _unsupported(s)
+    )
+    return ds, ds, dgamma, dbeta
+
+
+_add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
+
+
+def layer_norm(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array,
+    *,
+    eps: float = 1e-5,
+    residual: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """LayerNorm of ``x`` (or of ``x + residual``) over the last axis.
+
+    Args:
+      x: activations (..., H) in f32, bf16 or f16.
+      gamma, beta: scale and shift (H,), both f32 or both x's dtype.
+      eps: added to the variance.
+      residual: optional (..., H) of x's dtype, added to x before normalizing.
+
+    Returns:
+      ``y`` of x's shape and dtype; with ``residual``, the pair ``(y, x + residual)``.
+    """
+    _common.check_activation("x", x)
+    hidden = x.shape[-1]
+    _common.check_param("gamma", gamma, (hidden,), x.dtype)
+    _common.check_param("beta", beta, (hidden,), x.dtype)
+    _common.check_same_dtype("beta", beta, "gamma", gamma)
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if residual is None:
+        return _layer_norm(x, gamma, beta, float(eps))
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {residual.shape} but x has {x.shape}; they must match")
+    _common.check_same_dtype("residual", residual, "x", x)
+    return _add_layer_norm(x, residual, gamma, beta, float(eps))

@@ -1,0 +1,86 @@
+"""Counter-based dropout masks shared bit for bit by the XLA and CUDA implementations.
+
+A dropout seed is a ``uint32[2]`` array: the Philox-4x32-10 key. Element ``i`` (row-major flat index of the
+tensor being dropped) takes word ``i % 4`` of ``philox4x32(counter=(i // 4, 0, 0, 0), key=seed)`` and is kept
+when that word is ``>= keep_threshold(rate)``, i.e. with probability ``1 - rate``. The CUDA kernels compute
+the same words, so both backends drop exactly the same elements for the same seed, and a backward pass
+regenerates its mask from the seed instead of storing it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_PHILOX_M0 = 0xD2511F53
+_PHILOX_M1 = 0xCD9E8D57
+_PHILOX_W0 = 0x9E3779B9
+_PHILOX_W1 = 0xBB67AE85
+_PHILOX_ROUNDS = 10
+
+
+def dropout_seed(key: jax.Array) -> jax.Array:
+    """Draws a ``uint32[2]`` dropout seed from a JAX PRNG key."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def keep_threshold(rate: float) -> int:
+    """The uint32 threshold below which a Philox word drops its element: ``round(rate * 2**32)``."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    return min(int(round(rate * 2.0**32)), 2**32 - 1)
+
+
+def _mulhilo(a: jax.Array, multiplier: int) -> tuple[jax.Array, jax.Array]:
+    """High and low 32 bits of ``a * multiplier`` using only 32-bit arithmetic (x64 stays off)."""
+    m_lo, m_hi = multiplier & 0xFFFF, multiplier >> 16
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    lo_lo = a_lo * jnp.uint32(m_lo)
+    hi_lo = a_hi * jnp.uint32(m_lo)
+    lo_hi = a_lo * jnp.uint32(m_hi)
+    hi_hi = a_hi * jnp.uint32(m_hi)
+    middle = (lo_lo >> 16) + (hi_lo & 0xFFFF) + (lo_hi & 0xFFFF)
+    high = hi_hi + (hi_lo >> 16) + (lo_hi >> 16) + (middle >> 16)
+    return high, a * jnp.uint32(multiplier)
+
+
+def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+    """Philox-4x32-10 (Salmon et al., 2011) on uint32 arrays of any common shape: 4 counter words, 2 key words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for round_index in range(_PHILOX_ROUNDS):
+        if round_index:
+            k0 = k0 + jnp.uint32(_PHILOX_W0)
+            k1 = k1 + jnp.uint32(_PHILOX_W1)
+        hi0, lo0 = _mulhilo(c0, _PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
+    size = 1
+    for dim in shape:
+        size *= dim
+    groups = -(-size // 4)
+    if groups >= 2**32:
+        raise ValueError(f"dropout over {size} elements exceeds the 2**34-element Philox counter range")
+    counter = jnp.arange(groups, dtype=jnp.uint32)
+    zero = jnp.zeros_like(counter)
+    seed = seed.astype(jnp.uint32)
+    words = philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
+    return jnp.stack(words, axis=-1).reshape(-1)[:size].reshape(shape)
+
+
+def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+    """Boolean mask of ``shape``, True where an element survives dropout at ``rate``."""
+    return random_bits(seed, shape) >= jnp.uint32(keep_threshold(rate))
+
+
+def dropout_multiplier(seed: jax.Array | None, shape: tuple[int, ...], rate: float) -> jax.Array | float:
+    """``keep / (1 - rate)`` as fp32 of ``shape``, or the scalar 1.0 when ``rate == 0``."""
+    if rate == 0.0:
+        return 1.0
+    assert seed is not None
+    return keep_mask(seed, shape, rate).astype(jnp.float32) * (1.0 / (1.0 - rate))

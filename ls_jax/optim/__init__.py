@@ -1,0 +1,1 @@
+"""ls_jax.optim"""

@@ -1,0 +1,1 @@
+"""Cloud TPU VM launcher."""

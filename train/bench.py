@@ -1,0 +1,31 @@
+"""Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes docs/results/<suite>-<device>.json.
+
+Suites: ops (fused kernels vs XLA), optim (fused optimizers vs optax), e2e (training step vs plain Flax),
+profile (per-category step breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUITES = {
+    "ops": "train.benchmarks.ops",
+    "optim": "train.benchmarks.optim",
+    "e2e": "train.benchmarks.e2e",
+    "profile": "train.benchmarks.profile",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__)
+    parser.add_argument("suite", choices=sorted(SUITES))
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(SUITES[args.suite])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,352 @@
+"""End-to-end training-step benchmark: plain Flax reference vs ls_jax (xla backend) vs ls_jax (ffi backend).
+
+``python -m train.bench e2e [--models big-6e6d,...] [--tokens 1024,8192] [--steps 20] [--quick]``
+
+One process builds the same Transformer three ways and trains it on the same random batches (fixed-length
+64-token source and target sentences, shared 32768 vocabulary, dropout 0.1 everywhere, label smoothing 0.1,
+AdamW, bf16 compute with f32 params):
+  reference  train/reference_model.py, plain Flax linen + optax, all XLA;
+  ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation;
+  ls_jax_ffi the same with the CUDA kernels.
+Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` steps
+after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak and against a bf16 GEMM measured in
+the same run), the compiled step's memory (XLA memory analysis: arguments + outputs - aliased + temporaries),
+and, per (model, implementation), the largest trainable batch predicted from the memory of the measured batches
+and then verified by running one step. Results merge into docs/results/e2e-<device>.json (so runs split across
+several calls build one file), and a speedup plot is written next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ls_jax import backend
+from train import metrics
+from train.benchmarks import common
+from train.reference_model import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
+
+VOCAB = 32768
+SEQ_LEN = 64
+LABEL_SMOOTHING = 0.1
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01
+IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    encoder_layers: int
+    decoder_layers: int
+
+
+MODELS = {
+    "base-6e6d": ModelShape(512, 2048, 8, 6, 6),
+    "big-6e6d": ModelShape(1024, 4096, 16, 6, 6),
+    "big-12e12d": ModelShape(1024, 4096, 16, 12, 12),
+    "big-24e24d": ModelShape(1024, 4096, 16, 24, 24),
+}
+LS_JAX_PRESETS = {
+    "base-6e6d": "transformer-base",
+    "big-6e6d": "transformer-big",
+    "big-12e12d": "transformer-big-12e12d",
+    "big-24e24d": "transformer-big-24e24d",
+}
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A jitted, donating train step and its initial state; ``run()`` advances the state by one step."""
+
+    step: Callable[..., Any]
+    state: Any
+
+    def run(self, batch) -> jax.Array:
+        self.state, loss = self.step(self.state, batch)
+        return loss
+
+
+def _batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    tokens = lambda: jnp.asarray(rng.integers(4, VOCAB, (num_sentences, SEQ_LEN), dtype=np.int32))
+    target = tokens()
+    bos = jnp.ones((num_sentences, 1), jnp.int32)
+    return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}
+
+
+def _reference_step(shape: ModelShape, batch) -> TrainStep:
+    cfg = ReferenceConfig(
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_heads=shape.heads,
+        num_encoder_layers=shape.encoder_layers,
+        num_decoder_layers=shape.decoder_layers,
+    )
+    model = ReferenceTransformer(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
+            loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
+            return loss_sum / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, rng), loss
+
+    state = (params, tx.init(params), jax.random.PRNGKey(1))
+    return TrainStep(jax.jit(step, donate_argnums=0), state)
+
+
+def _ls_jax_step(name: str, batch) -> TrainStep:
+    from ls_jax import ops
+    from ls_jax import optim
+    from ls_jax.models import PAD_ID, Transformer, TransformerConfig
+
+    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
+    model = Transformer(config)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+
+        def loss_fn(p):
+            logits = model.apply(
+                {"params": p}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
+            )
+            loss_sum, _, count = ops.label_smoothed_cross_entropy(
+                logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
+            )
+            return loss_sum / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
+        return (params, opt_state, rng), loss
+
+    state = (params, tx.init(params), jax.random.PRNGKey(1))
+    return TrainStep(jax.jit(step, donate_argnums=0), state)
+
+
+def _build(implementation: str, name: str, batch) -> TrainStep:
+    if implementation == "reference":
+        return _reference_step(MODELS[name], batch)
+    return _ls_jax_step(name, batch)
+
+
+def compiled_memory_bytes(train_step: TrainStep, batch) -> int:
+    """Device memory the compiled step needs: arguments + outputs - donated aliases + temporaries."""
+    analysis = train_step.step.lower(train_step.state, batch).compile().memory_analysis()
+    return int(
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
+def _mode(implementation: str) -> str:
+    return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]
+
+
+def measure(implementation: str, name: str, target_tokens: int, steps: int) -> dict[str, Any]:
+    """Median step time and memory of one implementation at one batch size."""
+    batch = _batch(target_tokens // SEQ_LEN, seed=target_tokens)
+    with backend.use(_mode(implementation)):
+        train_step = _build(implementation, name, batch)
+        memory = compiled_memory_bytes(train_step, batch)
+        start = time.perf_counter()
+        first_loss = float(train_step.run(batch))
+        compile_s = time.perf_counter() - start
+        timing = common.time_call(lambda: train_step.run(batch), warmup=3, samples=steps, inner=1)
+        last_loss = float(train_step.run(batch))
+    return {
+        "step_time_s": timing["median_s"],
+        "p10_s": timing["p10_s"],
+        "p90_s": timing["p90_s"],
+        "steps_timed": steps,
+        "compile_and_first_step_s": compile_s,
+        "memory_bytes": memory,
+        "first_loss": first_loss,
+        "loss_after_timing": last_loss,
+    }
+
+
+def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, int], capacity: int) -> dict[str, Any]:
+    """Fits memory = a + b * tokens over the measured batches, predicts the largest batch (a multiple of 1024
+    target tokens) under ``capacity`` and verifies it by compiling and running one step (stepping down 10% on
+    failure, at most three tries)."""
+    tokens = np.array(sorted(memory_by_tokens), dtype=np.float64)
+    memory = np.array([memory_by_tokens[t] for t in sorted(memory_by_tokens)], dtype=np.float64)
+    slope, intercept = np.polyfit(tokens, memory, 1)
+    predicted = int((capacity - intercept) / slope) // 1024 * 1024
+    candidate = predicted
+    for _ in range(3):
+        try:
+            batch = _batch(candidate // SEQ_LEN, seed=0)
+            with backend.use(_mode(implementation)):
+                train_step = _build(implementation, name, batch)
+                jax.block_until_ready(train_step.run(batch))
+            return {"predicted_tokens": predicted, "verified_tokens": candidate}
+        except Exception as err:  # noqa: BLE001 - out-of-memory surfaces as several exception types
+            if "RESOURCE_EXHAUSTED" not in str(err) and "out of memory" not in str(err).lower():
+                raise
+            candidate = int(candidate * 0.9) // 1024 * 1024
+    return {"predicted_tokens": predicted, "verified_tokens": None}
+
+
+def _flops(name: str, target_tokens: int) -> float:
+    shape = MODELS[name]
+    sentences = target_tokens // SEQ_LEN
+    return metrics.transformer_train_flops(
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        encoder_layers=shape.encoder_layers,
+        decoder_layers=shape.decoder_layers,
+        vocab=VOCAB,
+        batch=sentences,
+        src_len=SEQ_LEN,
+        tgt_len=SEQ_LEN,
+    )
+
+
+def measured_gemm_tflops() -> float:
+    """bf16 8192^3 matrix product rate on this device, the practical ceiling for MFU."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+    matmul = jax.jit(jnp.matmul)
+    timing = common.time_call(lambda: matmul(a, b), warmup=3, samples=20, inner=3)
+    return 2 * 8192**3 / timing["median_s"] / 1e12
+
+
+def run(models: list[str], token_counts: list[int], implementations: list[str], steps: int, fit_batch: bool):
+    peak = metrics.peak_tflops(jax.devices()[0].device_kind, "bf16")
+    gemm_peak = measured_gemm_tflops()
+    capacity = jax.devices()[0].memory_stats().get("bytes_limit") if jax.devices()[0].platform == "gpu" else None
+    results: dict[str, Any] = {}
+    for name in models:
+        for implementation in implementations:
+            memory_by_tokens = {}
+            for target_tokens in token_counts:
+                key = f"{name}/{target_tokens}/{implementation}"
+                try:
+                    record = measure(implementation, name, target_tokens, steps)
+                except Exception as err:  # noqa: BLE001 - record the failure (e.g. OOM) and go on
+                    results[key] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+                    print(f"{key}: FAILED {results[key]['error'][:200]}", flush=True)
+                    continue
+                flops = _flops(name, target_tokens)
+                tflops = flops / record["step_time_s"] / 1e12
+                record.update(
+                    target_tokens_per_s=target_tokens / record["step_time_s"],
+                    tokens_per_s=2 * target_tokens / record["step_time_s"],
+                    flops_per_step=flops,
+                    tflops_per_s=tflops,
+                    mfu=None if peak is None else tflops / peak,
+                    mfu_vs_measured_gemm=tflops / gemm_peak,
+                )
+                results[key] = record
+                memory_by_tokens[target_tokens] = record["memory_bytes"]
+                print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {record['mfu']}", flush=True)
+            if fit_batch and capacity and len(memory_by_tokens) >= 2:
+                results[f"{name}/largest/{implementation}"] = largest_batch(
+                    implementation, name, memory_by_tokens, capacity
+                )
+    return {"peak_tflops": peak, "measured_gemm_tflops": gemm_peak, "memory_capacity_bytes": capacity}, results
+
+
+def speedups(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Reference step time over each ls_jax implementation's, per (model, tokens)."""
+    table: dict[str, dict[str, float]] = {}
+    for key, record in results.items():
+        name, tokens, implementation = key.split("/")
+        if implementation == "reference" or "step_time_s" not in record:
+            continue
+        reference = results.get(f"{name}/{tokens}/reference", {})
+        if "step_time_s" in reference:
+            table.setdefault(f"{name}/{tokens}", {})[implementation] = reference["step_time_s"] / record["step_time_s"]
+    return table
+
+
+def plot_speedups(table: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = sorted(table, key=lambda k: (list(MODELS).index(k.split("/")[0]), int(k.split("/")[1])))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4))
+    width = 0.4
+    for offset, implementation in ((-width / 2, "ls_jax_xla"), (width / 2, "ls_jax_ffi")):
+        values = [table[k].get(implementation, np.nan) for k in labels]
+        ax.bar(np.arange(len(labels)) + offset, values, width, label=implementation)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
+    ax.set_ylabel("speedup over plain Flax (step time ratio)")
+    ax.set_title(f"Transformer training step, {jax.devices()[0].device_kind}, bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.bench e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (after 3 warm-up)")
+    parser.add_argument("--no-fit", action="store_true", help="skip the largest-batch search")
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (CPU): base model, 1024 tokens")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    implementations = args.implementations.split(",")
+    if args.quick:
+        models, token_counts, args.steps = ["base-6e6d"], [1024], 2
+        implementations = [i for i in implementations if i != "ls_jax_ffi" or backend.cuda_visible()]
+    unknown = [m for m in models if m not in MODELS] + [i for i in implementations if i not in IMPLEMENTATIONS]
+    if unknown:
+        parser.error(f"unknown model or implementation: {', '.join(unknown)}")
+
+    header, results = run(models, token_counts, implementations, args.steps, fit_batch=not args.no_fit)
+    path = args.out / f"e2e-{common.device_slug()}.json"
+    merged = json.loads(path.read_text())["results"] if path.exists() and not args.quick else {}
+    merged.update(results)
+    table = speedups(merged)
+    written = common.write_result(
+        "e2e",
+        {
+            **header,
+            "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
+                      "optimizer": "adamw", "precision": "bf16 compute, f32 params"},
+            "results": merged,
+            "speedup_vs_reference": table,
+        },
+        args.out,
+    )
+    plot_speedups(table, written.with_suffix(".png"))
+    for key, ratios in sorted(table.items()):
+        print(f"{key:24s} " + "  ".join(f"{impl} {ratio:.2f}x" for impl, ratio in sorted(ratios.items())))
+    print(f"wrote {written}")
+    return 0

@@ -79,11 +79,13 @@ def dispatch(
 
     Both implementations take the same arguments and return the same pytree of shapes and dtypes, so one
     ``jax.custom_vjp`` serves both. ``unsupported`` is a reason the kernels cannot take these shapes; the
-    op then runs XLA everywhere and logs the reason once.
+    op then runs XLA everywhere and logs the reason once. The op's name becomes a named scope, so profiles and
+    HLO metadata attribute the work to it.
     """
-    if ffi_impl is None or not backend.kernels_enabled():
-        return xla_impl(*args)
-    if unsupported is not None:
-        _log_fallback_once(op, unsupported)
-        return xla_impl(*args)
-    return jax.lax.platform_dependent(*args, cuda=ffi_impl, default=xla_impl)
+    with jax.named_scope(op):
+        if ffi_impl is None or not backend.kernels_enabled():
+            return xla_impl(*args)
+        if unsupported is not None:
+            _log_fallback_once(op, unsupported)
+            return xla_impl(*args)
+        return jax.lax.platform_dependent(*args, cuda=ffi_impl, default=xla_impl)

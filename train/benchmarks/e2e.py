@@ -105,12 +105,15 @@ def _reference_step(shape: ModelShape, batch) -> TrainStep:
 
         def loss_fn(p):
             logits = model.apply({"params": p}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
-            loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
+            with jax.named_scope("criterion"):
+                loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
             return loss_sum / count
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, rng), loss
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return (params, opt_state, rng), loss
 
     state = (params, tx.init(params), jax.random.PRNGKey(1))
     return TrainStep(jax.jit(step, donate_argnums=0), state)
@@ -134,13 +137,15 @@ def _ls_jax_step(name: str, batch) -> TrainStep:
             logits = model.apply(
                 {"params": p}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
             )
-            loss_sum, _, count = ops.label_smoothed_cross_entropy(
-                logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
-            )
+            with jax.named_scope("criterion"):
+                loss_sum, _, count = ops.label_smoothed_cross_entropy(
+                    logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
+                )
             return loss_sum / count
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
-        params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
+        with jax.named_scope("optimizer"):
+            params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
         return (params, opt_state, rng), loss
 
     state = (params, tx.init(params), jax.random.PRNGKey(1))

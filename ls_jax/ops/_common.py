@@ -36,8 +36,9 @@ def check_same_dtype(name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> 
 def check_param(name: str, p: jax.Array, shape: tuple[int, ...], activation_dtype: Any) -> None:
     if tuple(p.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(p.shape)}")
-    if jnp.dtype(p.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(activation_dtype)):
-        raise ValueError(f"{name} must be float32 or {jnp.dtype(activation_dtype)} (the activation dtype), got {p.dtype}")
+    allowed = tuple(dict.fromkeys((jnp.dtype(jnp.float32), jnp.dtype(activation_dtype))))
+    if jnp.dtype(p.dtype) not in allowed:
+        raise ValueError(f"{name} must be {' or '.join(d.name for d in allowed)}, got {p.dtype}")
 
 
 def check_integer(name: str, x: jax.Array) -> None:
@@ -53,6 +54,38 @@ def check_dropout(rate: float, seed: jax.Array | None) -> None:
             raise ValueError("dropout_rate > 0 needs a seed: a uint32[2] array, e.g. ls_jax.ops.dropout_seed(key)")
         if tuple(seed.shape) != (2,) or seed.dtype != jnp.uint32:
             raise ValueError(f"seed must be a uint32[2] array, got {seed.dtype}{list(seed.shape)}")
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The shard_map mesh axes along which ``x`` holds different values per device (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # recent jax; earlier versions expose the set as ``vma``
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def vary_together(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
+    """Marks every array as varying along each shard_map axis that any of them varies along.
+
+    Inside ``shard_map`` a replicated parameter (gamma, a bias, an embedding table) used with per-device
+    activations gets a per-device gradient; a ``custom_vjp`` must return it with its primal's type, so the
+    parameter enters the op already varying and autodiff sums its gradient across devices (the transpose of
+    the cast). A no-op outside ``shard_map``; None entries pass through.
+    """
+    axes: frozenset[str] = frozenset()
+    for x in arrays:
+        if x is not None:
+            axes |= _varying_axes(x)
+    if not axes:
+        return arrays
+    cast = getattr(jax.lax, "pcast", None)
+
+    def vary(x):
+        missing = () if x is None else tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            return x
+        return cast(x, missing, to="varying") if cast is not None else jax.lax.pvary(x, missing)
+
+    return tuple(vary(x) for x in arrays)
 
 
 def rows(x: jax.Array) -> int:
@@ -83,7 +116,7 @@ def dispatch(
     HLO metadata attribute the work to it.
     """
     with jax.named_scope(op):
-        if ffi_impl is None or not backend.kernels_enabled():
+        if not backend.kernels_enabled() or ffi_impl is None:
             return xla_impl(*args)
         if unsupported is not None:
             _log_fallback_once(op, unsupported)

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ls_jax.ops import _common
 
@@ -60,6 +61,39 @@ def _backward_xla(g_loss, g_nll, logits, labels, lse, *, epsilon, pad_id):
     return jnp.where(valid, dz, 0.0).astype(logits.dtype)
 
 
+def _unsupported(logits: jax.Array) -> str | None:
+    if _common.rows(logits) >= 2**31:
+        return f"logits of shape {logits.shape} exceed the kernels' 2**31 - 1 rows"
+    return None
+
+
+def _smoothing_attributes(vocab: int, epsilon: float, pad_id: int | None) -> dict[str, np.generic | bool]:
+    """FFI attributes: the target weights on and off the label, rounded to f32 from the same double-precision
+    values the XLA implementation rounds, and the pad label (``ignore_pad`` False when every row counts)."""
+    off_label = epsilon / (vocab - 1)
+    return {
+        "on_label": np.float32(1.0 - epsilon - off_label),
+        "off_label": np.float32(off_label),
+        "pad_id": np.int64(0 if pad_id is None else pad_id),
+        "ignore_pad": pad_id is not None,
+    }
+
+
+def _forward_ffi(logits, labels, *, epsilon, pad_id):
+    """The ls_cross_entropy_fwd kernel: one read of each non-pad row. Pad rows are skipped, so their lse is 0
+    (the XLA implementation computes it; neither backward reads it)."""
+    per_row = jax.ShapeDtypeStruct(labels.shape, _f32)
+    call = jax.ffi.ffi_call("ls_cross_entropy_fwd", (per_row, per_row, per_row), vmap_method="sequential")
+    return tuple(call(logits, labels, **_smoothing_attributes(logits.shape[-1], epsilon, pad_id)))
+
+
+def _backward_ffi(g_loss, g_nll, logits, labels, lse, *, epsilon, pad_id):
+    """The ls_cross_entropy_bwd kernel: reads each row and lse once, writes dlogits once (zeros at pad rows)."""
+    out = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
+    call = jax.ffi.ffi_call("ls_cross_entropy_bwd", out, vmap_method="sequential")
+    return call(g_loss, g_nll, logits, labels, lse, **_smoothing_attributes(logits.shape[-1], epsilon, pad_id))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _cross_entropy_sums(logits, labels, epsilon, pad_id):
     return _cross_entropy_sums_fwd(logits, labels, epsilon, pad_id)[0]
@@ -67,7 +101,10 @@ def _cross_entropy_sums(logits, labels, epsilon, pad_id):
 
 def _cross_entropy_sums_fwd(logits, labels, epsilon, pad_id):
     forward_xla = functools.partial(_forward_xla, epsilon=epsilon, pad_id=pad_id)
-    loss_rows, nll_rows, lse = _common.dispatch("label_smoothed_cross_entropy", forward_xla, None, (logits, labels))
+    forward_ffi = functools.partial(_forward_ffi, epsilon=epsilon, pad_id=pad_id)
+    loss_rows, nll_rows, lse = _common.dispatch(
+        "label_smoothed_cross_entropy", forward_xla, forward_ffi, (logits, labels), _unsupported(logits)
+    )
     return (jnp.sum(loss_rows), jnp.sum(nll_rows)), (logits, labels, lse)
 
 
@@ -75,8 +112,13 @@ def _cross_entropy_sums_bwd(epsilon, pad_id, res, cotangents):
     logits, labels, lse = res
     g_loss, g_nll = (g.astype(_f32) for g in cotangents)
     backward_xla = functools.partial(_backward_xla, epsilon=epsilon, pad_id=pad_id)
+    backward_ffi = functools.partial(_backward_ffi, epsilon=epsilon, pad_id=pad_id)
     dlogits = _common.dispatch(
-        "label_smoothed_cross_entropy", backward_xla, None, (g_loss, g_nll, logits, labels, lse)
+        "label_smoothed_cross_entropy",
+        backward_xla,
+        backward_ffi,
+        (g_loss, g_nll, logits, labels, lse),
+        _unsupported(logits),
     )
     return dlogits, None
 
@@ -110,7 +152,7 @@ def label_smoothed_cross_entropy(
         raise ValueError(f"label smoothing needs a vocabulary of at least 2 classes, got {logits.shape[-1]}")
     if not 0.0 <= epsilon < 1.0:
         raise ValueError(f"epsilon must be in [0, 1), got {epsilon}")
-    labels = labels.astype(jnp.int32)
+    logits, labels = _common.vary_together(logits, labels.astype(jnp.int32))
     pad = None if pad_id is None else int(pad_id)
     loss_sum, nll_sum = _cross_entropy_sums(logits, labels, float(epsilon), pad)
     num_tokens = jnp.sum(_row_valid(labels, pad), dtype=jnp.int32)

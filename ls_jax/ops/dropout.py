@@ -26,7 +26,9 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+import ffi_kernels
 from ls_jax.ops import _common
 from ls_jax.ops import random
 
@@ -63,6 +65,29 @@ def _row_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(x, axis=tuple(range(x.ndim - 1)))
 
 
+def dropout_attributes(rate: float) -> dict[str, np.generic]:
+    """FFI attributes of a kernel that drops at ``rate``: ``threshold`` (uint32, ``random.keep_threshold``) and
+    ``scale`` (f32 multiplier of kept elements, rounded from ``1 / (1 - rate)`` as the XLA implementation's f32
+    arithmetic rounds it), so both backends drop and scale identically. Rate 0 gives (0, 1): no dropout."""
+    return {"threshold": np.uint32(random.keep_threshold(rate)), "scale": np.float32(1.0 / (1.0 - rate))}
+
+
+def kernel_seed(seed: jax.Array | None) -> jax.Array:
+    """The seed operand of a dropout kernel: ``seed``, or zeros (never read) when the rate is 0."""
+    return jnp.zeros((2,), jnp.uint32) if seed is None else seed
+
+
+def _bias_grad_outputs(dy: jax.Array, bias_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Outputs of a bias-op backward kernel: dx, dbias and the f32 (blocks, 1, H) scratch of column partials."""
+    hidden = dy.shape[-1]
+    partials = (ffi_kernels.column_partials(_common.rows(dy)), 1, hidden)
+    return (
+        jax.ShapeDtypeStruct(dy.shape, dy.dtype),
+        jax.ShapeDtypeStruct((hidden,), bias_dtype),
+        jax.ShapeDtypeStruct(partials, _f32),
+    )
+
+
 # ---- dropout ----------------------------------------------------------------------------------------------
 
 
@@ -74,6 +99,12 @@ def _dropout_backward_xla(dy, seed, *, rate):
     return (dy.astype(_f32) * random.dropout_multiplier(seed, dy.shape, rate)).astype(dy.dtype)
 
 
+def _dropout_ffi(x, seed, *, rate):
+    """``x * keep / (1 - rate)`` by the ls_dropout kernel: the forward, and the backward applied to dy."""
+    call = jax.ffi.ffi_call("ls_dropout", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
+    return call(x, seed, **dropout_attributes(rate))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _dropout(x, seed, rate):
     return _dropout_fwd(x, seed, rate)[0]
@@ -81,12 +112,14 @@ def _dropout(x, seed, rate):
 
 def _dropout_fwd(x, seed, rate):
     forward_xla = functools.partial(_dropout_forward_xla, rate=rate)
-    return _common.dispatch("dropout", forward_xla, None, (x, seed)), seed
+    forward_ffi = functools.partial(_dropout_ffi, rate=rate)
+    return _common.dispatch("dropout", forward_xla, forward_ffi, (x, seed)), seed
 
 
 def _dropout_bwd(rate, seed, dy):
     backward_xla = functools.partial(_dropout_backward_xla, rate=rate)
-    return _common.dispatch("dropout", backward_xla, None, (dy, seed)), None
+    backward_ffi = functools.partial(_dropout_ffi, rate=rate)
+    return _common.dispatch("dropout", backward_xla, backward_ffi, (dy, seed)), None
 
 
 _dropout.defvjp(_dropout_fwd, _dropout_bwd)
@@ -104,6 +137,7 @@ def dropout(x: jax.Array, *, rate: float, seed: jax.Array | None = None) -> jax.
     _common.check_dropout(rate, seed)
     if rate == 0.0:
         return x
+    x, seed = _common.vary_together(x, seed)
     return _dropout(x, seed, float(rate))
 
 
@@ -120,6 +154,21 @@ def _bdr_backward_xla(dy, seed, *, rate, bias_dtype):
     return dx.astype(dy.dtype), _row_sum(dx).astype(bias_dtype)
 
 
+def _bdr_forward_ffi(x, bias, residual, seed, *, rate):
+    call = jax.ffi.ffi_call(
+        "ls_bias_dropout_residual_fwd", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential"
+    )
+    return call(x, bias, residual, kernel_seed(seed), **dropout_attributes(rate))
+
+
+def _bdr_backward_ffi(dy, seed, *, rate, bias_dtype):
+    call = jax.ffi.ffi_call(
+        "ls_bias_dropout_residual_bwd", _bias_grad_outputs(dy, bias_dtype), vmap_method="sequential"
+    )
+    dx, dbias, _ = call(dy, kernel_seed(seed), **dropout_attributes(rate))
+    return dx, dbias
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _bias_dropout_residual(x, bias, residual, seed, rate, bias_dtype):
     return _bias_dropout_residual_fwd(x, bias, residual, seed, rate, bias_dtype)[0]
@@ -127,12 +176,15 @@ def _bias_dropout_residual(x, bias, residual, seed, rate, bias_dtype):
 
 def _bias_dropout_residual_fwd(x, bias, residual, seed, rate, bias_dtype):
     forward_xla = functools.partial(_bdr_forward_xla, rate=rate)
-    return _common.dispatch("bias_dropout_residual", forward_xla, None, (x, bias, residual, seed)), seed
+    forward_ffi = functools.partial(_bdr_forward_ffi, rate=rate)
+    y = _common.dispatch("bias_dropout_residual", forward_xla, forward_ffi, (x, bias, residual, seed))
+    return y, seed
 
 
 def _bias_dropout_residual_bwd(rate, bias_dtype, seed, dy):
     backward_xla = functools.partial(_bdr_backward_xla, rate=rate, bias_dtype=bias_dtype)
-    dx, dbias = _common.dispatch("bias_dropout_residual", backward_xla, None, (dy, seed))
+    backward_ffi = functools.partial(_bdr_backward_ffi, rate=rate, bias_dtype=bias_dtype)
+    dx, dbias = _common.dispatch("bias_dropout_residual", backward_xla, backward_ffi, (dy, seed))
     return dx, dbias, dy, None
 
 
@@ -163,6 +215,7 @@ def bias_dropout_residual(
     _common.check_dropout(dropout_rate, seed)
     if dropout_rate == 0.0:
         seed = None
+    x, bias, residual, seed = _common.vary_together(x, bias, residual, seed)
     return _bias_dropout_residual(x, bias, residual, seed, float(dropout_rate), jnp.dtype(bias.dtype))
 
 
@@ -180,6 +233,24 @@ def _bad_backward_xla(dy, x, bias, seed, *, activation, rate):
     return dz.astype(x.dtype), _row_sum(dz).astype(bias.dtype)
 
 
+def _activation_attributes(activation: Activation, rate: float) -> dict[str, np.generic]:
+    """Attributes of the bias_act_dropout kernels: dropout's plus the activation's index in ACTIVATIONS."""
+    return {"activation": np.int32(ACTIVATIONS.index(activation)), **dropout_attributes(rate)}
+
+
+def _bad_forward_ffi(x, bias, seed, *, activation, rate):
+    call = jax.ffi.ffi_call(
+        "ls_bias_act_dropout_fwd", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential"
+    )
+    return call(x, bias, kernel_seed(seed), **_activation_attributes(activation, rate))
+
+
+def _bad_backward_ffi(dy, x, bias, seed, *, activation, rate):
+    call = jax.ffi.ffi_call("ls_bias_act_dropout_bwd", _bias_grad_outputs(dy, bias.dtype), vmap_method="sequential")
+    dx, dbias, _ = call(dy, x, bias, kernel_seed(seed), **_activation_attributes(activation, rate))
+    return dx, dbias
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _bias_act_dropout(x, bias, seed, activation, rate):
     return _bias_act_dropout_fwd(x, bias, seed, activation, rate)[0]
@@ -187,14 +258,16 @@ def _bias_act_dropout(x, bias, seed, activation, rate):
 
 def _bias_act_dropout_fwd(x, bias, seed, activation, rate):
     forward_xla = functools.partial(_bad_forward_xla, activation=activation, rate=rate)
-    y = _common.dispatch("bias_act_dropout", forward_xla, None, (x, bias, seed))
+    forward_ffi = functools.partial(_bad_forward_ffi, activation=activation, rate=rate)
+    y = _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
     return y, (x, bias, seed)
 
 
 def _bias_act_dropout_bwd(activation, rate, res, dy):
     x, bias, seed = res
     backward_xla = functools.partial(_bad_backward_xla, activation=activation, rate=rate)
-    dx, dbias = _common.dispatch("bias_act_dropout", backward_xla, None, (dy, x, bias, seed))
+    backward_ffi = functools.partial(_bad_backward_ffi, activation=activation, rate=rate)
+    dx, dbias = _common.dispatch("bias_act_dropout", backward_xla, backward_ffi, (dy, x, bias, seed))
     return dx, dbias, None
 
 
@@ -224,4 +297,5 @@ def bias_act_dropout(
     _common.check_dropout(dropout_rate, seed)
     if dropout_rate == 0.0:
         seed = None
+    x, bias, seed = _common.vary_together(x, bias, seed)
     return _bias_act_dropout(x, bias, seed, activation, float(dropout_rate))

@@ -22,9 +22,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ls_jax.ops import _common
 from ls_jax.ops import random
+from ls_jax.ops.dropout import dropout_attributes, kernel_seed
 
 _f32 = jnp.float32
 
@@ -71,6 +73,58 @@ def _backward_xla(dy, tokens, positions, seed, *, static: _Static):
     return dtable.astype(static.table_dtype), dpos
 
 
+def _kernel_attributes(static: _Static, token_scale: float) -> dict[str, np.generic | bool]:
+    return {
+        "token_scale": np.float32(token_scale),
+        "has_padding": static.padding_id is not None,
+        "padding_id": np.int64(0 if static.padding_id is None else static.padding_id),
+        **dropout_attributes(static.rate),
+    }
+
+
+def _forward_ffi(tokens, positions, table, pos_table, seed, *, static: _Static):
+    y = jax.ShapeDtypeStruct(tokens.shape + (table.shape[1],), static.dtype)
+    attributes = _kernel_attributes(static, static.scale)
+    if pos_table is None:
+        call = jax.ffi.ffi_call("ls_embed_fwd", y, vmap_method="sequential")
+        return call(tokens, table, kernel_seed(seed), **attributes)
+    call = jax.ffi.ffi_call("ls_embed_pos_fwd", y, vmap_method="sequential")
+    return call(tokens, positions, table, pos_table, kernel_seed(seed), **attributes)
+
+
+def _table_grad_ffi(dy, tokens, rows, shape, dtype, token_scale, seed, static: _Static):
+    """The gradient of one table of ``shape``: row ``rows[i]`` (clipped ids, (n,)) receives dy[i] * token_scale.
+
+    XLA's stable sort groups equal ids with their token positions in order; the kernel then sums each id's
+    gradient rows in that order, so the result is deterministic and the table is written once.
+    """
+    keys, order = jax.lax.sort((rows, jnp.arange(rows.size, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    outputs = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((2, shape[0]), jnp.int32))
+    call = jax.ffi.ffi_call("ls_embed_grad", outputs, vmap_method="sequential")
+    grad, _ = call(dy, tokens, keys, order, kernel_seed(seed), **_kernel_attributes(static, token_scale))
+    return grad
+
+
+def _backward_ffi(dy, tokens, positions, seed, *, static: _Static):
+    dy = dy.reshape(-1, dy.shape[-1])
+    tokens = tokens.reshape(-1)
+    token_rows = jnp.clip(tokens, 0, static.table_shape[0] - 1)
+    dtable = _table_grad_ffi(
+        dy, tokens, token_rows, static.table_shape, static.table_dtype, static.scale, seed, static
+    )
+    dpos = None
+    if static.pos_shape is not None:
+        pos_rows = jnp.clip(positions.reshape(-1), 0, static.pos_shape[0] - 1)
+        dpos = _table_grad_ffi(dy, tokens, pos_rows, static.pos_shape, static.pos_dtype, 1.0, seed, static)
+    return dtable, dpos
+
+
+def _unsupported(tokens: jax.Array) -> str | None:
+    if tokens.size >= 2**31:
+        return f"{tokens.size} tokens exceed the kernels' int32 token index"
+    return None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _embed(tokens, positions, table, pos_table, seed, static):
     return _embed_fwd(tokens, positions, table, pos_table, seed, static)[0]
@@ -78,14 +132,20 @@ def _embed(tokens, positions, table, pos_table, seed, static):
 
 def _embed_fwd(tokens, positions, table, pos_table, seed, static):
     forward_xla = functools.partial(_forward_xla, static=static)
-    y = _common.dispatch("embed", forward_xla, None, (tokens, positions, table, pos_table, seed))
+    forward_ffi = functools.partial(_forward_ffi, static=static)
+    y = _common.dispatch(
+        "embed", forward_xla, forward_ffi, (tokens, positions, table, pos_table, seed), _unsupported(tokens)
+    )
     return y, (tokens, positions, seed)
 
 
 def _embed_bwd(static, res, dy):
     tokens, positions, seed = res
     backward_xla = functools.partial(_backward_xla, static=static)
-    dtable, dpos = _common.dispatch("embed", backward_xla, None, (dy, tokens, positions, seed))
+    backward_ffi = functools.partial(_backward_ffi, static=static)
+    dtable, dpos = _common.dispatch(
+        "embed", backward_xla, backward_ffi, (dy, tokens, positions, seed), _unsupported(tokens)
+    )
     return None, None, dtable, dpos, None
 
 
@@ -122,6 +182,7 @@ def embed(
     _common.check_integer("tokens", tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must have shape (batch, length), got {tokens.shape}")
+    _common.check_activation("table", table)
     dtype = jnp.dtype(table.dtype if dtype is None else dtype)
     if dtype not in _common.ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -153,4 +214,7 @@ def embed(
         pos_shape=None if pos_table is None else tuple(pos_table.shape),
         pos_dtype=None if pos_table is None else jnp.dtype(pos_table.dtype),
     )
-    return _embed(tokens.astype(jnp.int32), positions.astype(jnp.int32), table, pos_table, seed, static)
+    tokens, positions, table, pos_table, seed = _common.vary_together(
+        tokens.astype(jnp.int32), positions.astype(jnp.int32), table, pos_table, seed
+    )
+    return _embed(tokens, positions, table, pos_table, seed, static)

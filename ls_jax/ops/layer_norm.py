@@ -24,7 +24,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+import ffi_kernels
 from ls_jax.ops import _common
 
 _f32 = jnp.float32
@@ -72,9 +74,47 @@ def _add_backward_xla(dy, dsum, s, mean, rstd, gamma):
     return ds.astype(s.dtype), dgamma.astype(gamma.dtype), dbeta.astype(gamma.dtype)
 
 
+def _forward_ffi(x, gamma, beta, *, eps):
+    stats = jax.ShapeDtypeStruct(x.shape[:-1], _f32)
+    call = jax.ffi.ffi_call(
+        "ls_layer_norm_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats), vmap_method="sequential"
+    )
+    return call(x, gamma, beta, eps=np.float32(eps))
+
+
+def _add_forward_ffi(x, residual, gamma, beta, *, eps):
+    activation = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    stats = jax.ShapeDtypeStruct(x.shape[:-1], _f32)
+    call = jax.ffi.ffi_call(
+        "ls_layer_norm_add_fwd", (activation, activation, stats, stats), vmap_method="sequential"
+    )
+    return call(x, residual, gamma, beta, eps=np.float32(eps))
+
+
+def _backward_call(target: str, s: jax.Array, gamma: jax.Array):
+    """The backward kernel: returns (ds, dgamma, dbeta, partials), the last an f32 (blocks, 2, H) scratch."""
+    param = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
+    partials = jax.ShapeDtypeStruct((ffi_kernels.column_partials(_common.rows(s)), 2, s.shape[-1]), _f32)
+    return jax.ffi.ffi_call(
+        target, (jax.ShapeDtypeStruct(s.shape, s.dtype), param, param, partials), vmap_method="sequential"
+    )
+
+
+def _backward_ffi(dy, s, mean, rstd, gamma):
+    ds, dgamma, dbeta, _ = _backward_call("ls_layer_norm_bwd", s, gamma)(dy, s, mean, rstd, gamma)
+    return ds, dgamma, dbeta
+
+
+def _add_backward_ffi(dy, dsum, s, mean, rstd, gamma):
+    ds, dgamma, dbeta, _ = _backward_call("ls_layer_norm_add_bwd", s, gamma)(dy, dsum, s, mean, rstd, gamma)
+    return ds, dgamma, dbeta
+
+
 def _unsupported(x: jax.Array) -> str | None:
     if x.shape[-1] > MAX_KERNEL_HIDDEN:
         return f"hidden size {x.shape[-1]} exceeds the kernel limit of {MAX_KERNEL_HIDDEN}"
+    if x.shape[-1] == 0:
+        return "hidden size 0"
     return None
 
 
@@ -85,13 +125,16 @@ def _layer_norm(x, gamma, beta, eps):
 
 def _layer_norm_fwd(x, gamma, beta, eps):
     forward_xla = functools.partial(_forward_xla, eps=eps)
-    y, mean, rstd = _common.dispatch("layer_norm", forward_xla, None, (x, gamma, beta), _unsupported(x))
+    forward_ffi = functools.partial(_forward_ffi, eps=eps)
+    y, mean, rstd = _common.dispatch("layer_norm", forward_xla, forward_ffi, (x, gamma, beta), _unsupported(x))
     return y, (x, mean, rstd, gamma)
 
 
 def _layer_norm_bwd(eps, res, dy):
     s, mean, rstd, gamma = res
-    return _common.dispatch("layer_norm", _backward_xla, None, (dy, s, mean, rstd, gamma), _unsupported(s))
+    return _common.dispatch(
+        "layer_norm", _backward_xla, _backward_ffi, (dy, s, mean, rstd, gamma), _unsupported(s)
+    )
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
@@ -104,8 +147,9 @@ def _add_layer_norm(x, residual, gamma, beta, eps):
 
 def _add_layer_norm_fwd(x, residual, gamma, beta, eps):
     forward_xla = functools.partial(_add_forward_xla, eps=eps)
+    forward_ffi = functools.partial(_add_forward_ffi, eps=eps)
     y, s, mean, rstd = _common.dispatch(
-        "layer_norm", forward_xla, None, (x, residual, gamma, beta), _unsupported(x)
+        "layer_norm", forward_xla, forward_ffi, (x, residual, gamma, beta), _unsupported(x)
     )
     return (y, s), (s, mean, rstd, gamma)
 
@@ -114,7 +158,7 @@ def _add_layer_norm_bwd(eps, res, cotangents):
     dy, dsum = cotangents
     s, mean, rstd, gamma = res
     ds, dgamma, dbeta = _common.dispatch(
-        "layer_norm", _add_backward_xla, None, (dy, dsum, s, mean, rstd, gamma), _unsupported(s)
+        "layer_norm", _add_backward_xla, _add_backward_ffi, (dy, dsum, s, mean, rstd, gamma), _unsupported(s)
     )
     return ds, ds, dgamma, dbeta
 
@@ -148,6 +192,7 @@ def layer_norm(
     _common.check_same_dtype("beta", beta, "gamma", gamma)
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
+    x, gamma, beta, residual = _common.vary_together(x, gamma, beta, residual)
     if residual is None:
         return _layer_norm(x, gamma, beta, float(eps))
     if residual.shape != x.shape:

@@ -21,12 +21,15 @@ Implementations share:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ls_jax.ops import _common
 from ls_jax.ops import random
+from ls_jax.ops.dropout import dropout_attributes, kernel_seed
 
 _f32 = jnp.float32
 
@@ -58,8 +61,68 @@ def _backward_xla(dy, probs, seed, *, scale, dropout_rate):
     return (dlogits * scale).astype(probs.dtype)
 
 
+def _scores_view(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The (B, H, Q, K) view the kernels take of scores of rank >= 2: leading axes merge into B, missing ones are 1."""
+    *lead, queries, keys = shape
+    heads = lead[-1] if lead else 1
+    return math.prod(lead[:-1]), heads, queries, keys
+
+
+def _mask_view(mask_shape: tuple[int, ...], scores_shape: tuple[int, ...]) -> tuple[int, int, int, int] | None:
+    """The (B or 1, H or 1, Q or 1, K) view of a mask that broadcasts to scores, or None if the kernels cannot
+    index it: a mask broadcast along the keys, or over some but not all of the axes merged into B."""
+    padded = (1,) * (len(scores_shape) - len(mask_shape)) + tuple(mask_shape)
+    if padded[-1] != scores_shape[-1]:
+        return None
+    mask_lead, scores_lead = padded[:-3], tuple(scores_shape[:-3])
+    if all(dim == 1 for dim in mask_lead):
+        batch = 1
+    elif mask_lead == scores_lead:
+        batch = math.prod(scores_lead)
+    else:
+        return None
+    heads = padded[-3] if len(padded) >= 3 else 1
+    return batch, heads, padded[-2], padded[-1]
+
+
 def _unsupported(scores: jax.Array, mask: jax.Array | None) -> str | None:
+    if _common.rows(scores) >= 2**31 or scores.shape[-1] >= 2**31:
+        return f"scores of shape {scores.shape} exceed the kernels' 2**31 - 1 rows or keys"
+    if mask is not None and _mask_view(mask.shape, scores.shape) is None:
+        return (
+            f"a mask of shape {mask.shape} over scores of shape {scores.shape} is broadcast along the keys or over "
+            "only some leading axes; the kernels take masks of shape (B or 1, H or 1, Q or 1, K)"
+        )
     return None
+
+
+def _forward_ffi(scores, mask, seed, *, scale, causal, dropout_rate):
+    """The ls_attn_softmax_fwd kernel on the (B, H, Q, K) view of scores. A float mask is passed as f32 (exact for
+    every float dtype); without dropout the kernel writes only probs, which is then also y."""
+    view = _scores_view(scores.shape)
+    operands = [scores.reshape(view), kernel_seed(seed)]
+    if mask is not None:
+        kernel_mask = mask if mask.dtype == jnp.bool_ else mask.astype(_f32)
+        operands.append(kernel_mask.reshape(_mask_view(mask.shape, scores.shape)))
+    out = jax.ShapeDtypeStruct(view, scores.dtype)
+    call = jax.ffi.ffi_call("ls_attn_softmax_fwd", (out, out) if dropout_rate else (out,), vmap_method="sequential")
+    probs, *dropped = call(*operands, logit_scale=np.float32(scale), causal=causal, **dropout_attributes(dropout_rate))
+    probs = probs.reshape(scores.shape)
+    return (dropped[0].reshape(scores.shape) if dropped else probs), probs
+
+
+def _backward_ffi(dy, probs, seed, *, scale, dropout_rate):
+    """The ls_attn_softmax_bwd kernel: dropout regenerated from the seed, one pass over each row."""
+    out = jax.ShapeDtypeStruct(probs.shape, probs.dtype)
+    call = jax.ffi.ffi_call("ls_attn_softmax_bwd", out, vmap_method="sequential")
+    return call(dy, probs, kernel_seed(seed), logit_scale=np.float32(scale), **dropout_attributes(dropout_rate))
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` (numpy rules) without enlarging it."""
+    if len(shape) > len(target):
+        return False
+    return all(dim in (1, goal) for dim, goal in zip(reversed(shape), reversed(target)))
 
 
 def _reduce_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -76,8 +139,9 @@ def _attn_softmax(scores, mask, seed, scale, causal, dropout_rate):
 
 def _attn_softmax_fwd(scores, mask, seed, scale, causal, dropout_rate):
     forward_xla = functools.partial(_forward_xla, scale=scale, causal=causal, dropout_rate=dropout_rate)
+    forward_ffi = functools.partial(_forward_ffi, scale=scale, causal=causal, dropout_rate=dropout_rate)
     y, probs = _common.dispatch(
-        "attn_softmax", forward_xla, None, (scores, mask, seed), _unsupported(scores, mask)
+        "attn_softmax", forward_xla, forward_ffi, (scores, mask, seed), _unsupported(scores, mask)
     )
     return y, (probs, seed, mask)
 
@@ -85,7 +149,10 @@ def _attn_softmax_fwd(scores, mask, seed, scale, causal, dropout_rate):
 def _attn_softmax_bwd(scale, causal, dropout_rate, res, dy):
     probs, seed, mask = res
     backward_xla = functools.partial(_backward_xla, scale=scale, dropout_rate=dropout_rate)
-    dscores = _common.dispatch("attn_softmax", backward_xla, None, (dy, probs, seed), _unsupported(probs, None))
+    backward_ffi = functools.partial(_backward_ffi, scale=scale, dropout_rate=dropout_rate)
+    dscores = _common.dispatch(
+        "attn_softmax", backward_xla, backward_ffi, (dy, probs, seed), _unsupported(probs, None)
+    )
     dmask = None
     if mask is not None and mask.dtype != jnp.bool_:
         dmask = _reduce_to_shape(dscores.astype(_f32) / scale, mask.shape).astype(mask.dtype)
@@ -119,15 +186,16 @@ def attn_softmax(
     """
     _common.check_activation("scores", scores, min_rank=2)
     _common.check_dropout(dropout_rate, seed)
-    if not (scale != 0.0 and jnp.isfinite(scale)):
+    if not (scale != 0.0 and math.isfinite(scale)):
         raise ValueError(f"scale must be finite and nonzero, got {scale}")
     if mask is not None:
         if mask.dtype != jnp.bool_ and jnp.dtype(mask.dtype) not in _common.ACTIVATION_DTYPES:
             raise ValueError(f"mask must be boolean or float32/bfloat16/float16, got {mask.dtype}")
-        if mask.ndim > scores.ndim or jnp.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
+        if not _broadcasts_to(mask.shape, scores.shape):
             raise ValueError(f"mask of shape {mask.shape} does not broadcast to scores of shape {scores.shape}")
     if causal and scores.shape[-2] > scores.shape[-1]:
         raise ValueError(f"causal attention needs queries <= keys, got scores of shape {scores.shape}")
     if dropout_rate == 0.0:
         seed = None
+    scores, mask, seed = _common.vary_together(scores, mask, seed)
     return _attn_softmax(scores, mask, seed, float(scale), bool(causal), float(dropout_rate))

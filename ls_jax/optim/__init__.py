@@ -1,1 +1,54 @@
-"""ls_jax.optim"""
+"""Optax-compatible Adan, Adam and AdamW whose whole step is one fused multi-tensor update.
+
+    tx = ls_jax.optim.adan(optax.warmup_cosine_decay_schedule(...), weight_decay=0.02, max_grad_norm=1.0)
+    opt_state = tx.init(params)
+    params, opt_state = ls_jax.optim.fused_apply(tx, grads, opt_state, params)      # or tx.update + apply_updates
+
+Each transformation is a ``FusedGradientTransformation``: ``init`` / ``update`` as in optax (so it chains
+with ``optax.chain``, ``optax.masked``, ``optax.inject_hyperparams``, ``optax.MultiSteps`` and works in a Flax
+``TrainState``), plus ``apply``, which writes the new parameters in the same pass as the moments;
+``fused_apply`` uses it when it can (see ``ls_jax.optim.base``). Numerically they are ``optax.adan`` /
+``optax.adam`` / ``optax.adamw`` in f32, with two additions folded into the same pass: ``max_grad_norm``
+(``optax.clip_by_global_norm``) and, for Adan, the paper's proximal weight decay and restarts.
+
+Workspace. Each moment of all leaves lives in one flat f32 buffer (``workspace.WorkspaceLayout``: static
+per-leaf offsets and sizes, each leaf starting 16-byte aligned). On CUDA with the ls_jax kernels
+(``ls_jax.backend``), one kernel launch updates every leaf from a pointer table (plus one reduction launch
+when clipping), in place when the jitted step donates params and optimizer state. Elsewhere (CPU, TPU, or
+``LS_JAX_KERNELS=xla``) the same math runs in jax.numpy over the flat workspace, which XLA fuses into a few
+kernels; both give the same numbers, so checkpoints move freely between backends and devices. ``update``
+returns the updates in each parameter's dtype (the gradient's when called without params). The workspace is
+one buffer per moment, so under data parallelism it is replicated like the parameters (there is no
+per-leaf sharding of the optimizer state).
+
+16-bit storage (``storage_dtype=jnp.bfloat16`` or ``jnp.float16``; LightSeq's memory-saving mode). Params
+and grads are kept in 16 bits, 2 + 2 bytes per parameter instead of 4 + 4, while the moments and every
+operation stay f32 (Adan: 20 instead of 24 bytes per parameter in total, AdamW: 12 instead of 16). The
+option states the contract: every param and gradient leaf must already have that dtype (a ValueError names
+the one that does not). The price is the precision of the parameters themselves: a parameter is rounded to
+16 bits after every step, so an update smaller than 2^-9 of its magnitude in bf16 (2^-12 in f16) is always
+lost and ones a few times larger are distorted. ``fused_apply`` rounds once (from the f32 result), where
+``update`` + ``apply_updates`` rounds the update and then the sum. Adam-type steps have |u| of about 1, so
+the relative update is about lr / |p|: lr 1e-3 on weights of magnitude 0.05 gives 2e-2, far above the
+threshold (from-scratch Transformer training near its peak learning rate, LightSeq's fp16 WMT case: safe);
+lr 1e-5 on the same weights gives 2e-4, below even f16's 2^-12 = 2.4e-4 (fine-tuning, or the tail of a
+decaying schedule: most updates vanish). Keep f32 params there (``storage_dtype=None``, the default, which
+accepts any mix of dtypes).
+"""
+
+from ls_jax.optim.adam import AdamState, adam, adamw
+from ls_jax.optim.adan import AdanState, adan
+from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
+from ls_jax.optim.workspace import WorkspaceLayout
+
+__all__ = [
+    "AdamState",
+    "AdanState",
+    "FusedGradientTransformation",
+    "WorkspaceLayout",
+    "adam",
+    "adamw",
+    "adan",
+    "chain",
+    "fused_apply",
+]

@@ -9,42 +9,34 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 import re
 import socket
 import statistics
 import subprocess
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from train import runlog
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
 
 
-def _version(package: str) -> str | None:
+def git_state() -> dict[str, Any]:
+    """The commit the code came from and whether tracked files differ from it (None where unknown)."""
     try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def git_commit() -> dict[str, Any]:
-    """The checkout's commit and whether the working tree had uncommitted changes."""
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            capture_output=True, text=True, check=True,
+        ).stdout
+        dirty: bool | None = bool(status.strip())
+    except (OSError, subprocess.CalledProcessError):
+        dirty = None
+    return {"commit": runlog.git_commit(), "dirty": dirty}
 
 
 def environment() -> dict[str, Any]:
@@ -56,11 +48,8 @@ def environment() -> dict[str, Any]:
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),
-        "versions": {
-            "python": platform.python_version(),
-            **{name: _version(name) for name in ("jax", "jaxlib", "flax", "optax", "ls-jax")},
-        },
-        "git": git_commit(),
+        "versions": runlog.versions(),
+        "git": git_state(),
     }
 
 

@@ -1,0 +1,118 @@
+"""ls-jax CUDA kernels, exposed to JAX as typed XLA FFI custom-call targets.
+
+Layout
+  csrc/registry.h    the target table; ``LS_REGISTER_TARGET(symbol)`` appends an extern "C" handler to it
+  csrc/common.cuh    what every kernel shares: ``LS_FFI_TARGET`` (define + register a command-buffer-compatible
+                     handler), ``LS_RETURN_IF_ERROR`` / ``require`` / ``launch_error`` (ffi::Error, never abort),
+                     shape helpers, ``dispatch_float`` (F32/BF16/F16 -> float/__nv_bfloat16/__half) and
+                     ``dispatch_param`` (f32 or the activation dtype), ``load_floats`` / ``store_floats``
+                     (16-byte vectors converted to f32 registers), ``warp_reduce`` / ``group_reduce`` (sum, max;
+                     deterministic), Philox ``Dropout`` bit-exact with ls_jax/ops/random.py, ``sm_count`` and
+                     ``stride_grid`` (launch sizing, SM count cached per device)
+  csrc/rows.cuh      row-streaming layouts and the deterministic reduction of per-block column partials
+  csrc/module.cc     the pybind11 module ``_ls_kernels``: ``targets()`` -> {name: PyCapsule}
+  csrc/<op>.cu       one file per op family, each registering its own targets (dropout.cu is the worked example)
+  build.py           nvcc build, cache and CLI (``python -m ffi_kernels.build [--arch sm_90] [--force] [--verbose]``)
+
+Adding a kernel: create ``csrc/<name>.cu`` that includes ``common.cuh``, writes a handler returning
+``ffi::Error`` and ends with ``LS_FFI_TARGET(ls_<name>, handler, ffi::Ffi::Bind()...)``. Nothing else changes:
+the build compiles every ``csrc/*.cu`` and ``load()`` registers every target the module reports.
+
+Calling it from an op (``ls_jax/ops/<op>.py``): ``jax.ffi.ffi_call("ls_<name>", out_types,
+vmap_method="sequential")(*arrays, **attributes)`` with attributes as numpy scalars (``np.float32``,
+``np.uint32``, ``np.int64``, ``bool``) so their types match the handler's ``Attr<T>``. Scratch memory is an extra
+output the wrapper drops. The op passes that function as ``ffi_impl`` to ``ls_jax.ops._common.dispatch``,
+which only traces it when lowering for CUDA with the kernels loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import importlib.util
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import jax
+
+__all__ = [
+    "KernelBuildError",
+    "KernelImportError",
+    "NvccNotFoundError",
+    "column_partials",
+    "import_library",
+    "load",
+    "sm_count",
+]
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel library could not be built; the message carries the compiler output."""
+
+
+class NvccNotFoundError(KernelBuildError, FileNotFoundError):
+    """No CUDA compiler (nvcc) was found."""
+
+
+class KernelImportError(ImportError):
+    """The built kernel library exists but Python cannot import it."""
+
+
+_lock = threading.Lock()
+_library: ModuleType | None = None
+
+
+def import_library(path: Path) -> ModuleType:
+    """Imports the extension module at ``path`` (it registers nothing by itself)."""
+    from ffi_kernels import build  # not at the top: `python -m ffi_kernels.build` imports this package first
+
+    loader = importlib.machinery.ExtensionFileLoader(build.MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(build.MODULE_NAME, path, loader=loader)
+    if spec is None:
+        raise KernelImportError(f"{path} is not an importable extension module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError as err:
+        raise KernelImportError(f"cannot import the ls-jax kernel library {path}: {err}") from err
+    return module
+
+
+def load() -> tuple[str, ...]:
+    """Builds the library if needed, imports it and registers every target with XLA for CUDA (once per process).
+
+    Returns:
+      The registered target names.
+
+    Raises:
+      NvccNotFoundError, KernelBuildError, KernelImportError: as named; the message says what to do.
+    """
+    global _library
+    with _lock:
+        if _library is None:
+            from ffi_kernels import build  # not at the top: `python -m ffi_kernels.build` imports this package first
+
+            library = import_library(build.build().path)
+            for name, capsule in library.targets().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            _library = library
+        return tuple(sorted(_library.targets()))
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of CUDA device 0 of this process."""
+    load()
+    assert _library is not None
+    return int(_library.multiprocessor_count(0))
+
+
+def column_partials(rows: int) -> int:
+    """Rows of the f32 scratch in which a backward kernel leaves per-block column sums (one per block).
+
+    Kernels that reduce over rows (LayerNorm's dgamma/dbeta, bias gradients) run this many blocks, two per SM,
+    each summing its rows into one partial row; a small kernel then adds the partials in a fixed order, so
+    the gradients are deterministic.
+    """
+    return max(1, min(rows, 2 * sm_count()))

@@ -1,0 +1,362 @@
+// The elementwise fusions after a bias-free GEMM (math and shapes: ls_jax/ops/dropout.py):
+//   bias_dropout_residual   y = r + (x + b) * m            dx = dy * m,               db = sum_rows(dx)
+//   bias_act_dropout        y = act(x + b) * m             dx = dy * m * act'(x + b), db = sum_rows(dx)
+// with m = keep / (1 - rate) from the Philox seed (regenerated in the backward, never stored).
+//
+// Layout (rows.cuh strip_layout): a thread owns one 16-byte column vector and its bias values, and walks
+// rows kRowUnroll at a time, loads first. In the backward each thread also sums its column of dx; a block
+// writes one partial row of the bias gradient and sum_partials adds the partials in a fixed order.
+//
+// Targets (x, residual, y, dy, dx (..., H) of one dtype; bias, dbias (H,) f32 or that dtype; seed uint32[2];
+// partials f32 (blocks, 1, H) scratch whose first axis sets the backward grid; attributes threshold: u32 and
+// scale: f32 as in dropout.cu, with threshold 0 and scale 1 meaning no dropout):
+//   ls_bias_dropout_residual_fwd(x, bias, residual, seed) -> y
+//   ls_bias_dropout_residual_bwd(dy, seed) -> (dx, dbias, partials)
+//   ls_bias_act_dropout_fwd(x, bias, seed) -> y                 attribute activation: i32 (see Activation)
+//   ls_bias_act_dropout_bwd(dy, x, bias, seed) -> (dx, dbias, partials)   attribute activation: i32
+#include "rows.cuh"
+
+namespace ls {
+namespace {
+
+constexpr int kBlockThreads = 256;
+constexpr int kRowUnroll = 2;
+constexpr int kForwardBlocksPerSm = 4;
+// Minimum resident blocks per SM for the register allocator: the forward fits 64 registers (1024 threads per
+// SM); the backward of an activation needs more to hold two rows of dy and x without spilling.
+constexpr int kForwardMinBlocks = 4;
+constexpr int kBackwardMinBlocks = 3;
+
+// Matches ls_jax/ops/dropout.py ACTIVATIONS order; kIdentity is bias_dropout_residual's.
+enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3 };
+
+constexpr float kSqrtHalf = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluTanhCubic = 0.044715f;
+
+template <Activation A>
+__device__ __forceinline__ float activate(float z) {
+  if constexpr (A == Activation::kRelu) return fmaxf(z, 0.0f);
+  if constexpr (A == Activation::kGelu) return 0.5f * z * (1.0f + erff(z * kSqrtHalf));
+  if constexpr (A == Activation::kGeluTanh)
+    return 0.5f * z * (1.0f + tanhf(kSqrt2OverPi * (z + kGeluTanhCubic * z * z * z)));
+  if constexpr (A == Activation::kIdentity) return z;
+}
+
+template <Activation A>
+__device__ __forceinline__ float activation_derivative(float z) {
+  if constexpr (A == Activation::kRelu) return z > 0.0f ? 1.0f : 0.0f;
+  if constexpr (A == Activation::kGelu)
+    return 0.5f * (1.0f + erff(z * kSqrtHalf)) + z * __expf(-0.5f * z * z) * kInvSqrt2Pi;
+  if constexpr (A == Activation::kGeluTanh) {
+    const float t = tanhf(kSqrt2OverPi * (z + kGeluTanhCubic * z * z * z));
+    return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluTanhCubic * z * z);
+  }
+  if constexpr (A == Activation::kIdentity) return 1.0f;
+}
+
+// ---- forward --------------------------------------------------------------------------------------------
+
+// y = act(x + bias) * m (+ residual when given).
+template <typename T, typename P, int W, Activation A>
+__global__ void __launch_bounds__(kBlockThreads, kForwardMinBlocks)
+    bias_fwd_kernel(const T* __restrict__ x, const P* __restrict__ bias, const T* __restrict__ residual,
+                    T* __restrict__ y, int64_t rows, int64_t cols, DropoutParams params) {
+  const int64_t vectors = cols / W;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (vector >= vectors) return;
+  const bool drop = params.enabled();
+  const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
+  float b[W];
+  load_floats<W>(bias + vector * W, b);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; first < rows;
+       first += step * kRowUnroll) {
+    float v[kRowUnroll][W], r[kRowUnroll][W];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t index = (first + u * step) * cols + vector * W;
+      if (first + u * step < rows) {
+        load_floats<W>(x + index, v[u]);
+        if (residual != nullptr) load_floats<W>(residual + index, r[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t index = (first + u * step) * cols + vector * W;
+      if (first + u * step < rows) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) v[u][i] = activate<A>(v[u][i] + b[i]);
+        if (drop) dropout.apply<W>(static_cast<uint64_t>(index), v[u]);
+        if (residual != nullptr) {
+#pragma unroll
+          for (int i = 0; i < W; ++i) v[u][i] += r[u][i];
+        }
+        store_floats<W>(y + index, v[u]);
+      }
+    }
+  }
+}
+
+template <typename T>
+bool vectorizable(int64_t cols, std::initializer_list<const void*> pointers) {
+  if (cols % kVecWidth<T> != 0) return false;
+  for (const void* pointer : pointers)
+    if (pointer != nullptr && !is_aligned(pointer, 16)) return false;
+  return true;
+}
+
+template <typename T, typename P, int W, Activation A>
+ffi::Error launch_forward(cudaStream_t stream, const T* x, const P* bias, const T* residual, T* y, int64_t rows,
+                          int64_t cols, DropoutParams params) {
+  dim3 block;
+  unsigned chunks = 0;
+  LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
+  int64_t row_blocks = 0;
+  LS_RETURN_IF_ERROR(stride_grid(rows, int64_t{block.y} * kRowUnroll, kForwardBlocksPerSm, row_blocks));
+  bias_fwd_kernel<T, P, W, A>
+      <<<dim3(static_cast<unsigned>(row_blocks), chunks), block, 0, stream>>>(x, bias, residual, y, rows, cols,
+                                                                             params);
+  return launch_error("bias_fwd_kernel");
+}
+
+// Checks shared by both directions: `main` (..., H) and its dtype twins, `bias` (H,) and the dropout.
+ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const ffi::AnyBuffer*> same,
+                         const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>& seed,
+                         const DropoutParams& params) {
+  const auto dims = main.dimensions();
+  LS_RETURN_IF_ERROR(require(dims.size() >= 1, "bias ops need an input of rank >= 1"));
+  for (const ffi::AnyBuffer* buffer : same) {
+    LS_RETURN_IF_ERROR(require_same_shape("an activation", *buffer, "x", main));
+    LS_RETURN_IF_ERROR(require(buffer->element_type() == main.element_type(), "activations must share one dtype"));
+  }
+  LS_RETURN_IF_ERROR(require(bias.dimensions().size() == 1 && bias.dimensions()[0] == last_dim(dims),
+                             "bias must have shape (" + std::to_string(last_dim(dims)) + ",), got " +
+                                 shape_string(bias.dimensions())));
+  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
+  return require_dropout_range(params, main.element_count());
+}
+
+template <Activation A>
+ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                   const ffi::AnyBuffer* residual, const ffi::Buffer<ffi::U32>& seed, ffi::AnyBuffer& y,
+                   uint32_t threshold, float scale) {
+  const DropoutParams params{seed.typed_data(), threshold, scale};
+  if (residual) {
+    LS_RETURN_IF_ERROR(check_buffers(x, {residual, &y}, bias, seed, params));
+  } else {
+    LS_RETURN_IF_ERROR(check_buffers(x, {&y}, bias, seed, params));
+  }
+  const int64_t rows = leading_rows(x.dimensions());
+  const int64_t cols = last_dim(x.dimensions());
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  return dispatch_float(x.element_type(), "x", [&](auto act) {
+    using T = decltype(act);
+    return dispatch_param<T>(bias.element_type(), "bias", [&](auto param) {
+      using P = decltype(param);
+      const T* in = static_cast<const T*>(x.untyped_data());
+      const P* b = static_cast<const P*>(bias.untyped_data());
+      const T* res = residual ? static_cast<const T*>(residual->untyped_data()) : nullptr;
+      T* out = static_cast<T*>(y.untyped_data());
+      if (vectorizable<T>(cols, {in, b, res, out}))
+        return launch_forward<T, P, kVecWidth<T>, A>(stream, in, b, res, out, rows, cols, params);
+      return launch_forward<T, P, 1, A>(stream, in, b, res, out, rows, cols, params);
+    });
+  });
+}
+
+// ---- backward -------------------------------------------------------------------------------------------
+
+// dx = dy * m * act'(x + bias) (x and bias unused for kIdentity); this block's column sums of dx go to
+// partials[blockIdx.x].
+template <typename T, typename P, int W, Activation A>
+__global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
+    bias_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ bias,
+                    T* __restrict__ dx, float* __restrict__ partials, int64_t rows, int64_t cols,
+                    DropoutParams params) {
+  extern __shared__ float shared[];
+  const int64_t vectors = cols / W;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  const bool owner = vector < vectors;
+  const bool drop = params.enabled();
+  const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
+  float b[W], sum[1][W];
+#pragma unroll
+  for (int i = 0; i < W; ++i) b[i] = sum[0][i] = 0.0f;
+  if (A != Activation::kIdentity && owner) load_floats<W>(bias + vector * W, b);
+
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; owner && first < rows;
+       first += step * kRowUnroll) {
+    float d[kRowUnroll][W], z[kRowUnroll][W];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t index = (first + u * step) * cols + vector * W;
+      if (first + u * step < rows) {
+        load_floats<W>(dy + index, d[u]);
+        if constexpr (A != Activation::kIdentity) load_floats<W>(x + index, z[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t index = (first + u * step) * cols + vector * W;
+      if (first + u * step < rows) {
+        if (drop) dropout.apply<W>(static_cast<uint64_t>(index), d[u]);
+        if constexpr (A != Activation::kIdentity) {
+#pragma unroll
+          for (int i = 0; i < W; ++i) d[u][i] *= activation_derivative<A>(z[u][i] + b[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < W; ++i) sum[0][i] += d[u][i];
+        store_floats<W>(dx + index, d[u]);
+      }
+    }
+  }
+  write_block_partial<1, W>(sum, vector, vectors, 1, shared, partials + static_cast<int64_t>(blockIdx.x) * cols);
+}
+
+template <typename T, typename P, int W, Activation A>
+ffi::Error launch_backward(cudaStream_t stream, const T* dy, const T* x, const P* bias, T* dx, P* dbias,
+                           float* partials, int64_t blocks, int64_t rows, int64_t cols, DropoutParams params) {
+  dim3 block;
+  unsigned chunks = 0;
+  LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
+  const size_t shared = static_cast<size_t>(block.x) * block.y * W * sizeof(float);
+  bias_bwd_kernel<T, P, W, A><<<dim3(static_cast<unsigned>(blocks), chunks), block, shared, stream>>>(
+      dy, x, bias, dx, partials, rows, cols, params);
+  LS_RETURN_IF_ERROR(launch_error("bias_bwd_kernel"));
+  return sum_partials<P>(stream, partials, blocks, cols, dbias, nullptr);
+}
+
+// x and bias are read only for an activation; bias_dropout_residual passes x = nullptr and the (unread) bias
+// buffer for its dtype.
+template <Activation A>
+ffi::Error backward(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuffer* x,
+                    const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>& seed, ffi::AnyBuffer& dx,
+                    ffi::AnyBuffer& dbias, ffi::AnyBuffer& partials, uint32_t threshold, float scale) {
+  const DropoutParams params{seed.typed_data(), threshold, scale};
+  if (x) {
+    LS_RETURN_IF_ERROR(check_buffers(dy, {x, &dx}, bias, seed, params));
+  } else {
+    LS_RETURN_IF_ERROR(check_buffers(dy, {&dx}, bias, seed, params));
+  }
+  LS_RETURN_IF_ERROR(require(dbias.element_type() == bias.element_type() && same_dims(dbias.dimensions(),
+                                                                                       bias.dimensions()),
+                             "dbias must have bias's shape and dtype"));
+  const int64_t rows = leading_rows(dy.dimensions());
+  const int64_t cols = last_dim(dy.dimensions());
+  if (cols == 0) return ffi::Error::Success();
+  int64_t blocks = 0;
+  LS_RETURN_IF_ERROR(require_partials(partials, 1, cols, blocks));
+  return dispatch_float(dy.element_type(), "dy", [&](auto act) {
+    using T = decltype(act);
+    return dispatch_param<T>(bias.element_type(), "bias", [&](auto param) {
+      using P = decltype(param);
+      const T* grad = static_cast<const T*>(dy.untyped_data());
+      const T* in = x ? static_cast<const T*>(x->untyped_data()) : nullptr;
+      const P* b = static_cast<const P*>(bias.untyped_data());
+      T* out = static_cast<T*>(dx.untyped_data());
+      P* db = static_cast<P*>(dbias.untyped_data());
+      float* scratch = static_cast<float*>(partials.untyped_data());
+      if (vectorizable<T>(cols, {grad, in, b, out}))
+        return launch_backward<T, P, kVecWidth<T>, A>(stream, grad, in, b, out, db, scratch, blocks, rows, cols,
+                                                       params);
+      return launch_backward<T, P, 1, A>(stream, grad, in, b, out, db, scratch, blocks, rows, cols, params);
+    });
+  });
+}
+
+// ---- handlers -------------------------------------------------------------------------------------------
+
+// Runs body(std::integral_constant<Activation, A>{}) for the activation code sent by Python.
+template <typename Body>
+ffi::Error dispatch_activation(int32_t code, Body&& body) {
+  switch (static_cast<Activation>(code)) {
+    case Activation::kRelu: return body(std::integral_constant<Activation, Activation::kRelu>{});
+    case Activation::kGelu: return body(std::integral_constant<Activation, Activation::kGelu>{});
+    case Activation::kGeluTanh: return body(std::integral_constant<Activation, Activation::kGeluTanh>{});
+    default: return ffi::Error::InvalidArgument("unknown activation code " + std::to_string(code));
+  }
+}
+
+ffi::Error bias_dropout_residual_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                                     ffi::AnyBuffer residual, ffi::Buffer<ffi::U32> seed,
+                                     ffi::Result<ffi::AnyBuffer> y, uint32_t threshold, float scale) {
+  return forward<Activation::kIdentity>(stream, x, bias, &residual, seed, *y, threshold, scale);
+}
+
+ffi::Error bias_dropout_residual_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Buffer<ffi::U32> seed,
+                                     ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+                                     ffi::Result<ffi::AnyBuffer> partials, uint32_t threshold, float scale) {
+  return backward<Activation::kIdentity>(stream, dy, nullptr, *dbias, seed, *dx, *dbias, *partials, threshold,
+                                         scale);
+}
+
+ffi::Error bias_act_dropout_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                                ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y, uint32_t threshold,
+                                float scale, int32_t activation) {
+  return dispatch_activation(activation, [&](auto a) {
+    return forward<decltype(a)::value>(stream, x, bias, nullptr, seed, *y, threshold, scale);
+  });
+}
+
+ffi::Error bias_act_dropout_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                                ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> dx,
+                                ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> partials,
+                                uint32_t threshold, float scale, int32_t activation) {
+  return dispatch_activation(activation, [&](auto a) {
+    return backward<decltype(a)::value>(stream, dy, &x, bias, seed, *dx, *dbias, *partials, threshold, scale);
+  });
+}
+
+}  // namespace
+
+LS_FFI_TARGET(ls_bias_dropout_residual_fwd, bias_dropout_residual_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+LS_FFI_TARGET(ls_bias_dropout_residual_bwd, bias_dropout_residual_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+LS_FFI_TARGET(ls_bias_act_dropout_fwd, bias_act_dropout_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale")
+                  .Attr<int32_t>("activation"));
+
+LS_FFI_TARGET(ls_bias_act_dropout_bwd, bias_act_dropout_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale")
+                  .Attr<int32_t>("activation"));
+
+}  // namespace ls

@@ -1,0 +1,336 @@
+// Token embedding (math and shapes: ls_jax/ops/embedding.py):
+//   y[i] = (token_scale * table[clip(tokens[i])] + pos_table[clip(positions[i])]) * m[i] * (tokens[i] != pad)
+// for the n = B * L tokens i in row-major order, m the Philox dropout multiplier of element (i, h) at flat
+// index i * H + h.
+//
+// Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort) and
+// passes the sorted ids with the permutation `order`; segment_bounds_kernel marks where each id's run of
+// sorted entries starts and ends, and embed_grad_kernel gives every table row to one thread group, which
+// adds the gradient rows of its run in token order (f32 registers) and writes the row once, zeros for ids
+// that do not occur. So the whole table gradient is written exactly once, in its own dtype, with no f32
+// buffer of the table's size and no separate zero fill; cost: one pass over dy plus one write of the table.
+// A token occurring k times is summed serially by one group (k loads deep); with natural text k is small.
+//
+// Targets (tokens, positions, order, keys int32 (n) or (B, L); table (V, H), pos_table (P, H) f32 or the
+// output dtype; seed uint32[2]; attributes token_scale: f32, has_padding: bool, padding_id: i64,
+// threshold: u32, scale: f32 (dropout, as in dropout.cu)):
+//   ls_embed_fwd(tokens, table, seed) -> y (..., H)
+//   ls_embed_pos_fwd(tokens, positions, table, pos_table, seed) -> y (..., H)
+//   ls_embed_grad(dy (n, H), tokens, keys, order, seed) -> (grad (R, H), bounds int32 (2, R) scratch)
+//     with keys the sorted clipped ids in [0, R), order the positions in tokens they came from, token_scale
+//     multiplying the sum (scale for the token table, 1 for the position table).
+#include "rows.cuh"
+
+namespace ls {
+namespace {
+
+constexpr int kBlockThreads = 256;
+constexpr int kRowUnroll = 2;
+constexpr int kBlocksPerSm = 4;
+// Most table rows of the backward are zeros behind one dependent load of their bounds: oversubscribe the SMs
+// so that those latencies overlap.
+constexpr int kGradBlocksPerSm = 16;
+constexpr int kMarkThreads = 256;
+
+struct Padding {
+  bool enabled;
+  int64_t id;
+
+  __device__ __forceinline__ bool is_pad(int32_t token) const { return enabled && token == id; }
+};
+
+__device__ __forceinline__ int64_t clip(int32_t index, int64_t rows) {
+  return index < 0 ? 0 : (index >= rows ? rows - 1 : index);
+}
+
+// ---- forward --------------------------------------------------------------------------------------------
+
+template <typename D, typename TT, typename PT, int W>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm)
+    embed_fwd_kernel(const int32_t* __restrict__ tokens, const int32_t* __restrict__ positions,
+                     const TT* __restrict__ table, const PT* __restrict__ pos_table, D* __restrict__ y, int64_t n,
+                     int64_t cols, int64_t vocab, int64_t max_positions, float token_scale, Padding padding,
+                     DropoutParams params) {
+  const int64_t vectors = cols / W;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (vector >= vectors) return;
+  const bool drop = params.enabled();
+  const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; first < n;
+       first += step * kRowUnroll) {
+    float v[kRowUnroll][W], p[kRowUnroll][W];
+    int32_t token[kRowUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t i = first + u * step;
+      if (i < n) {
+        token[u] = tokens[i];
+        load_floats<W>(table + clip(token[u], vocab) * cols + vector * W, v[u]);
+        if (pos_table != nullptr)
+          load_floats<W>(pos_table + clip(positions[i], max_positions) * cols + vector * W, p[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t i = first + u * step;
+      if (i < n) {
+        const int64_t index = i * cols + vector * W;
+#pragma unroll
+        for (int e = 0; e < W; ++e) v[u][e] = v[u][e] * token_scale + (pos_table != nullptr ? p[u][e] : 0.0f);
+        if (drop) dropout.apply<W>(static_cast<uint64_t>(index), v[u]);
+        if (padding.is_pad(token[u])) {
+#pragma unroll
+          for (int e = 0; e < W; ++e) v[u][e] = 0.0f;
+        }
+        store_floats<W>(y + index, v[u]);
+      }
+    }
+  }
+}
+
+template <typename D, typename TT, typename PT, int W>
+ffi::Error launch_forward(cudaStream_t stream, const int32_t* tokens, const int32_t* positions, const TT* table,
+                          const PT* pos_table, D* y, int64_t n, int64_t cols, int64_t vocab, int64_t max_positions,
+                          float token_scale, Padding padding, DropoutParams params) {
+  dim3 block;
+  unsigned chunks = 0;
+  LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
+  int64_t row_blocks = 0;
+  LS_RETURN_IF_ERROR(stride_grid(n, int64_t{block.y} * kRowUnroll, kBlocksPerSm, row_blocks));
+  embed_fwd_kernel<D, TT, PT, W><<<dim3(static_cast<unsigned>(row_blocks), chunks), block, 0, stream>>>(
+      tokens, positions, table, pos_table, y, n, cols, vocab, max_positions, token_scale, padding, params);
+  return launch_error("embed_fwd_kernel");
+}
+
+ffi::Error require_ids(std::string_view name, const ffi::AnyBuffer& ids, int64_t n) {
+  return require(ids.element_type() == ffi::DataType::S32 && static_cast<int64_t>(ids.element_count()) == n,
+                 std::string(name) + " must be int32 with " + std::to_string(n) + " elements, got " +
+                     dtype_name(ids.element_type()) + shape_string(ids.dimensions()));
+}
+
+ffi::Error require_table(std::string_view name, const ffi::AnyBuffer& table, int64_t cols) {
+  const auto dims = table.dimensions();
+  return require(dims.size() == 2 && dims[0] >= 1 && dims[1] == cols,
+                 std::string(name) + " must have shape (rows >= 1, " + std::to_string(cols) + "), got " +
+                     shape_string(dims));
+}
+
+ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& tokens, const ffi::AnyBuffer* positions,
+                   const ffi::AnyBuffer& table, const ffi::AnyBuffer* pos_table, const ffi::Buffer<ffi::U32>& seed,
+                   ffi::AnyBuffer& y, float token_scale, bool has_padding, int64_t padding_id, uint32_t threshold,
+                   float scale) {
+  const int64_t n = static_cast<int64_t>(tokens.element_count());
+  const int64_t cols = last_dim(y.dimensions());
+  LS_RETURN_IF_ERROR(require_ids("tokens", tokens, n));
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(y.element_count()) == n * cols,
+                             "the embedding output must have one row per token, got " + shape_string(y.dimensions())));
+  LS_RETURN_IF_ERROR(require_table("table", table, cols));
+  if (positions) {
+    LS_RETURN_IF_ERROR(require_ids("positions", *positions, n));
+    LS_RETURN_IF_ERROR(require_table("pos_table", *pos_table, cols));
+  }
+  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
+  const DropoutParams params{seed.typed_data(), threshold, scale};
+  LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
+  if (n == 0 || cols == 0) return ffi::Error::Success();
+  const int64_t vocab = table.dimensions()[0];
+  const int64_t max_positions = pos_table ? pos_table->dimensions()[0] : 1;
+  const Padding padding{has_padding, padding_id};
+  const int32_t* token_ptr = static_cast<const int32_t*>(tokens.untyped_data());
+  const int32_t* position_ptr = positions ? static_cast<const int32_t*>(positions->untyped_data()) : nullptr;
+  return dispatch_float(y.element_type(), "the output", [&](auto out_tag) {
+    using D = decltype(out_tag);
+    return dispatch_param<D>(table.element_type(), "table", [&](auto table_tag) {
+      using TT = decltype(table_tag);
+      const ffi::DataType pos_dtype = pos_table ? pos_table->element_type() : table.element_type();
+      return dispatch_param<D>(pos_dtype, "pos_table", [&](auto pos_tag) {
+        using PT = decltype(pos_tag);
+        const TT* t = static_cast<const TT*>(table.untyped_data());
+        const PT* p = pos_table ? static_cast<const PT*>(pos_table->untyped_data()) : nullptr;
+        D* out = static_cast<D*>(y.untyped_data());
+        const bool vector = cols % kVecWidth<D> == 0 && is_aligned(t, 16) && is_aligned(out, 16) &&
+                            (p == nullptr || is_aligned(p, 16));
+        if (vector)
+          return launch_forward<D, TT, PT, kVecWidth<D>>(stream, token_ptr, position_ptr, t, p, out, n, cols, vocab,
+                                                         max_positions, token_scale, padding, params);
+        return launch_forward<D, TT, PT, 1>(stream, token_ptr, position_ptr, t, p, out, n, cols, vocab,
+                                            max_positions, token_scale, padding, params);
+      });
+    });
+  });
+}
+
+ffi::Error embed_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuffer table, ffi::Buffer<ffi::U32> seed,
+                     ffi::Result<ffi::AnyBuffer> y, float token_scale, bool has_padding, int64_t padding_id,
+                     uint32_t threshold, float scale) {
+  return forward(stream, tokens, nullptr, table, nullptr, seed, *y, token_scale, has_padding, padding_id, threshold,
+                 scale);
+}
+
+ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuffer positions, ffi::AnyBuffer table,
+                         ffi::AnyBuffer pos_table, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y,
+                         float token_scale, bool has_padding, int64_t padding_id, uint32_t threshold, float scale) {
+  return forward(stream, tokens, &positions, table, &pos_table, seed, *y, token_scale, has_padding, padding_id,
+                 threshold, scale);
+}
+
+// ---- backward -------------------------------------------------------------------------------------------
+
+// bounds[0][id], bounds[1][id] = first and one-past-last index k with keys[k] == id (keys sorted); ids that do
+// not occur keep the zeros the handler wrote, an empty run.
+__global__ void segment_bounds_kernel(const int32_t* __restrict__ keys, int64_t n, int64_t rows,
+                                      int32_t* __restrict__ bounds) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
+    const int32_t key = keys[k];
+    if (key < 0 || key >= rows) continue;
+    if (k == 0 || keys[k - 1] != key) bounds[key] = static_cast<int32_t>(k);
+    if (k == n - 1 || keys[k + 1] != key) bounds[rows + key] = static_cast<int32_t>(k + 1);
+  }
+}
+
+template <typename D, typename OutT, int W>
+__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm)
+    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens,
+                      const int32_t* __restrict__ order, const int32_t* __restrict__ bounds, OutT* __restrict__ grad,
+                      int64_t rows, int64_t cols, float token_scale, Padding padding, DropoutParams params) {
+  const int64_t vectors = cols / W;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (vector >= vectors) return;
+  const bool drop = params.enabled();
+  const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += step) {
+    float sum[W];
+#pragma unroll
+    for (int e = 0; e < W; ++e) sum[e] = 0.0f;
+    const int32_t end = bounds[rows + row];
+    for (int32_t k = bounds[row]; k < end; ++k) {
+      const int64_t i = order[k];
+      if (padding.is_pad(tokens[i])) continue;
+      const int64_t index = i * cols + vector * W;
+      float d[W];
+      load_floats<W>(dy + index, d);
+      if (drop) dropout.apply<W>(static_cast<uint64_t>(index), d);
+#pragma unroll
+      for (int e = 0; e < W; ++e) sum[e] += d[e];
+    }
+#pragma unroll
+    for (int e = 0; e < W; ++e) sum[e] *= token_scale;
+    store_floats<W>(grad + row * cols + vector * W, sum);
+  }
+}
+
+template <typename D, typename OutT, int W>
+ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* order,
+                       const int32_t* bounds, OutT* grad, int64_t rows, int64_t cols, float token_scale,
+                       Padding padding, DropoutParams params) {
+  dim3 block;
+  unsigned chunks = 0;
+  LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
+  int64_t row_blocks = 0;
+  LS_RETURN_IF_ERROR(stride_grid(rows, block.y, kGradBlocksPerSm, row_blocks));
+  embed_grad_kernel<D, OutT, W><<<dim3(static_cast<unsigned>(row_blocks), chunks), block, 0, stream>>>(
+      dy, tokens, order, bounds, grad, rows, cols, token_scale, padding, params);
+  return launch_error("embed_grad_kernel");
+}
+
+ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tokens, ffi::AnyBuffer keys,
+                      ffi::AnyBuffer order, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> grad,
+                      ffi::Result<ffi::AnyBuffer> bounds, float token_scale, bool has_padding, int64_t padding_id,
+                      uint32_t threshold, float scale) {
+  const auto dy_dims = dy.dimensions();
+  LS_RETURN_IF_ERROR(require(dy_dims.size() == 2, "dy must have shape (tokens, hidden), got " +
+                                                      shape_string(dy_dims)));
+  const int64_t n = dy_dims[0];
+  const int64_t cols = dy_dims[1];
+  LS_RETURN_IF_ERROR(require(n <= 0x7fffffff, "more than 2**31 - 1 tokens"));
+  LS_RETURN_IF_ERROR(require_ids("tokens", tokens, n));
+  LS_RETURN_IF_ERROR(require_ids("keys", keys, n));
+  LS_RETURN_IF_ERROR(require_ids("order", order, n));
+  LS_RETURN_IF_ERROR(require_table("the table gradient", *grad, cols));
+  const int64_t rows = grad->dimensions()[0];
+  LS_RETURN_IF_ERROR(require(bounds->element_type() == ffi::DataType::S32 &&
+                                 static_cast<int64_t>(bounds->element_count()) == 2 * rows,
+                             "bounds scratch must be int32 (2, " + std::to_string(rows) + ")"));
+  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
+  const DropoutParams params{seed.typed_data(), threshold, scale};
+  LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
+  if (cols == 0) return ffi::Error::Success();
+  int32_t* bound_ptr = static_cast<int32_t*>(bounds->untyped_data());
+  const cudaError_t cleared = cudaMemsetAsync(bound_ptr, 0, bounds->size_bytes(), stream);
+  if (cleared != cudaSuccess)
+    return ffi::Error::Internal(std::string("cudaMemsetAsync: ") + cudaGetErrorString(cleared));
+  if (n > 0) {
+    int64_t blocks = 0;
+    LS_RETURN_IF_ERROR(stride_grid(n, kMarkThreads, kBlocksPerSm, blocks));
+    segment_bounds_kernel<<<blocks, kMarkThreads, 0, stream>>>(static_cast<const int32_t*>(keys.untyped_data()), n,
+                                                               rows, bound_ptr);
+    LS_RETURN_IF_ERROR(launch_error("segment_bounds_kernel"));
+  }
+  const Padding padding{has_padding, padding_id};
+  const int32_t* token_ptr = static_cast<const int32_t*>(tokens.untyped_data());
+  const int32_t* order_ptr = static_cast<const int32_t*>(order.untyped_data());
+  return dispatch_float(dy.element_type(), "dy", [&](auto dy_tag) {
+    using D = decltype(dy_tag);
+    return dispatch_param<D>(grad->element_type(), "the table gradient", [&](auto out_tag) {
+      using OutT = decltype(out_tag);
+      const D* d = static_cast<const D*>(dy.untyped_data());
+      OutT* out = static_cast<OutT*>(grad->untyped_data());
+      if (cols % kVecWidth<D> == 0 && is_aligned(d, 16) && is_aligned(out, 16))
+        return launch_grad<D, OutT, kVecWidth<D>>(stream, d, token_ptr, order_ptr, bound_ptr, out, rows, cols,
+                                                  token_scale, padding, params);
+      return launch_grad<D, OutT, 1>(stream, d, token_ptr, order_ptr, bound_ptr, out, rows, cols, token_scale,
+                                     padding, params);
+    });
+  });
+}
+
+}  // namespace
+
+LS_FFI_TARGET(ls_embed_fwd, embed_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("token_scale")
+                  .Attr<bool>("has_padding")
+                  .Attr<int64_t>("padding_id")
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+LS_FFI_TARGET(ls_embed_pos_fwd, embed_pos_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("token_scale")
+                  .Attr<bool>("has_padding")
+                  .Attr<int64_t>("padding_id")
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+LS_FFI_TARGET(ls_embed_grad, embed_grad,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("token_scale")
+                  .Attr<bool>("has_padding")
+                  .Attr<int64_t>("padding_id")
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+}  // namespace ls

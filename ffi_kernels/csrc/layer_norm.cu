@@ -1,0 +1,385 @@
+// LayerNorm over the last axis, optionally of x + residual (math and shapes: ls_jax/ops/layer_norm.py).
+//
+// Forward: one row group per row holds the row in registers (one read of x and residual), takes the mean
+// and then the variance of the centred values from registers, and writes y (and s = x + residual, rounded to
+// the activation dtype before the statistics, as XLA does), mean and rstd.
+// Backward: the same row layout; a block strides over rows, computes ds with the two row sums
+// sum(dy * gamma) and sum(dy * gamma * xhat) in one group reduction, and keeps its columns' dgamma and dbeta
+// sums in registers; each block writes one partial row, and sum_partials adds the partials in a fixed order.
+//
+// Targets
+//   ls_layer_norm_fwd(x, gamma, beta) -> (y, mean, rstd)                      attribute eps: f32
+//   ls_layer_norm_add_fwd(x, residual, gamma, beta) -> (y, s, mean, rstd)    attribute eps: f32
+//   ls_layer_norm_bwd(dy, s, mean, rstd, gamma) -> (ds, dgamma, dbeta, partials)
+//   ls_layer_norm_add_bwd(dy, dsum, s, mean, rstd, gamma) -> (ds, dgamma, dbeta, partials)
+// with x, residual, y, s, dy, dsum, ds (..., H) of one dtype; gamma, beta, dgamma, dbeta (H,) f32 or that
+// dtype; mean, rstd f32 (...); partials f32 (blocks, 2, H) scratch whose first axis sets the backward grid.
+#include "rows.cuh"
+
+namespace ls {
+namespace {
+
+constexpr int kForwardBlockThreads = 256;
+constexpr int kBackwardBlockThreads = 512;
+
+// ---- forward --------------------------------------------------------------------------------------------
+
+template <typename T, typename P, int W>
+__global__ void __launch_bounds__(1024, 1)
+    layer_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, const P* __restrict__ gamma,
+                          const P* __restrict__ beta, T* __restrict__ y, T* __restrict__ sum_out,
+                          float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int64_t cols,
+                          int vpt, float eps) {
+  constexpr int kVpt = kMaxRowElements / W;
+  __shared__ float scratch[kGroupReduceScratch<1>];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int vectors = static_cast<int>(cols / W);  // cols <= kMaxRowLength: int column indices
+  const int64_t offset = row * cols;
+
+  float v[kVpt][W];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVpt; ++k) {
+    const int vector = threadIdx.x + k * blockDim.x;
+    if (k < vpt && row < rows && vector < vectors) {
+      load_floats<W>(x + offset + vector * W, v[k]);
+      if (residual != nullptr) {
+        float r[W];
+        load_floats<W>(residual + offset + vector * W, r);
+#pragma unroll
+        for (int i = 0; i < W; ++i) v[k][i] = to_float(from_float<T>(v[k][i] + r[i]));
+        store_floats<W>(sum_out + offset + vector * W, v[k]);
+      }
+#pragma unroll
+      for (int i = 0; i < W; ++i) sum += v[k][i];
+    }
+  }
+  const float mean = group_reduce<SumOp>(sum, scratch) / static_cast<float>(cols);
+
+  float squares = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVpt; ++k) {
+    const int vector = threadIdx.x + k * blockDim.x;
+    if (k < vpt && row < rows && vector < vectors) {
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        const float centered = v[k][i] - mean;
+        squares += centered * centered;
+      }
+    }
+  }
+  const float rstd = rsqrtf(group_reduce<SumOp>(squares, scratch) / static_cast<float>(cols) + eps);
+  if (row >= rows) return;
+
+#pragma unroll
+  for (int k = 0; k < kVpt; ++k) {
+    const int vector = threadIdx.x + k * blockDim.x;
+    if (k < vpt && vector < vectors) {
+      float g[W], b[W], out[W];
+      load_floats<W>(gamma + vector * W, g);
+      load_floats<W>(beta + vector * W, b);
+#pragma unroll
+      for (int i = 0; i < W; ++i) out[i] = (v[k][i] - mean) * rstd * g[i] + b[i];
+      store_floats<W>(y + offset + vector * W, out);
+    }
+  }
+  if (threadIdx.x == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+struct ForwardArgs {
+  const ffi::AnyBuffer& x;
+  const ffi::AnyBuffer* residual;
+  const ffi::AnyBuffer& gamma;
+  const ffi::AnyBuffer& beta;
+  ffi::AnyBuffer& y;
+  ffi::AnyBuffer* sum;
+  ffi::AnyBuffer& mean;
+  ffi::AnyBuffer& rstd;
+};
+
+template <typename T, typename P, int W>
+ffi::Error launch_forward(cudaStream_t stream, const ForwardArgs& a, int64_t rows, int64_t cols, float eps) {
+  const RowLayout layout = row_layout(cols, W, kForwardBlockThreads);
+  const int64_t blocks = ceil_div(rows, layout.block.y);
+  layer_norm_fwd_kernel<T, P, W><<<blocks, layout.block, 0, stream>>>(
+      static_cast<const T*>(a.x.untyped_data()),
+      a.residual ? static_cast<const T*>(a.residual->untyped_data()) : nullptr,
+      static_cast<const P*>(a.gamma.untyped_data()), static_cast<const P*>(a.beta.untyped_data()),
+      static_cast<T*>(a.y.untyped_data()), a.sum ? static_cast<T*>(a.sum->untyped_data()) : nullptr,
+      static_cast<float*>(a.mean.untyped_data()), static_cast<float*>(a.rstd.untyped_data()), rows, cols,
+      layout.vectors_per_thread, eps);
+  return launch_error("layer_norm_fwd_kernel");
+}
+
+// Shape and dtype checks shared by both directions: `what` names the (..., H) activation, `params` the (H,)
+// parameters, `stats` the f32 per-row statistics.
+ffi::Error check_row_buffers(const ffi::AnyBuffer& activation, std::initializer_list<const ffi::AnyBuffer*> same,
+                             std::initializer_list<const ffi::AnyBuffer*> params,
+                             std::initializer_list<const ffi::AnyBuffer*> stats) {
+  const auto dims = activation.dimensions();
+  const int64_t cols = last_dim(dims);
+  LS_RETURN_IF_ERROR(require(dims.size() >= 1 && cols >= 1, "LayerNorm input must have a nonempty last axis, got " +
+                                                                 shape_string(dims)));
+  LS_RETURN_IF_ERROR(require(cols <= kMaxRowLength, "LayerNorm kernels take hidden sizes up to " +
+                                                        std::to_string(kMaxRowLength) + ", got " +
+                                                        std::to_string(cols)));
+  for (const ffi::AnyBuffer* buffer : same) {
+    LS_RETURN_IF_ERROR(require_same_shape("a LayerNorm activation", *buffer, "the input", activation));
+    LS_RETURN_IF_ERROR(require(buffer->element_type() == activation.element_type(),
+                               "LayerNorm activations must share one dtype"));
+  }
+  for (const ffi::AnyBuffer* buffer : params) {
+    LS_RETURN_IF_ERROR(require(buffer->dimensions().size() == 1 && buffer->dimensions()[0] == cols,
+                               "LayerNorm parameters must have shape (" + std::to_string(cols) + ",), got " +
+                                   shape_string(buffer->dimensions())));
+    LS_RETURN_IF_ERROR(require(buffer->element_type() == params.begin()[0]->element_type(),
+                               "LayerNorm parameters must share one dtype"));
+  }
+  for (const ffi::AnyBuffer* buffer : stats) {
+    LS_RETURN_IF_ERROR(require(buffer->element_type() == ffi::DataType::F32 &&
+                                   static_cast<int64_t>(buffer->element_count()) == leading_rows(dims),
+                               "LayerNorm mean and rstd must be float32 with one value per row"));
+  }
+  return ffi::Error::Success();
+}
+
+// The 16-byte vector width when the row length and every pointer allow it, else 1.
+template <typename T>
+bool vectorizable(int64_t cols, std::initializer_list<const ffi::AnyBuffer*> buffers) {
+  if (cols % kVecWidth<T> != 0) return false;
+  for (const ffi::AnyBuffer* buffer : buffers)
+    if (buffer != nullptr && !is_aligned(buffer->untyped_data(), 16)) return false;
+  return true;
+}
+
+ffi::Error forward(cudaStream_t stream, const ForwardArgs& a, float eps) {
+  if (a.residual) {
+    LS_RETURN_IF_ERROR(check_row_buffers(a.x, {a.residual, &a.y, a.sum}, {&a.gamma, &a.beta}, {&a.mean, &a.rstd}));
+  } else {
+    LS_RETURN_IF_ERROR(check_row_buffers(a.x, {&a.y}, {&a.gamma, &a.beta}, {&a.mean, &a.rstd}));
+  }
+  const int64_t rows = leading_rows(a.x.dimensions());
+  const int64_t cols = last_dim(a.x.dimensions());
+  if (rows == 0) return ffi::Error::Success();
+  return dispatch_float(a.x.element_type(), "x", [&](auto act) {
+    using T = decltype(act);
+    return dispatch_param<T>(a.gamma.element_type(), "gamma", [&](auto param) {
+      using P = decltype(param);
+      if (vectorizable<T>(cols, {&a.x, a.residual, &a.gamma, &a.beta, &a.y, a.sum}))
+        return launch_forward<T, P, kVecWidth<T>>(stream, a, rows, cols, eps);
+      return launch_forward<T, P, 1>(stream, a, rows, cols, eps);
+    });
+  });
+}
+
+ffi::Error layer_norm_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer gamma, ffi::AnyBuffer beta,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                          ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+  return forward(stream, {x, nullptr, gamma, beta, *y, nullptr, *mean, *rstd}, eps);
+}
+
+ffi::Error layer_norm_add_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer gamma,
+                              ffi::AnyBuffer beta, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> sum,
+                              ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+  return forward(stream, {x, &residual, gamma, beta, *y, &*sum, *mean, *rstd}, eps);
+}
+
+// ---- backward -------------------------------------------------------------------------------------------
+
+template <typename T, typename P, int W>
+__global__ void __launch_bounds__(1024, 1)
+    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ s,
+                          const float* __restrict__ mean, const float* __restrict__ rstd,
+                          const P* __restrict__ gamma, T* __restrict__ ds, float* __restrict__ partials,
+                          int64_t rows, int64_t cols, int vpt) {
+  constexpr int kVpt = kMaxRowElements / W;
+  extern __shared__ float shared[];
+  __shared__ float scratch[kGroupReduceScratch<2>];
+  const int vectors = static_cast<int>(cols / W);  // cols <= kMaxRowLength: int column indices
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+
+  float g[kVpt][W], dgamma[kVpt][W], dbeta[kVpt][W];
+#pragma unroll
+  for (int k = 0; k < kVpt; ++k) {
+    const int vector = threadIdx.x + k * blockDim.x;
+    if (k < vpt && vector < vectors) load_floats<W>(gamma + vector * W, g[k]);
+#pragma unroll
+    for (int i = 0; i < W; ++i) dgamma[k][i] = dbeta[k][i] = 0.0f;
+  }
+
+  // Every thread runs the same number of iterations: group_reduce synchronizes the block.
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows; first += step) {
+    const int64_t row = first + threadIdx.y;
+    const bool active = row < rows;
+    const T* dy_row = dy + row * cols;
+    const T* s_row = s + row * cols;
+    const float row_mean = active ? mean[row] : 0.0f;
+    const float row_rstd = active ? rstd[row] : 0.0f;
+    float d[kVpt][W], xhat[kVpt][W];
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < kVpt; ++k) {
+      const int vector = threadIdx.x + k * blockDim.x;
+      if (k < vpt && active && vector < vectors) {
+        load_floats<W>(dy_row + vector * W, d[k]);
+        load_floats<W>(s_row + vector * W, xhat[k]);
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+          xhat[k][i] = (xhat[k][i] - row_mean) * row_rstd;
+          const float dg = d[k][i] * g[k][i];
+          sums[0] += dg;
+          sums[1] += dg * xhat[k][i];
+        }
+      }
+    }
+    group_reduce<SumOp, 2>(sums, scratch);
+    const float mean_dg = sums[0] * inv_cols;
+    const float mean_dg_xhat = sums[1] * inv_cols;
+#pragma unroll
+    for (int k = 0; k < kVpt; ++k) {
+      const int vector = threadIdx.x + k * blockDim.x;
+      if (k < vpt && active && vector < vectors) {
+        float out[W];
+        if (dsum != nullptr) {
+          load_floats<W>(dsum + row * cols + vector * W, out);
+        } else {
+#pragma unroll
+          for (int i = 0; i < W; ++i) out[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+          out[i] += row_rstd * (d[k][i] * g[k][i] - mean_dg - xhat[k][i] * mean_dg_xhat);
+          dgamma[k][i] += d[k][i] * xhat[k][i];
+          dbeta[k][i] += d[k][i];
+        }
+        store_floats<W>(ds + row * cols + vector * W, out);
+      }
+    }
+  }
+  float* partial = partials + static_cast<int64_t>(blockIdx.x) * 2 * cols;
+  write_block_partial<kVpt, W>(dgamma, threadIdx.x, vectors, vpt, shared, partial);
+  write_block_partial<kVpt, W>(dbeta, threadIdx.x, vectors, vpt, shared, partial + cols);
+}
+
+struct BackwardArgs {
+  const ffi::AnyBuffer& dy;
+  const ffi::AnyBuffer* dsum;
+  const ffi::AnyBuffer& s;
+  const ffi::AnyBuffer& mean;
+  const ffi::AnyBuffer& rstd;
+  const ffi::AnyBuffer& gamma;
+  ffi::AnyBuffer& ds;
+  ffi::AnyBuffer& dgamma;
+  ffi::AnyBuffer& dbeta;
+  ffi::AnyBuffer& partials;
+};
+
+template <typename T, typename P, int W>
+ffi::Error launch_backward(cudaStream_t stream, const BackwardArgs& a, int64_t rows, int64_t cols, int64_t blocks) {
+  const RowLayout layout = row_layout(cols, W, kBackwardBlockThreads);
+  const size_t shared = static_cast<size_t>(layout.block.x) * layout.block.y * kPartialSharedBytes;
+  float* partials = static_cast<float*>(a.partials.untyped_data());
+  layer_norm_bwd_kernel<T, P, W><<<blocks, layout.block, shared, stream>>>(
+      static_cast<const T*>(a.dy.untyped_data()), a.dsum ? static_cast<const T*>(a.dsum->untyped_data()) : nullptr,
+      static_cast<const T*>(a.s.untyped_data()), static_cast<const float*>(a.mean.untyped_data()),
+      static_cast<const float*>(a.rstd.untyped_data()), static_cast<const P*>(a.gamma.untyped_data()),
+      static_cast<T*>(a.ds.untyped_data()), partials, rows, cols, layout.vectors_per_thread);
+  LS_RETURN_IF_ERROR(launch_error("layer_norm_bwd_kernel"));
+  return sum_partials<P>(stream, partials, blocks, cols, static_cast<P*>(a.dgamma.untyped_data()),
+                         static_cast<P*>(a.dbeta.untyped_data()));
+}
+
+ffi::Error backward(cudaStream_t stream, const BackwardArgs& a) {
+  if (a.dsum) {
+    LS_RETURN_IF_ERROR(check_row_buffers(a.s, {&a.dy, a.dsum, &a.ds}, {&a.gamma, &a.dgamma, &a.dbeta},
+                                         {&a.mean, &a.rstd}));
+  } else {
+    LS_RETURN_IF_ERROR(check_row_buffers(a.s, {&a.dy, &a.ds}, {&a.gamma, &a.dgamma, &a.dbeta}, {&a.mean, &a.rstd}));
+  }
+  const int64_t rows = leading_rows(a.s.dimensions());
+  const int64_t cols = last_dim(a.s.dimensions());
+  int64_t blocks = 0;
+  LS_RETURN_IF_ERROR(require_partials(a.partials, 2, cols, blocks));
+  return dispatch_float(a.s.element_type(), "s", [&](auto act) {
+    using T = decltype(act);
+    return dispatch_param<T>(a.gamma.element_type(), "gamma", [&](auto param) {
+      using P = decltype(param);
+      if (vectorizable<T>(cols, {&a.dy, a.dsum, &a.s, &a.gamma, &a.ds}))
+        return launch_backward<T, P, kVecWidth<T>>(stream, a, rows, cols, blocks);
+      return launch_backward<T, P, 1>(stream, a, rows, cols, blocks);
+    });
+  });
+}
+
+ffi::Error layer_norm_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer s, ffi::AnyBuffer mean,
+                          ffi::AnyBuffer rstd, ffi::AnyBuffer gamma, ffi::Result<ffi::AnyBuffer> ds,
+                          ffi::Result<ffi::AnyBuffer> dgamma, ffi::Result<ffi::AnyBuffer> dbeta,
+                          ffi::Result<ffi::AnyBuffer> partials) {
+  return backward(stream, {dy, nullptr, s, mean, rstd, gamma, *ds, *dgamma, *dbeta, *partials});
+}
+
+ffi::Error layer_norm_add_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dsum, ffi::AnyBuffer s,
+                              ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer gamma,
+                              ffi::Result<ffi::AnyBuffer> ds, ffi::Result<ffi::AnyBuffer> dgamma,
+                              ffi::Result<ffi::AnyBuffer> dbeta, ffi::Result<ffi::AnyBuffer> partials) {
+  return backward(stream, {dy, &dsum, s, mean, rstd, gamma, *ds, *dgamma, *dbeta, *partials});
+}
+
+}  // namespace
+
+LS_FFI_TARGET(ls_layer_norm_fwd, layer_norm_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("eps"));
+
+LS_FFI_TARGET(ls_layer_norm_add_fwd, layer_norm_add_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("eps"));
+
+LS_FFI_TARGET(ls_layer_norm_bwd, layer_norm_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>());
+
+LS_FFI_TARGET(ls_layer_norm_add_bwd, layer_norm_add_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace ls

@@ -1,0 +1,114 @@
+"""Multi-head attention sublayer: LayerNorm, projections, fused softmax, output bias + dropout + residual."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ls_jax import ops
+from ls_jax.layers.common import CacheIndex, LayerNorm, dense, dropout_args
+from ls_jax.layers.config import LayerConfig
+
+
+def key_padding_mask(key_mask: jax.Array | None) -> jax.Array | None:
+    """(B, K) "is a real token" flags -> the (B, 1, 1, K) boolean mask ``ops.attn_softmax`` broadcasts."""
+    if key_mask is None:
+        return None
+    if key_mask.ndim != 2:
+        raise ValueError(f"key_mask must have shape (batch, keys), got {key_mask.shape}")
+    return key_mask.astype(bool)[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """One attention sublayer with its LayerNorm and residual, LightSeq-style.
+
+        pre-LN:  y = x + dropout(attention(LN(x)) @ W_o + b_o)
+        post-LN: y = LN(x + dropout(attention(x) @ W_o + b_o))
+        attention(h) = softmax(q k^T / sqrt(d) + mask) v   per head, dropout on the probabilities
+
+    Self-attention computes Q, K and V with one (H -> 3, heads, d) GEMM. Cross-attention projects Q from ``x``
+    and takes K and V precomputed as ``key_value`` (B, K, 2, heads, d), so a decoder can project all its layers'
+    K/V in one GEMM. Shapes: x (B, Q, H) -> y (B, Q, H).
+
+    Attributes:
+      config: layer configuration.
+      self_attention: True for self-attention, False for cross-attention.
+      causal: mask keys after each query (decoder self-attention).
+    """
+
+    config: LayerConfig
+    self_attention: bool = True
+    causal: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        key_value: jax.Array | None = None,
+        key_mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """Args:
+          x: (B, Q, H) query stream (and, for self-attention, keys and values).
+          key_value: cross-attention only: (B, K, 2, heads, head_dim) keys [:, :, 0] and values [:, :, 1].
+          key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding).
+          decode: self-attention only: append this step's keys/values to the "cache" collection and attend
+            over everything cached so far (incremental decoding, one or more tokens per call).
+          deterministic: disable dropout.
+        """
+        cfg = self.config
+        if self.self_attention == (key_value is not None):
+            raise ValueError("key_value is required for cross-attention and not accepted for self-attention")
+        if decode and not (self.self_attention and self.causal):
+            raise ValueError("decode (KV cache) applies only to causal self-attention")
+        if decode and key_mask is not None:
+            raise ValueError("key_mask is not supported with decode: cached keys are never padding")
+        x = x.astype(cfg.dtype)
+        h = LayerNorm(cfg.layer_norm_eps, name="layer_norm")(x) if cfg.pre_layer_norm else x
+        if self.self_attention:
+            qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), name="qkv")(h)
+            query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            query = dense(cfg, (cfg.nhead, cfg.head_dim), name="query")(h)
+            key, value = key_value[:, :, 0], key_value[:, :, 1]
+        mask, causal = key_padding_mask(key_mask), self.causal
+        if decode:
+            key, value, visible = self._extend_cache(key, value)
+            if visible is not None:
+                mask, causal = visible, False
+        context = self._attend(query, key, value, mask, causal, deterministic)
+        out = dense(cfg, cfg.hidden_size, axis=(-2, -1), use_bias=False, name="out")(context)
+        out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
+        rate, seed = dropout_args(self, cfg.hidden_dropout_ratio, deterministic)
+        y = ops.bias_dropout_residual(out, out_bias, x, dropout_rate=rate, seed=seed)
+        return y if cfg.pre_layer_norm else LayerNorm(cfg.layer_norm_eps, name="layer_norm")(y)
+
+    def _attend(self, query, key, value, mask, causal: bool, deterministic: bool) -> jax.Array:
+        """softmax(q k^T / sqrt(d)) v: (B, Q, heads, d) x (B, K, heads, d) -> (B, Q, heads, d)."""
+        cfg = self.config
+        scores = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+        rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
+        probs = ops.attn_softmax(scores, mask, scale=cfg.head_dim**-0.5, causal=causal, dropout_rate=rate, seed=seed)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
+
+    def _extend_cache(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Writes (B, L, heads, d) keys/values at the cache index and returns the whole cache (B, C, heads, d)
+        with the (1, 1, L, C) mask of cached keys each new query may see (itself and earlier positions).
+
+        The call that creates the cache (C = L, zeros) attends causally over its own keys and returns mask None.
+        """
+        start = CacheIndex(name="cache_index")(key.shape[1])
+        if start is None:
+            self.put_variable("cache", "key", jnp.zeros_like(key))
+            self.put_variable("cache", "value", jnp.zeros_like(value))
+            return key, value, None
+        cached_key = jax.lax.dynamic_update_slice(self.get_variable("cache", "key"), key, (0, start, 0, 0))
+        cached_value = jax.lax.dynamic_update_slice(self.get_variable("cache", "value"), value, (0, start, 0, 0))
+        self.put_variable("cache", "key", cached_key)
+        self.put_variable("cache", "value", cached_value)
+        query_positions = start + jnp.arange(key.shape[1])
+        visible = jnp.arange(cached_key.shape[1])[None, :] <= query_positions[:, None]
+        return cached_key, cached_value, visible[None, None]

@@ -1,0 +1,59 @@
+"""Pieces every layer uses: LayerNorm over ``ls_jax.ops.layer_norm``, GEMMs, per-call dropout seeds and the
+decode-mode cache index."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ls_jax import ops
+from ls_jax.layers.config import LayerConfig
+
+
+class LayerNorm(nn.Module):
+    """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; params f32 (H,), y in x's dtype."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (hidden,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (hidden,), jnp.float32)
+        return ops.layer_norm(x, scale, bias, eps=self.eps)
+
+
+def dropout_args(module: nn.Module, rate: float, deterministic: bool) -> tuple[float, jax.Array | None]:
+    """``(rate, seed)`` for one fused op: a fresh seed from the module's "dropout" rng, or no dropout at all.
+
+    Every op call draws its own seed, so no two dropout masks in a step are correlated.
+    """
+    if deterministic or rate == 0.0:
+        return 0.0, None
+    return rate, ops.dropout_seed(module.make_rng("dropout"))
+
+
+def dense(config: LayerConfig, features, *, name: str, axis=-1, use_bias: bool = True) -> nn.DenseGeneral:
+    """A GEMM in the compute dtype with f32 parameters."""
+    return nn.DenseGeneral(
+        features, axis=axis, use_bias=use_bias, dtype=config.dtype, param_dtype=jnp.float32, name=name
+    )
+
+
+class CacheIndex(nn.Module):
+    """How many positions a decode-mode layer has consumed; lives in the "cache" collection.
+
+    Returns the index before this call and advances it by ``length``. The call that creates the cache returns
+    None: that call (``Transformer.init_cache``) runs as a plain forward pass whose input length sets the cache
+    length, and leaves the index at 0.
+    """
+
+    @nn.compact
+    def __call__(self, length: int) -> jax.Array | None:
+        if not self.has_variable("cache", "index"):
+            self.put_variable("cache", "index", jnp.zeros((), jnp.int32))
+            return None
+        start = self.get_variable("cache", "index")
+        self.put_variable("cache", "index", start + length)
+        return start

@@ -1,0 +1,145 @@
+"""Transformer encoder and decoder layers and stacks (LightSeq's layer structure)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ls_jax.layers.attention import MultiHeadAttention
+from ls_jax.layers.common import LayerNorm, dense
+from ls_jax.layers.config import LayerConfig
+from ls_jax.layers.feed_forward import FeedForward
+
+SOURCE_CACHE_NAMES = ("cross_key_value", "src_mask")
+"""Decoder cache entries computed from the source alone: every beam-search hypothesis of a row shares them."""
+
+
+class TransformerEncoderLayer(nn.Module):
+    """Self-attention then feed-forward, (B, S, H) -> (B, S, H).
+
+    ``causal`` makes it a decoder-only (GPT) block: self-attention over earlier positions, no cross-attention.
+    """
+
+    config: LayerConfig
+    causal: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        key_mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """x (B, S, H); key_mask (B, S) boolean, False at padding; decode: causal KV-cache step."""
+        x = MultiHeadAttention(self.config, causal=self.causal, name="self_attention")(
+            x, key_mask=key_mask, decode=decode, deterministic=deterministic
+        )
+        return FeedForward(self.config, name="feed_forward")(x, deterministic=deterministic)
+
+
+class TransformerDecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over precomputed encoder K/V, feed-forward: (B, T, H) -> (B, T, H)."""
+
+    config: LayerConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        cross_key_value: jax.Array,
+        src_mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """x (B, T, H); cross_key_value (B, S, 2, heads, head_dim); src_mask (B, S) boolean, False at padding."""
+        x = MultiHeadAttention(self.config, causal=True, name="self_attention")(
+            x, decode=decode, deterministic=deterministic
+        )
+        x = MultiHeadAttention(self.config, self_attention=False, name="cross_attention")(
+            x, cross_key_value, src_mask, deterministic=deterministic
+        )
+        return FeedForward(self.config, name="feed_forward")(x, deterministic=deterministic)
+
+
+class TransformerEncoder(nn.Module):
+    """``num_layers`` encoder layers over embedded input, then a final LayerNorm when pre-LN.
+
+    With ``causal`` this is a decoder-only (GPT) stack.
+    """
+
+    config: LayerConfig
+    num_layers: int
+    causal: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        key_mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding. Returns (B, S, H)."""
+        for index in range(self.num_layers):
+            x = TransformerEncoderLayer(self.config, self.causal, name=f"layer_{index}")(
+                x, key_mask, decode=decode, deterministic=deterministic
+            )
+        if self.config.pre_layer_norm:
+            x = LayerNorm(self.config.layer_norm_eps, name="final_layer_norm")(x)
+        return x
+
+
+class TransformerDecoder(nn.Module):
+    """``num_layers`` decoder layers over embedded targets, then a final LayerNorm when pre-LN.
+
+    The cross-attention keys and values of every layer come from one GEMM over the encoder output,
+    (B, S, H) x (H, layers, 2, heads, head_dim) -> (B, S, layers, 2, heads, head_dim), and layer i attends over
+    slice i (LightSeq2's layer-batched cross attention). In decode mode the call that creates the cache stores
+    that projection and the source mask, so later steps neither recompute it nor need the encoder output.
+    """
+
+    config: LayerConfig
+    num_layers: int
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        encoded: jax.Array | None = None,
+        src_mask: jax.Array | None = None,
+        *,
+        decode: bool = False,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """x (B, T, H) embedded targets; encoded (B, S, H); src_mask (B, S) boolean, False at padding.
+
+        With ``decode`` and an existing cache, ``encoded`` and ``src_mask`` are read from the cache.
+        """
+        cross_key_value, src_mask = self._cross_key_values(encoded, src_mask, decode)
+        for index in range(self.num_layers):
+            x = TransformerDecoderLayer(self.config, name=f"layer_{index}")(
+                x, cross_key_value[:, :, index], src_mask, decode=decode, deterministic=deterministic
+            )
+        if self.config.pre_layer_norm:
+            x = LayerNorm(self.config.layer_norm_eps, name="final_layer_norm")(x)
+        return x
+
+    def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:
+        """All layers' cross-attention K/V (B, S, layers, 2, heads, d) and the source mask, cached when decoding."""
+        if decode and self.has_variable("cache", SOURCE_CACHE_NAMES[0]):
+            return tuple(self.get_variable("cache", name) for name in SOURCE_CACHE_NAMES)
+        if encoded is None:
+            raise ValueError("encoded (the encoder output) is required unless a decode cache already holds it")
+        cfg = self.config
+        key_value = dense(cfg, (self.num_layers, 2, cfg.nhead, cfg.head_dim), name="cross_attention_kv")(encoded)
+        if decode:
+            if src_mask is None:
+                src_mask = jnp.ones(encoded.shape[:2], bool)
+            self.put_variable("cache", SOURCE_CACHE_NAMES[0], key_value)
+            self.put_variable("cache", SOURCE_CACHE_NAMES[1], src_mask)
+        return key_value, src_mask

@@ -1,0 +1,298 @@
+"""What the workspace optimizers (adan, adam, adamw) share: state, validation, the step and its dispatch.
+
+One step, per element of every leaf, in f32 (``s`` are the per-step scalars, ``S`` the moment buffers):
+
+    g       = grad,  or  (grad / ||grad||) * max_norm  when max_norm is set and ||grad|| >= max_norm
+    u, S'   = direction(g, S, s)                          the algorithm (adan.py, adam.py)
+    decoupled weight decay:  update = -lr * (u + wd * p),            new_p = p + update
+    proximal weight decay:   new_p = (p - lr * u) / (1 + lr * wd),   update = new_p - p
+
+``||grad||`` is the global L2 norm over all leaves; ``wd`` applies to the leaves the mask selects, the others
+take ``update = -lr * u``. Scalars (learning rate and weight decay from their schedules at the step count,
+bias corrections, betas) are computed once per step in XLA and handed to the implementation as one f32 vector,
+so hyperparameters may be traced values (``optax.inject_hyperparams``).
+
+Implementations (XLA here; CUDA in ffi_kernels/csrc/optim.cu through ``_kernel.step``) share:
+  step(grads, params, moments, scalars) -> (outputs, new_moments)
+grads: list of leaves; params: list of leaves, or None when no leaf decays and updates are written; moments:
+tuple of f32 workspace buffers; scalars: f32[len(config.scalar_names)]; outputs: the new parameters
+(``config.output == "params"``) or the updates (``"updates"``), in ``config.out_dtypes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Literal, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ls_jax import backend
+from ls_jax.optim import _kernel
+from ls_jax.optim.base import FusedGradientTransformation
+from ls_jax.optim.workspace import WorkspaceLayout, check_leaves
+
+logger = logging.getLogger("ls_jax.optim")
+
+COMMON_SCALARS = ("lr", "weight_decay", "max_norm")
+STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+Direction = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], tuple[jax.Array, tuple[jax.Array, ...]]]
+
+
+# ---- hyperparameter checks ----------------------------------------------------------------------------------
+
+
+def _as_number(name: str, value: Any) -> float | None:
+    """``value`` as a float, or None when it is traced (e.g. injected by ``optax.inject_hyperparams``)."""
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        return None
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a real number, got {value!r}") from None
+
+
+def check_nonnegative(name: str, value: Any, *, schedule_ok: bool = False) -> None:
+    """Raises ValueError unless ``value`` is a number >= 0 (or, where allowed, a schedule)."""
+    if callable(value):
+        if schedule_ok:
+            return
+        raise ValueError(f"{name} must be a number, not a schedule")
+    number = _as_number(name, value)
+    if number is not None and not number >= 0.0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_decay_rate(name: str, value: Any) -> None:
+    """Raises ValueError unless ``value`` is in [0, 1)."""
+    number = _as_number(name, value)
+    if number is not None and not 0.0 <= number < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """Raises ValueError unless ``value`` is None or a positive integer."""
+    if value is None:
+        return
+    number = _as_number(name, value)
+    if number is not None and not (number >= 1 and number == int(number)):
+        raise ValueError(f"{name} must be a positive integer or None, got {value}")
+
+
+def check_options(max_grad_norm: Any, storage_dtype: Any) -> jnp.dtype | None:
+    """Validates the options every workspace optimizer shares; returns the storage dtype (or None)."""
+    if max_grad_norm is not None:
+        number = _as_number("max_grad_norm", max_grad_norm)
+        if number is not None and not number > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_grad_norm}")
+    if storage_dtype is None:
+        return None
+    dtype = jnp.dtype(storage_dtype)
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage_dtype must be bfloat16, float16 or None, got {dtype}")
+    return dtype
+
+
+# ---- the step ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything static about one step: what the kernel is compiled and launched for."""
+
+    algorithm: str
+    scalar_names: tuple[str, ...]
+    layout: WorkspaceLayout
+    decay: tuple[bool, ...]
+    proximal: bool
+    clip: bool
+    output: Literal["params", "updates"]
+    out_dtypes: tuple[np.dtype, ...]
+
+
+def _clip_by_global_norm(g: jax.Array, max_norm: jax.Array) -> jax.Array:
+    norm = jnp.sqrt(jnp.sum(g * g))
+    return jnp.where(norm < max_norm, g, (g / norm) * max_norm)
+
+
+def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool, s: dict[str, jax.Array]):
+    """The new parameter or the update of one leaf from its direction ``u`` (see the module docstring)."""
+    lr = s["lr"]
+    if p is None:
+        return -lr * u
+    p = p.astype(jnp.float32)
+    if decayed and config.proximal:
+        new_p = (p - lr * u) / (1.0 + lr * s["weight_decay"])
+        return new_p if config.output == "params" else new_p - p
+    update = -lr * (u + s["weight_decay"] * p) if decayed else -lr * u
+    return p + update if config.output == "params" else update
+
+
+def xla_step(config: StepConfig, direction: Direction, grads, params, moments, scalars):
+    """The step in jax.numpy: the direction over the flat workspace, then each leaf's update from its slice."""
+    s = {name: scalars[i] for i, name in enumerate(config.scalar_names)}
+    g = config.layout.flatten(grads)
+    if config.clip:
+        g = _clip_by_global_norm(g, s["max_norm"])
+    u, new_moments = direction(g, moments, s)
+    leaf_params = [None] * len(grads) if params is None else params
+    outputs = [
+        _finish(config, u_leaf, p, decayed, s).astype(dtype)
+        for u_leaf, p, decayed, dtype in zip(config.layout.views(u), leaf_params, config.decay, config.out_dtypes)
+    ]
+    return outputs, tuple(new_moments)
+
+
+@functools.cache
+def _log_fallback_once(reason: str) -> None:
+    logger.warning("ls_jax.optim: running the XLA implementation on CUDA: %s", reason)
+
+
+def run_step(config: StepConfig, direction: Direction, grads, params, moments, scalars):
+    """The CUDA kernel when lowering for CUDA with kernels enabled and supported, else ``xla_step``."""
+    xla = functools.partial(xla_step, config, direction)
+    if not backend.kernels_enabled():
+        return xla(grads, params, moments, scalars)
+    reason = _kernel.unsupported(config, grads, params)
+    if reason is not None:
+        _log_fallback_once(reason)
+        return xla(grads, params, moments, scalars)
+    kernel = functools.partial(_kernel.step, config)
+    return jax.lax.platform_dependent(grads, params, moments, scalars, cuda=kernel, default=xla)
+
+
+# ---- the transformation -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """An elementwise optimizer algorithm.
+
+    Attributes:
+      algorithm: the kernel's name for this math ("adan", "adam", "adam_nesterov").
+      state_type: NamedTuple ``(count, *moment buffers)``.
+      scalar_names: names of the per-step scalars ``scalars`` returns, in the kernel's order.
+      scalars: step count (int32 scalar) -> dict of f32 scalars, computed exactly as optax computes them.
+      direction: ``(g, moments, s) -> (u, new_moments)`` on f32 arrays, ``s`` the per-step scalars by name.
+    """
+
+    algorithm: str
+    state_type: type[NamedTuple]
+    scalar_names: tuple[str, ...]
+    scalars: Callable[[jax.Array], dict[str, Any]]
+    direction: Direction
+
+
+def _at(value: Any, count: jax.Array) -> Any:
+    return value(count) if callable(value) else value
+
+
+def _decay_flags(weight_decay: Any, mask: Any, tree: Any, num_leaves: int) -> tuple[bool, ...]:
+    """Per leaf, whether weight decay applies: False everywhere for a constant 0, else from ``mask``."""
+    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+        return (False,) * num_leaves
+    if mask is None:
+        return (True,) * num_leaves
+    mask_tree = mask(tree) if callable(mask) else mask
+    try:
+        per_subtree = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), mask_tree, tree)
+    except ValueError as err:
+        raise ValueError(f"mask must be a pytree of booleans with the params' structure (or a prefix): {err}") from err
+    flags = tuple(jax.tree.leaves(per_subtree))
+    if len(flags) != num_leaves:
+        raise ValueError(f"mask selects {len(flags)} leaves but the parameters have {num_leaves}")
+    return flags
+
+
+def _check_storage(kind: str, leaves: Sequence[jax.Array], dtype: jnp.dtype | None) -> None:
+    if dtype is None:
+        return
+    for leaf in leaves:
+        if leaf.dtype != dtype:
+            found = f"{leaf.dtype}{list(leaf.shape)}"
+            raise ValueError(f"storage_dtype={dtype} needs every {kind} leaf in {dtype}, found {found}")
+
+
+def _check_params_match(grads: Any, params: Any, layout: WorkspaceLayout) -> None:
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        structures = f"{jax.tree.structure(grads)}\n{jax.tree.structure(params)}"
+        raise ValueError(f"gradients and params have different tree structures:\n{structures}")
+    for index, (param, shape) in enumerate(zip(jax.tree.leaves(params), layout.shapes)):
+        if tuple(param.shape) != shape:
+            raise ValueError(f"param leaf {index} has shape {tuple(param.shape)} but its gradient has {shape}")
+
+
+def _pack(names: Sequence[str], values: dict[str, Any]) -> jax.Array:
+    return jnp.stack([jnp.asarray(values[name], jnp.float32) for name in names])
+
+
+def workspace_transformation(
+    rule: Rule,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: optax.ScalarOrSchedule,
+    mask: Any,
+    proximal: bool,
+    max_grad_norm: float | None,
+    storage_dtype: jnp.dtype | None,
+) -> FusedGradientTransformation:
+    """The optax-compatible transformation (``init``, ``update``, fused ``apply``) of ``rule``."""
+    moment_names = rule.state_type._fields[1:]
+    scalar_names = COMMON_SCALARS + rule.scalar_names
+
+    def init(params):
+        _check_storage("param", check_leaves("param", params), storage_dtype)
+        layout = WorkspaceLayout.of(params)
+        return rule.state_type(jnp.zeros([], jnp.int32), *(layout.zeros() for _ in moment_names))
+
+    def step(grads, state, params, output):
+        if not isinstance(state, rule.state_type):
+            expected, got = rule.state_type.__name__, type(state).__name__
+            raise TypeError(f"expected a {expected} from this optimizer's init, got {got}")
+        grad_leaves = check_leaves("gradient", grads)
+        _check_storage("gradient", grad_leaves, storage_dtype)
+        layout = WorkspaceLayout.of(grads)
+        for name in moment_names:
+            layout.check_buffer(name, getattr(state, name))
+        decay = _decay_flags(weight_decay, mask, grads if params is None else params, len(grad_leaves))
+        if params is None:
+            if any(decay):
+                raise ValueError("weight decay needs the params: call update(grads, state, params)")
+            param_leaves = None
+        else:
+            _check_params_match(grads, params, layout)
+            param_leaves = check_leaves("param", params)
+            _check_storage("param", param_leaves, storage_dtype)
+        out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
+        clip = max_grad_norm is not None
+        config = StepConfig(rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes)
+        count = state.count
+        values = {
+            "lr": _at(learning_rate, count),
+            "weight_decay": _at(weight_decay, count),
+            "max_norm": 0.0 if max_grad_norm is None else max_grad_norm,
+            **rule.scalars(count),
+        }
+        moments = tuple(getattr(state, name) for name in moment_names)
+        needed_params = param_leaves if output == "params" or any(decay) else None
+        scalars = _pack(scalar_names, values)
+        outputs, new_moments = run_step(config, rule.direction, grad_leaves, needed_params, moments, scalars)
+        return outputs, rule.state_type(optax.safe_increment(count), *new_moments)
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args
+        outputs, new_state = step(updates, state, params, "updates")
+        return jax.tree.unflatten(jax.tree.structure(updates), outputs), new_state
+
+    def apply(grads, state, params, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("apply needs the params")
+        outputs, new_state = step(grads, state, params, "params")
+        return jax.tree.unflatten(jax.tree.structure(params), outputs), new_state
+
+    return FusedGradientTransformation(init, update, apply)

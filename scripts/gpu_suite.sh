@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU evidence in one command, run from the repository root on a CUDA machine:
+#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops optim e2e profile train
+# TEST_ARGS, SANITIZER_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench.
+# Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
+# docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+exec > >(tee -a "$OUT/suite.log") 2>&1
+status=0
+stage() { echo; echo "=== $1 ($(date -u +%T))"; }
+for name in "$@"; do
+  stage "$name"
+  case $name in
+    build) python3 -m ffi_kernels.build || status=1 ;;
+    test)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -n 8 \
+        -p no:cacheprovider --tb=short -rfE --durations=15 ${TEST_ARGS:-tests} || status=1 ;;
+    sanitizer)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider ${SANITIZER_ARGS:-tests/test_kernels_layer_norm.py} || status=1 ;;
+    cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/test_ops_transforms.py || status=1 ;;
+    ops|optim|e2e|profile) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    train) bash scripts/gpu_train_runs.sh || status=1 ;;
+    *) echo "unknown stage $name"; status=1 ;;
+  esac
+done
+for suite in ops optim e2e profile; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
+cp docs/results/e2e-*.png "$OUT"/ 2>/dev/null
+echo "=== done, status $status"
+exit $status

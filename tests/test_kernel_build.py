@@ -1,0 +1,208 @@
+"""CPU: the CUDA kernel library builds and exports its targets, the build reports errors clearly, the CUDA Philox
+is bit-identical to ls_jax.ops.random, and every op's FFI implementation lowers (for CUDA) to its kernels.
+
+Building needs nvcc but no GPU; tests that compile skip, saying so, where nvcc is absent.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ffi_kernels
+from ffi_kernels import build
+from ls_jax import backend, ops
+from ls_jax.ops import random
+from test_ops_support import normal, seed_array
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The targets the dropout, LayerNorm and embedding kernels provide (other files add their own).
+EXPECTED_TARGETS = {
+    "ls_dropout",
+    "ls_bias_dropout_residual_fwd",
+    "ls_bias_dropout_residual_bwd",
+    "ls_bias_act_dropout_fwd",
+    "ls_bias_act_dropout_bwd",
+    "ls_layer_norm_fwd",
+    "ls_layer_norm_add_fwd",
+    "ls_layer_norm_bwd",
+    "ls_layer_norm_add_bwd",
+    "ls_embed_fwd",
+    "ls_embed_pos_fwd",
+    "ls_embed_grad",
+}
+
+
+def _require_nvcc() -> Path:
+    try:
+        return build.find_nvcc()
+    except ffi_kernels.NvccNotFoundError as err:
+        pytest.skip(f"nvcc is not installed here: {err}")
+
+
+def _declared_targets() -> set[str]:
+    """Every target a csrc/*.cu file registers."""
+    pattern = re.compile(r"LS_(?:FFI|REGISTER)_TARGET\(\s*(ls_\w+)")
+    return {name for path in build.CSRC.glob("*.cu") for name in pattern.findall(path.read_text())}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    _require_nvcc()
+    return build.build(("sm_80", "sm_90"), cache_dir=tmp_path_factory.mktemp("kernel-cache"))
+
+
+@pytest.mark.slow
+def test_library_builds_for_sm80_and_sm90_and_exports_every_target(built):
+    assert built.archs == ("sm_80", "sm_90") and not built.cached and built.path.is_file()
+    assert EXPECTED_TARGETS <= _declared_targets()
+    capsules = ffi_kernels.import_library(built.path).targets()
+    assert set(capsules) == _declared_targets()
+    assert {type(capsule).__name__ for capsule in capsules.values()} == {"PyCapsule"}
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(built.path)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
+    assert _declared_targets() <= exported
+
+
+@pytest.mark.slow
+def test_second_build_of_the_same_sources_is_cached(built):
+    again = build.build(("sm_90", "sm_80", "sm_90"), cache_dir=built.path.parents[1])
+    assert again.cached and again.path == built.path and again.archs == ("sm_80", "sm_90")
+
+
+def test_build_cli_help():
+    process = subprocess.run([sys.executable, "-m", "ffi_kernels.build", "--help"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 0, process.stderr
+    assert "--arch" in process.stdout and "--force" in process.stdout and "LS_JAX_CACHE" in process.stdout
+
+
+def test_architectures_are_validated():
+    with pytest.raises(ValueError, match="sm_90"):
+        build.validate_archs(["90"])
+    assert build.validate_archs(["sm_90", "sm_80", "sm_90", "sm_90a"]) == ("sm_80", "sm_90", "sm_90a")
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(build, "_DEFAULT_CUDA_HOME", tmp_path)
+    with pytest.raises(ffi_kernels.NvccNotFoundError, match="CUDA_HOME"):
+        build.build(cache_dir=tmp_path)
+
+
+def test_compile_error_carries_the_compiler_output(monkeypatch, tmp_path):
+    _require_nvcc()
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    for name in ("registry.h", "common.cuh", "module.cc"):
+        shutil.copy(build.CSRC / name, sources / name)
+    (sources / "broken.cu").write_text('#include "common.cuh"\nint broken() { return undeclared_name; }\n')
+    monkeypatch.setattr(build, "CSRC", sources)
+    with pytest.raises(ffi_kernels.KernelBuildError, match="(?s)broken.cu.*undeclared_name"):
+        build.build(("sm_90",), cache_dir=tmp_path / "cache")
+
+
+_PHILOX_PROGRAM = r"""
+#include <cstdio>
+#include "common.cuh"
+
+int main() {
+  unsigned c0, c1, c2, c3, k0, k1;
+  while (std::scanf("%u %u %u %u %u %u", &c0, &c1, &c2, &c3, &k0, &k1) == 6) {
+    const uint4 w = ls::philox4x32_10(make_uint4(c0, c1, c2, c3), make_uint2(k0, k1));
+    std::printf("%u %u %u %u\n", w.x, w.y, w.z, w.w);
+  }
+  return 0;
+}
+"""
+
+
+def test_cuda_philox_is_bit_identical_to_random_py(tmp_path):
+    nvcc = _require_nvcc()
+    source = tmp_path / "philox.cu"
+    source.write_text(_PHILOX_PROGRAM)
+    binary = tmp_path / "philox"
+    subprocess.run([str(nvcc), "-std=c++17", "-I", str(build.CSRC), "-isystem", jax.ffi.include_dir(), str(source),
+                    "-o", str(binary)], check=True, capture_output=True, timeout=600)
+    words = np.random.default_rng(0).integers(0, 2**32, size=(256, 6), dtype=np.uint64)
+    words[:4] = [[0, 0, 0, 0, 0, 0], [2**32 - 1] * 6, [1, 0, 0, 0, 7, 9], [2**31, 0, 0, 0, 2**32 - 1, 0]]
+    stdin = "\n".join(" ".join(map(str, row)) for row in words.tolist()) + "\n"
+    output = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True).stdout
+    cuda = np.array([line.split() for line in output.splitlines()], np.uint64)
+    counter = tuple(jnp.asarray(words[:, i], jnp.uint32) for i in range(4))
+    key = (jnp.asarray(words[:, 4], jnp.uint32), jnp.asarray(words[:, 5], jnp.uint32))
+    expected = np.stack([np.asarray(w) for w in random.philox4x32(counter, key)], axis=-1).astype(np.uint64)
+    np.testing.assert_array_equal(cuda, expected)
+
+
+# ---- the FFI implementations lower to their kernels ------------------------------------------------------
+
+
+@pytest.fixture
+def kernels_enabled(monkeypatch):
+    """Ops dispatch to the kernels; lowering for CUDA then needs no GPU (nothing is compiled or run)."""
+    monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
+    monkeypatch.setattr(ffi_kernels, "sm_count", lambda: 132)
+
+
+def _cuda_module(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _forward_and_backward(op, *primals):
+    outputs, vjp = jax.vjp(op, *primals)
+    return outputs, vjp(jax.tree.map(jnp.ones_like, outputs))
+
+
+def _targets(text: str) -> set[str]:
+    return set(re.findall(r"custom_call @(ls_\w+)", text))
+
+
+def test_dropout_ops_lower_to_their_kernels_with_the_xla_mask_attributes(kernels_enabled):
+    x, bias, seed = normal(0, (4, 8), jnp.bfloat16), normal(1, (8,), jnp.float32), seed_array(0)
+    text = _cuda_module(lambda x, s: _forward_and_backward(lambda x: ops.dropout(x, rate=0.1, seed=s), x), x, seed)
+    assert _targets(text) == {"ls_dropout"}
+    assert f"threshold = {random.keep_threshold(0.1)} : ui32" in text
+    assert re.search(r"scale = 1.1111111\d* : f32", text)
+    bdr = lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed)
+    assert _targets(_cuda_module(lambda *p: _forward_and_backward(bdr, *p), x, bias, x)) == {
+        "ls_bias_dropout_residual_fwd", "ls_bias_dropout_residual_bwd"}
+    for index, activation in enumerate(ops.ACTIVATIONS):
+        bad = lambda x, b: ops.bias_act_dropout(x, b, activation=activation)
+        text = _cuda_module(lambda *p: _forward_and_backward(bad, *p), x, bias)
+        assert _targets(text) == {"ls_bias_act_dropout_fwd", "ls_bias_act_dropout_bwd"}
+        assert f"activation = {index} : i32" in text and "threshold = 0 : ui32" in text
+
+
+def test_layer_norm_lowers_to_its_kernels_below_the_hidden_limit(kernels_enabled):
+    gamma = jnp.ones((8192,), jnp.float32)
+    x = normal(0, (300, 8192), jnp.bfloat16)
+    plain = lambda x, g, b: _forward_and_backward(lambda x, g, b: ops.layer_norm(x, g, b), x, g, b)
+    assert _targets(_cuda_module(plain, x, gamma, gamma)) == {"ls_layer_norm_fwd", "ls_layer_norm_bwd"}
+    add = lambda x, g, b: _forward_and_backward(lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r), x, x, g, b)
+    text = _cuda_module(add, x, gamma, gamma)
+    assert _targets(text) == {"ls_layer_norm_add_fwd", "ls_layer_norm_add_bwd"}
+    assert re.search(r"tensor<264x2x8192xf32>", text), "backward scratch: 2 partial rows per SM"
+    wide = jnp.ones((8193,), jnp.float32)
+    assert _targets(_cuda_module(plain, normal(1, (2, 8193), jnp.float32), wide, wide)) == set()
+
+
+def test_embedding_lowers_to_its_kernels(kernels_enabled):
+    tokens = jnp.array([[1, 2, 0], [3, 3, 9]], jnp.int32)
+    table, pos_table = normal(0, (10, 16), jnp.float32), normal(1, (5, 16), jnp.float32)
+    embed = lambda t, p: ops.embed(tokens, t, p, padding_id=0, dropout_rate=0.1, seed=seed_array(0), dtype=jnp.bfloat16)
+    text = _cuda_module(lambda t, p: _forward_and_backward(embed, t, p), table, pos_table)
+    assert _targets(text) == {"ls_embed_pos_fwd", "ls_embed_grad"}
+    assert "has_padding = true" in text and "padding_id = 0 : i64" in text
+    no_positions = lambda t: _forward_and_backward(lambda t: ops.embed(tokens, t, scale=4.0), t)
+    text = _cuda_module(no_positions, table)
+    assert _targets(text) == {"ls_embed_fwd", "ls_embed_grad"} and "token_scale = 4.000000e+00 : f32" in text

@@ -1,0 +1,115 @@
+"""GPU: the dropout, bias_dropout_residual and bias_act_dropout kernels against their XLA implementations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ls_jax import ops
+from test_kernels_support import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
+from test_ops_support import normal, random_cotangent, seed_array
+
+pytestmark = pytest.mark.gpu
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+# Odd and aligned widths, a single row, a 3-D tensor, and enough rows that every backward block visits several.
+ELEMENTWISE_SHAPES = [(1,), (33,), (1000,), (1023,), (4097,), (8192,), (1, 1024), (3, 5, 7), (64, 4097)]
+ROW_SHAPES = [(3, 1), (3, 33), (1, 1000), (5, 1023), (4, 4097), (2, 8192), (2, 3, 64), (4096, 1024)]
+# (activation dtype, parameter dtype)
+DTYPES = [(F32, F32), (BF16, BF16), (BF16, F32), (F16, F16), (F16, F32)]
+
+
+def _inputs(shapes, dtype, offset=0):
+    return [normal(offset + i, shape, dtype) for i, shape in enumerate(shapes)]
+
+
+def _zero_pattern_equal(a, b):
+    np.testing.assert_array_equal(np.asarray(a == 0), np.asarray(b == 0))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_dropout_matches_xla_and_drops_the_same_elements(dtype):
+    def run(xs, cotangents, seed):
+        op = lambda x: ops.dropout(x, rate=0.1, seed=seed)
+        return [value_and_grads(op)((x,), ct) for x, ct in zip(xs, cotangents)]
+
+    args = (_inputs(ELEMENTWISE_SHAPES, dtype), _inputs(ELEMENTWISE_SHAPES, dtype, 100), seed_array(0))
+    assert kernel_targets(run, *args) == {"ls_dropout"}
+    got, want = on_backend("ffi", run, *args), on_backend("xla", run, *args)
+    assert_backends_agree(got, want, dtype, "dropout")
+    for (y_ffi, (dx_ffi,)), (y_xla, (dx_xla,)) in zip(got, want):
+        _zero_pattern_equal(y_ffi, y_xla)
+        _zero_pattern_equal(dx_ffi, dx_xla)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_keep_rate_scale_and_seed(rate):
+    x = jnp.ones((1 << 20,), F32)
+    run = lambda x, seed: ops.dropout(x, rate=rate, seed=seed)
+    first = np.asarray(on_backend("ffi", run, x, seed_array(1)))
+    again = np.asarray(on_backend("ffi", run, x, seed_array(1)))
+    other = np.asarray(on_backend("ffi", run, x, seed_array(2)))
+    low, high = keep_rate_bounds(rate, x.size)
+    assert low <= np.mean(first != 0) <= high
+    assert set(np.unique(first).tolist()) == {0.0, float(np.float32(1.0 / (1.0 - rate)))}
+    np.testing.assert_array_equal(first, again)
+    assert np.mean(first != other) > rate * (1.0 - rate)
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype, rate", [(*dtypes, 0.1) for dtypes in DTYPES] + [(F32, F32, 0.0), (BF16, F32, 0.0)]
+)
+def test_bias_dropout_residual_matches_xla(dtype, param_dtype, rate):
+    def run(xs, biases, residuals, cotangents, seed):
+        op = lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=rate, seed=seed)
+        return [value_and_grads(op)(p, ct) for p, ct in zip(zip(xs, biases, residuals), cotangents)]
+
+    args = (
+        _inputs(ROW_SHAPES, dtype),
+        _inputs([shape[-1:] for shape in ROW_SHAPES], param_dtype, 100),
+        _inputs(ROW_SHAPES, dtype, 200),
+        _inputs(ROW_SHAPES, dtype, 300),
+        seed_array(3),
+    )
+    assert kernel_targets(run, *args) == {"ls_bias_dropout_residual_fwd", "ls_bias_dropout_residual_bwd"}
+    got, want = on_backend("ffi", run, *args), on_backend("xla", run, *args)
+    assert_backends_agree(got, want, dtype, "bias_dropout_residual")
+    for (_, (dx_ffi, _, _)), (_, (dx_xla, _, _)) in zip(got, want):
+        _zero_pattern_equal(dx_ffi, dx_xla)
+
+
+_ACTIVATION_CASES = [
+    (activation, dtype, param_dtype, rate)
+    for activation in ops.ACTIVATIONS
+    for dtype, param_dtype, rate in [(F32, F32, 0.1), (BF16, F32, 0.1)]
+] + [("gelu", BF16, BF16, 0.0), ("relu", F16, F32, 0.1), ("gelu_tanh", F16, F16, 0.0)]
+
+
+@pytest.mark.parametrize("activation, dtype, param_dtype, rate", _ACTIVATION_CASES)
+def test_bias_act_dropout_matches_xla(activation, dtype, param_dtype, rate):
+    def run(xs, biases, cotangents, seed):
+        op = lambda x, b: ops.bias_act_dropout(x, b, activation=activation, dropout_rate=rate, seed=seed)
+        return [value_and_grads(op)(p, ct) for p, ct in zip(zip(xs, biases), cotangents)]
+
+    args = (
+        _inputs(ROW_SHAPES, dtype),
+        _inputs([shape[-1:] for shape in ROW_SHAPES], param_dtype, 100),
+        _inputs(ROW_SHAPES, dtype, 300),
+        seed_array(4),
+    )
+    assert kernel_targets(run, *args) == {"ls_bias_act_dropout_fwd", "ls_bias_act_dropout_bwd"}
+    got, want = on_backend("ffi", run, *args), on_backend("xla", run, *args)
+    assert_backends_agree(got, want, dtype, f"bias_act_dropout[{activation}]")
+
+
+def test_bias_gradient_is_deterministic():
+    x = normal(0, (4096, 1024), BF16)
+    bias = normal(1, (1024,), F32)
+    cotangent = random_cotangent(2, x)
+    seed = seed_array(5)
+    run = value_and_grads(lambda x, b: ops.bias_act_dropout(x, b, activation="gelu", dropout_rate=0.1, seed=seed))
+    first = on_backend("ffi", run, (x, bias), cotangent)
+    second = on_backend("ffi", run, (x, bias), cotangent)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

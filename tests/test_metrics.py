@@ -1,0 +1,206 @@
+"""FLOPs, device tables, energy meters and memory of train.metrics."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ls_jax import backend
+from ls_jax.models import Transformer, TransformerConfig
+from train import loop, metrics, wmt
+
+FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
+
+
+def test_flop_formula_by_hand():
+    # One encoder and one decoder layer, B=2, S=3, T=4, H=8, F=16, V=10 (the terms of the docstring).
+    encoder = 2 * 2 * 3 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 9 * 8
+    decoder = 2 * 2 * 4 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 16 * 8 + 2 * 2 * 4 * 2 * 64 + 2 * 2 * 3 * 2 * 64 + 4 * 2 * 4 * 3 * 8
+    logits = 2 * 2 * 4 * 8 * 10
+    expected = 3 * (encoder + decoder + logits)
+    got = metrics.transformer_train_flops(
+        batch=2, src_len=3, tgt_len=4, hidden=8, ffn=16, encoder_layers=1, decoder_layers=1, vocab=10
+    )
+    assert got == expected
+
+
+def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
+    model_cfg = TransformerConfig.preset("transformer-tiny", 256, dtype=jnp.float32, hidden_dropout_ratio=0.0,
+                                         attn_prob_dropout_ratio=0.0, activation_dropout_ratio=0.0)
+    model = Transformer(model_cfg)
+    tx = loop.make_optimizer("adamw", loop.inverse_sqrt_schedule(1e-3, 10), weight_decay=0.0, clip_norm=None)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    state = loop.TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
+                                   jax.random.PRNGKey(1), fp16=False)
+    parallel = loop.DataParallel.over_all_devices()
+    compiler = loop.StepCompiler(loop.make_train_step(wmt.make_loss_fn(model, 0.1), tx), parallel)
+    shape = (1, 32, 24)
+    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}
+    with backend.use("xla"):  # fused CUDA kernels are custom calls that XLA counts as 0 FLOPs
+        compiler.compiled(state, batch)
+    xla = compiler.xla_flops[loop.StepCompiler.key(batch)]
+    analytic = wmt.make_flops_fn(model_cfg)({name: shape for name in batch})
+    assert xla is not None
+    print(f"analytic {analytic:.4g} vs XLA {xla:.4g} FLOPs: {analytic / xla - 1:+.2%}")
+    assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)
+
+
+def test_xla_flops_reads_dict_or_list_and_rejects_missing():
+    class Compiled:
+        def __init__(self, analysis):
+            self.analysis = analysis
+
+        def cost_analysis(self):
+            return self.analysis
+
+    assert metrics.xla_flops(Compiled({"flops": 12.0})) == 12.0
+    assert metrics.xla_flops(Compiled([{"flops": 7.0}])) == 7.0
+    assert metrics.xla_flops(Compiled({})) is None
+    assert metrics.xla_flops(Compiled(None)) is None
+
+
+@pytest.mark.parametrize(
+    "device_kind, name, bf16_peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-SXM", 989.4),
+        ("NVIDIA H100 PCIe", "H100-PCIe", 756.0),
+        ("NVIDIA H200", "H200-SXM", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB", 312.0),
+        ("Tesla V100-SXM2-16GB", "V100-SXM2", None),
+        ("NVIDIA A10", "A10", 125.0),
+        ("Tesla T4", "T4", None),
+        ("TPU v2", "TPU-v2", 22.5),
+        ("TPU v3", "TPU-v3", 61.5),
+        ("TPU v4", "TPU-v4", 275.0),
+        ("TPU v5 lite", "TPU-v5e", 197.0),
+        ("TPU v5", "TPU-v5p", 459.0),
+    ],
+)
+def test_device_table_matches_jax_device_kinds(device_kind, name, bf16_peak):
+    spec = metrics.find_device(device_kind)
+    assert spec is not None and spec.name == name
+    assert metrics.peak_tflops(spec, "bf16") == bf16_peak
+    assert spec.peak_source and spec.price is not None and spec.price.source
+
+
+def test_every_table_entry_has_sources_for_its_numbers():
+    for spec in metrics.DEVICES:
+        assert set(spec.peak_tflops) == set(metrics.PRECISIONS)
+        assert spec.peak_source
+        if spec.price is not None:
+            assert spec.price.usd_per_hour > 0 and "listed" in spec.price.source
+        if spec.power is not None:
+            assert spec.power.watts > 0 and spec.power.source
+
+
+def test_unknown_devices_have_no_numbers_and_unknown_names_are_errors():
+    assert metrics.find_device("cpu") is None
+    assert metrics.peak_tflops(None, "fp32") is None
+    assert metrics.resolve_price(None, None) == (None, None)
+    assert metrics.find_device("cpu", "t4").name == "T4"  # --device-name, case-insensitive
+    with pytest.raises(ValueError, match="unknown device name 'Z80'; known: H100-PCIe"):
+        metrics.find_device("cpu", "Z80")
+    with pytest.raises(ValueError, match="precision"):
+        metrics.peak_tflops(None, "int8")
+
+
+def test_price_override_cost_and_mfu():
+    spec = metrics.find_device("Tesla T4")
+    assert metrics.resolve_price(spec, None) == (spec.price.usd_per_hour, f"T4: {spec.price.source}")
+    assert metrics.resolve_price(spec, 1.5) == (1.5, "--price-per-hour")
+    with pytest.raises(ValueError, match="price-per-hour"):
+        metrics.resolve_price(spec, -1.0)
+    assert metrics.cost_usd(1800.0, 4, 2.0) == pytest.approx(4.0)
+    assert metrics.cost_usd(1800.0, 4, None) is None
+    assert metrics.mfu(50.0, 100.0, 2) == pytest.approx(0.25)
+    assert metrics.mfu(50.0, None, 2) is None
+
+
+def test_energy_on_cpu_is_unknown():
+    meter = metrics.energy_meter(jax.local_devices(), metrics.find_device(jax.devices()[0].device_kind))
+    assert meter.joules() is None and meter.source is None and meter.method is None
+
+
+class FakeNvml:
+    """pynvml's energy API over fake GPUs whose counters (mJ) advance by a fixed amount per read."""
+
+    def __init__(self, start_mj, step_mj):
+        self.counters = list(start_mj)
+        self.step_mj = step_mj
+        self.shut_down = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self):
+        return len(self.counters)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUUID(self, handle):
+        return f"GPU-{handle:04d}"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        value = self.counters[handle]
+        self.counters[handle] += self.step_mj[handle]
+        return value
+
+
+def fake_gpus(*ordinals):
+    return [types.SimpleNamespace(platform="gpu", local_hardware_id=i) for i in ordinals]
+
+
+def test_nvml_energy_is_the_summed_counter_difference(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = FakeNvml(start_mj=[1_000_000, 5_000_000, 9_000_000], step_mj=[1500, 2500, 99999])
+    meter = metrics.energy_meter(fake_gpus(0, 1), None, nvml=nvml)
+    assert meter.source == "nvml"
+    # start() read each counter once; the next read is one step further: (1500 + 2500) mJ = 4 J.
+    assert meter.joules() == pytest.approx(4.0)
+    meter.close()
+    assert nvml.shut_down
+
+
+def test_nvml_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-0000")
+    nvml = FakeNvml(start_mj=[0, 0, 0], step_mj=[1000, 50000, 3000])
+    meter = metrics.energy_meter(fake_gpus(0, 1), None, nvml=nvml)  # CUDA 0 -> NVML 2, CUDA 1 -> NVML 0
+    assert meter.joules() == pytest.approx(4.0)
+
+
+def test_nvml_failure_means_unknown_energy():
+    class Broken(FakeNvml):
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    meter = metrics.energy_meter(fake_gpus(0), None, nvml=Broken([0], [0]))
+    assert meter.joules() is None and meter.source is None
+
+
+def test_tpu_energy_is_power_times_devices_times_time():
+    spec = metrics.find_device("TPU v4")
+    now = [100.0]
+    meter = metrics.EstimatedEnergy(spec.power, 4, clock=lambda: now[0])
+    now[0] += 10.0
+    assert meter.source == "estimated"
+    assert meter.joules() == pytest.approx(170.0 * 4 * 10.0)
+    assert "170 W per device x 4 devices" in meter.method and "ISCA 2023" in meter.method
+    tpu_devices = [types.SimpleNamespace(platform="tpu")] * 2
+    assert isinstance(metrics.energy_meter(tpu_devices, spec), metrics.EstimatedEnergy)
+    assert metrics.energy_meter(tpu_devices, metrics.find_device("TPU v5 lite")).source is None  # no power figure
+
+
+def test_peak_memory_max_over_devices_or_none():
+    def device(stats):
+        return types.SimpleNamespace(memory_stats=lambda: stats)
+
+    assert metrics.peak_memory_bytes([device({"peak_bytes_in_use": 10}), device({"peak_bytes_in_use": 30})]) == 30
+    assert metrics.peak_memory_bytes([device(None)]) is None
+    cpu_peak = metrics.peak_memory_bytes(jax.local_devices())
+    assert cpu_peak is None or cpu_peak > 0

@@ -1,0 +1,44 @@
+"""train.benchmarks.optim: the benchmarked models' sizes, its byte and kernel counts, and a --quick run on CPU."""
+
+import json
+
+import numpy as np
+
+from train.benchmarks import optim
+
+
+def _parameters(shapes):
+    return sum(int(np.prod(shape)) for shape in shapes)
+
+
+def test_model_shapes_have_the_published_sizes():
+    assert _parameters(optim.MODELS["bert-base"](False)) == 109_482_240  # bert-base-uncased, pooler included
+    transformer = optim.MODELS["transformer-big"](False)
+    assert _parameters(transformer) == 209_915_904  # 6+6 layers, 1024/4096, shared 32768-token embedding
+    assert transformer[0] == (32768, 1024) and transformer.count((32768, 1024)) == 1
+
+
+def test_byte_and_kernel_counts():
+    shapes = [(3, 5), (7,)]
+    assert optim.step_bytes(shapes, moments=4, clip=False) == 22 * 44
+    assert optim.step_bytes(shapes, moments=2, clip=True) == 22 * 32
+    hlo = """
+  %fusion.1 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, calls=%fused_computation
+  %custom-call.2 = (f32[8]{0}) custom-call(f32[8]{0} %fusion.1), custom_call_target="ls_optim_step"
+  %add.3 = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)
+"""
+    assert optim.kernel_count(hlo) == 2
+
+
+def test_quick_run_writes_results(tmp_path):
+    assert optim.main(["--quick", "--models", "bert-base", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("optim-*.json")
+    report = json.loads(path.read_text())
+    assert report["suite"] == "optim" and report["quick"] is True
+    model = report["models"]["bert-base"]
+    assert model["leaves"] == len(optim.MODELS["bert-base"](True))
+    for variant in ("adan", "adamw", "adan_clip"):
+        for implementation in ("ls_jax_xla", "optax"):
+            result = model["results"][variant][implementation]
+            assert result["median_ms"] > 0 and result["kernels"] > 0 and result["bytes"] > 0
+    assert model["speedups"]["adan: ls_jax_xla vs optax"] > 0

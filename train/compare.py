@@ -1,0 +1,108 @@
+"""Compare training runs from any devices by time, cost, energy and utilization.
+
+    python -m train.compare LOG_OR_DIR ... [--task T] [--baseline RUN] [--weights PRESET | --weights t,c,e,u]
+                                           [--out DIR]
+
+Reads run logs (docs/run-log.md; a directory is searched recursively for *.jsonl run logs), prints the tables
+and writes report.md with the tables and PNG plots to --out (default reports/<UTC time>/). The arithmetic lives
+in train.report, the figures in train.report_plots; docs/compare.md explains the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from train import report, report_plots
+
+EXIT_USAGE = 2
+
+
+def _presets_help() -> str:
+    lines = [f"  {name:<12} {weights.describe()}" for name, weights in report.WEIGHT_PRESETS.items()]
+    return "weight presets (time, cost, energy, utilization):\n" + "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.compare",
+        description=(
+            "Tables, a weighted score and plots comparing training runs (run.jsonl logs) from any devices.\n\n"
+            "score = w_t*T + w_c*C + w_e*E - w_u*U, lower is better, where T, C, E, U are time, cost, energy\n"
+            "and MFU, each divided by its maximum over the runs scored. A run whose cost, energy or MFU is null\n"
+            "is not scored while that term's weight is non-zero (never counted as zero). See docs/compare.md."
+        ),
+        epilog=_presets_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("logs", nargs="+", metavar="LOG_OR_DIR",
+                        help="run.jsonl files, or directories searched recursively for *.jsonl run logs")
+    parser.add_argument("--task", help="compare the runs of this task (needed when the logs hold several tasks)")
+    parser.add_argument("--baseline", metavar="RUN",
+                        help="baseline run: run id, row number (#1 is the first run) or a unique substring of a "
+                             "run id or log path (default: the first run)")
+    parser.add_argument("--weights", default=report.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
+                        help=f"score weights: a preset ({', '.join(report.WEIGHT_PRESETS)}) or four "
+                             f"comma-separated numbers (default: {report.DEFAULT_PRESET})")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="report directory (default: reports/<UTC time>/)")
+    return parser
+
+
+def _default_out_dir() -> Path:
+    return Path("reports") / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _load(args: argparse.Namespace) -> report.Comparison:
+    weights_name, weights = report.parse_weights(args.weights)
+    runs, notes = report.load_runs(args.logs)
+    runs = report.select_task(runs, args.task)
+    baseline = report.find_baseline(runs, args.baseline)
+    return report.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes)
+
+
+def write_report(comparison: report.Comparison, out_dir: Path, command: str) -> Path:
+    """Writes the plots and report.md into ``out_dir``; returns the path of report.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = report_plots.write_plots(comparison, out_dir)
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    path = out_dir / "report.md"
+    path.write_text(report.markdown_report(comparison, plots=plots, command=command, created=created))
+    return path
+
+
+def print_summary(comparison: report.Comparison) -> None:
+    baseline = comparison.runs[comparison.baseline]
+    print(report.markdown_table(*report.runs_table(comparison)))
+    print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label}):")
+    print(report.markdown_table(*report.ratios_table(comparison)))
+    print("\n" + report.score_explanation(comparison))
+    print(report.markdown_table(*report.score_table(comparison)) if comparison.ranking else "No run could be scored.")
+    for note in comparison.notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        comparison = _load(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    out_dir = args.out or _default_out_dir()
+    command = shlex.join(["python", "-m", "train.compare", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        path = write_report(comparison, out_dir, command)
+    except OSError as err:
+        print(f"error: cannot write the report to {out_dir}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print_summary(comparison)
+    print(f"\nreport: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

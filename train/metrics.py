@@ -1,0 +1,317 @@
+"""What a run costs: FLOPs, device peaks (MFU), prices (USD), energy (J) and memory.
+
+Tables are data with their sources; every lookup returns None where a number is not known, never a guess.
+
+- `transformer_train_flops`: the analytic FLOP count of one training step (docs/flops.md derives it);
+  `xla_flops`: XLA's own count from a compiled computation, for cross-checking.
+- `DEVICES`: per JAX device, the datasheet dense peak TFLOP/s per precision, price per hour and (TPU) power.
+  A JAX device is one GPU, one TPU v4/v5 chip, or one TPU v2/v3 TensorCore (two per chip), and the numbers are
+  per JAX device accordingly.
+- Energy: NVIDIA GPUs read NVML's total-energy counter (millijoules since driver load) for the devices in use;
+  TPUs estimate mean chip power x devices x time; other devices report None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from typing import Any, Callable, Sequence
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+# ------------------------------------------------------------------------------------------------- FLOPs
+
+
+def transformer_train_flops(
+    *,
+    batch: int,
+    src_len: int,
+    tgt_len: int,
+    hidden: int,
+    ffn: int,
+    encoder_layers: int,
+    decoder_layers: int,
+    vocab: int,
+) -> int:
+    """Matmul FLOPs of one training step of an encoder-decoder Transformer on a (batch, src_len/tgt_len) batch.
+
+    With B batch, S source and T target (padded) lengths, H hidden, F feed-forward, V vocabulary, counting a
+    multiply-add as 2 FLOPs (see docs/flops.md):
+
+        encoder layer   2BS(4H^2 + 2HF) + 4BS^2H
+        decoder layer   2BT(4H^2 + 2HF) + 4BT^2H  +  2BT(2H^2) + 2BS(2H^2) + 4BTSH   (self + cross attention)
+        output logits   2BTHV
+        training step   3 x forward (the backward pass computes two matmuls per forward matmul)
+    """
+    encoder = 2 * batch * src_len * (4 * hidden**2 + 2 * hidden * ffn) + 4 * batch * src_len**2 * hidden
+    decoder = (
+        2 * batch * tgt_len * (4 * hidden**2 + 2 * hidden * ffn)
+        + 4 * batch * tgt_len**2 * hidden
+        + 2 * batch * tgt_len * 2 * hidden**2
+        + 2 * batch * src_len * 2 * hidden**2
+        + 4 * batch * tgt_len * src_len * hidden
+    )
+    logits = 2 * batch * tgt_len * hidden * vocab
+    return 3 * (encoder_layers * encoder + decoder_layers * decoder + logits)
+
+
+def xla_flops(compiled: Any) -> float | None:
+    """FLOPs XLA's cost analysis reports for a compiled computation (``jitted.lower(...).compile()``), if any."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement cost analysis
+        return None
+    if isinstance(analysis, (list, tuple)):  # older jax returns one dict per computation
+        analysis = analysis[0] if analysis else None
+    flops = analysis.get("flops") if analysis else None
+    return float(flops) if flops is not None and flops > 0 else None
+
+
+# ---------------------------------------------------------------------------------------- device tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Price:
+    usd_per_hour: float  # per JAX device
+    source: str  # where and when the list price was read
+
+
+@dataclasses.dataclass(frozen=True)
+class Power:
+    watts: float  # per JAX device
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Numbers for one kind of JAX device. ``pattern`` is matched (case-insensitively) against device_kind."""
+
+    name: str
+    pattern: str
+    peak_tflops: dict[str, float | None]  # dense datasheet peak per precision
+    peak_source: str
+    price: Price | None = None
+    power: Power | None = None
+
+    def matches(self, device_kind: str) -> bool:
+        return re.search(self.pattern, device_kind, re.IGNORECASE) is not None
+
+
+# "fp32" means what JAX runs for float32 matmuls at its default precision: TF32 tensor cores on Ampere and
+# newer GPUs, plain FP32 on Volta/Turing, one bfloat16 pass on TPU.
+_NV = "NVIDIA {} datasheet, dense (without sparsity)"
+_GCP_GPU = "Google Cloud GPU pricing, on-demand us-central1, GPU only (no VM), listed 2024"
+_AWS_CB = "AWS EC2 Capacity Blocks pricing, effective accelerator rate, US East (Ohio), listed 2024-12"
+_GCP_TPU = "Google Cloud TPU pricing, on-demand us-central1, listed 2024"
+_TPU_ARCH = "Google Cloud TPU system architecture docs, per chip"
+_V4_PAPER = "Jouppi et al., TPU v4, ISCA 2023, Table 1: mean power"
+_LESSONS = "Jouppi et al., Ten Lessons from Three Generations of TPUs, ISCA 2021, Table 1: TDP (no mean published; an upper bound)"
+
+DEVICES: tuple[DeviceSpec, ...] = (
+    DeviceSpec("H100-PCIe", r"h100.*pcie", {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0}, _NV.format("H100 PCIe"),
+               Price(4.916, _AWS_CB + " (H100 SXM price)")),
+    DeviceSpec("H100-NVL", r"h100.*nvl", {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5}, _NV.format("H100 NVL"),
+               Price(4.916, _AWS_CB + " (H100 SXM price)")),
+    DeviceSpec("H100-SXM", r"h100", {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4}, _NV.format("H100 SXM"),
+               Price(4.916, _AWS_CB)),
+    DeviceSpec("H200-NVL", r"h200.*nvl", {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5}, _NV.format("H200 NVL"),
+               Price(5.408, _AWS_CB + " (H200 SXM price)")),
+    DeviceSpec("H200-SXM", r"h200", {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4}, _NV.format("H200 SXM"),
+               Price(5.408, _AWS_CB)),
+    DeviceSpec("A100-80GB", r"a100.*80", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"),
+               Price(3.93, _GCP_GPU)),
+    DeviceSpec("A100-40GB", r"a100", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"),
+               Price(2.934, _GCP_GPU)),
+    DeviceSpec("V100-PCIe", r"v100.*pcie", {"fp32": 14.0, "bf16": None, "fp16": 112.0}, _NV.format("V100 PCIe"),
+               Price(2.48, _GCP_GPU)),
+    DeviceSpec("V100-SXM2", r"v100", {"fp32": 15.7, "bf16": None, "fp16": 125.0}, _NV.format("V100 SXM2"),
+               Price(2.48, _GCP_GPU)),
+    DeviceSpec("A10", r"\ba10g?\b", {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0}, _NV.format("A10"),
+               Price(0.75, "Lambda GPU cloud pricing, 1x A10 on-demand, listed 2024")),
+    DeviceSpec("T4", r"\bt4\b", {"fp32": 8.1, "bf16": None, "fp16": 65.0}, _NV.format("T4"),
+               Price(0.35, _GCP_GPU)),
+    DeviceSpec("TPU-v2", r"tpu v2", {"fp32": 22.5, "bf16": 22.5, "fp16": None},
+               _TPU_ARCH + ": 45 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
+               Price(0.5625, _GCP_TPU + ": USD 4.50 per v2-8 (8 cores)"),
+               Power(140.0, _LESSONS + ": 280 W per chip, 2 cores")),
+    DeviceSpec("TPU-v3", r"tpu v3", {"fp32": 61.5, "bf16": 61.5, "fp16": None},
+               _TPU_ARCH + ": 123 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
+               Price(1.00, _GCP_TPU + ": USD 8.00 per v3-8 (8 cores)"),
+               Power(110.0, _V4_PAPER + " of TPU v3, 220 W per chip, 2 cores")),
+    DeviceSpec("TPU-v4", r"tpu v4", {"fp32": 275.0, "bf16": 275.0, "fp16": None},
+               _TPU_ARCH + ": 275 TFLOP/s bf16 per chip (one JAX device)",
+               Price(3.22, _GCP_TPU + ", per chip"),
+               Power(170.0, _V4_PAPER + " of TPU v4, 170 W per chip")),
+    DeviceSpec("TPU-v5e", r"tpu v5 ?lite|tpu v5e", {"fp32": 197.0, "bf16": 197.0, "fp16": None},
+               _TPU_ARCH + ": 197 TFLOP/s bf16 per chip (one JAX device)",
+               Price(1.20, _GCP_TPU + ", per chip")),
+    DeviceSpec("TPU-v5p", r"tpu v5p?$|tpu v5p", {"fp32": 459.0, "bf16": 459.0, "fp16": None},
+               _TPU_ARCH + ": 459 TFLOP/s bf16 per chip (one JAX device)",
+               Price(4.20, _GCP_TPU + ", per chip")),
+)
+DEVICE_NAMES = tuple(spec.name for spec in DEVICES)
+
+
+def find_device(device_kind: str, name: str | None = None) -> DeviceSpec | None:
+    """The table entry for a JAX device_kind, or for an explicit table ``name`` (``--device-name``).
+
+    Raises:
+      ValueError: ``name`` is given but not in the table.
+    """
+    if name is not None:
+        for spec in DEVICES:
+            if spec.name.lower() == name.lower():
+                return spec
+        raise ValueError(f"unknown device name {name!r}; known: {', '.join(DEVICE_NAMES)}")
+    return next((spec for spec in DEVICES if spec.matches(device_kind)), None)
+
+
+def peak_tflops(spec: DeviceSpec | None, precision: str) -> float | None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return None if spec is None else spec.peak_tflops.get(precision)
+
+
+def resolve_price(spec: DeviceSpec | None, override: float | None) -> tuple[float | None, str | None]:
+    """(USD per device-hour, its source): ``--price-per-hour`` if given, else the table, else (None, None)."""
+    if override is not None:
+        if override < 0:
+            raise ValueError(f"--price-per-hour must be >= 0, got {override}")
+        return override, "--price-per-hour"
+    if spec is None or spec.price is None:
+        return None, None
+    return spec.price.usd_per_hour, f"{spec.name}: {spec.price.source}"
+
+
+def cost_usd(seconds: float, device_count: int, price_per_device_hour: float | None) -> float | None:
+    return None if price_per_device_hour is None else seconds * device_count * price_per_device_hour / 3600.0
+
+
+def mfu(tflops_per_s: float | None, peak_per_device: float | None, device_count: int) -> float | None:
+    if tflops_per_s is None or not peak_per_device:
+        return None
+    return tflops_per_s / (peak_per_device * device_count)
+
+
+# ------------------------------------------------------------------------------------------------ energy
+
+
+class EnergyMeter:
+    """Energy used by the devices since `start`, in joules; ``source`` says how it is known."""
+
+    source: str | None = None
+    method: str | None = None  # a sentence for the run log
+
+    def start(self) -> None:
+        pass
+
+    def joules(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlEnergy(EnergyMeter):
+    """Sum over GPUs of NVML's total-energy counter, minus its value at `start`."""
+
+    source = "nvml"
+    method = "NVML nvmlDeviceGetTotalEnergyConsumption, summed over the GPUs in use, end minus start"
+
+    def __init__(self, nvml: Any, indices: Sequence[int]):
+        self._nvml = nvml
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        self._start_mj = 0
+
+    def _total_mj(self) -> int:
+        return sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles)
+
+    def start(self) -> None:
+        self._start_mj = self._total_mj()
+
+    def joules(self) -> float:
+        return (self._total_mj() - self._start_mj) / 1000.0
+
+    def close(self) -> None:
+        self._nvml.nvmlShutdown()
+
+
+class EstimatedEnergy(EnergyMeter):
+    """Power per device x number of devices x wall time since `start`."""
+
+    source = "estimated"
+
+    def __init__(self, power: Power, device_count: int, clock: Callable[[], float] = time.monotonic):
+        self._watts = power.watts * device_count
+        self._clock = clock
+        self._start = clock()
+        self.method = f"{power.watts:g} W per device x {device_count} devices x time ({power.source})"
+
+    def start(self) -> None:
+        self._start = self._clock()
+
+    def joules(self) -> float:
+        return self._watts * (self._clock() - self._start)
+
+
+def _visible_nvml_indices(nvml: Any, cuda_ordinals: Sequence[int]) -> list[int]:
+    """NVML indices of the GPUs JAX uses, given their CUDA ordinals.
+
+    NVML ignores CUDA_VISIBLE_DEVICES, so the ordinals are mapped through it (its entries are indices or UUIDs).
+    CUDA numbers GPUs in the same order as NVML when CUDA_DEVICE_ORDER=PCI_BUS_ID, and on machines whose GPUs
+    are all alike also by default.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(cuda_ordinals)
+    by_uuid = {}
+    for index in range(nvml.nvmlDeviceGetCount()):
+        uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))
+        by_uuid[uuid.decode() if isinstance(uuid, bytes) else uuid] = index
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    nvml_indices = [int(e) if e.isdigit() else by_uuid[e] for e in entries]
+    return [nvml_indices[ordinal] for ordinal in cuda_ordinals]
+
+
+def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any = None) -> EnergyMeter:
+    """The best energy meter for ``devices`` (this host's JAX devices): NVML, a TPU estimate, or none.
+
+    ``nvml`` is the ``pynvml`` module (nvidia-ml-py); it is imported here when None and GPUs are in use.
+    """
+    platform = devices[0].platform
+    if platform == "gpu":
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError:
+                return EnergyMeter()
+        try:
+            nvml.nvmlInit()
+            indices = _visible_nvml_indices(nvml, [d.local_hardware_id for d in devices])
+            meter = NvmlEnergy(nvml, indices)
+            meter.start()
+        except Exception:  # noqa: BLE001 - no NVML, or a GPU without the energy counter (pre-Volta)
+            return EnergyMeter()
+        return meter
+    if platform == "tpu" and spec is not None and spec.power is not None:
+        return EstimatedEnergy(spec.power, len(devices))
+    return EnergyMeter()
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def peak_memory_bytes(devices: Sequence[Any]) -> int | None:
+    """The largest ``peak_bytes_in_use`` over ``devices``, or None where devices do not report memory."""
+    peaks = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - not implemented on some platforms
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None

@@ -68,14 +68,28 @@ LS_JAX_PRESETS = {
 
 @dataclasses.dataclass
 class TrainStep:
-    """A jitted, donating train step and its initial state; ``run()`` advances the state by one step."""
+    """A train step compiled once for one batch shape, donating its state; ``run()`` advances the state."""
 
-    step: Callable[..., Any]
+    compiled: Any
     state: Any
 
     def run(self, batch) -> jax.Array:
-        self.state, loss = self.step(self.state, batch)
+        self.state, loss = self.compiled(self.state, batch)
         return loss
+
+    def memory_bytes(self) -> int:
+        """Device memory the step needs: arguments + outputs - donated aliases + temporaries (XLA's analysis)."""
+        analysis = self.compiled.memory_analysis()
+        return int(
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+
+
+def _compile(step: Callable[..., Any], state: Any, batch) -> TrainStep:
+    return TrainStep(jax.jit(step, donate_argnums=0).lower(state, batch).compile(), state)
 
 
 def _batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
@@ -115,8 +129,7 @@ def _reference_step(shape: ModelShape, batch) -> TrainStep:
             params = optax.apply_updates(params, updates)
         return (params, opt_state, rng), loss
 
-    state = (params, tx.init(params), jax.random.PRNGKey(1))
-    return TrainStep(jax.jit(step, donate_argnums=0), state)
+    return _compile(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
 
 
 def _ls_jax_step(name: str, batch) -> TrainStep:
@@ -148,8 +161,7 @@ def _ls_jax_step(name: str, batch) -> TrainStep:
             params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
         return (params, opt_state, rng), loss
 
-    state = (params, tx.init(params), jax.random.PRNGKey(1))
-    return TrainStep(jax.jit(step, donate_argnums=0), state)
+    return _compile(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
 
 
 def _build(implementation: str, name: str, batch) -> TrainStep:
@@ -158,42 +170,36 @@ def _build(implementation: str, name: str, batch) -> TrainStep:
     return _ls_jax_step(name, batch)
 
 
-def compiled_memory_bytes(train_step: TrainStep, batch) -> int:
-    """Device memory the compiled step needs: arguments + outputs - donated aliases + temporaries."""
-    analysis = train_step.step.lower(train_step.state, batch).compile().memory_analysis()
-    return int(
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
-
-
 def _mode(implementation: str) -> str:
     return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]
 
 
-def measure(implementation: str, name: str, target_tokens: int, steps: int) -> dict[str, Any]:
-    """Median step time and memory of one implementation at one batch size."""
+def measure(implementation: str, name: str, target_tokens: int, steps: int, profile_steps: int = 0) -> dict[str, Any]:
+    """Median step time and memory of one implementation at one batch size; with ``profile_steps``, also the
+    per-category breakdown of that many traced steps (``train.benchmarks.profile``)."""
+    from train.benchmarks import profile
+
     batch = _batch(target_tokens // SEQ_LEN, seed=target_tokens)
     with backend.use(_mode(implementation)):
-        train_step = _build(implementation, name, batch)
-        memory = compiled_memory_bytes(train_step, batch)
         start = time.perf_counter()
+        train_step = _build(implementation, name, batch)
         first_loss = float(train_step.run(batch))
         compile_s = time.perf_counter() - start
         timing = common.time_call(lambda: train_step.run(batch), warmup=3, samples=steps, inner=1)
         last_loss = float(train_step.run(batch))
-    return {
-        "step_time_s": timing["median_s"],
-        "p10_s": timing["p10_s"],
-        "p90_s": timing["p90_s"],
-        "steps_timed": steps,
-        "compile_and_first_step_s": compile_s,
-        "memory_bytes": memory,
-        "first_loss": first_loss,
-        "loss_after_timing": last_loss,
-    }
+        record = {
+            "step_time_s": timing["median_s"],
+            "p10_s": timing["p10_s"],
+            "p90_s": timing["p90_s"],
+            "steps_timed": steps,
+            "init_compile_and_first_step_s": compile_s,
+            "memory_bytes": train_step.memory_bytes(),
+            "first_loss": first_loss,
+            "loss_after_timing": last_loss,
+        }
+        if profile_steps:
+            record["profile"] = profile.step_breakdown(train_step, batch, profile_steps)
+    return record
 
 
 def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, int], capacity: int) -> dict[str, Any]:
@@ -224,7 +230,7 @@ def _flops(name: str, target_tokens: int) -> float:
     sentences = target_tokens // SEQ_LEN
     return metrics.transformer_train_flops(
         hidden=shape.hidden,
-        intermediate=shape.intermediate,
+        ffn=shape.intermediate,
         encoder_layers=shape.encoder_layers,
         decoder_layers=shape.decoder_layers,
         vocab=VOCAB,
@@ -244,7 +250,7 @@ def measured_gemm_tflops() -> float:
 
 
 def run(models: list[str], token_counts: list[int], implementations: list[str], steps: int, fit_batch: bool):
-    peak = metrics.peak_tflops(jax.devices()[0].device_kind, "bf16")
+    peak = metrics.peak_tflops(metrics.find_device(jax.devices()[0].device_kind), "bf16")
     gemm_peak = measured_gemm_tflops()
     capacity = jax.devices()[0].memory_stats().get("bytes_limit") if jax.devices()[0].platform == "gpu" else None
     results: dict[str, Any] = {}

@@ -6,8 +6,11 @@ Every case is one op at a Transformer-big shape (bf16 activations, f32 parameter
 drops). It times one forward plus one backward pass (``jax.vjp`` applied to a fixed cotangent, jitted) per
 backend and reports milliseconds, the ffi/xla speedup, the bytes the pass has to move at least (every input read
 once, every output written once; counted per op below) and the achieved bandwidth against the measured copy
-bandwidth. A result records the kernels the ffi run actually called (the ls_* custom calls in its HLO), so a
-silent fallback to XLA shows. Results go to docs/results/ops-<device>.json.
+bandwidth. On a GPU it also traces ten calls with jax.profiler and reports the device time: the sum of the GPU
+kernels' durations per call (``device_ms``, per kernel in ``kernel_ms``), which leaves out the per-call launch
+overhead of an isolated jitted function that a training step, one executable, does not pay per op. A result
+records the kernels the ffi run actually called (the ls_* custom calls in its HLO), so a silent fallback to XLA
+shows. Results go to docs/results/ops-<device>.json.
 
 ``--quick`` divides the row counts by 64 and takes few samples: a smoke test that also runs on CPU, where only
 the xla backend exists.
@@ -29,6 +32,7 @@ import numpy as np
 
 from ls_jax import backend, ops
 from train.benchmarks import common
+from train.benchmarks import profile
 
 ACTIVATION = jnp.bfloat16
 PARAM = jnp.float32
@@ -204,9 +208,15 @@ def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float,
         fn = jax.jit(_forward_backward(workload.op))
         hlo = fn.lower(workload.primals, cotangent).as_text()
         timing = common.time_call(lambda: fn(workload.primals, cotangent), **sampling)
+        kernel_ms = {}
+        if jax.default_backend() == "gpu":
+            calls = 10
+            kernel_ms = profile.kernel_time_by_name(
+                profile.trace_gpu_kernels(lambda: fn(workload.primals, cotangent), calls), calls
+            )
     seconds = timing["median_s"]
     bandwidth = workload.bytes_moved / seconds
-    return {
+    result = {
         "median_ms": 1e3 * seconds,
         "p10_ms": 1e3 * timing["p10_s"],
         "p90_ms": 1e3 * timing["p90_s"],
@@ -214,6 +224,14 @@ def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float,
         "fraction_of_copy_bandwidth": bandwidth / copy_bandwidth,
         "kernels": sorted(set(re.findall(r"custom_call @(ls_\w+)", hlo))),
     }
+    if kernel_ms:
+        device_seconds = sum(kernel_ms.values()) / 1e3
+        result.update(
+            device_ms=1e3 * device_seconds,
+            device_fraction_of_copy_bandwidth=workload.bytes_moved / device_seconds / copy_bandwidth,
+            kernel_ms=kernel_ms,
+        )
+    return result
 
 
 def run_case(case: Case, modes: Sequence[backend.KernelMode], copy_bandwidth: float, quick: bool) -> dict[str, Any]:
@@ -228,6 +246,8 @@ def run_case(case: Case, modes: Sequence[backend.KernelMode], copy_bandwidth: fl
         result[mode] = measure(workload, mode, copy_bandwidth, quick)
     if "ffi" in result and "xla" in result:
         result["speedup"] = result["xla"]["median_ms"] / result["ffi"]["median_ms"]
+        if "device_ms" in result["ffi"] and "device_ms" in result["xla"]:
+            result["device_speedup"] = result["xla"]["device_ms"] / result["ffi"]["device_ms"]
     return result
 
 
@@ -236,9 +256,12 @@ def _format_row(result: dict[str, Any]) -> str:
         if mode not in result:
             return f"{'-':>24}"
         r = result[mode]
-        return f"{r['median_ms']:9.3f} ms {r['fraction_of_copy_bandwidth']:6.1%} copy"
+        device = f" dev {r['device_ms']:7.3f} ms {r['device_fraction_of_copy_bandwidth']:6.1%}" if "device_ms" in r else ""
+        return f"{r['median_ms']:9.3f} ms {r['fraction_of_copy_bandwidth']:6.1%} copy{device}"
 
     speedup = f"{result['speedup']:6.2f}x" if "speedup" in result else f"{'-':>7}"
+    if "device_speedup" in result:
+        speedup += f" (dev {result['device_speedup']:.2f}x)"
     return (f"{result['op']:<28} {result['shape']:<28} {result['bytes_moved'] / 1e6:9.1f} MB "
             f"{cell('ffi')}  {cell('xla')}  {speedup}")
 

@@ -19,11 +19,10 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 
-from ls_jax import backend
 from train.benchmarks import common
 from train.benchmarks import e2e
 
@@ -116,21 +115,32 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
 
 
-def profile(implementation: str, name: str, target_tokens: int, steps: int) -> dict[str, Any]:
-    batch = e2e._batch(target_tokens // e2e.SEQ_LEN, seed=target_tokens)
-    with backend.use(e2e._mode(implementation)):
-        train_step = e2e._build(implementation, name, batch)
-        op_names = hlo_op_names(train_step.step.lower(train_step.state, batch).compile().as_text())
-        for _ in range(3):
-            jax.block_until_ready(train_step.run(batch))
-        with tempfile.TemporaryDirectory() as log_dir:
-            with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-                for _ in range(steps):
-                    loss = train_step.run(batch)
-                jax.block_until_ready(loss)
-            kernels = gpu_kernel_events(_trace_events(Path(log_dir)))
+def trace_gpu_kernels(fn: Callable[[], Any], calls: int) -> list[dict[str, Any]]:
+    """GPU kernel events of ``calls`` back-to-back calls of ``fn`` (warmed up beforehand by the caller)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn()
+            jax.block_until_ready(out)
+        return gpu_kernel_events(_trace_events(Path(log_dir)))
+
+
+def kernel_time_by_name(kernels: list[dict[str, Any]], calls: int) -> dict[str, float]:
+    """Milliseconds per call spent in each kernel name, largest first."""
+    totals: dict[str, float] = {}
+    for event in kernels:
+        totals[event["name"]] = totals.get(event["name"], 0.0) + event["dur"] / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def step_breakdown(train_step: Any, batch: Any, steps: int) -> dict[str, Any]:
+    """Category breakdown of ``steps`` traced calls of an ``e2e.TrainStep`` (already warmed up)."""
+    op_names = hlo_op_names(train_step.compiled.as_text())
+    kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps)
     ms = breakdown(kernels, op_names, steps)
-    return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps}
+    top = dict(list(kernel_time_by_name(kernels, steps).items())[:25])
+    return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
+            "top_kernels_ms_per_step": top}
 
 
 def main(argv: list[str]) -> int:
@@ -143,7 +153,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     implementations = args.implementations.split(",")
-    results = {impl: profile(impl, args.model, args.tokens, args.steps) for impl in implementations}
+    results = {
+        impl: e2e.measure(impl, args.model, args.tokens, steps=5, profile_steps=args.steps)["profile"]
+        for impl in implementations
+    }
     written = common.write_result(
         "profile", {"model": args.model, "target_tokens": args.tokens, "steps": args.steps, "results": results},
         args.out,

@@ -31,8 +31,10 @@ checkpoint writes stop the clock.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
+import os
 import signal
 import statistics
 import sys
@@ -213,21 +215,37 @@ class StepCompiler:
     def compiled(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         key = self.key(batch)
         if key not in self._compiled:
-            sharding = self._parallel.rows_sharding(1)
-            abstract = {
-                name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()
-            }
-            compiled = self._jitted.lower(state, abstract).compile()
-            self._compiled[key] = compiled
-            # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
-            single_micro_batch = all(value.shape[0] == 1 for value in batch.values())
-            self.xla_flops[key] = metrics_lib.xla_flops(compiled) if single_micro_batch else None
+            self._store(key, self._lower(state, batch).compile())
         return self._compiled[key]
 
     def precompile(self, state: TrainState, global_shapes: Iterable[Mapping[str, tuple[tuple[int, ...], Any]]]) -> None:
-        """Compiles every given global batch shape ({name: (shape, dtype)}) ahead of training."""
+        """Compiles every given global batch shape ({name: (shape, dtype)}) ahead of training.
+
+        Tracing runs here, one shape after another (it reads the kernel mode of this thread); the XLA
+        compilations, which release the GIL, then run side by side in threads.
+        """
+        lowered = {}
         for shapes in global_shapes:
-            self.compiled(state, {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()})
+            batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
+            key = self.key(batch)
+            if key not in self._compiled and key not in lowered:
+                lowered[key] = self._lower(state, batch)
+        if not lowered:
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
+            for key, compiled in zip(lowered, pool.map(lambda item: item.compile(), lowered.values())):
+                self._store(key, compiled)
+
+    def _lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        sharding = self._parallel.rows_sharding(1)
+        abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}
+        return self._jitted.lower(state, abstract)
+
+    def _store(self, key: tuple, compiled: Any) -> None:
+        self._compiled[key] = compiled
+        # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
+        single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
+        self.xla_flops[key] = metrics_lib.xla_flops(compiled) if single_micro_batch else None
 
 
 # -------------------------------------------------------------------------------------------- hardware

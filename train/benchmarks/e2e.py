@@ -1,6 +1,6 @@
 """End-to-end training-step benchmark: plain Flax reference vs ls_jax (xla backend) vs ls_jax (ffi backend).
 
-``python -m train.bench e2e [--models big-6e6d,...] [--tokens 1024,8192] [--steps 20] [--quick]``
+``python -m train.bench e2e [--models big-6e6d,...] [--tokens 1024,8192] [--steps 20] [--fit] [--quick]``
 
 One process builds the same Transformer three ways and trains it on the same random batches (fixed-length
 64-token source and target sentences, shared 32768 vocabulary, dropout 0.1 everywhere, label smoothing 0.1,
@@ -11,9 +11,9 @@ AdamW, bf16 compute with f32 params):
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` steps
 after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak and against a bf16 GEMM measured in
 the same run), the compiled step's memory (XLA memory analysis: arguments + outputs - aliased + temporaries),
-and, per (model, implementation), the largest trainable batch predicted from the memory of the measured batches
-and then verified by running one step. Results merge into docs/results/e2e-<device>.json (so runs split across
-several calls build one file), and a speedup plot is written next to it.
+and, with ``--fit``, per (model, implementation) the largest trainable batch predicted from the memory of the
+measured batches and then verified by running one step. Results merge into docs/results/e2e-<device>.json after
+every measurement (so runs split across several calls build one file), and a speedup plot is written next to it.
 """
 
 from __future__ import annotations
@@ -249,21 +249,51 @@ def measured_gemm_tflops() -> float:
     return 2 * 8192**3 / timing["median_s"] / 1e12
 
 
-def run(models: list[str], token_counts: list[int], implementations: list[str], steps: int, fit_batch: bool):
-    peak = metrics.peak_tflops(metrics.find_device(jax.devices()[0].device_kind), "bf16")
-    gemm_peak = measured_gemm_tflops()
-    capacity = jax.devices()[0].memory_stats().get("bytes_limit") if jax.devices()[0].platform == "gpu" else None
-    results: dict[str, Any] = {}
+@dataclasses.dataclass
+class ResultFile:
+    """docs/results/e2e-<device>.json, rewritten after every measurement so an interrupted run keeps what it
+    measured; measurements from earlier runs on the same device are kept unless measured again."""
+
+    path: Path
+    header: dict[str, Any]
+    results: dict[str, Any]
+
+    @classmethod
+    def open(cls, out_dir: Path, header: dict[str, Any], fresh: bool) -> "ResultFile":
+        path = out_dir / f"e2e-{common.device_slug()}.json"
+        results = {} if fresh or not path.exists() else json.loads(path.read_text())["results"]
+        return cls(path, header, results)
+
+    def add(self, key: str, record: dict[str, Any]) -> None:
+        self.results[key] = record
+        table = speedups(self.results)
+        written = common.write_result(
+            "e2e", {**self.header, "results": self.results, "speedup_vs_reference": table}, self.path.parent
+        )
+        plot_speedups(table, written.with_suffix(".png"))
+
+
+def run(
+    models: list[str],
+    token_counts: list[int],
+    implementations: list[str],
+    steps: int,
+    out: ResultFile,
+    fit_batch: bool = False,
+    profile_steps: int = 0,
+) -> None:
+    """Measures every (model, tokens, implementation) and adds each record to ``out`` as soon as it exists."""
+    peak = out.header["peak_tflops"]
     for name in models:
         for implementation in implementations:
             memory_by_tokens = {}
             for target_tokens in token_counts:
                 key = f"{name}/{target_tokens}/{implementation}"
                 try:
-                    record = measure(implementation, name, target_tokens, steps)
+                    record = measure(implementation, name, target_tokens, steps, profile_steps)
                 except Exception as err:  # noqa: BLE001 - record the failure (e.g. OOM) and go on
-                    results[key] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
-                    print(f"{key}: FAILED {results[key]['error'][:200]}", flush=True)
+                    out.add(key, {"error": f"{type(err).__name__}: {str(err)[:500]}"})
+                    print(f"{key}: FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
                     continue
                 flops = _flops(name, target_tokens)
                 tflops = flops / record["step_time_s"] / 1e12
@@ -273,16 +303,31 @@ def run(models: list[str], token_counts: list[int], implementations: list[str], 
                     flops_per_step=flops,
                     tflops_per_s=tflops,
                     mfu=None if peak is None else tflops / peak,
-                    mfu_vs_measured_gemm=tflops / gemm_peak,
+                    mfu_vs_measured_gemm=tflops / out.header["measured_gemm_tflops"],
                 )
-                results[key] = record
+                out.add(key, record)
                 memory_by_tokens[target_tokens] = record["memory_bytes"]
-                print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {record['mfu']}", flush=True)
+                mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.3f}"
+                print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  "
+                      f"memory {record['memory_bytes'] / 2**30:.1f} GiB", flush=True)
+            capacity = out.header["memory_capacity_bytes"]
             if fit_batch and capacity and len(memory_by_tokens) >= 2:
-                results[f"{name}/largest/{implementation}"] = largest_batch(
-                    implementation, name, memory_by_tokens, capacity
-                )
-    return {"peak_tflops": peak, "measured_gemm_tflops": gemm_peak, "memory_capacity_bytes": capacity}, results
+                out.add(f"{name}/largest/{implementation}",
+                        largest_batch(implementation, name, memory_by_tokens, capacity))
+
+
+def header() -> dict[str, Any]:
+    """Device ceilings and the benchmark's fixed setup, measured once per run."""
+    device = jax.devices()[0]
+    return {
+        "peak_tflops": metrics.peak_tflops(metrics.find_device(device.device_kind), "bf16"),
+        "measured_gemm_tflops": measured_gemm_tflops(),
+        "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,
+        "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
+                  "optimizer": "adamw", "precision": "bf16 compute, f32 params",
+                  "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
+                  "ls_jax_attention_dropout": "per element (fairseq / LightSeq)"},
+    }
 
 
 def speedups(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -305,6 +350,8 @@ def plot_speedups(table: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = sorted(table, key=lambda k: (list(MODELS).index(k.split("/")[0]), int(k.split("/")[1])))
+    if not labels:
+        return
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4))
     width = 0.4
     for offset, implementation in ((-width / 2, "ls_jax_xla"), (width / 2, "ls_jax_ffi")):
@@ -326,7 +373,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (after 3 warm-up)")
-    parser.add_argument("--no-fit", action="store_true", help="skip the largest-batch search")
+    parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run (CPU): base model, 1024 tokens")
     args = parser.parse_args(argv)
@@ -340,24 +387,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown model or implementation: {', '.join(unknown)}")
 
-    header, results = run(models, token_counts, implementations, args.steps, fit_batch=not args.no_fit)
-    path = args.out / f"e2e-{common.device_slug()}.json"
-    merged = json.loads(path.read_text())["results"] if path.exists() and not args.quick else {}
-    merged.update(results)
-    table = speedups(merged)
-    written = common.write_result(
-        "e2e",
-        {
-            **header,
-            "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
-                      "optimizer": "adamw", "precision": "bf16 compute, f32 params"},
-            "results": merged,
-            "speedup_vs_reference": table,
-        },
-        args.out,
-    )
-    plot_speedups(table, written.with_suffix(".png"))
-    for key, ratios in sorted(table.items()):
+    out = ResultFile.open(args.out, header(), fresh=args.quick)
+    run(models, token_counts, implementations, args.steps, out, fit_batch=args.fit)
+    for key, ratios in sorted(speedups(out.results).items()):
         print(f"{key:24s} " + "  ".join(f"{impl} {ratio:.2f}x" for impl, ratio in sorted(ratios.items())))
-    print(f"wrote {written}")
+    print(f"wrote {out.path}")
     return 0

@@ -1,8 +1,9 @@
 """Where one training step's GPU time goes, by category, for the plain Flax reference and for ls_jax.
 
-``python -m train.bench profile [--model big-6e6d] [--tokens 8192] [--steps 5]``
+``python -m train.bench profile [--model big-6e6d] [--tokens 8192] [--profile-steps 5]``
 
-Each implementation of ``train.benchmarks.e2e`` is traced with ``jax.profiler`` for a few steps after warm-up.
+Each implementation of ``train.benchmarks.e2e`` is measured as ``e2e`` measures it (its step time is added to
+docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more steps.
 Every GPU kernel in the trace is attributed to the HLO instruction that launched it, whose ``op_name`` metadata
 (from the compiled HLO) carries the JAX name scopes: Flax module names, the ls_jax op names that
 ``ls_jax.ops._common.dispatch`` adds, and the ``criterion``/``optimizer`` scopes of the benchmark's step. The
@@ -148,25 +149,31 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="big-6e6d", choices=sorted(e2e.MODELS))
     parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--implementations", default="reference,ls_jax_ffi")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (the e2e measurement)")
+    parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
+    parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
     implementations = args.implementations.split(",")
-    results = {
-        impl: e2e.measure(impl, args.model, args.tokens, steps=5, profile_steps=args.steps)["profile"]
-        for impl in implementations
-    }
+    if jax.default_backend() != "gpu":
+        parser.error("profiling attributes GPU kernels: it needs a GPU")
+    measurements = e2e.ResultFile.open(args.out, e2e.header(), fresh=False)
+    e2e.run([args.model], [args.tokens], implementations, args.steps, measurements, profile_steps=args.profile_steps)
+    results = {impl: measurements.results[f"{args.model}/{args.tokens}/{impl}"] for impl in implementations}
+    breakdowns = {impl: record["profile"] for impl, record in results.items() if "profile" in record}
     written = common.write_result(
-        "profile", {"model": args.model, "target_tokens": args.tokens, "steps": args.steps, "results": results},
+        "profile",
+        {"model": args.model, "target_tokens": args.tokens, "steps": args.profile_steps, "results": breakdowns},
         args.out,
     )
-    print(f"{'category':22s}" + "".join(f"{impl:>16s}" for impl in implementations) + "   (ms per step)")
+    shown = list(breakdowns)
+    print(f"{'category':22s}" + "".join(f"{impl:>16s}" for impl in shown) + "   (ms per step)")
     for category in (*CATEGORIES, "total"):
         row = [
-            results[impl]["total_ms_per_step"] if category == "total" else results[impl]["ms_per_step"][category]
-            for impl in implementations
+            breakdowns[impl]["total_ms_per_step"] if category == "total" else breakdowns[impl]["ms_per_step"][category]
+            for impl in shown
         ]
         print(f"{category:22s}" + "".join(f"{value:16.2f}" for value in row))
-    print(f"wrote {written}")
+    print(f"{'step time (timed)':22s}" + "".join(f"{results[impl]['step_time_s'] * 1e3:16.2f}" for impl in shown))
+    print(f"wrote {written} and {measurements.path}")
     return 0

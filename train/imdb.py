@@ -1,0 +1,564 @@
+"""Fine-tune BERT for sentiment classification: ``python -m train.imdb [--data ...] [--init-from DIR] [options]``.
+
+With no arguments it trains a small BERT (``bert-tiny``: 2 layers, hidden 128) from scratch on the embedded
+synthetic review task (`train.sentiment`) for 3 epochs, a few minutes on any machine, and reports accuracy on
+its held-out sets. ``--data tfds:imdb_reviews`` (or ``csv:PATH`` / ``jsonl:PATH``) trains on real reviews;
+``--init-from DIR`` starts from a local Hugging Face BERT checkpoint and its tokenizer.
+
+Every run writes a run directory (default ``runs/<run_id>``):
+  config.json        the configuration (``--resume`` reads it back)
+  spm.model          the vocabulary trained on the data (not with --init-from: the checkpoint's tokenizer is used)
+  run.jsonl          the run log of docs/run-log.md (time, examples/s, TFLOP/s, MFU, energy, cost, loss, accuracy)
+  tensorboard/       the same numbers as TensorBoard events
+  checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
+
+Exit codes: 0 finished; 2 bad input (the message names the problem); 1 the loss became NaN (the last good
+checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped it (after writing a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ls_jax import backend as backend_lib
+from ls_jax.layers import LayerConfig
+from ls_jax.layers.config import replace_checked
+from ls_jax.models import BertConfig, BertForSequenceClassification, hf
+from train import loop, metrics, runlog, sentiment
+from train import tokenizer as tokenizer_lib
+from train.checkpoints import CHECKPOINT_DIR, Checkpoints
+from train.input_pipeline import DataError, host_rows
+from train.loop import UsageError
+
+# bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "bert-tiny": dict(
+        base="bert-base",
+        layer=dict(hidden_size=128, intermediate_size=512, nhead=2, max_seq_len=128),
+        num_layers=2,
+    ),
+    "bert-base": dict(base="bert-base", layer={}),
+    "bert-large": dict(base="bert-large", layer={}),
+}
+WARMUP_FRACTION = 0.1  # of the training steps, when --warmup-steps is not given
+
+SYNTHETIC_DEFAULTS: dict[str, Any] = {
+    "preset": "bert-tiny",
+    "dropout": 0.0,  # ample data, no regularization needed; and CPU dropout masks are slow
+    "max_seq_len": 48,
+    "lr": 1e-3,
+    "vocab_size": 1000,
+    "log_every": 25,
+}
+REAL_DATA_DEFAULTS: dict[str, Any] = {
+    "preset": "bert-base",
+    "max_seq_len": 256,
+    "lr": 2e-5,
+    "vocab_size": 30000,
+    "log_every": 100,
+}
+IMDB_DEFAULTS: dict[str, Any] = {
+    **loop.TRAINING_DEFAULTS,
+    "data": "synthetic",
+    "test_data": None,
+    "valid_fraction": 0.1,
+    "text_field": "text",
+    "label_field": "label",
+    "tfds_data_dir": None,
+    "init_from": None,
+    "num_labels": None,
+    "batch_size": 32,
+    "epochs": 3,
+    "steps": None,  # epochs x steps per epoch
+    "warmup_steps": None,  # WARMUP_FRACTION of the steps
+    "weight_decay": 0.01,
+    "clip_norm": 1.0,
+    "eval_every": None,  # every epoch
+    "checkpoint_every": None,  # every epoch
+}
+
+
+# ------------------------------------------------------------------------------------------ configuration
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.imdb",
+        description="Fine-tune BERT for sentiment classification; with no arguments, a few minutes on the embedded "
+                    "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "
+                    "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
+        epilog=_defaults_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
+    )
+    group = parser.add_argument_group("data")
+    group.add_argument("--data", help="synthetic | csv:PATH | jsonl:PATH | tfds:NAME (e.g. tfds:imdb_reviews; "
+                                      "needs tensorflow-datasets)")
+    group.add_argument("--test-data", help="csv:PATH | jsonl:PATH | tfds:NAME: the test set (default: the "
+                                           "source's own test split where it has one)")
+    group.add_argument("--valid-fraction", type=float,
+                       help="fraction of the training examples held out (by --seed) for validation")
+    group.add_argument("--text-field", help="column / JSON key / tfds feature holding the text")
+    group.add_argument("--label-field", help="column / JSON key / tfds feature holding the label (0 .. "
+                                             "num_labels - 1)")
+    group.add_argument("--tfds-data-dir", help="TensorFlow Datasets data_dir")
+    group.add_argument("--vocab-size", type=int, help="size of the sentencepiece vocabulary trained on the "
+                                                      "training text (not with --init-from)")
+    group.add_argument("--max-seq-len", type=int,
+                       help="tokens per example, [CLS] and [SEP] included: longer texts are cut, and EVERY batch is "
+                            "padded to this length, so the training step has one shape and compiles once")
+    group.add_argument("--batch-size", type=int, help="examples per micro-batch over all devices (a multiple of the "
+                                                      "device count)")
+    group.add_argument("--epochs", type=int, help="passes over the training examples (--steps overrides it)")
+
+    group = parser.add_argument_group("model")
+    group.add_argument("--preset", choices=tuple(PRESETS), help="BERT shape for a randomly initialized model")
+    group.add_argument("--init-from", metavar="DIR",
+                       help="a local Hugging Face BERT directory (config.json, model.safetensors or "
+                            "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
+                            "initialized when it has none) and its tokenizer; needs transformers")
+    group.add_argument("--num-labels", type=int, help="classes (default 2; with --init-from the checkpoint's)")
+    group.add_argument("--dropout", type=float, help="override every dropout ratio of the model")
+    loop.add_training_arguments(parser)
+    return parser
+
+
+def _defaults_epilog() -> str:
+    def line(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+    by_data = set(SYNTHETIC_DEFAULTS) | set(REAL_DATA_DEFAULTS)
+    common = {k: v for k, v in IMDB_DEFAULTS.items() if v is not None and not isinstance(v, bool) and k not in by_data}
+    return (
+        f"defaults: {line(common)}\n"
+        f"with --data synthetic: {line(SYNTHETIC_DEFAULTS)}\n"
+        f"with real data: {line(REAL_DATA_DEFAULTS)}\n"
+        f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear warmup, "
+        "then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch\n"
+        "on --resume RUN_DIR the saved configuration replaces the defaults"
+    )
+
+
+def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Defaults, then the saved configuration of a resumed run, then the flags given now."""
+    chosen = {**(saved or {}), **given}
+    by_data = SYNTHETIC_DEFAULTS if chosen.get("data", IMDB_DEFAULTS["data"]) == "synthetic" else REAL_DATA_DEFAULTS
+    config = {**IMDB_DEFAULTS, **by_data, **chosen}
+    if config["init_from"]:
+        if "preset" in chosen:
+            raise UsageError("--preset and --init-from exclude each other: the checkpoint's config.json is the shape")
+        config["preset"] = None
+    return config
+
+
+def _check_config(config: Mapping[str, Any]) -> None:
+    positive = ("steps", "epochs", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every",
+                "keep_checkpoints", "vocab_size", "num_labels")
+    for key in positive:
+        if config[key] is not None and config[key] < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {config[key]}")
+    for key in ("warmup_steps", "weight_decay", "clip_norm"):
+        if config[key] is not None and config[key] < 0:
+            raise UsageError(f"--{key.replace('_', '-')} must be >= 0, got {config[key]}")
+    if config["max_seq_len"] < 2:
+        raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config['max_seq_len']}")
+    if not 0.0 <= config["valid_fraction"] < 1.0:
+        raise UsageError(f"--valid-fraction must be in [0, 1), got {config['valid_fraction']}")
+    if config["dropout"] is not None and not 0.0 <= config["dropout"] < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {config['dropout']}")
+    if config["lr"] <= 0:
+        raise UsageError(f"--lr must be > 0, got {config['lr']}")
+    if config["init_from"] and config["num_labels"] is not None:
+        raise UsageError("--num-labels cannot be combined with --init-from: the checkpoint's config.json sets it")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Step counts that depend on the size of the training set."""
+
+    steps_per_epoch: int
+    steps: int
+    warmup_steps: int
+    eval_every: int
+    checkpoint_every: int
+
+    @classmethod
+    def resolve(cls, config: Mapping[str, Any], steps_per_epoch: int) -> Schedule:
+        steps = config["steps"] or config["epochs"] * steps_per_epoch
+        warmup = config["warmup_steps"]
+        warmup = round(WARMUP_FRACTION * steps) if warmup is None else warmup
+        if warmup >= steps:
+            raise UsageError(f"--warmup-steps {warmup} leaves no step of the {steps} to train at the peak rate")
+        return cls(steps_per_epoch, steps, warmup, config["eval_every"] or steps_per_epoch,
+                   config["checkpoint_every"] or steps_per_epoch)
+
+
+def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """``peak_lr * n / W`` for the first W = ``warmup_steps`` steps, then linear decay to 0 at ``total_steps``."""
+    decay = optax.linear_schedule(peak_lr, 0.0, total_steps - warmup_steps)
+    if warmup_steps == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup_steps), decay], [warmup_steps])
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@dataclasses.dataclass
+class Data:
+    vocabulary: sentiment.Vocabulary
+    splits: dict[str, sentiment.Encoded]  # train, valid and/or test
+    stats: dict[str, Any]
+
+
+def _vocabulary(config: Mapping[str, Any], run_dir: Path, train: sentiment.Split) -> sentiment.Vocabulary:
+    """The checkpoint's tokenizer (--init-from), the run directory's (--resume), or one trained on ``train``."""
+    if config["init_from"]:
+        return sentiment.HuggingFaceVocabulary.load(config["init_from"])
+    own_copy = run_dir / tokenizer_lib.MODEL_FILENAME
+    if config["resume"]:
+        return sentiment.SentencePieceVocabulary(tokenizer_lib.load(own_copy))
+    # Every host trains the same (deterministic) vocabulary; only process 0 keeps its file.
+    with tempfile.TemporaryDirectory() as scratch:
+        path = own_copy if jax.process_index() == 0 else Path(scratch) / tokenizer_lib.MODEL_FILENAME
+        return sentiment.train_vocabulary(train.texts, path, vocab_size=config["vocab_size"], seed=config["seed"])
+
+
+def load_data(config: Mapping[str, Any], run_dir: Path) -> Data:
+    splits = sentiment.read_dataset(
+        config["data"], test_data=config["test_data"], valid_fraction=config["valid_fraction"], seed=config["seed"],
+        text_field=config["text_field"], label_field=config["label_field"], tfds_data_dir=config["tfds_data_dir"],
+    )
+    vocabulary = _vocabulary(config, run_dir, splits["train"])
+    encoded = {name: sentiment.encode_split(vocabulary, split, config["max_seq_len"]) for name, split in splits.items()}
+    stats: dict[str, Any] = {"vocab_size": vocabulary.size, "max_seq_len": config["max_seq_len"]}
+    for name, split in splits.items():
+        stats[name] = {
+            "examples": len(split),
+            "truncated": encoded[name].truncated,
+            "label_counts": np.bincount(split.labels).tolist(),
+            "source": split.source,
+        }
+    return Data(vocabulary, encoded, stats)
+
+
+def check_labels(data: Data, num_labels: int) -> None:
+    """Raises UsageError naming the source and the label when a label is not in 0 .. num_labels - 1."""
+    for name, split in data.splits.items():
+        largest = int(split.labels.max())
+        if largest >= num_labels:
+            raise UsageError(f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
+                             f"labels (0 .. {num_labels - 1}); set --num-labels")
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def _layer_overrides(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"dtype": loop.PRECISION_DTYPES[precision]}
+    if config["dropout"] is not None:
+        overrides.update(hidden_dropout_ratio=config["dropout"], attn_prob_dropout_ratio=config["dropout"])
+    return overrides
+
+
+def preset_config(name: str, *, vocab_size: int, num_labels: int, **layer_overrides: Any) -> BertConfig:
+    """A BertConfig of ``PRESETS[name]`` with the vocabulary, labels and LayerConfig fields given."""
+    preset = PRESETS[name]
+    layer = LayerConfig.preset(preset["base"], **preset["layer"], **layer_overrides)
+    depth = {"num_layers": preset["num_layers"]} if "num_layers" in preset else {}
+    return BertConfig.preset(preset["base"], layer=layer, vocab_size=vocab_size, num_labels=num_labels, **depth)
+
+
+def build_model(config: Mapping[str, Any], vocab_size: int, precision: str, rng: jax.Array
+                ) -> tuple[BertConfig, dict[str, Any] | None]:
+    """(model config, pretrained params or None for a random initialization)."""
+    overrides = _layer_overrides(config, precision)
+    if not config["init_from"]:
+        return preset_config(config["preset"], vocab_size=vocab_size, num_labels=config["num_labels"] or 2,
+                             **overrides), None
+    try:
+        model_cfg, params = hf.load_pretrained(config["init_from"], rng=rng, **overrides)
+    except ValueError as err:
+        raise UsageError(f"--init-from {config['init_from']}: {err}") from err
+    if not isinstance(model_cfg, BertConfig):
+        raise UsageError(f"--init-from {config['init_from']} holds a {type(model_cfg).__name__}, not a BERT model")
+    if vocab_size > model_cfg.vocab_size:
+        raise UsageError(f"--init-from {config['init_from']}: the tokenizer has {vocab_size} tokens but the model "
+                         f"only {model_cfg.vocab_size} embeddings")
+    return model_cfg, params
+
+
+def model_name(config: Mapping[str, Any]) -> str:
+    return config["preset"] or Path(config["init_from"]).name
+
+
+def model_signature(config: Mapping[str, Any], model_cfg: BertConfig, precision: str) -> dict[str, Any]:
+    """What a checkpoint must agree on with the run restoring it."""
+    layer = model_cfg.layer
+    return {
+        "model": model_name(config),
+        "vocab_size": model_cfg.vocab_size,
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "nhead": layer.nhead,
+        "num_layers": model_cfg.num_layers,
+        "positions": layer.max_seq_len,
+        "num_labels": model_cfg.num_labels,
+        "optimizer": config["optimizer"],
+        "fp16_loss_scaling": precision == "fp16",
+    }
+
+
+def classification_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(summed cross entropy, examples, correct predictions) over the rows whose label is >= 0.
+
+    logits (B, num_labels), labels (B,) int with -1 for empty rows; the loss is computed in float32.
+    """
+    real = labels >= 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.maximum(labels, 0))
+    correct = real & (jnp.argmax(logits, axis=-1) == labels)
+    return jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(real), jnp.sum(correct)
+
+
+def make_loss_fn(model: BertForSequenceClassification, pad_id: int):
+    """The loop's loss: summed cross entropy per example, with the training accuracy as a reported sum."""
+
+    def loss_fn(params, batch, rng):
+        input_ids = batch["input_ids"]
+        logits = model.apply(
+            {"params": params}, input_ids, input_ids != pad_id, deterministic=False, rngs={"dropout": rng}
+        )
+        loss_sum, examples, correct = classification_sums(logits, batch["labels"])
+        return loss_sum, examples, {"nll": loss_sum, "accuracy": correct}
+
+    return loss_fn
+
+
+def make_flops_fn(model_cfg: BertConfig):
+    """Matmul FLOPs of a step: the encoder as in docs/flops.md, plus the pooler and classifier on [CLS]."""
+    layer = model_cfg.layer
+
+    def flops(shapes: Mapping[str, tuple[int, ...]]) -> float:
+        grad_accum, rows, length = shapes["input_ids"]
+        encoder = metrics.transformer_train_flops(
+            batch=rows, src_len=length, tgt_len=0, hidden=layer.hidden_size, ffn=layer.intermediate_size,
+            encoder_layers=model_cfg.num_layers, decoder_layers=0, vocab=0,
+        )
+        head = 3 * 2 * rows * layer.hidden_size * (layer.hidden_size + model_cfg.num_labels)
+        return grad_accum * (encoder + head)
+
+    return flops
+
+
+# -------------------------------------------------------------------------------------------- evaluation
+
+
+class Evaluator:
+    """Loss and accuracy on the evaluation splits, in batches of the training batch size (one more compiled shape).
+
+    During training it scores the validation split (the test split when there is none); at the end every
+    evaluation split.
+    """
+
+    def __init__(self, model: BertForSequenceClassification, data: Data, batch_size: int,
+                 parallel: loop.DataParallel):
+        self.data, self.batch_size, self.parallel = data, batch_size, parallel
+        self.splits = [name for name in sentiment.SPLITS if name != "train" and name in data.splits]
+        pad_id = data.vocabulary.pad_id
+
+        def sums(params, batch):
+            input_ids = batch["input_ids"]
+            logits = model.apply({"params": params}, input_ids, input_ids != pad_id, deterministic=True)
+            return classification_sums(logits, batch["labels"])
+
+        self._sums = jax.jit(sums, out_shardings=parallel.replicated)
+
+    def evaluate_split(self, params, name: str) -> dict[str, Any]:
+        data = self.data.splits[name]
+        totals = None
+        for indices in sentiment.eval_plan(len(data), self.batch_size):
+            local = host_rows(indices, jax.process_index(), jax.process_count())
+            batch = self.parallel.put_batch(sentiment.make_batch(data, local), row_axis=0)
+            sums = self._sums(params, batch)
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        loss, examples, correct = (float(value) for value in jax.device_get(totals))
+        return {"split": name, "loss": loss / examples, "nll": loss / examples, "accuracy": correct / examples}
+
+    def __call__(self, state: loop.TrainState, final: bool) -> list[dict[str, Any]]:
+        splits = self.splits if final else self.splits[:1]
+        return [self.evaluate_split(state.params, name) for name in splits]
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def _command(argv: Sequence[str]) -> str:
+    return shlex.join(["python", "-m", "train.imdb", *argv])
+
+
+def run(argv: Sequence[str]) -> int:
+    started = (time.monotonic(), runlog.utc_now())
+    given = vars(build_parser().parse_args(argv))
+    saved = loop.load_saved_config(given["resume"]) if given.get("resume") else None
+    config = resolve_config(given, saved)
+    _check_config(config)
+    if config["distributed"]:
+        jax.distributed.initialize()
+    run_id = saved["run_id"] if saved else runlog.new_run_id()
+    run_dir = loop.prepare_run_dir(config, run_id)
+    with backend_lib.use(config["backend"]):
+        backend_lib.active_backend()  # fails now, not mid-compilation, when --backend ffi cannot load the kernels
+        return _train(config, run_id, run_dir, argv, started)
+
+
+def _initial_state(model: BertForSequenceClassification, params: Any, tx, rng: jax.Array, seq_len: int, fp16: bool,
+                   parallel: loop.DataParallel) -> loop.TrainState:
+    """The step-0 state: ``params`` (pretrained) or a random initialization from ``rng``."""
+    init_key, train_key = jax.random.split(rng)
+
+    def create(params):
+        if params is None:
+            params = model.init(init_key, jnp.ones((1, seq_len), jnp.int32))["params"]
+        return loop.TrainState.create(params, tx, train_key, fp16=fp16)
+
+    return jax.jit(create, out_shardings=parallel.replicated)(params)
+
+
+def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: loop.DataParallel) -> None:
+    positions = model_cfg.layer.max_seq_len
+    if config["max_seq_len"] > positions:
+        raise UsageError(f"--max-seq-len {config['max_seq_len']} exceeds the model's {positions} positions "
+                         f"({model_name(config)})")
+    if config["batch_size"] % parallel.num_shards:
+        raise UsageError(f"--batch-size {config['batch_size']} is not a multiple of the {parallel.num_shards} devices")
+
+
+def _train(config: dict[str, Any], run_id: str, run_dir: Path, argv: Sequence[str], started: tuple[float, str]) -> int:
+    is_main = jax.process_index() == 0
+    try:
+        hardware = loop.Hardware.detect(
+            config["precision"], device_name=config["device_name"], price_override=config["price_per_hour"]
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    precision = hardware.precision
+    parallel = loop.DataParallel.over_all_devices()
+
+    data = load_data(config, run_dir)
+    model_key, head_key = jax.random.split(jax.random.PRNGKey(config["seed"]))
+    model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
+    _check_shapes(config, model_cfg, parallel)
+    check_labels(data, model_cfg.num_labels)
+    model = BertForSequenceClassification(model_cfg)
+    signature = model_signature(config, model_cfg, precision)
+
+    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
+    stream = sentiment.BatchStream(
+        data.splits["train"], batch_size=config["batch_size"], grad_accum=config["grad_accum"], seed=config["seed"],
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    )
+    schedule = Schedule.resolve(config, stream.steps_per_epoch)
+    learning_rate = linear_warmup_decay(config["lr"], schedule.warmup_steps, schedule.steps)
+    tx = loop.make_optimizer(config["optimizer"], learning_rate, weight_decay=config["weight_decay"],
+                             clip_norm=config["clip_norm"])
+    state = _initial_state(model, pretrained, tx, model_key, config["max_seq_len"], precision == "fp16", parallel)
+    counters = None
+    if config["resume"]:
+        state, position, counters = loop.restore_latest(checkpoints, state, signature, run_dir)
+        stream = dataclasses.replace(stream, **position)
+
+    compiler = loop.StepCompiler(loop.make_train_step(make_loss_fn(model, data.vocabulary.pad_id), tx), parallel)
+    if is_main:
+        print("compiling the training step", file=sys.stderr)
+    rows = config["batch_size"]
+    compiler.precompile(state, [{
+        "input_ids": ((config["grad_accum"], rows, config["max_seq_len"]), jnp.int32),
+        "labels": ((config["grad_accum"], rows), jnp.int32),
+    }])
+
+    run_log = runlog.RunLog(run_dir, ("examples",), enabled=is_main, tensorboard=config["tensorboard"])
+    loop.save_config(run_dir, {**config, "run_id": run_id})
+    if not config["resume"]:
+        run_log.write({
+            **runlog.identity("imdb", run_id, _command(argv), started[1]),
+            **hardware.record_fields(),
+            "backend": backend_lib.active_backend(),
+            "precision": precision,
+            "optimizer": config["optimizer"],
+            "model": model_name(config),
+            "params": loop.param_count(state.params),
+            "batch": {"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
+            "data": {"source": config["data"], **data.stats},
+            "config": {**config, **dataclasses.asdict(schedule)},
+        })
+    result = loop.train(
+        state,
+        compiler=compiler,
+        parallel=parallel,
+        stream=stream,
+        flops_fn=make_flops_fn(model_cfg),
+        lr_fn=lambda step: float(learning_rate(step)),
+        evaluate=Evaluator(model, data, config["batch_size"], parallel),
+        hardware=hardware,
+        run_log=run_log,
+        checkpoints=checkpoints,
+        model_signature=signature,
+        config=loop.LoopConfig(
+            num_steps=schedule.steps, log_every=config["log_every"], eval_every=schedule.eval_every,
+            checkpoint_every=schedule.checkpoint_every, progress_bar=config["progress"], started_at=started[0],
+        ),
+        counters=counters,
+    )
+    run_log.close()
+    checkpoints.close()
+    hardware.energy.close()
+    if is_main:
+        print_summary(result, run_dir)
+    return loop.exit_code(result, checkpoints)
+
+
+def print_summary(result: loop.TrainResult, run_dir: Path) -> None:
+    s = result.summary
+
+    def fmt(value, spec=".3g", unit=""):
+        return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+    evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
+    accuracy = ", ".join(f"{r['split']} {fmt(r['accuracy'], '.2%')}" for r in evals) or "n/a"
+    print(
+        f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
+        f"({s['wall_time_s']:.1f} s wall)\n"
+        f"  throughput  {fmt(s['examples_per_s'], '.1f')} examples/s, step {fmt(s['step_time_s'], '.3f', ' s')}\n"
+        f"  compute     {fmt(s['tflops_per_s'], '.3g')} TFLOP/s, MFU {fmt(s['mfu'], '.1%')}\n"
+        f"  energy      {fmt(s['energy_j'], '.4g', ' J')} ({s['energy_source'] or 'not measured on this device'}), "
+        f"cost {fmt(s['cost_usd'], '.4f', ' USD')}\n"
+        f"  final loss  {fmt(s['final_loss'], '.4f')}, accuracy {accuracy}\n"
+        f"  run dir     {run_dir}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(argv)
+    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    raise SystemExit(main())

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -33,14 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ls_jax import backend as backend_lib
 from ls_jax.layers import LayerConfig
-from ls_jax.layers.config import replace_checked
 from ls_jax.models import BertConfig, BertForSequenceClassification, hf
 from train import loop, metrics, runlog, sentiment
 from train import tokenizer as tokenizer_lib
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
-from train.input_pipeline import DataError, host_rows
+from train.input_pipeline import host_rows
 from train.loop import UsageError
 
 # bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU.
@@ -58,8 +54,8 @@ WARMUP_FRACTION = 0.1  # of the training steps, when --warmup-steps is not given
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "preset": "bert-tiny",
     "dropout": 0.0,  # ample data, no regularization needed; and CPU dropout masks are slow
-    "max_seq_len": 48,
-    "lr": 1e-3,
+    "max_seq_len": 40,
+    "lr": 5e-4,
     "vocab_size": 1000,
     "log_every": 25,
 }
@@ -80,6 +76,7 @@ IMDB_DEFAULTS: dict[str, Any] = {
     "tfds_data_dir": None,
     "init_from": None,
     "num_labels": None,
+    "dropout": None,  # the model's own ratios
     "batch_size": 32,
     "epochs": 3,
     "steps": None,  # epochs x steps per epoch
@@ -100,7 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune BERT for sentiment classification; with no arguments, a few minutes on the embedded "
                     "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "
                     "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
-        epilog=_defaults_epilog(),
+        epilog=loop.defaults_epilog(
+            IMDB_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS,
+            notes=f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear "
+                  "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch\n",
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
@@ -136,22 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _defaults_epilog() -> str:
-    def line(values: Mapping[str, Any]) -> str:
-        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
-
-    by_data = set(SYNTHETIC_DEFAULTS) | set(REAL_DATA_DEFAULTS)
-    common = {k: v for k, v in IMDB_DEFAULTS.items() if v is not None and not isinstance(v, bool) and k not in by_data}
-    return (
-        f"defaults: {line(common)}\n"
-        f"with --data synthetic: {line(SYNTHETIC_DEFAULTS)}\n"
-        f"with real data: {line(REAL_DATA_DEFAULTS)}\n"
-        f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear warmup, "
-        "then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch\n"
-        "on --resume RUN_DIR the saved configuration replaces the defaults"
-    )
-
-
 def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Defaults, then the saved configuration of a resumed run, then the flags given now."""
     chosen = {**(saved or {}), **given}
@@ -165,22 +150,15 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 
 
 def _check_config(config: Mapping[str, Any]) -> None:
-    positive = ("steps", "epochs", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every",
-                "keep_checkpoints", "vocab_size", "num_labels")
-    for key in positive:
-        if config[key] is not None and config[key] < 1:
-            raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {config[key]}")
-    for key in ("warmup_steps", "weight_decay", "clip_norm"):
-        if config[key] is not None and config[key] < 0:
-            raise UsageError(f"--{key.replace('_', '-')} must be >= 0, got {config[key]}")
+    loop.check_ranges(
+        config,
+        at_least_one=("steps", "epochs", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every",
+                      "keep_checkpoints", "vocab_size", "num_labels"),
+        non_negative=("warmup_steps", "weight_decay", "clip_norm"),
+        fractions=("valid_fraction", "dropout"),
+    )
     if config["max_seq_len"] < 2:
         raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config['max_seq_len']}")
-    if not 0.0 <= config["valid_fraction"] < 1.0:
-        raise UsageError(f"--valid-fraction must be in [0, 1), got {config['valid_fraction']}")
-    if config["dropout"] is not None and not 0.0 <= config["dropout"] < 1.0:
-        raise UsageError(f"--dropout must be in [0, 1), got {config['dropout']}")
-    if config["lr"] <= 0:
-        raise UsageError(f"--lr must be > 0, got {config['lr']}")
     if config["init_from"] and config["num_labels"] is not None:
         raise UsageError("--num-labels cannot be combined with --init-from: the checkpoint's config.json sets it")
 
@@ -219,6 +197,8 @@ def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> 
 
 @dataclasses.dataclass
 class Data:
+    """The encoded splits, the vocabulary that encoded them and the facts logged in the run record."""
+
     vocabulary: sentiment.Vocabulary
     splits: dict[str, sentiment.Encoded]  # train, valid and/or test
     stats: dict[str, Any]
@@ -255,13 +235,13 @@ def load_data(config: Mapping[str, Any], run_dir: Path) -> Data:
     return Data(vocabulary, encoded, stats)
 
 
-def check_labels(data: Data, num_labels: int) -> None:
+def check_labels(data: Data, num_labels: int, fix: str) -> None:
     """Raises UsageError naming the source and the label when a label is not in 0 .. num_labels - 1."""
     for name, split in data.splits.items():
         largest = int(split.labels.max())
         if largest >= num_labels:
             raise UsageError(f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
-                             f"labels (0 .. {num_labels - 1}); set --num-labels")
+                             f"labels (0 .. {num_labels - 1}); {fix}")
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -405,25 +385,6 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _command(argv: Sequence[str]) -> str:
-    return shlex.join(["python", "-m", "train.imdb", *argv])
-
-
-def run(argv: Sequence[str]) -> int:
-    started = (time.monotonic(), runlog.utc_now())
-    given = vars(build_parser().parse_args(argv))
-    saved = loop.load_saved_config(given["resume"]) if given.get("resume") else None
-    config = resolve_config(given, saved)
-    _check_config(config)
-    if config["distributed"]:
-        jax.distributed.initialize()
-    run_id = saved["run_id"] if saved else runlog.new_run_id()
-    run_dir = loop.prepare_run_dir(config, run_id)
-    with backend_lib.use(config["backend"]):
-        backend_lib.active_backend()  # fails now, not mid-compilation, when --backend ffi cannot load the kernels
-        return _train(config, run_id, run_dir, argv, started)
-
-
 def _initial_state(model: BertForSequenceClassification, params: Any, tx, rng: jax.Array, seq_len: int, fp16: bool,
                    parallel: loop.DataParallel) -> loop.TrainState:
     """The step-0 state: ``params`` (pretrained) or a random initialization from ``rng``."""
@@ -446,14 +407,10 @@ def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: lo
         raise UsageError(f"--batch-size {config['batch_size']} is not a multiple of the {parallel.num_shards} devices")
 
 
-def _train(config: dict[str, Any], run_id: str, run_dir: Path, argv: Sequence[str], started: tuple[float, str]) -> int:
+def _train(run: loop.Run) -> int:
+    config, run_dir = run.config, run.run_dir
     is_main = jax.process_index() == 0
-    try:
-        hardware = loop.Hardware.detect(
-            config["precision"], device_name=config["device_name"], price_override=config["price_per_hour"]
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from err
+    hardware = loop.detect_hardware(config)
     precision = hardware.precision
     parallel = loop.DataParallel.over_all_devices()
 
@@ -461,7 +418,8 @@ def _train(config: dict[str, Any], run_id: str, run_dir: Path, argv: Sequence[st
     model_key, head_key = jax.random.split(jax.random.PRNGKey(config["seed"]))
     model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
     _check_shapes(config, model_cfg, parallel)
-    check_labels(data, model_cfg.num_labels)
+    check_labels(data, model_cfg.num_labels,
+                 "the checkpoint's config.json sets them" if config["init_from"] else "set --num-labels")
     model = BertForSequenceClassification(model_cfg)
     signature = model_signature(config, model_cfg, precision)
 
@@ -490,20 +448,13 @@ def _train(config: dict[str, Any], run_id: str, run_dir: Path, argv: Sequence[st
     }])
 
     run_log = runlog.RunLog(run_dir, ("examples",), enabled=is_main, tensorboard=config["tensorboard"])
-    loop.save_config(run_dir, {**config, "run_id": run_id})
+    loop.save_config(run_dir, {**config, "run_id": run.run_id})
     if not config["resume"]:
-        run_log.write({
-            **runlog.identity("imdb", run_id, _command(argv), started[1]),
-            **hardware.record_fields(),
-            "backend": backend_lib.active_backend(),
-            "precision": precision,
-            "optimizer": config["optimizer"],
-            "model": model_name(config),
-            "params": loop.param_count(state.params),
-            "batch": {"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
-            "data": {"source": config["data"], **data.stats},
-            "config": {**config, **dataclasses.asdict(schedule)},
-        })
+        run_log.write(loop.run_record(
+            "imdb", run, hardware, state, model=model_name(config),
+            batch={"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
+            data={"source": config["data"], **data.stats}, config={**config, **dataclasses.asdict(schedule)},
+        ))
     result = loop.train(
         state,
         compiler=compiler,
@@ -518,45 +469,21 @@ def _train(config: dict[str, Any], run_id: str, run_dir: Path, argv: Sequence[st
         model_signature=signature,
         config=loop.LoopConfig(
             num_steps=schedule.steps, log_every=config["log_every"], eval_every=schedule.eval_every,
-            checkpoint_every=schedule.checkpoint_every, progress_bar=config["progress"], started_at=started[0],
+            checkpoint_every=schedule.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
         ),
         counters=counters,
     )
-    run_log.close()
-    checkpoints.close()
-    hardware.energy.close()
-    if is_main:
-        print_summary(result, run_dir)
-    return loop.exit_code(result, checkpoints)
-
-
-def print_summary(result: loop.TrainResult, run_dir: Path) -> None:
-    s = result.summary
-
-    def fmt(value, spec=".3g", unit=""):
-        return "n/a" if value is None else f"{value:{spec}}{unit}"
-
-    evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
-    accuracy = ", ".join(f"{r['split']} {fmt(r['accuracy'], '.2%')}" for r in evals) or "n/a"
-    print(
-        f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-        f"({s['wall_time_s']:.1f} s wall)\n"
-        f"  throughput  {fmt(s['examples_per_s'], '.1f')} examples/s, step {fmt(s['step_time_s'], '.3f', ' s')}\n"
-        f"  compute     {fmt(s['tflops_per_s'], '.3g')} TFLOP/s, MFU {fmt(s['mfu'], '.1%')}\n"
-        f"  energy      {fmt(s['energy_j'], '.4g', ' J')} ({s['energy_source'] or 'not measured on this device'}), "
-        f"cost {fmt(s['cost_usd'], '.4f', ' USD')}\n"
-        f"  final loss  {fmt(s['final_loss'], '.4f')}, accuracy {accuracy}\n"
-        f"  run dir     {run_dir}"
+    return loop.finish(
+        result, run_dir, run_log, checkpoints, hardware,
+        throughput=lambda s: f"{loop.format_value(s['examples_per_s'], '.1f')} examples/s",
+        metric="accuracy", score=lambda record: loop.format_value(record["accuracy"], ".2%"),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(argv)
-    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return loop.main(
+        lambda args: loop.run_entry_point("imdb", args, build_parser(), resolve_config, _check_config, _train), argv
+    )
 
 
 if __name__ == "__main__":

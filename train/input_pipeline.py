@@ -28,10 +28,11 @@ takes rows ``[p*rows/P, (p+1)*rows/P)``); the slices form one global batch shard
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -313,18 +314,14 @@ def host_rows(indices: np.ndarray, process_index: int, process_count: int) -> np
     return indices[..., process_index * share : (process_index + 1) * share]
 
 
-@dataclasses.dataclass
-class BatchStream:
+@dataclasses.dataclass(kw_only=True)
+class EpochStream(abc.ABC):
     """Training batches epoch after epoch, resumable at ``position`` = (epoch, step index within the epoch).
 
-    Iterating yields ``(batch, counts)``: ``batch`` holds this host's rows (numpy, see `make_batch`, with the
-    leading grad_accum axis) and ``counts`` the global token counts of the step (see `token_counts`).
+    A subclass plans the steps of an epoch (`_plan_for`, deterministic in ``(seed, epoch)``) and turns one planned
+    step into ``(batch, counts)`` (`_batch`): this host's rows and the step's global counts.
     """
 
-    data: ParallelData
-    max_tokens: int
-    num_shards: int
-    grad_accum: int
     seed: int
     process_index: int = 0
     process_count: int = 1
@@ -334,15 +331,11 @@ class BatchStream:
     def __post_init__(self) -> None:
         self._plan = self._plan_for(self.epoch)
 
-    def _plan_for(self, epoch: int) -> list[PlannedStep]:
-        return plan_epoch(
-            self.data.example_lengths,
-            max_tokens=self.max_tokens,
-            num_shards=self.num_shards,
-            grad_accum=self.grad_accum,
-            seed=self.seed,
-            epoch=epoch,
-        )
+    @abc.abstractmethod
+    def _plan_for(self, epoch: int) -> Sequence[Any]: ...
+
+    @abc.abstractmethod
+    def _batch(self, step: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]: ...
 
     @property
     def position(self) -> dict[str, int]:
@@ -361,6 +354,31 @@ class BatchStream:
             self._plan = self._plan_for(self.epoch)
         step = self._plan[self.index]
         self.index += 1
+        return self._batch(step)
+
+
+@dataclasses.dataclass
+class BatchStream(EpochStream):
+    """Token-budget batches of a parallel corpus (`plan_epoch`): ``batch`` holds this host's rows (`make_batch`,
+    with the leading grad_accum axis) and ``counts`` the global token counts of the step (`token_counts`).
+    """
+
+    data: ParallelData
+    max_tokens: int
+    num_shards: int
+    grad_accum: int
+
+    def _plan_for(self, epoch: int) -> list[PlannedStep]:
+        return plan_epoch(
+            self.data.example_lengths,
+            max_tokens=self.max_tokens,
+            num_shards=self.num_shards,
+            grad_accum=self.grad_accum,
+            seed=self.seed,
+            epoch=epoch,
+        )
+
+    def _batch(self, step: PlannedStep) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         local = host_rows(step.indices, self.process_index, self.process_count)
         return make_batch(self.data, local, step.length), token_counts(self.data, step.indices)
 

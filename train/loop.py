@@ -35,12 +35,13 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -51,9 +52,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import ls_jax.optim
+from ls_jax import backend as backend_lib
 from train import metrics as metrics_lib
 from train import runlog
 from train.checkpoints import CheckpointMismatchError, Checkpoints
+from train.input_pipeline import DataError
 from train.runlog import RunLog
 
 Batch = dict[str, np.ndarray]
@@ -727,7 +730,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--steps", type=int, help="optimizer steps to train for")
     group.add_argument("--optimizer", choices=OPTIMIZERS, help="ls_jax.optim fused optimizer (default adamw)")
     group.add_argument("--lr", type=float, help="peak learning rate")
-    group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the inverse-sqrt schedule")
+    group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
     group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
     group.add_argument("--clip-norm", type=float, help="clip gradients to this global L2 norm (0: no clipping)")
     group.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
@@ -869,3 +872,149 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints) -> int:
     if result.stop_reason == "signal":
         return 128 + int(result.signal_number)
     return 0
+
+
+# --------------------------------------------------------------------------------------- entry points
+
+
+def defaults_epilog(defaults: Mapping[str, Any], synthetic: Mapping[str, Any], real: Mapping[str, Any],
+                    notes: str = "") -> str:
+    """The ``--help`` epilog of an entry point: its defaults, those that depend on the data, then ``notes``."""
+
+    def line(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+    by_data = set(synthetic) | set(real)
+    common = {k: v for k, v in defaults.items() if v is not None and not isinstance(v, bool) and k not in by_data}
+    return (
+        f"defaults: {line(common)}\n"
+        f"with --data synthetic: {line(synthetic)}\n"
+        f"with real data: {line(real)}\n"
+        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
+    )
+
+
+def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
+                 fractions: Iterable[str] = ()) -> None:
+    """Raises UsageError naming the flag when a set option is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    def flag(key: str) -> str:
+        return "--" + key.replace("_", "-")
+
+    for key in at_least_one:
+        if config[key] is not None and config[key] < 1:
+            raise UsageError(f"{flag(key)} must be >= 1, got {config[key]}")
+    for key in non_negative:
+        if config[key] is not None and config[key] < 0:
+            raise UsageError(f"{flag(key)} must be >= 0, got {config[key]}")
+    for key in fractions:
+        if config[key] is not None and not 0.0 <= config[key] < 1.0:
+            raise UsageError(f"{flag(key)} must be in [0, 1), got {config[key]}")
+    if config["lr"] <= 0:
+        raise UsageError(f"--lr must be > 0, got {config['lr']}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What an entry point's training function starts from."""
+
+    config: dict[str, Any]  # resolved: defaults < saved (on --resume) < given
+    given: dict[str, Any]  # the flags of this invocation
+    run_id: str
+    run_dir: Path
+    command: str  # the command line, for the run record
+    started_at: float  # time.monotonic() at start, for wall_time_s
+    started_utc: str
+
+
+def run_entry_point(
+    task: str,
+    argv: Sequence[str],
+    parser: argparse.ArgumentParser,
+    resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], dict[str, Any]],
+    check_config: Callable[[Mapping[str, Any]], None],
+    train_fn: Callable[[Run], int],
+) -> int:
+    """Parses and checks the flags, joins the distributed job, prepares the run directory, then ``train_fn``.
+
+    The backend is selected (and, for ``--backend ffi``, the kernels loaded) before anything compiles, so a
+    missing kernel library fails at once rather than mid-compilation.
+    """
+    started_at, started_utc = time.monotonic(), runlog.utc_now()
+    given = vars(parser.parse_args(argv))
+    saved = load_saved_config(given["resume"]) if given.get("resume") else None
+    config = resolve_config(given, saved)
+    check_config(config)
+    if config["distributed"]:
+        jax.distributed.initialize()
+    run_id = saved["run_id"] if saved else runlog.new_run_id()
+    run_dir = prepare_run_dir(config, run_id)
+    command = shlex.join(["python", "-m", f"train.{task}", *argv])
+    with backend_lib.use(config["backend"]):
+        backend_lib.active_backend()
+        return train_fn(Run(config, given, run_id, run_dir, command, started_at, started_utc))
+
+
+def detect_hardware(config: Mapping[str, Any]) -> Hardware:
+    """`Hardware.detect` for the flags ``--precision``, ``--device-name`` and ``--price-per-hour``."""
+    try:
+        return Hardware.detect(config["precision"], device_name=config["device_name"],
+                               price_override=config["price_per_hour"])
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def run_record(task: str, run: Run, hardware: Hardware, state: TrainState, *, model: str, batch: Mapping[str, Any],
+               data: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``run`` record that opens a run log (docs/run-log.md)."""
+    return {
+        **runlog.identity(task, run.run_id, run.command, run.started_utc),
+        **hardware.record_fields(),
+        "backend": backend_lib.active_backend(),
+        "precision": hardware.precision,
+        "optimizer": run.config["optimizer"],
+        "model": model,
+        "params": param_count(state.params),
+        "batch": dict(batch),
+        "data": dict(data),
+        "config": dict(config),
+    }
+
+
+def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def finish(result: TrainResult, run_dir: Path, run_log: RunLog, checkpoints: Checkpoints, hardware: Hardware,
+           throughput: Callable[[Mapping[str, Any]], str], metric: str, score: Callable[[Mapping[str, Any]], str]) -> int:
+    """Closes the run, prints its summary on the main host and returns the process exit code (`exit_code`).
+
+    ``throughput(summary)`` words the task's throughput, ``score(eval_record)`` its ``metric`` on one split.
+    """
+    run_log.close()
+    checkpoints.close()
+    hardware.energy.close()
+    if jax.process_index() == 0:
+        s = result.summary
+        evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
+        scores = ", ".join(f"{r['split']} {score(r)}" for r in evals) or "n/a"
+        print(
+            f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
+            f"({s['wall_time_s']:.1f} s wall)\n"
+            f"  throughput  {throughput(s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
+            f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
+            f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
+            f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
+            f"  final loss  {format_value(s['final_loss'], '.4f')}, {metric} {scores}\n"
+            f"  run dir     {run_dir}"
+        )
+    return exit_code(result, checkpoints)
+
+
+def main(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
+    """Runs an entry point; bad input (flags, data, files, a missing optional package or kernel library) is one
+    ``error:`` line and exit code 2."""
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

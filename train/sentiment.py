@@ -32,7 +32,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 
 from train import tokenizer as tokenizer_lib
-from train.input_pipeline import DataError, host_rows
+from train.input_pipeline import DataError, EpochStream, host_rows
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -58,12 +58,13 @@ class Split:
 # ------------------------------------------------------------------------------------- the synthetic task
 
 # The score of a review is the sum of its clauses' scores; its label is 1 when the score is positive.
-#   opinion clause   polarity (+1 / -1) x strength (2; 3 with an intensifier, 1 with a downtoner),
-#                    negated ("not", "never", "did not") it counts with the opposite sign;
+#   opinion clause   polarity (+1 / -1), doubled by an intensifier ("very", "extremely", ...; a downtoner
+#                    such as "somewhat" leaves it as it is), with the opposite sign when negated ("not",
+#                    "never", "did not");
 #   "but"            the clause after it counts twice (the contrast is the reviewer's conclusion);
 #   neutral clause   (a neutral adjective, or a remark about the viewing) counts 0.
-# A review whose score is 0 is drawn again. Counting sentiment words cannot solve it: negation flips them,
-# strength and contrast change their weight.
+# A review has one or two opinion clauses and up to two neutral ones; one whose score is 0 is drawn again.
+# Counting sentiment words cannot solve it: negation flips them, intensifiers and contrast change their weight.
 SUBJECTS = (
     "the movie", "the film", "the plot", "the acting", "the script", "the ending", "the soundtrack", "the cast",
     "the dialogue", "the story", "the camera work", "the villain", "the pacing", "the lead actress", "the sequel",
@@ -88,9 +89,9 @@ REMARKS = (
     "i watched it on a sunday", "it was shot in canada", "the theater was half empty", "i went with my sister",
     "it came out in the nineties", "it is based on a novel",
 )
-CONNECTIVES = (" and ", " . ", " ; ", " , and ")
+CONNECTIVES = ("and", ".", ";", ", and")
 MODIFIERS = ("", *INTENSIFIERS, *DOWNTONERS)
-STRENGTH = {"": 2, **{word: 3 for word in INTENSIFIERS}, **{word: 1 for word in DOWNTONERS}}
+STRENGTH = {"": 1, **{word: 2 for word in INTENSIFIERS}, **{word: 1 for word in DOWNTONERS}}
 # No modifier half of the time, else any intensifier or downtoner with equal odds.
 MODIFIER_ODDS = (0.5, *[0.5 / (len(MODIFIERS) - 1)] * (len(MODIFIERS) - 1))
 
@@ -122,9 +123,9 @@ def _neutral_clause(rng: np.random.Generator) -> list[str]:
 
 
 def synthetic_review(rng: np.random.Generator) -> tuple[str, int]:
-    """One review of one to three opinion clauses and up to two neutral ones, and its label (see above)."""
+    """One review of one or two opinion clauses and up to two neutral ones, and its label (see above)."""
     while True:
-        clauses: list[tuple[list[str], int]] = [_opinion_clause(rng) for _ in range(rng.integers(1, 4))]
+        clauses: list[tuple[list[str], int]] = [_opinion_clause(rng) for _ in range(rng.integers(1, 3))]
         clauses += [(_neutral_clause(rng), 0) for _ in range(rng.integers(0, 3))]
         order = rng.permutation(len(clauses))
         words, score = list(clauses[order[0]][0]), clauses[order[0]][1]
@@ -258,7 +259,8 @@ def read_source(spec: str, *, split: str, text_field: str, label_field: str, tfd
         return read_jsonl(location, text_field, label_field)
     if kind == "tfds" and location:
         return read_tfds(location, split, text_field, label_field, tfds_data_dir)
-    raise DataError(f"{spec!r} is not one of: synthetic, csv:PATH, jsonl:PATH, tfds:NAME")
+    raise DataError(f"{spec!r} is not a data source: expected csv:PATH, jsonl:PATH or tfds:NAME (or synthetic for "
+                    "--data)")
 
 
 def hold_out(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
@@ -441,45 +443,20 @@ def eval_plan(num_examples: int, batch_size: int) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class BatchStream:
-    """Training batches epoch after epoch, resumable at ``position`` = (epoch, step index within the epoch).
-
-    Iterating yields ``(batch, counts)``: this host's rows of the step (`make_batch`, arrays with a leading
-    grad_accum axis) and ``{"examples": n}``, the step's real examples over all hosts.
+class BatchStream(EpochStream):
+    """Fixed-size batches of examples in a fresh order each epoch (`plan_epoch`): ``batch`` holds this host's rows
+    of the step (`make_batch`, arrays with a leading grad_accum axis) and ``counts`` is ``{"examples": n}``, the
+    step's real examples over all hosts.
     """
 
     data: Encoded
     batch_size: int
     grad_accum: int
-    seed: int
-    process_index: int = 0
-    process_count: int = 1
-    epoch: int = 0
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        self._plan = self._plan_for(self.epoch)
 
     def _plan_for(self, epoch: int) -> np.ndarray:
         return plan_epoch(len(self.data), batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed,
                           epoch=epoch)
 
-    @property
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self._plan)
-
-    def __iter__(self) -> BatchStream:
-        return self
-
-    def __next__(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        if self.index >= len(self._plan):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._plan = self._plan_for(self.epoch)
-        step = self._plan[self.index]
-        self.index += 1
+    def _batch(self, step: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         local = host_rows(step, self.process_index, self.process_count)
         return make_batch(self.data, local), {"examples": int((step >= 0).sum())}

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -32,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
-from ls_jax import backend as backend_lib
 from ls_jax.models import PAD_ID, PRESETS, Transformer, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.ops import label_smoothed_cross_entropy
@@ -94,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the ls-jax Transformer for translation; with no arguments, a few minutes on the "
                     "embedded synthetic task. Every run writes config.json, spm.model, run.jsonl "
                     "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
-        epilog=_defaults_epilog(),
+        epilog=loop.defaults_epilog(WMT_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
@@ -127,20 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _defaults_epilog() -> str:
-    def line(values: Mapping[str, Any]) -> str:
-        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
-
-    by_data = set(SYNTHETIC_DEFAULTS) | set(REAL_DATA_DEFAULTS)
-    common = {k: v for k, v in WMT_DEFAULTS.items() if v is not None and not isinstance(v, bool) and k not in by_data}
-    return (
-        f"defaults: {line(common)}\n"
-        f"with --data synthetic: {line(SYNTHETIC_DEFAULTS)}\n"
-        f"with real data: {line(REAL_DATA_DEFAULTS)}\n"
-        "on --resume RUN_DIR the saved configuration replaces the defaults"
-    )
-
-
 def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Defaults, then the saved configuration of a resumed run, then the flags given now."""
     data = given.get("data", (saved or {}).get("data", WMT_DEFAULTS["data"]))
@@ -149,20 +132,13 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 
 
 def _check_config(config: Mapping[str, Any]) -> None:
-    positive = ("steps", "max_tokens", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
-                "warmup_steps", "beam_size", "spm_vocab_size")
-    for key in positive:
-        if config[key] is not None and config[key] < 1:
-            raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {config[key]}")
-    for key in ("eval_every", "bleu_sentences", "weight_decay", "clip_norm"):
-        if config[key] is not None and config[key] < 0:
-            raise UsageError(f"--{key.replace('_', '-')} must be >= 0, got {config[key]}")
-    if not 0.0 <= config["label_smoothing"] < 1.0:
-        raise UsageError(f"--label-smoothing must be in [0, 1), got {config['label_smoothing']}")
-    if config["dropout"] is not None and not 0.0 <= config["dropout"] < 1.0:
-        raise UsageError(f"--dropout must be in [0, 1), got {config['dropout']}")
-    if config["lr"] <= 0:
-        raise UsageError(f"--lr must be > 0, got {config['lr']}")
+    loop.check_ranges(
+        config,
+        at_least_one=("steps", "max_tokens", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
+                      "warmup_steps", "beam_size", "spm_vocab_size"),
+        non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
+        fractions=("label_smoothing", "dropout"),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -358,25 +334,6 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _command(argv: Sequence[str]) -> str:
-    return shlex.join(["python", "-m", "train.wmt", *argv])
-
-
-def run(argv: Sequence[str]) -> int:
-    started = (time.monotonic(), runlog.utc_now())
-    given = vars(build_parser().parse_args(argv))
-    saved = loop.load_saved_config(given["resume"]) if given.get("resume") else None
-    config = resolve_config(given, saved)
-    _check_config(config)
-    if config["distributed"]:
-        jax.distributed.initialize()
-    run_id = saved["run_id"] if saved else runlog.new_run_id()
-    run_dir = loop.prepare_run_dir(config, run_id)
-    with backend_lib.use(config["backend"]):
-        backend_lib.active_backend()  # fails now, not mid-compilation, when --backend ffi cannot load the kernels
-        return _train(config, given.get("spm"), run_id, run_dir, argv, started)
-
-
 def _initial_state(model: Transformer, tx, seed: int, fp16: bool, parallel: loop.DataParallel) -> loop.TrainState:
     init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
 
@@ -388,17 +345,10 @@ def _initial_state(model: Transformer, tx, seed: int, fp16: bool, parallel: loop
     return jax.jit(create, out_shardings=parallel.replicated)()
 
 
-def _train(
-    config: dict[str, Any], spm_given: str | None, run_id: str, run_dir: Path, argv: Sequence[str],
-    started: tuple[float, str],
-) -> int:
+def _train(run: loop.Run) -> int:
+    config, run_dir = run.config, run.run_dir
     is_main = jax.process_index() == 0
-    try:
-        hardware = loop.Hardware.detect(
-            config["precision"], device_name=config["device_name"], price_override=config["price_per_hour"]
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from err
+    hardware = loop.detect_hardware(config)
     precision = hardware.precision
     parallel = loop.DataParallel.over_all_devices()
 
@@ -407,7 +357,7 @@ def _train(
     max_len = config["max_len"] or max_seq_len
     if max_len > max_seq_len:
         raise UsageError(f"--max-len {max_len} exceeds the model's max_seq_len {max_seq_len} ({config['preset']})")
-    data = load_data(config, spm_given, run_dir, max_len)
+    data = load_data(config, run.given.get("spm"), run_dir, max_len)
     model_cfg = model_config(config, data.stats["vocab_size"], precision)
     model = Transformer(model_cfg)
     signature = model_signature(config, model_cfg, precision)
@@ -431,20 +381,13 @@ def _train(
     compiler.precompile(state, [{name: (shape, jnp.int32) for name in ("src", "tgt_in", "labels")} for shape in shapes])
 
     run_log = runlog.RunLog(run_dir, ("tokens", "target_tokens"), enabled=is_main, tensorboard=config["tensorboard"])
-    loop.save_config(run_dir, {**config, "run_id": run_id})
+    loop.save_config(run_dir, {**config, "run_id": run.run_id})
     if not config["resume"]:
-        run_log.write({
-            **runlog.identity("wmt", run_id, _command(argv), started[1]),
-            **hardware.record_fields(),
-            "backend": backend_lib.active_backend(),
-            "precision": precision,
-            "optimizer": config["optimizer"],
-            "model": config["preset"],
-            "params": loop.param_count(state.params),
-            "batch": {"max_tokens": config["max_tokens"], "grad_accum": config["grad_accum"]},
-            "data": {"source": config["data"], **data.stats},
-            "config": config,
-        })
+        run_log.write(loop.run_record(
+            "wmt", run, hardware, state, model=config["preset"],
+            batch={"max_tokens": config["max_tokens"], "grad_accum": config["grad_accum"]},
+            data={"source": config["data"], **data.stats}, config=config,
+        ))
     result = loop.train(
         state,
         compiler=compiler,
@@ -459,46 +402,22 @@ def _train(
         model_signature=signature,
         config=loop.LoopConfig(
             num_steps=config["steps"], log_every=config["log_every"], eval_every=config["eval_every"],
-            checkpoint_every=config["checkpoint_every"], progress_bar=config["progress"], started_at=started[0],
+            checkpoint_every=config["checkpoint_every"], progress_bar=config["progress"], started_at=run.started_at,
         ),
         counters=counters,
     )
-    run_log.close()
-    checkpoints.close()
-    hardware.energy.close()
-    if is_main:
-        print_summary(result, run_dir)
-    return loop.exit_code(result, checkpoints)
-
-
-def print_summary(result: loop.TrainResult, run_dir: Path) -> None:
-    s = result.summary
-
-    def fmt(value, spec=".3g", unit=""):
-        return "n/a" if value is None else f"{value:{spec}}{unit}"
-
-    evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
-    bleu = ", ".join(f"{r['split']} {fmt(r['bleu'], '.2f')}" for r in evals) or "n/a"
-    print(
-        f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-        f"({s['wall_time_s']:.1f} s wall)\n"
-        f"  throughput  {fmt(s['tokens_per_s'], '.0f')} tokens/s, {fmt(s['target_tokens_per_s'], '.0f')} target tokens/s, "
-        f"step {fmt(s['step_time_s'], '.3f', ' s')}\n"
-        f"  compute     {fmt(s['tflops_per_s'], '.3g')} TFLOP/s, MFU {fmt(s['mfu'], '.1%')}\n"
-        f"  energy      {fmt(s['energy_j'], '.4g', ' J')} ({s['energy_source'] or 'not measured on this device'}), "
-        f"cost {fmt(s['cost_usd'], '.4f', ' USD')}\n"
-        f"  final loss  {fmt(s['final_loss'], '.4f')}, BLEU {bleu}\n"
-        f"  run dir     {run_dir}"
+    return loop.finish(
+        result, run_dir, run_log, checkpoints, hardware,
+        throughput=lambda s: (f"{loop.format_value(s['tokens_per_s'], '.0f')} tokens/s, "
+                              f"{loop.format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
+        metric="BLEU", score=lambda record: loop.format_value(record["bleu"], ".2f"),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(argv)
-    except (UsageError, input_pipeline.DataError, FileNotFoundError, backend_lib.KernelsUnavailableError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return loop.main(
+        lambda args: loop.run_entry_point("wmt", args, build_parser(), resolve_config, _check_config, _train), argv
+    )
 
 
 if __name__ == "__main__":

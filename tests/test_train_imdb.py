@@ -1,0 +1,197 @@
+"""``python -m train.imdb`` end to end on CPU: the default job, its quality,
+CSV and JSONL data, exact resume, the comparison report and bad input (--init-from: test_train_imdb_hf.py)."""
+
+import contextlib
+import io
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from test_train_imdb_data import write_csv, write_jsonl
+from test_train_runlog import documented_keys
+from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
+from ls_jax import backend
+from train import compare, imdb, report, runlog
+
+FLOP_TOLERANCE = 0.05
+TOKEN_COUNTS = {"tokens", "target_tokens", "tokens_per_s", "target_tokens_per_s"}  # wmt's; imdb counts examples
+QUIET = ["--no-progress", "--no-tensorboard"]
+WORDS = ("the movie was not very good bad great boring plot acting fun dull a truly awful film i liked it "
+         "and but").split()
+
+
+def check_log_schema(records):
+    documented = documented_keys()
+    assert records[0]["type"] == "run" and records[-1]["type"] == "summary"
+    assert [r["type"] for r in records].count("run") == 1 and [r["type"] for r in records].count("summary") == 1
+    for record in records:
+        runlog.validate(record, ("examples",))
+        assert documented[record["type"]] - TOKEN_COUNTS <= set(record)
+
+
+def review_rows(count, seed):
+    """(text, label) rows of random words; the label is 1 when "good" or "great" occurs."""
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=rng.integers(3, 12))) for _ in range(count)]
+    return [(text, int("good" in text.split() or "great" in text.split())) for text in texts]
+
+
+@pytest.fixture(scope="module")
+def csv_data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reviews")
+    return (write_csv(directory / "train.csv", review_rows(120, 0)),
+            write_csv(directory / "test.csv", review_rows(40, 1)))
+
+
+def csv_job(csv_data, run_dir, *extra):
+    train, test = csv_data
+    return ["--data", f"csv:{train}", "--test-data", f"csv:{test}", "--run-dir", str(run_dir), "--preset",
+            "bert-tiny", "--max-seq-len", "16", "--batch-size", "8", "--vocab-size", "60", "--dropout", "0",
+            "--lr", "1e-3", *QUIET, *extra]
+
+
+# ------------------------------------------------------------------------------------------ default job
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = imdb.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
+                          "--run-dir", str(run_dir)])
+    return code, run_dir, printed.getvalue()
+
+
+@pytest.mark.slow
+def test_default_job_end_to_end(default_run):
+    code, run_dir, printed = default_run
+    assert code == 0
+    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["data"] == "synthetic" and config["preset"] == "bert-tiny" and config["steps"] == 6
+
+    records = runlog.read(run_dir / "run.jsonl")
+    check_log_schema(records)
+    assert [r["type"] for r in records] == ["run", "interval", "interval", "eval", "eval", "summary"]
+    run, summary = records[0], records[-1]
+    on_cpu = jax.default_backend() == "cpu"
+    assert run["task"] == "imdb" and run["model"] == "bert-tiny" and run["backend"] == backend.active_backend()
+    assert run["precision"] == ("fp32" if on_cpu else "bf16")
+    assert run["batch"] == {"batch_size": 32, "grad_accum": 1}
+    assert run["config"]["steps_per_epoch"] == 338 and run["config"]["warmup_steps"] == 1  # 10% of 6 steps
+    data = run["data"]
+    assert data["max_seq_len"] == 40 and data["train"]["truncated"] == 0
+    assert (data["train"]["examples"], data["valid"]["examples"], data["test"]["examples"]) == (10800, 1200, 1000)
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["split"] for r in evals] == ["valid", "test"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["loss"] > 0 and r["bleu"] is None for r in evals)
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records if r["type"] == "interval")  # training accuracy
+    assert summary["completed"] and summary["steps"] == 6 and summary["accuracy"] == evals[-1]["accuracy"]
+    assert summary["examples"] == 6 * 32 and summary["examples_per_s"] > 0
+    assert abs(summary["flops_per_step"] / summary["xla_flops_per_step"] - 1) < FLOP_TOLERANCE
+    assert f"accuracy valid {evals[0]['accuracy']:.2%}, test {evals[1]['accuracy']:.2%}" in printed
+
+
+@pytest.mark.slow
+def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
+    _, run_dir, _ = default_run
+    runs, notes = report.load_runs([run_dir])
+    assert notes == [] and len(runs) == 1
+    run = runs[0]
+    summary = runlog.read(run_dir / "run.jsonl")[-1]
+    assert run.task == "imdb" and run.accuracy == summary["accuracy"] and run.trained_unit == "examples"
+    assert run.batch_label == "32 examples" and run.throughput == summary["examples_per_s"]
+    assert compare.main([str(run_dir), "--weights", "1,0,0,0", "--out", str(tmp_path / "report")]) == 0
+    table = capsys.readouterr().out
+    assert "accuracy" in table and f"{summary['accuracy']:.4f}" in table
+
+
+@pytest.mark.slow
+def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_cache):  # noqa: F811
+    assert imdb.main(["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
+    evals = [r for r in runlog.read(tmp_path / "run" / "run.jsonl") if r["type"] == "eval"]
+    # Chance is 0.5 and counting sentiment words scores 0.62; one epoch reaches about 0.90, three about 0.95.
+    assert [r["split"] for r in evals] == ["valid", "test"] and min(r["accuracy"] for r in evals) > 0.85
+
+
+# ------------------------------------------------------------------------------------ data and resume
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, csv_data, compilation_cache):  # noqa: F811
+    assert imdb.main(csv_job(csv_data, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
+    split = tmp_path / "split"
+    assert imdb.main(csv_job(csv_data, split, "--steps", "6", "--log-every", "1", "--checkpoint-every", "3")) == 0
+    # Cut the run back to its step-3 checkpoint, as a preempted run would have left it, and resume.
+    shutil.rmtree(split / "checkpoints" / "6")
+    assert imdb.main(["--resume", str(split)]) == 0
+    straight, resumed = state_arrays(tmp_path / "straight", 6), state_arrays(split, 6)
+    assert straight.keys() == resumed.keys()
+    atol = 1e-6 if jax.default_backend() == "cpu" else 1e-3
+    for name in straight:
+        np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=atol, err_msg=name)
+    records = runlog.read(split / "run.jsonl")
+    check_log_schema(records)
+    assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4, 5, 6]
+    assert records[0]["data"]["train"]["examples"] == 108 and records[0]["data"]["valid"]["examples"] == 12
+
+
+def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
+    train = write_jsonl(tmp_path / "train.jsonl", [{"review": t, "stars": l} for t, l in review_rows(40, 2)])
+    code = imdb.main(["--data", f"jsonl:{train}", "--text-field", "review", "--label-field", "stars",
+                      "--valid-fraction", "0.25", "--preset", "bert-tiny", "--max-seq-len", "16", "--batch-size", "8",
+                      "--vocab-size", "60", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET])
+    assert code == 0
+    records = runlog.read(tmp_path / "r" / "run.jsonl")
+    assert [r["split"] for r in records if r["type"] == "eval"] == ["valid"]
+    assert records[0]["data"]["valid"]["examples"] == 10
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda d, c: ["--data", f"csv:{d / 'absent.csv'}", "--run-dir", str(d / "r")], "data file not found"),
+        (lambda d, c: csv_job(c, d / "r", "--text-field", "review"), "no field 'review' (fields: text, label)"),
+        (lambda d, c: ["--data", f"csv:{write_csv(d / 'three.csv', [('a', 1), ('b', 2)] * 10)}",
+                          "--run-dir", str(d / "r")], "three.csv has label 2, but the model has 2 labels"),
+        (lambda d, c: ["--data", f"csv:{write_csv(d / 'empty.csv', [])}", "--run-dir", str(d / "r")],
+         "holds no examples"),
+        (lambda d, c: csv_job(c, d / "r", "--max-seq-len", "129"), "--max-seq-len 129 exceeds the model's 128"),
+        (lambda d, c: ["--init-from", str(d), "--preset", "bert-base", "--run-dir", str(d / "r")],
+         "--preset and --init-from exclude each other"),
+        (lambda d, c: ["--init-from", str(d), "--run-dir", str(d / "r")], "no tokenizer in"),
+        (lambda d, c: csv_job(c, d / "r", "--test-data", "synthetic"), "'synthetic' is not a data source"),
+        (lambda d, c: csv_job(c, d / "r", "--steps", "4", "--warmup-steps", "4"), "--warmup-steps 4 leaves no"),
+        (lambda d, c: ["--batch-size", "0"], "--batch-size must be >= 1"),
+        (lambda d, c: ["--resume", str(d)], "no config.json there"),
+        (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
+    ],
+    ids=["missing-file", "missing-column", "label-out-of-range", "empty-data", "max-seq-len",
+         "preset-and-init-from", "no-tokenizer", "bad-test-data", "warmup", "batch-size",
+         "resume-not-a-run", "ffi-without-cuda"],
+)
+def test_bad_input_is_one_message_and_exit_code_2(tmp_path, csv_data, capsys, make_args, message):
+    assert imdb.main(make_args(tmp_path, csv_data)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_help_says_every_batch_has_one_shape(capsys):
+    with pytest.raises(SystemExit):
+        imdb.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "EVERY batch is padded to this length, so the training step has one shape and compiles once" in text
+    for option in ("--data", "--test-data", "--valid-fraction", "--text-field", "--label-field", "--init-from",
+                   "--preset", "--batch-size", "--epochs", "--steps", "--optimizer", "--precision", "--backend",
+                   "--resume"):
+        assert option in text
+    assert "with --data synthetic:" in text

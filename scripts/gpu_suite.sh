@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
 #   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops optim e2e profile train
-# TEST_ARGS, SANITIZER_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench.
+# TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench; *_TIMEOUT bound the stages.
 # Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
 # docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
 set -uo pipefail
@@ -23,8 +23,8 @@ for name in "$@"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -n 8 \
         -p no:cacheprovider --tb=short -rfE --durations=15 ${TEST_ARGS:-tests} || status=1 ;;
     sanitizer)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 3 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider ${SANITIZER_ARGS:-tests/test_kernels_layer_norm.py} || status=1 ;;
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
+        --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/test_ops_transforms.py || status=1 ;;
     ops|optim|e2e|profile) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;

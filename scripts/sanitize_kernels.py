@@ -1,0 +1,117 @@
+"""Runs every CUDA kernel of ls_jax once, forward and backward, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_kernels.py
+
+Small shapes that reach each kernel's edge cases (odd hidden sizes, a partial last vector, short and long keys,
+fully masked rows, padding ids, 16-bit storage) in one process, so the sanitizer attaches once. It fails when
+any FFI target of the library went unexercised, so a clean run covers them all.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import ffi_kernels
+import ls_jax.optim
+from ls_jax import backend, ops
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def normal(key: int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
+
+
+Case = tuple[Callable[..., Any], tuple[jax.Array, ...]]  # a jitted function and its arguments
+
+
+def forward_backward(op: Callable[..., Any], *primals: jax.Array) -> Case:
+    """``op(*primals)`` and the gradient of the sum of its floating outputs, jitted."""
+
+    def loss(*args):
+        outputs = op(*args)
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(outputs)
+                   if jnp.issubdtype(x.dtype, jnp.floating))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(primals))))), primals
+
+
+def cases(dtype: Any) -> dict[str, Case]:
+    seed = jnp.array([7, 11], jnp.uint32)
+    hidden = 1001  # odd: the vector loop and the scalar tail both run
+    x, r = normal(1, (5, hidden), dtype), normal(2, (5, hidden), dtype)
+    gamma, beta, bias = normal(3, (hidden,), dtype), normal(4, (hidden,), dtype), normal(5, (hidden,), dtype)
+    mask = jnp.arange(37)[None, None, None, :] < jnp.array([37, 0])[:, None, None, None]  # batch 1 fully masked
+    tokens = jnp.array([[3, 0, 9, 100], [1, 2, 0, 0]], jnp.int32)
+    labels = jnp.array([[1, 0, 1002], [5, 0, 0]], jnp.int32)
+    return {
+        "layer_norm": forward_backward(lambda x, g, b: ops.layer_norm(x, g, b), x, gamma, beta),
+        "layer_norm+residual": forward_backward(lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r),
+                                                x, r, gamma, beta),
+        "dropout": forward_backward(lambda x: ops.dropout(x, rate=0.1, seed=seed), x),
+        "bias_dropout_residual": forward_backward(
+            lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed), x, bias, r),
+        **{f"bias_act_dropout[{act}]": forward_backward(
+            lambda x, b, act=act: ops.bias_act_dropout(x, b, activation=act, dropout_rate=0.1, seed=seed), x, bias)
+           for act in ("relu", "gelu", "gelu_tanh")},
+        "attn_softmax[short keys, padding]": forward_backward(
+            lambda s: ops.attn_softmax(s, mask, scale=0.125, dropout_rate=0.1, seed=seed), normal(6, (2, 3, 5, 37), dtype)),
+        "attn_softmax[long keys, causal]": forward_backward(
+            lambda s: ops.attn_softmax(s, causal=True, scale=0.125, dropout_rate=0.1, seed=seed),
+            normal(7, (1, 2, 3, 4100), dtype)),
+        "embed[learned positions]": forward_backward(
+            lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
+            normal(8, (101, 72), dtype), normal(9, (6, 72), dtype)),
+        "embed[sinusoidal]": forward_backward(
+            lambda t: ops.embed(tokens, t, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
+            normal(10, (101, 72), dtype)),
+        "label_smoothed_cross_entropy": forward_backward(
+            lambda logits: ops.label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=0),
+            normal(11, (2, 3, 1003), dtype)),
+    }
+
+
+def optimizer_cases() -> dict[str, Case]:
+    params = {"w": normal(12, (67, 33), jnp.float32), "b": normal(13, (33,), jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: (0.1 * p).astype(p.dtype), params)
+
+    def step(tx: optax.GradientTransformation) -> Case:
+        def run(params, grads):
+            updates, _ = tx.update(grads, tx.init(params), params)
+            return optax.apply_updates(params, updates)
+
+        return jax.jit(run), (params, grads)
+
+    return {
+        "adan+clip": step(optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01))),
+        "adamw": step(ls_jax.optim.adamw(1e-3, weight_decay=0.01)),
+    }
+
+
+def main() -> int:
+    with backend.use("ffi"):
+        every_target = set(ffi_kernels.load())
+        all_cases = {f"{name} {jnp.dtype(dtype).name}": case for dtype in DTYPES for name, case in cases(dtype).items()}
+        all_cases.update(optimizer_cases())
+        called: set[str] = set()
+        for name, (fn, args) in all_cases.items():
+            compiled = fn.lower(*args).compile()
+            called |= set(re.findall(r'custom_call_target="(ls_\w+)"', compiled.as_text()))
+            jax.block_until_ready(compiled(*args))
+            print(f"ran {name}", flush=True)
+    missing = every_target - called
+    if missing:
+        print(f"not exercised: {sorted(missing)}", file=sys.stderr)
+        return 1
+    print(f"every kernel ran: {len(called)} targets")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

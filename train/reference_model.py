@@ -91,7 +91,8 @@ class ReferenceTransformer(nn.Module):
     @nn.compact
     def __call__(self, src, tgt_in, deterministic: bool = True):
         cfg = self.config
-        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(cfg.hidden_size**-0.5))
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
+                         embedding_init=nn.initializers.normal(cfg.hidden_size**-0.5))
         positions = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.hidden_size))
 
         def embed_tokens(tokens):

@@ -189,15 +189,17 @@ def versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout this code runs from; where the tree was copied without its git metadata (a remote
-    GPU machine), ``$LS_JAX_GIT_COMMIT``; else None."""
+    """``$LS_JAX_GIT_COMMIT`` where set (a copy of the tree on a remote GPU machine, whose git metadata may be
+    stale or absent), else HEAD of the checkout this code runs from, else None."""
+    if os.environ.get("LS_JAX_GIT_COMMIT"):
+        return os.environ["LS_JAX_GIT_COMMIT"]
     try:
         result = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
             capture_output=True, text=True, check=True, timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LS_JAX_GIT_COMMIT") or None
+        return None
     return result.stdout.strip() or None
 
 

@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import statistics
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -27,7 +28,10 @@ RESULTS_DIR = REPO_ROOT / "docs" / "results"
 
 
 def git_state() -> dict[str, Any]:
-    """The commit the code came from and whether tracked files differ from it (None where unknown)."""
+    """The commit the code came from and whether tracked files differ from it (None where unknown, as when
+    ``$LS_JAX_GIT_COMMIT`` names the commit of a copied tree)."""
+    if os.environ.get("LS_JAX_GIT_COMMIT"):
+        return {"commit": runlog.git_commit(), "dirty": None}
     try:
         status = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,

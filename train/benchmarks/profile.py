@@ -4,9 +4,11 @@
 
 Each implementation of ``train.benchmarks.e2e`` is measured as ``e2e`` measures it (its step time is added to
 docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more steps.
-Every GPU kernel in the trace is attributed to the HLO instruction that launched it, whose ``op_name`` metadata
-(from the compiled HLO) carries the JAX name scopes: Flax module names, the ls_jax op names that
-``ls_jax.ops._common.dispatch`` adds, and the ``criterion``/``optimizer`` scopes of the benchmark's step. The
+An XLA kernel is attributed to the HLO instruction that launched it (the trace event's ``hlo_op``, else the
+kernel's own name, which XLA derives from the fusion's), whose ``op_name`` metadata (from the compiled HLO)
+carries the JAX name scopes: Flax module names, the ls_jax op names that ``ls_jax.ops._common.dispatch`` adds,
+and the ``criterion``/``optimizer`` scopes of the benchmark's step. An ls_jax CUDA kernel is attributed by its
+function name (``ls::..._kernel``). The
 categories are GEMM, attention (fused attention kernels), LayerNorm, softmax, dropout/elementwise, embedding,
 criterion, optimizer, copies/transposes, other, and idle (the step's wall time on the device not covered by
 any kernel). Writes docs/results/profile-<device>.json and prints the two breakdowns side by side.
@@ -51,16 +53,41 @@ _SCOPE_RULES = (
     ("dropout/elementwise", re.compile(r"Dropout|dropout|random_bits|threefry|philox")),
 )
 _COPY = re.compile(r"copy|transpose", re.IGNORECASE)
+_LS_KERNEL = re.compile(r"\bls::(?:\(anonymous namespace\)::)?(\w+)_kernel\b")
+# ls_jax's CUDA kernels (ffi_kernels/csrc) by the start of their function names.
+_LS_KERNEL_PREFIXES = (
+    ("layer_norm", "LayerNorm"),
+    ("softmax", "softmax"),
+    ("cross_entropy", "criterion"),
+    ("embed", "embedding"),
+    ("segment_bounds", "embedding"),
+    ("step", "optimizer"),
+    ("norm_partials", "optimizer"),
+    ("dropout", "dropout/elementwise"),
+    ("bias", "dropout/elementwise"),
+)
+
+
+def _kernel_style(name: str) -> str:
+    """An HLO instruction name as XLA names the GPU kernel it emits (``.`` and ``-`` become ``_``)."""
+    return re.sub(r"[.\-]", "_", name)
 
 
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
-    """Maps each HLO instruction name of a compiled module to its ``op_name`` metadata."""
+    """Maps each HLO instruction name of a compiled module, as written and in kernel style, to its ``op_name``."""
     pattern = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", re.MULTILINE)
-    return {name: op_name for name, op_name in pattern.findall(hlo_text)}
+    names = {}
+    for name, op_name in pattern.findall(hlo_text):
+        names[name] = names[_kernel_style(name)] = op_name
+    return names
 
 
 def categorize(kernel: str, op_name: str) -> str:
     """The category of one GPU kernel, from its name and the op_name of the HLO instruction behind it."""
+    ls_kernel = _LS_KERNEL.search(kernel)
+    if ls_kernel:
+        function = ls_kernel.group(1)
+        return next((category for prefix, category in _LS_KERNEL_PREFIXES if function.startswith(prefix)), "other")
     if _ATTENTION_KERNEL.search(kernel):
         return "attention"
     if _GEMM_KERNEL.search(kernel):
@@ -102,13 +129,16 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def event_op_name(event: dict[str, Any], op_names: dict[str, str]) -> str:
+    """The ``op_name`` of the HLO instruction behind a kernel event ("" where unknown, e.g. a custom call's kernel)."""
+    return op_names.get(str(event.get("args", {}).get("hlo_op") or event["name"]), "")
+
+
 def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
     """Milliseconds per step in each category (trace timestamps are microseconds)."""
     per_category = dict.fromkeys(CATEGORIES, 0.0)
     for event in kernels:
-        args = event.get("args", {})
-        hlo_op = str(args.get("hlo_op", ""))
-        per_category[categorize(event["name"], op_names.get(hlo_op, ""))] += event["dur"]
+        per_category[categorize(event["name"], event_op_name(event, op_names))] += event["dur"]
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     if intervals:
         window = max(stop for _, stop in intervals) - min(start for start, _ in intervals)
@@ -139,9 +169,14 @@ def step_breakdown(train_step: Any, batch: Any, steps: int) -> dict[str, Any]:
     op_names = hlo_op_names(train_step.compiled.as_text())
     kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps)
     ms = breakdown(kernels, op_names, steps)
-    top = dict(list(kernel_time_by_name(kernels, steps).items())[:25])
+    op_name_of = {event["name"]: event_op_name(event, op_names) for event in kernels}
+    top = [
+        {"kernel": name, "ms_per_step": time, "category": categorize(name, op_name_of[name]),
+         "op_name": op_name_of[name]}
+        for name, time in list(kernel_time_by_name(kernels, steps).items())[:40]
+    ]
     return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
-            "top_kernels_ms_per_step": top}
+            "top_kernels": top}
 
 
 def main(argv: list[str]) -> int:

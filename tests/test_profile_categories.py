@@ -1,0 +1,46 @@
+"""train.benchmarks.profile: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
+
+import pytest
+
+from train.benchmarks import profile
+
+HLO = """
+HloModule jit_step
+%loop_add_fusion.49 = bf16[8192,1024] fusion(%a, %b), kind=kLoop, metadata={op_name="jit(step)/decoder/layer_norm/add"}
+ROOT %input_reduce_fusion = f32[] fusion(%c), kind=kInput, metadata={op_name="jit(step)/criterion/reduce_sum"}
+%gemm_fusion_dot.3 = bf16[8192,4096] fusion(%d, %e), metadata={op_name="jit(step)/ffn/dot_general"}
+"""
+
+
+@pytest.mark.parametrize("kernel, op_name, category", [
+    ("void ls::(anonymous namespace)::layer_norm_bwd_kernel<__nv_bfloat16, float, 8>(float const*)", "", "LayerNorm"),
+    ("void ls::(anonymous namespace)::softmax_fwd_group_kernel<__nv_bfloat16, 4>(int)", "", "softmax"),
+    ("void ls::(anonymous namespace)::cross_entropy_bwd_kernel<float>(float*)", "", "criterion"),
+    ("void ls::(anonymous namespace)::segment_bounds_kernel(int const*, long, long)", "", "embedding"),
+    ("void ls::(anonymous namespace)::step_kernel<(ls::(anonymous namespace)::Algorithm)0>(ls::LeafTable)", "",
+     "optimizer"),
+    ("void ls::(anonymous namespace)::bias_bwd_kernel<__nv_bfloat16, float, 8>(float*)", "", "dropout/elementwise"),
+    ("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", "jit(step)/criterion/dot_general", "GEMM"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "", "attention"),
+    ("loop_transpose_fusion_70", "jit(step)/encoder/reshape", "copies/transposes"),
+    ("loop_add_fusion_49", "jit(step)/decoder/LayerNorm_0/add", "LayerNorm"),
+    ("loop_add_fusion_50", "jit(step)/decoder/mlp/add", "other"),
+])
+def test_categorize(kernel, op_name, category):
+    assert profile.categorize(kernel, op_name) == category
+
+
+def test_kernels_without_hlo_op_are_found_by_their_fusion_name():
+    op_names = profile.hlo_op_names(HLO)
+    kernels = [
+        {"name": "loop_add_fusion_49", "ts": 0.0, "dur": 1000.0, "args": {}},  # "." of the HLO name became "_"
+        {"name": "input_reduce_fusion", "ts": 1000.0, "dur": 500.0, "args": {}},
+        {"name": "gemm_fusion_dot_3", "ts": 2000.0, "dur": 2000.0, "args": {}},  # 500 us idle before it
+        {"name": "anything", "ts": 4000.0, "dur": 250.0, "args": {"hlo_op": "input_reduce_fusion"}},
+    ]
+    ms = profile.breakdown(kernels, op_names, steps=1)
+    assert ms["LayerNorm"] == pytest.approx(1.0)
+    assert ms["criterion"] == pytest.approx(0.75)
+    assert ms["GEMM"] == pytest.approx(2.0)
+    assert ms["idle"] == pytest.approx(0.5)
+    assert ms["other"] == 0.0

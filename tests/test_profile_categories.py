@@ -44,3 +44,30 @@ def test_kernels_without_hlo_op_are_found_by_their_fusion_name():
     assert ms["GEMM"] == pytest.approx(2.0)
     assert ms["idle"] == pytest.approx(0.5)
     assert ms["other"] == 0.0
+
+
+def test_reanalyze_recomputes_a_result_file_from_kept_traces(tmp_path):
+    import gzip
+    import json
+
+    trace_dir = tmp_path / "traces" / "ls_jax_xla" / "plugins" / "profile" / "run"
+    trace_dir.mkdir(parents=True)
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 7, "name": "loop_add_fusion_49", "ts": 0.0, "dur": 3000.0, "args": {}},
+        {"ph": "X", "pid": 1, "name": "loop_add_fusion_49", "ts": 0.0, "dur": 9000.0, "args": {}},  # host: ignored
+    ]
+    with gzip.open(trace_dir / "host.trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    (tmp_path / "traces" / "ls_jax_xla" / profile.HLO_FILENAME).write_text(HLO)
+    result_path = tmp_path / "profile-h100.json"
+    result_path.write_text(json.dumps({"environment": {"device_kind": "H100"}, "steps": 3,
+                                       "results": {"ls_jax_xla": {"stale": True}}}))
+
+    result = profile.reanalyze(result_path, tmp_path / "traces")
+    assert result["environment"] == {"device_kind": "H100"}
+    summary = result["results"]["ls_jax_xla"]
+    assert summary["ms_per_step"]["LayerNorm"] == pytest.approx(1.0)
+    assert summary["kernels_per_step"] == pytest.approx(1 / 3)
+    assert summary["top_kernels"][0]["op_name"] == "jit(step)/decoder/layer_norm/add"

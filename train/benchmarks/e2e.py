@@ -174,9 +174,11 @@ def _mode(implementation: str) -> str:
     return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]
 
 
-def measure(implementation: str, name: str, target_tokens: int, steps: int, profile_steps: int = 0) -> dict[str, Any]:
+def measure(implementation: str, name: str, target_tokens: int, steps: int, profile_steps: int = 0,
+            trace_dir: Path | None = None) -> dict[str, Any]:
     """Median step time and memory of one implementation at one batch size; with ``profile_steps``, also the
-    per-category breakdown of that many traced steps (``train.benchmarks.profile``)."""
+    per-category breakdown of that many traced steps (``train.benchmarks.profile``), whose trace stays in
+    ``trace_dir/<implementation>`` when given."""
     from train.benchmarks import profile
 
     batch = _batch(target_tokens // SEQ_LEN, seed=target_tokens)
@@ -198,7 +200,8 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
             "loss_after_timing": last_loss,
         }
         if profile_steps:
-            record["profile"] = profile.step_breakdown(train_step, batch, profile_steps)
+            record["profile"] = profile.step_breakdown(
+                train_step, batch, profile_steps, None if trace_dir is None else trace_dir / implementation)
     return record
 
 
@@ -281,6 +284,7 @@ def run(
     out: ResultFile,
     fit_batch: bool = False,
     profile_steps: int = 0,
+    trace_dir: Path | None = None,
 ) -> None:
     """Measures every (model, tokens, implementation) and adds each record to ``out`` as soon as it exists."""
     peak = out.header["peak_tflops"]
@@ -290,7 +294,7 @@ def run(
             for target_tokens in token_counts:
                 key = f"{name}/{target_tokens}/{implementation}"
                 try:
-                    record = measure(implementation, name, target_tokens, steps, profile_steps)
+                    record = measure(implementation, name, target_tokens, steps, profile_steps, trace_dir)
                 except Exception as err:  # noqa: BLE001 - record the failure (e.g. OOM) and go on
                     out.add(key, {"error": f"{type(err).__name__}: {str(err)[:500]}"})
                     print(f"{key}: FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)

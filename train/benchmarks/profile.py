@@ -146,14 +146,14 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
 
 
-def trace_gpu_kernels(fn: Callable[[], Any], calls: int) -> list[dict[str, Any]]:
-    """GPU kernel events of ``calls`` back-to-back calls of ``fn`` (warmed up beforehand by the caller)."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = fn()
-            jax.block_until_ready(out)
-        return gpu_kernel_events(_trace_events(Path(log_dir)))
+def trace_gpu_kernels(fn: Callable[[], Any], calls: int, log_dir: Path) -> list[dict[str, Any]]:
+    """GPU kernel events of ``calls`` back-to-back calls of ``fn`` (warmed up beforehand by the caller); the
+    trace stays in ``log_dir``."""
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+    return gpu_kernel_events(_trace_events(log_dir))
 
 
 def kernel_time_by_name(kernels: list[dict[str, Any]], calls: int) -> dict[str, float]:
@@ -164,10 +164,38 @@ def kernel_time_by_name(kernels: list[dict[str, Any]], calls: int) -> dict[str, 
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
-def step_breakdown(train_step: Any, batch: Any, steps: int) -> dict[str, Any]:
-    """Category breakdown of ``steps`` traced calls of an ``e2e.TrainStep`` (already warmed up)."""
-    op_names = hlo_op_names(train_step.compiled.as_text())
-    kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps)
+HLO_FILENAME = "step.hlo.txt"
+
+
+def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | None = None) -> dict[str, Any]:
+    """Category breakdown of ``steps`` traced calls of an ``e2e.TrainStep`` (already warmed up).
+
+    With ``trace_dir``, the trace and the compiled HLO stay there (for Perfetto, or `reanalyze`)."""
+    hlo = train_step.compiled.as_text()
+    if trace_dir is None:
+        with tempfile.TemporaryDirectory() as log_dir:
+            kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, Path(log_dir))
+    else:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        (trace_dir / HLO_FILENAME).write_text(hlo)
+        kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, trace_dir)
+    return summarize(kernels, hlo_op_names(hlo), steps)
+
+
+def reanalyze(result_path: Path, trace_root: Path) -> dict[str, Any]:
+    """Recomputes the breakdowns of a profile result file from the traces its run kept under ``trace_root``
+    (``--trace-dir``: one directory per implementation), keeping the file's environment; returns the new file."""
+    result = json.loads(result_path.read_text())
+    for implementation in result["results"]:
+        directory = trace_root / implementation
+        kernels = gpu_kernel_events(_trace_events(directory))
+        op_names = hlo_op_names((directory / HLO_FILENAME).read_text())
+        result["results"][implementation] = summarize(kernels, op_names, result["steps"])
+    return result
+
+
+def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, Any]:
+    """The breakdown of ``steps`` traced steps, the kernel count and the largest kernels with their categories."""
     ms = breakdown(kernels, op_names, steps)
     op_name_of = {event["name"]: event_op_name(event, op_names) for event in kernels}
     top = [
@@ -188,12 +216,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
     parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--trace-dir", type=Path, help="keep each implementation's trace and compiled HLO here")
+    parser.add_argument("--reanalyze", type=Path, metavar="RESULT_JSON",
+                        help="no GPU work: recompute the breakdowns of RESULT_JSON from the traces in --trace-dir")
     args = parser.parse_args(argv)
+    if args.reanalyze:
+        if args.trace_dir is None:
+            parser.error("--reanalyze needs --trace-dir, the directory the profiled run kept its traces in")
+        result = reanalyze(args.reanalyze, args.trace_dir)
+        args.reanalyze.write_text(json.dumps(result, indent=2) + "\n")
+        print_breakdowns(result["results"], {})
+        return 0
     implementations = args.implementations.split(",")
     if jax.default_backend() != "gpu":
         parser.error("profiling attributes GPU kernels: it needs a GPU")
     measurements = e2e.ResultFile.open(args.out, e2e.header(), fresh=False)
-    e2e.run([args.model], [args.tokens], implementations, args.steps, measurements, profile_steps=args.profile_steps)
+    e2e.run([args.model], [args.tokens], implementations, args.steps, measurements, profile_steps=args.profile_steps,
+            trace_dir=args.trace_dir)
     results = {impl: measurements.results[f"{args.model}/{args.tokens}/{impl}"] for impl in implementations}
     breakdowns = {impl: record["profile"] for impl, record in results.items() if "profile" in record}
     written = common.write_result(
@@ -201,6 +240,13 @@ def main(argv: list[str]) -> int:
         {"model": args.model, "target_tokens": args.tokens, "steps": args.profile_steps, "results": breakdowns},
         args.out,
     )
+    print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()})
+    print(f"wrote {written} and {measurements.path}")
+    return 0
+
+
+def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float]) -> None:
+    """The categories of every implementation side by side, in ms per step, and the timed step where known."""
     shown = list(breakdowns)
     print(f"{'category':22s}" + "".join(f"{impl:>16s}" for impl in shown) + "   (ms per step)")
     for category in (*CATEGORIES, "total"):
@@ -209,6 +255,5 @@ def main(argv: list[str]) -> int:
             for impl in shown
         ]
         print(f"{category:22s}" + "".join(f"{value:16.2f}" for value in row))
-    print(f"{'step time (timed)':22s}" + "".join(f"{results[impl]['step_time_s'] * 1e3:16.2f}" for impl in shown))
-    print(f"wrote {written} and {measurements.path}")
-    return 0
+    if step_times_s:
+        print(f"{'step time (timed)':22s}" + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown))

@@ -71,3 +71,9 @@ def test_reanalyze_recomputes_a_result_file_from_kept_traces(tmp_path):
     assert summary["ms_per_step"]["LayerNorm"] == pytest.approx(1.0)
     assert summary["kernels_per_step"] == pytest.approx(1 / 3)
     assert summary["top_kernels"][0]["op_name"] == "jit(step)/decoder/layer_norm/add"
+
+
+def test_a_kernel_inside_a_cuda_graph_is_found_by_its_name_not_the_command_buffer():
+    op_names = profile.hlo_op_names(HLO + '%command_buffer.1 = () call(), metadata={op_name="jit(step)/graph"}\n')
+    event = {"name": "loop_add_fusion_49", "ts": 0.0, "dur": 1.0, "args": {"hlo_op": "command_buffer_1"}}
+    assert profile.event_op_name(event, op_names) == "jit(step)/decoder/layer_norm/add"

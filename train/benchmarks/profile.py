@@ -4,8 +4,8 @@
 
 Each implementation of ``train.benchmarks.e2e`` is measured as ``e2e`` measures it (its step time is added to
 docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more steps.
-An XLA kernel is attributed to the HLO instruction that launched it (the trace event's ``hlo_op``, else the
-kernel's own name, which XLA derives from the fusion's), whose ``op_name`` metadata (from the compiled HLO)
+An XLA kernel is attributed to the HLO instruction that launched it (found by the kernel's name, which XLA
+derives from the fusion's, else by the trace event's ``hlo_op``), whose ``op_name`` metadata (from the compiled HLO)
 carries the JAX name scopes: Flax module names, the ls_jax op names that ``ls_jax.ops._common.dispatch`` adds,
 and the ``criterion``/``optimizer`` scopes of the benchmark's step. An ls_jax CUDA kernel is attributed by its
 function name (``ls::..._kernel``). The
@@ -130,8 +130,14 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def event_op_name(event: dict[str, Any], op_names: dict[str, str]) -> str:
-    """The ``op_name`` of the HLO instruction behind a kernel event ("" where unknown, e.g. a custom call's kernel)."""
-    return op_names.get(str(event.get("args", {}).get("hlo_op") or event["name"]), "")
+    """The ``op_name`` of the HLO instruction behind a kernel event ("" where unknown, e.g. a custom call's kernel).
+
+    The kernel's own name comes first: inside a CUDA graph the event's ``hlo_op`` is the command buffer that
+    launched the graph, not the fusion that the kernel computes."""
+    by_kernel_name = op_names.get(event["name"])
+    if by_kernel_name is not None:
+        return by_kernel_name
+    return op_names.get(str(event.get("args", {}).get("hlo_op", "")), "")
 
 
 def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
@@ -212,7 +218,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="big-6e6d", choices=sorted(e2e.MODELS))
     parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (the e2e measurement)")
+    parser.add_argument("--steps", type=int, default=20, help="timed samples of 5 steps (the e2e measurement)")
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
     parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)

@@ -32,6 +32,7 @@ import abc
 import dataclasses
 import math
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -95,12 +96,11 @@ def read_text_corpus(directory: str | Path, src_lang: str, tgt_lang: str) -> Cor
 TFDS_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
 
 
-def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | None = None) -> Corpus:
-    """Reads a TensorFlow Datasets translation set whose examples have one text feature per language.
+def import_tfds() -> ModuleType:
+    """tensorflow_datasets, imported only when a ``tfds:`` source is read.
 
     Raises:
-      DataError: tensorflow-datasets is not installed (the message says how to install it), or the dataset
-        cannot be prepared, or it lacks the languages.
+      DataError: it is not installed; the message says how to install it.
     """
     try:
         import tensorflow_datasets as tfds
@@ -109,6 +109,17 @@ def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | No
             "--data tfds:... needs tensorflow-datasets and tensorflow: "
             "pip install 'ls-jax[data]' (or pip install tensorflow-datasets tensorflow-cpu)"
         ) from err
+    return tfds
+
+
+def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | None = None) -> Corpus:
+    """Reads a TensorFlow Datasets translation set whose examples have one text feature per language.
+
+    Raises:
+      DataError: tensorflow-datasets is not installed (the message says how to install it), or the dataset
+        cannot be prepared, or it lacks the languages.
+    """
+    tfds = import_tfds()
     corpus: Corpus = {}
     for split, tfds_split in TFDS_SPLITS.items():
         try:

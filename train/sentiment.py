@@ -32,7 +32,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 
 from train import tokenizer as tokenizer_lib
-from train.input_pipeline import DataError, EpochStream, host_rows
+from train.input_pipeline import DataError, EpochStream, host_rows, import_tfds
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -230,13 +230,7 @@ def read_tfds(name: str, split: str, text_field: str, label_field: str, data_dir
       DataError: tensorflow-datasets is missing (the message says how to install it), the set cannot be
         loaded, or its examples lack the fields.
     """
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as err:
-        raise DataError(
-            "--data tfds:... needs tensorflow-datasets and tensorflow: "
-            "pip install 'ls-jax[data]' (or pip install tensorflow-datasets tensorflow-cpu)"
-        ) from err
+    tfds = import_tfds()
     try:
         dataset = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
     except Exception as err:  # noqa: BLE001 - tfds raises many kinds; the user needs the message

@@ -73,6 +73,17 @@ def test_bias_act_dropout_matches_reference(shape, dtype, bias_dtype, rate, acti
     )
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_relu_backward_keeps_only_the_output(activation):
+    """relu's VJP closes over y alone (x can be freed after the forward); the other activations keep x."""
+    x, bias, seed = normal(0, (4, 16), BF16), normal(1, (16,), F32), seed_array(6)
+    y, vjp = jax.vjp(lambda x: bias_act_dropout(x, bias, activation=activation, dropout_rate=0.2, seed=seed), x)
+    saved = [leaf for leaf in jax.tree.leaves(vjp) if getattr(leaf, "shape", None) == x.shape]
+    matches = lambda a: [bool(jnp.array_equal(leaf, a)) for leaf in saved]
+    assert any(matches(y)) == (activation == "relu")
+    assert any(matches(x)) == (activation != "relu")
+
+
 def test_zero_rate_is_identity():
     x = normal(0, (4, 5))
     assert dropout(x, rate=0.0) is x

@@ -57,6 +57,27 @@ def test_residual_layer_norm_matches_reference(shape, act_dtype, param_dtype):
     assert y.dtype == total.dtype == act_dtype
 
 
+@pytest.mark.parametrize("act_dtype, param_dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_norm_returning_its_input_adds_both_cotangents(shape, act_dtype, param_dtype):
+    """Returns (LN(x), x); x's gradient is the LayerNorm path's plus the passed-through copy's cotangent."""
+    x, gamma, beta, _ = _inputs(shape, act_dtype, param_dtype)
+    (y, same), _ = check_vjp(
+        lambda x, g, b: layer_norm(x, g, b, eps=EPS, return_input=True),
+        lambda x, g, b: (reference_layer_norm(x, g, b), x),
+        (x, gamma, beta),
+        act_dtype,
+    )
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(x))
+    assert y.dtype == act_dtype
+
+
+def test_return_input_with_a_residual_is_rejected():
+    x, gamma, beta, residual = _inputs((2, 3, 8), F32, F32)
+    with pytest.raises(ValueError, match="return_input applies without a residual"):
+        layer_norm(x, gamma, beta, residual=residual, return_input=True)
+
+
 def test_hidden_above_kernel_limit_runs():
     """8193 > the kernels' 8192 limit: not an error, the XLA implementation runs."""
     x, gamma, beta, _ = _inputs((2, 8193), F32, F32)

@@ -1,7 +1,10 @@
 // The elementwise fusions after a bias-free GEMM (math and shapes: ls_jax/ops/dropout.py):
 //   bias_dropout_residual   y = r + (x + b) * m            dx = dy * m,               db = sum_rows(dx)
 //   bias_act_dropout        y = act(x + b) * m             dx = dy * m * act'(x + b), db = sum_rows(dx)
-// with m = keep / (1 - rate) from the Philox seed (regenerated in the backward, never stored).
+// with m = keep / (1 - rate) from the Philox seed (regenerated in the backward, never stored). For relu the
+// backward reads the output instead: y > 0 exactly where x + b > 0 and the element was kept, so
+//   bias_relu_dropout       dx = dy * (y > 0 ? 1 / (1 - rate) : 0),  db = sum_rows(dx)
+// needs neither x, the bias nor the seed, and x need not outlive the forward.
 //
 // Layout (rows.cuh strip_layout): a thread owns one 16-byte column vector and its bias values, and walks
 // rows kRowUnroll at a time, loads first. In the backward each thread also sums its column of dx; a block
@@ -14,6 +17,7 @@
 //   ls_bias_dropout_residual_bwd(dy, seed) -> (dx, dbias, partials)
 //   ls_bias_act_dropout_fwd(x, bias, seed) -> y                 attribute activation: i32 (see Activation)
 //   ls_bias_act_dropout_bwd(dy, x, bias, seed) -> (dx, dbias, partials)   attribute activation: i32
+//   ls_bias_relu_dropout_bwd(dy, y) -> (dx, dbias, partials)              attribute scale only (no seed)
 #include "rows.cuh"
 
 namespace ls {
@@ -27,8 +31,9 @@ constexpr int kForwardBlocksPerSm = 4;
 constexpr int kForwardMinBlocks = 4;
 constexpr int kBackwardMinBlocks = 3;
 
-// Matches ls_jax/ops/dropout.py ACTIVATIONS order; kIdentity is bias_dropout_residual's.
-enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3 };
+// Matches ls_jax/ops/dropout.py ACTIVATIONS order; kIdentity is bias_dropout_residual's; kReluOutput is the
+// relu backward that reads y (never sent from Python as an activation code).
+enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3, kReluOutput = 4 };
 
 constexpr float kSqrtHalf = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
@@ -121,9 +126,10 @@ ffi::Error launch_forward(cudaStream_t stream, const T* x, const P* bias, const 
   return launch_error("bias_fwd_kernel");
 }
 
-// Checks shared by both directions: `main` (..., H) and its dtype twins, `bias` (H,) and the dropout.
+// Checks shared by both directions: `main` (..., H) and its dtype twins, `bias` (H,) and the dropout (a null
+// seed for the relu backward from the output, which draws no random numbers).
 ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const ffi::AnyBuffer*> same,
-                         const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>& seed,
+                         const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>* seed,
                          const DropoutParams& params) {
   const auto dims = main.dimensions();
   LS_RETURN_IF_ERROR(require(dims.size() >= 1, "bias ops need an input of rank >= 1"));
@@ -134,7 +140,8 @@ ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const
   LS_RETURN_IF_ERROR(require(bias.dimensions().size() == 1 && bias.dimensions()[0] == last_dim(dims),
                              "bias must have shape (" + std::to_string(last_dim(dims)) + ",), got " +
                                  shape_string(bias.dimensions())));
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
+  if (seed == nullptr) return ffi::Error::Success();
+  LS_RETURN_IF_ERROR(require(seed->element_count() == 2, "seed must have 2 uint32 words"));
   return require_dropout_range(params, main.element_count());
 }
 
@@ -144,9 +151,9 @@ ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyB
                    uint32_t threshold, float scale) {
   const DropoutParams params{seed.typed_data(), threshold, scale};
   if (residual) {
-    LS_RETURN_IF_ERROR(check_buffers(x, {residual, &y}, bias, seed, params));
+    LS_RETURN_IF_ERROR(check_buffers(x, {residual, &y}, bias, &seed, params));
   } else {
-    LS_RETURN_IF_ERROR(check_buffers(x, {&y}, bias, seed, params));
+    LS_RETURN_IF_ERROR(check_buffers(x, {&y}, bias, &seed, params));
   }
   const int64_t rows = leading_rows(x.dimensions());
   const int64_t cols = last_dim(x.dimensions());
@@ -168,8 +175,8 @@ ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyB
 
 // ---- backward -------------------------------------------------------------------------------------------
 
-// dx = dy * m * act'(x + bias) (x and bias unused for kIdentity); this block's column sums of dx go to
-// partials[blockIdx.x].
+// dx = dy * m * act'(x + bias) (x and bias unused for kIdentity; for kReluOutput x is y, and
+// dx = dy * (y > 0 ? scale : 0)); this block's column sums of dx go to partials[blockIdx.x].
 template <typename T, typename P, int W, Activation A>
 __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
     bias_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ bias,
@@ -179,12 +186,13 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
   const int64_t vectors = cols / W;
   const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const bool owner = vector < vectors;
-  const bool drop = params.enabled();
+  constexpr bool kFromOutput = A == Activation::kReluOutput;
+  const bool drop = !kFromOutput && params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
   float b[W], sum[1][W];
 #pragma unroll
   for (int i = 0; i < W; ++i) b[i] = sum[0][i] = 0.0f;
-  if (A != Activation::kIdentity && owner) load_floats<W>(bias + vector * W, b);
+  if (A != Activation::kIdentity && !kFromOutput && owner) load_floats<W>(bias + vector * W, b);
 
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; owner && first < rows;
@@ -203,7 +211,10 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
       const int64_t index = (first + u * step) * cols + vector * W;
       if (first + u * step < rows) {
         if (drop) dropout.apply<W>(static_cast<uint64_t>(index), d[u]);
-        if constexpr (A != Activation::kIdentity) {
+        if constexpr (kFromOutput) {
+#pragma unroll
+          for (int i = 0; i < W; ++i) d[u][i] *= z[u][i] > 0.0f ? params.scale : 0.0f;
+        } else if constexpr (A != Activation::kIdentity) {
 #pragma unroll
           for (int i = 0; i < W; ++i) d[u][i] *= activation_derivative<A>(z[u][i] + b[i]);
         }
@@ -229,13 +240,13 @@ ffi::Error launch_backward(cudaStream_t stream, const T* dy, const T* x, const P
   return sum_partials<P>(stream, partials, blocks, cols, dbias, nullptr);
 }
 
-// x and bias are read only for an activation; bias_dropout_residual passes x = nullptr and the (unread) bias
-// buffer for its dtype.
+// x and bias are read only for an activation; bias_dropout_residual and the relu backward from the output pass
+// the (unread) dbias buffer as bias for its dtype, the latter y as x and no seed.
 template <Activation A>
 ffi::Error backward(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::AnyBuffer* x,
-                    const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>& seed, ffi::AnyBuffer& dx,
+                    const ffi::AnyBuffer& bias, const ffi::Buffer<ffi::U32>* seed, ffi::AnyBuffer& dx,
                     ffi::AnyBuffer& dbias, ffi::AnyBuffer& partials, uint32_t threshold, float scale) {
-  const DropoutParams params{seed.typed_data(), threshold, scale};
+  const DropoutParams params{seed ? seed->typed_data() : nullptr, threshold, scale};
   if (x) {
     LS_RETURN_IF_ERROR(check_buffers(dy, {x, &dx}, bias, seed, params));
   } else {
@@ -289,7 +300,7 @@ ffi::Error bias_dropout_residual_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi:
 ffi::Error bias_dropout_residual_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Buffer<ffi::U32> seed,
                                      ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
                                      ffi::Result<ffi::AnyBuffer> partials, uint32_t threshold, float scale) {
-  return backward<Activation::kIdentity>(stream, dy, nullptr, *dbias, seed, *dx, *dbias, *partials, threshold,
+  return backward<Activation::kIdentity>(stream, dy, nullptr, *dbias, &seed, *dx, *dbias, *partials, threshold,
                                          scale);
 }
 
@@ -306,8 +317,14 @@ ffi::Error bias_act_dropout_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::Any
                                 ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> partials,
                                 uint32_t threshold, float scale, int32_t activation) {
   return dispatch_activation(activation, [&](auto a) {
-    return backward<decltype(a)::value>(stream, dy, &x, bias, seed, *dx, *dbias, *partials, threshold, scale);
+    return backward<decltype(a)::value>(stream, dy, &x, bias, &seed, *dx, *dbias, *partials, threshold, scale);
   });
+}
+
+ffi::Error bias_relu_dropout_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer y,
+                                 ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dbias,
+                                 ffi::Result<ffi::AnyBuffer> partials, float scale) {
+  return backward<Activation::kReluOutput>(stream, dy, &y, *dbias, nullptr, *dx, *dbias, *partials, 0, scale);
 }
 
 }  // namespace
@@ -358,5 +375,15 @@ LS_FFI_TARGET(ls_bias_act_dropout_bwd, bias_act_dropout_bwd,
                   .Attr<uint32_t>("threshold")
                   .Attr<float>("scale")
                   .Attr<int32_t>("activation"));
+
+LS_FFI_TARGET(ls_bias_relu_dropout_bwd, bias_relu_dropout_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<float>("scale"));
 
 }  // namespace ls

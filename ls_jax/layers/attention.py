@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax import ops
-from ls_jax.layers.common import CacheIndex, LayerNorm, dense, dropout_args
+from ls_jax.layers.common import CacheIndex, LayerNorm, dense, dropout_args, pre_norm
 from ls_jax.layers.config import LayerConfig
 
 
@@ -66,8 +66,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("decode (KV cache) applies only to causal self-attention")
         if decode and key_mask is not None:
             raise ValueError("key_mask is not supported with decode: cached keys are never padding")
-        x = x.astype(cfg.dtype)
-        h = LayerNorm(cfg.layer_norm_eps, name="layer_norm")(x) if cfg.pre_layer_norm else x
+        h, x = pre_norm(cfg, x.astype(cfg.dtype))
         if self.self_attention:
             qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), name="qkv")(h)
             query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]

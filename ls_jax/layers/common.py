@@ -12,16 +12,28 @@ from ls_jax.layers.config import LayerConfig
 
 
 class LayerNorm(nn.Module):
-    """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; params f32 (H,), y in x's dtype."""
+    """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; params f32 (H,), y in x's dtype.
+
+    ``return_input=True`` returns ``(y, x)`` (``ops.layer_norm``): a pre-LN sublayer takes its residual from
+    there so that the residual's gradient joins the LayerNorm backward kernel.
+    """
 
     eps: float = 1e-5
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, return_input: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
         hidden = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (hidden,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (hidden,), jnp.float32)
-        return ops.layer_norm(x, scale, bias, eps=self.eps)
+        return ops.layer_norm(x, scale, bias, eps=self.eps, return_input=return_input)
+
+
+def pre_norm(config: LayerConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A sublayer's ``(input to its body, residual)``: ``(LN(x), x)`` for pre-LN (the module is named
+    "layer_norm"), ``(x, x)`` for post-LN. Call it inside the sublayer's compact ``__call__``."""
+    if not config.pre_layer_norm:
+        return x, x
+    return LayerNorm(config.layer_norm_eps, name="layer_norm")(x, return_input=True)
 
 
 def dropout_args(module: nn.Module, rate: float, deterministic: bool) -> tuple[float, jax.Array | None]:

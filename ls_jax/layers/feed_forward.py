@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax import ops
-from ls_jax.layers.common import LayerNorm, dense, dropout_args
+from ls_jax.layers.common import LayerNorm, dense, dropout_args, pre_norm
 from ls_jax.layers.config import LayerConfig
 
 
@@ -26,8 +26,7 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
         cfg = self.config
-        x = x.astype(cfg.dtype)
-        h = LayerNorm(cfg.layer_norm_eps, name="layer_norm")(x) if cfg.pre_layer_norm else x
+        h, x = pre_norm(cfg, x.astype(cfg.dtype))
         h = dense(cfg, cfg.intermediate_size, use_bias=False, name="fc1")(h)
         fc1_bias = self.param("fc1_bias", nn.initializers.zeros, (cfg.intermediate_size,), jnp.float32)
         rate, seed = dropout_args(self, cfg.activation_dropout_ratio, deterministic)

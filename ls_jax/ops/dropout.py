@@ -10,11 +10,17 @@ in the backward, so only the seed (and for bias_act_dropout x and b) is saved. B
     dropout:               dx = dy * m
     bias_dropout_residual: dx = dy * m,  db = sum_rows(dx),  dr = dy
     bias_act_dropout:      dx = dy * m * act'(x + b),  db = sum_rows(dx)
+    relu:                  dx = dy * [y > 0] / (1 - p)
+
+relu's backward reads the output y, which is positive exactly where x + b > 0 and the element was kept; y is kept
+for the next GEMM's backward anyway, so relu saves no x (one (..., H) activation less per feed-forward layer)
+and regenerates no mask. (In f16, an x + b below f16's smallest subnormal rounds y to 0 and gets gradient 0.)
 
 Implementations share:
   dropout_forward(x, seed) -> y;                dropout_backward(dy, seed) -> dx
   bdr_forward(x, bias, residual, seed) -> y;    bdr_backward(dy, seed) -> (dx, dbias)
   bad_forward(x, bias, seed) -> y;              bad_backward(dy, x, bias, seed) -> (dx, dbias)
+                                                relu_backward(dy, y) -> (dx, dbias)
 with dx in the activation dtype and dbias in the bias dtype; seed is None when the rate is 0.
 """
 
@@ -233,6 +239,17 @@ def _bad_backward_xla(dy, x, bias, seed, *, activation, rate):
     return dz.astype(x.dtype), _row_sum(dz).astype(bias.dtype)
 
 
+def _relu_backward_xla(dy, y, *, rate, bias_dtype):
+    dz = jnp.where(y > 0, dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
+    return dz.astype(dy.dtype), _row_sum(dz).astype(bias_dtype)
+
+
+def _relu_backward_ffi(dy, y, *, rate, bias_dtype):
+    call = jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", _bias_grad_outputs(dy, bias_dtype), vmap_method="sequential")
+    dx, dbias, _ = call(dy, y, scale=dropout_attributes(rate)["scale"])
+    return dx, dbias
+
+
 def _activation_attributes(activation: Activation, rate: float) -> dict[str, np.generic]:
     """Attributes of the bias_act_dropout kernels: dropout's plus the activation's index in ACTIVATIONS."""
     return {"activation": np.int32(ACTIVATIONS.index(activation)), **dropout_attributes(rate)}
@@ -251,19 +268,24 @@ def _bad_backward_ffi(dy, x, bias, seed, *, activation, rate):
     return dx, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _bias_act_dropout(x, bias, seed, activation, rate):
-    return _bias_act_dropout_fwd(x, bias, seed, activation, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _bias_act_dropout(x, bias, seed, activation, rate, bias_dtype):
+    return _bias_act_dropout_fwd(x, bias, seed, activation, rate, bias_dtype)[0]
 
 
-def _bias_act_dropout_fwd(x, bias, seed, activation, rate):
+def _bias_act_dropout_fwd(x, bias, seed, activation, rate, bias_dtype):
     forward_xla = functools.partial(_bad_forward_xla, activation=activation, rate=rate)
     forward_ffi = functools.partial(_bad_forward_ffi, activation=activation, rate=rate)
     y = _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
-    return y, (x, bias, seed)
+    return y, (y,) if activation == "relu" else (x, bias, seed)
 
 
-def _bias_act_dropout_bwd(activation, rate, res, dy):
+def _bias_act_dropout_bwd(activation, rate, bias_dtype, res, dy):
+    if activation == "relu":
+        backward_xla = functools.partial(_relu_backward_xla, rate=rate, bias_dtype=bias_dtype)
+        backward_ffi = functools.partial(_relu_backward_ffi, rate=rate, bias_dtype=bias_dtype)
+        dx, dbias = _common.dispatch("bias_act_dropout", backward_xla, backward_ffi, (dy, *res))
+        return dx, dbias, None
     x, bias, seed = res
     backward_xla = functools.partial(_bad_backward_xla, activation=activation, rate=rate)
     backward_ffi = functools.partial(_bad_backward_ffi, activation=activation, rate=rate)
@@ -298,4 +320,4 @@ def bias_act_dropout(
     if dropout_rate == 0.0:
         seed = None
     x, bias, seed = _common.vary_together(x, bias, seed)
-    return _bias_act_dropout(x, bias, seed, activation, float(dropout_rate))
+    return _bias_act_dropout(x, bias, seed, activation, float(dropout_rate), jnp.dtype(bias.dtype))

@@ -10,6 +10,9 @@ s (activation dtype), mean and rstd (f32, one per row) and gamma. The backward i
     dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
     ds = rstd * (g - mean(g) - xhat * mean(g * xhat))  (+ dsum, the cotangent of s when s is returned)
 
+s is returned with a residual, and without one on request (``return_input``): a pre-LN sublayer adds its input
+to its output, and the backward kernel then adds that path's cotangent instead of a separate XLA add.
+
 Implementations (XLA here, CUDA in ffi_kernels) share these signatures:
   forward(x, gamma, beta) -> (y, mean, rstd)
   add_forward(x, residual, gamma, beta) -> (y, s, mean, rstd)
@@ -140,6 +143,30 @@ def _layer_norm_bwd(eps, res, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def _add_backward(res, dy, dsum):
+    s, mean, rstd, gamma = res
+    return _common.dispatch(
+        "layer_norm", _add_backward_xla, _add_backward_ffi, (dy, dsum, s, mean, rstd, gamma), _unsupported(s)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm_and_input(x, gamma, beta, eps):
+    return _layer_norm_and_input_fwd(x, gamma, beta, eps)[0]
+
+
+def _layer_norm_and_input_fwd(x, gamma, beta, eps):
+    y, res = _layer_norm_fwd(x, gamma, beta, eps)
+    return (y, x), res
+
+
+def _layer_norm_and_input_bwd(eps, res, cotangents):
+    return _add_backward(res, *cotangents)
+
+
+_layer_norm_and_input.defvjp(_layer_norm_and_input_fwd, _layer_norm_and_input_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _add_layer_norm(x, residual, gamma, beta, eps):
     return _add_layer_norm_fwd(x, residual, gamma, beta, eps)[0]
@@ -155,11 +182,7 @@ def _add_layer_norm_fwd(x, residual, gamma, beta, eps):
 
 
 def _add_layer_norm_bwd(eps, res, cotangents):
-    dy, dsum = cotangents
-    s, mean, rstd, gamma = res
-    ds, dgamma, dbeta = _common.dispatch(
-        "layer_norm", _add_backward_xla, _add_backward_ffi, (dy, dsum, s, mean, rstd, gamma), _unsupported(s)
-    )
+    ds, dgamma, dbeta = _add_backward(res, *cotangents)
     return ds, ds, dgamma, dbeta
 
 
@@ -173,6 +196,7 @@ def layer_norm(
     *,
     eps: float = 1e-5,
     residual: jax.Array | None = None,
+    return_input: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """LayerNorm of ``x`` (or of ``x + residual``) over the last axis.
 
@@ -181,9 +205,12 @@ def layer_norm(
       gamma, beta: scale and shift (H,), both f32 or both x's dtype.
       eps: added to the variance.
       residual: optional (..., H) of x's dtype, added to x before normalizing.
+      return_input: without ``residual``, also return ``x``: use that copy where x is needed again (a pre-LN
+        residual) and the backward adds its cotangent to the LayerNorm gradient in the same kernel.
 
     Returns:
-      ``y`` of x's shape and dtype; with ``residual``, the pair ``(y, x + residual)``.
+      ``y`` of x's shape and dtype; with ``residual``, the pair ``(y, x + residual)``; with ``return_input``,
+      the pair ``(y, x)``.
     """
     _common.check_activation("x", x)
     hidden = x.shape[-1]
@@ -194,7 +221,11 @@ def layer_norm(
         raise ValueError(f"eps must be positive, got {eps}")
     x, gamma, beta, residual = _common.vary_together(x, gamma, beta, residual)
     if residual is None:
+        if return_input:
+            return _layer_norm_and_input(x, gamma, beta, float(eps))
         return _layer_norm(x, gamma, beta, float(eps))
+    if return_input:
+        raise ValueError("return_input applies without a residual; with one, the sum x + residual is returned")
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {residual.shape} but x has {x.shape}; they must match")
     _common.check_same_dtype("residual", residual, "x", x)

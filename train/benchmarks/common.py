@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import socket
 import statistics
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -53,6 +53,7 @@ def environment() -> dict[str, Any]:
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),
         "versions": runlog.versions(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "git": git_state(),
     }
 

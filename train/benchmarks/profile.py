@@ -152,9 +152,12 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
 
 
-def trace_gpu_kernels(fn: Callable[[], Any], calls: int, log_dir: Path) -> list[dict[str, Any]]:
+def trace_gpu_kernels(fn: Callable[[], Any], calls: int, log_dir: Path | None = None) -> list[dict[str, Any]]:
     """GPU kernel events of ``calls`` back-to-back calls of ``fn`` (warmed up beforehand by the caller); the
-    trace stays in ``log_dir``."""
+    trace stays in ``log_dir`` if given."""
+    if log_dir is None:
+        with tempfile.TemporaryDirectory() as temporary:
+            return trace_gpu_kernels(fn, calls, Path(temporary))
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         for _ in range(calls):
             out = fn()
@@ -178,13 +181,10 @@ def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | No
 
     With ``trace_dir``, the trace and the compiled HLO stay there (for Perfetto, or `reanalyze`)."""
     hlo = train_step.compiled.as_text()
-    if trace_dir is None:
-        with tempfile.TemporaryDirectory() as log_dir:
-            kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, Path(log_dir))
-    else:
+    if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         (trace_dir / HLO_FILENAME).write_text(hlo)
-        kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, trace_dir)
+    kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, trace_dir)
     return summarize(kernels, hlo_op_names(hlo), steps)
 
 

@@ -9,11 +9,12 @@ AdamW, bf16 compute with f32 params):
   ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation;
   ls_jax_ffi the same with the CUDA kernels.
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples
-of 5 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak and against a bf16 GEMM measured in
-the same run), the compiled step's memory (XLA memory analysis: arguments + outputs - aliased + temporaries),
-and, with ``--fit``, per (model, implementation) the largest trainable batch predicted from the memory of the
-measured batches and then verified by running one step. Results merge into docs/results/e2e-<device>.json after
-every measurement (so runs split across several calls build one file), and a speedup plot is written next to it.
+of 5 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak and against a
+bf16 GEMM measured in the same run) and the compiled step's memory (XLA memory analysis: arguments + outputs -
+aliased + temporaries); per (model, implementation) with two or more measured batch sizes, the largest trainable
+batch predicted from their memory (``--fit`` also verifies it by running one step). Results merge into
+docs/results/e2e-<device>.json after every measurement (so runs split across several calls build one file), and
+a speedup plot is written next to it.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class ModelShape:
 
 
 MODELS = {
+    "tiny-2e2d": ModelShape(128, 256, 4, 2, 2),  # --quick only: a CPU smoke run of the whole benchmark
     "base-6e6d": ModelShape(512, 2048, 8, 6, 6),
     "big-6e6d": ModelShape(1024, 4096, 16, 6, 6),
     "big-12e12d": ModelShape(1024, 4096, 16, 12, 12),
     "big-24e24d": ModelShape(1024, 4096, 16, 24, 24),
 }
+QUICK_MODEL = "tiny-2e2d"
 LS_JAX_PRESETS = {
+    "tiny-2e2d": "transformer-tiny",
     "base-6e6d": "transformer-base",
     "big-6e6d": "transformer-big",
     "big-12e12d": "transformer-big-12e12d",
@@ -208,14 +212,43 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
     return record
 
 
-def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, int], capacity: int) -> dict[str, Any]:
-    """Fits memory = a + b * tokens over the measured batches, predicts the largest batch (a multiple of 1024
-    target tokens) under ``capacity`` and verifies it by compiling and running one step (stepping down 10% on
-    failure, at most three tries)."""
+def predict_largest_batch(memory_by_tokens: dict[int, int], capacity: int) -> int:
+    """The largest multiple of 1024 target tokens whose step fits ``capacity`` bytes, from a least-squares fit
+    memory = a + b * tokens over two or more measured batches (XLA's memory analysis is static, so the fit is
+    close to linear)."""
+    if len(memory_by_tokens) < 2:
+        raise ValueError(f"predicting the largest batch needs two measured batch sizes, got {len(memory_by_tokens)}")
     tokens = np.array(sorted(memory_by_tokens), dtype=np.float64)
     memory = np.array([memory_by_tokens[t] for t in sorted(memory_by_tokens)], dtype=np.float64)
     slope, intercept = np.polyfit(tokens, memory, 1)
-    predicted = int((capacity - intercept) / slope) // 1024 * 1024
+    return int((capacity - intercept) / slope) // 1024 * 1024
+
+
+def predicted_largest_batches(results: dict[str, Any], capacity: int | None) -> dict[str, dict[str, Any]]:
+    """Per model: each implementation's predicted largest batch (``predict_largest_batch`` over every batch
+    size measured so far) and its ratio to the reference's."""
+    memory: dict[tuple[str, str], dict[int, int]] = {}
+    for key, record in results.items():
+        name, tokens, implementation = key.split("/")
+        if tokens.isdigit() and "memory_bytes" in record:
+            memory.setdefault((name, implementation), {})[int(tokens)] = record["memory_bytes"]
+    if not capacity:
+        return {}
+    table: dict[str, dict[str, Any]] = {}
+    for (name, implementation), by_tokens in sorted(memory.items()):
+        if len(by_tokens) >= 2:
+            table.setdefault(name, {})[implementation] = predict_largest_batch(by_tokens, capacity)
+    for row in table.values():
+        for implementation in [i for i in row if i != "reference"]:
+            if "reference" in row:
+                row[f"{implementation}_vs_reference"] = row[implementation] / row["reference"]
+    return table
+
+
+def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, int], capacity: int) -> dict[str, Any]:
+    """``predict_largest_batch``, verified by compiling and running one step at that size (stepping down 10% on
+    failure, at most three tries)."""
+    predicted = predict_largest_batch(memory_by_tokens, capacity)
     candidate = predicted
     for _ in range(3):
         try:
@@ -246,13 +279,13 @@ def _flops(name: str, target_tokens: int) -> float:
     )
 
 
-def measured_gemm_tflops() -> float:
-    """bf16 8192^3 matrix product rate on this device, the practical ceiling for MFU."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+def measured_gemm_tflops(size: int = 8192) -> float:
+    """bf16 size^3 matrix product rate on this device, the practical ceiling for MFU."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (size, size), jnp.bfloat16)
     matmul = jax.jit(jnp.matmul)
     timing = common.time_call(lambda: matmul(a, b), warmup=3, samples=20, inner=3)
-    return 2 * 8192**3 / timing["median_s"] / 1e12
+    return 2 * size**3 / timing["median_s"] / 1e12
 
 
 @dataclasses.dataclass
@@ -273,8 +306,12 @@ class ResultFile:
     def add(self, key: str, record: dict[str, Any]) -> None:
         self.results[key] = record
         table = speedups(self.results)
+        largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
-            "e2e", {**self.header, "results": self.results, "speedup_vs_reference": table}, self.path.parent
+            "e2e",
+            {**self.header, "results": self.results, "speedup_vs_reference": table,
+             "largest_batch_tokens_predicted": largest},
+            self.path.parent,
         )
         plot_speedups(table, written.with_suffix(".png"))
 
@@ -323,12 +360,12 @@ def run(
                         largest_batch(implementation, name, memory_by_tokens, capacity))
 
 
-def header() -> dict[str, Any]:
+def header(gemm_size: int = 8192) -> dict[str, Any]:
     """Device ceilings and the benchmark's fixed setup, measured once per run."""
     device = jax.devices()[0]
     return {
         "peak_tflops": metrics.peak_tflops(metrics.find_device(device.device_kind), "bf16"),
-        "measured_gemm_tflops": measured_gemm_tflops(),
+        "measured_gemm_tflops": measured_gemm_tflops(gemm_size),
         "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,
         "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
                   "optimizer": "adamw", "precision": "bf16 compute, f32 params",
@@ -376,25 +413,26 @@ def plot_speedups(table: dict[str, dict[str, float]], path: Path) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    measured_models = [name for name in MODELS if name != QUICK_MODEL]
+    parser.add_argument("--models", default=",".join(measured_models), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--steps", type=int, default=20, help="timed samples of 5 consecutive steps (after 3 warm-up steps)")
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (CPU): base model, 1024 tokens")
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run (CPU): {QUICK_MODEL}, 1024 tokens")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     token_counts = [int(t) for t in args.tokens.split(",")]
     implementations = args.implementations.split(",")
     if args.quick:
-        models, token_counts, args.steps = ["base-6e6d"], [1024], 2
+        models, token_counts, args.steps = [QUICK_MODEL], [1024], 2
         implementations = [i for i in implementations if i != "ls_jax_ffi" or backend.cuda_visible()]
     unknown = [m for m in models if m not in MODELS] + [i for i in implementations if i not in IMPLEMENTATIONS]
     if unknown:
         parser.error(f"unknown model or implementation: {', '.join(unknown)}")
 
-    out = ResultFile.open(args.out, header(), fresh=args.quick)
+    out = ResultFile.open(args.out, header(gemm_size=1024 if args.quick else 8192), fresh=args.quick)
     run(models, token_counts, implementations, args.steps, out, fit_batch=args.fit)
     for key, ratios in sorted(speedups(out.results).items()):
         print(f"{key:24s} " + "  ".join(f"{impl} {ratio:.2f}x" for impl, ratio in sorted(ratios.items())))

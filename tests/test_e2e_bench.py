@@ -1,0 +1,61 @@
+"""train.benchmarks.e2e: the largest-batch prediction, and a --quick run of the whole benchmark on CPU."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import pytest
+
+from train.benchmarks import e2e, profile
+
+
+def _linear_memory(base: float, per_token: float, tokens: list[int]) -> dict[int, int]:
+    return {t: int(base + per_token * t) for t in tokens}
+
+
+def test_largest_batch_is_the_last_multiple_of_1024_tokens_under_capacity():
+    memory = _linear_memory(1e9, 1e5, [1024, 4096, 8192])
+    # (2e9 - 1e9) / 1e5 = 10000 tokens fit; the largest multiple of 1024 below is 9216.
+    assert e2e.predict_largest_batch(memory, capacity=int(2e9)) == 9216
+
+
+def test_largest_batch_needs_two_measured_sizes():
+    with pytest.raises(ValueError, match="two measured batch sizes"):
+        e2e.predict_largest_batch({1024: 10**9}, capacity=2 * 10**9)
+
+
+def test_predicted_largest_batches_compare_each_implementation_with_the_reference():
+    results = {
+        **{f"big/{t}/reference": {"memory_bytes": m} for t, m in _linear_memory(1e9, 2e5, [1024, 8192]).items()},
+        **{f"big/{t}/ls_jax_ffi": {"memory_bytes": m} for t, m in _linear_memory(1e9, 1e5, [1024, 8192]).items()},
+        "big/1024/ls_jax_xla": {"memory_bytes": 10**9},  # one size only: no prediction
+        "big/largest/reference": {"verified_tokens": 4096},
+    }
+    table = e2e.predicted_largest_batches(results, capacity=int(3e9))
+    assert table["big"]["reference"] == 9216 and table["big"]["ls_jax_ffi"] == 19456
+    assert math.isclose(table["big"]["ls_jax_ffi_vs_reference"], 19456 / 9216)
+    assert "ls_jax_xla" not in table["big"]
+    assert e2e.predicted_largest_batches(results, capacity=None) == {}
+
+
+def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
+    """The ops benchmark traces without keeping the trace; on CPU there are no GPU kernels to report."""
+    x = jnp.ones((8, 8))
+    assert profile.trace_gpu_kernels(lambda: x @ x, 2) == []
+    assert profile.trace_gpu_kernels(lambda: x @ x, 2, tmp_path / "kept") == []
+    assert any((tmp_path / "kept").rglob("*.trace.json.gz"))
+
+
+def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
+    assert e2e.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "e2e-cpu.json").read_text())
+    assert set(report["results"]) == {"tiny-2e2d/1024/reference", "tiny-2e2d/1024/ls_jax_xla"}
+    for record in report["results"].values():
+        assert record["step_time_s"] > 0 and record["memory_bytes"] > 0 and record["steps_timed"] == 10
+        assert math.isfinite(record["first_loss"]) and math.isfinite(record["loss_after_timing"])
+        assert record["flops_per_step"] > 0
+    ratio = report["speedup_vs_reference"]["tiny-2e2d/1024"]["ls_jax_xla"]
+    timed = report["results"]
+    assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]
+                        / timed["tiny-2e2d/1024/ls_jax_xla"]["step_time_s"])
+    assert (tmp_path / "e2e-cpu.png").stat().st_size > 0

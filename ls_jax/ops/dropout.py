@@ -5,7 +5,8 @@
     bias_act_dropout(x, b)              = act(x + b) * keep / (1 - p),   act in relu | gelu | gelu_tanh
 
 Shapes: x, r (..., H); b (H,). ``keep`` comes from the Philox seed (``ls_jax.ops.random``) and is regenerated
-in the backward, so only the seed (and for bias_act_dropout x and b) is saved. Backward with m = keep / (1 - p):
+in the backward, so only the seed (and for bias_act_dropout x and b; for relu, y) is saved. Backward with
+m = keep / (1 - p):
 
     dropout:               dx = dy * m
     bias_dropout_residual: dx = dy * m,  db = sum_rows(dx),  dr = dy

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from test_train_imdb_data import write_csv, write_jsonl
-from test_train_runlog import documented_keys
+import test_train_runlog
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
 from train import compare, imdb, report, runlog
@@ -24,12 +24,7 @@ WORDS = ("the movie was not very good bad great boring plot acting fun dull a tr
 
 
 def check_log_schema(records):
-    documented = documented_keys()
-    assert records[0]["type"] == "run" and records[-1]["type"] == "summary"
-    assert [r["type"] for r in records].count("run") == 1 and [r["type"] for r in records].count("summary") == 1
-    for record in records:
-        runlog.validate(record, ("examples",))
-        assert documented[record["type"]] - TOKEN_COUNTS <= set(record)
+    test_train_runlog.check_log_schema(records, ("examples",), undocumented=TOKEN_COUNTS)
 
 
 def review_rows(count, seed):
@@ -70,9 +65,7 @@ def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
 def test_default_job_end_to_end(default_run):
     code, run_dir, printed = default_run
     assert code == 0
-    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    test_train_runlog.check_run_files(run_dir, [3, 6])
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"] == "synthetic" and config["preset"] == "bert-tiny" and config["steps"] == 6
 

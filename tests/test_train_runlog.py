@@ -28,6 +28,24 @@ def documented_keys() -> dict[str, set[str]]:
     return keys
 
 
+def check_log_schema(records, counters, undocumented=frozenset()):
+    """One run and one summary record, every record valid for the task's ``counters`` and carrying the keys
+    docs/run-log.md lists for its type (except ``undocumented``: another task's counters)."""
+    documented = documented_keys()
+    assert records[0]["type"] == "run" and records[-1]["type"] == "summary"
+    assert [r["type"] for r in records].count("run") == 1 and [r["type"] for r in records].count("summary") == 1
+    for record in records:
+        runlog.validate(record, counters)
+        assert documented[record["type"]] - undocumented <= set(record)
+
+
+def check_run_files(run_dir, checkpoint_steps):
+    """The files a training run leaves: config, vocabulary, log, TensorBoard events, checkpoints at the steps."""
+    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == checkpoint_steps
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_schema_is_the_documented_schema():
     documented = documented_keys()
     assert set(documented) == set(runlog.SCHEMA)

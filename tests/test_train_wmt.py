@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from test_data_text import write_corpus
-from test_train_runlog import documented_keys
+import test_train_runlog
 from ls_jax import backend
 from train import runlog, tokenizer, wmt
 
@@ -66,12 +66,7 @@ def state_arrays(run_dir, step):
 
 
 def check_log_schema(records):
-    documented = documented_keys()
-    assert records[0]["type"] == "run" and records[-1]["type"] == "summary"
-    assert [r["type"] for r in records].count("run") == 1 and [r["type"] for r in records].count("summary") == 1
-    for record in records:
-        runlog.validate(record, ("tokens", "target_tokens"))
-        assert documented[record["type"]] <= set(record)
+    test_train_runlog.check_log_schema(records, ("tokens", "target_tokens"))
 
 
 @pytest.mark.slow
@@ -80,9 +75,7 @@ def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
     code = wmt.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--bleu-sentences", "32",
                      "--no-progress", "--run-dir", str(run_dir)])
     assert code == 0
-    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    test_train_runlog.check_run_files(run_dir, [3, 6])
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"] == "synthetic" and config["preset"] == "transformer-tiny" and config["steps"] == 6
 

@@ -227,13 +227,13 @@ def predict_largest_batch(memory_by_tokens: dict[int, int], capacity: int) -> in
 def predicted_largest_batches(results: dict[str, Any], capacity: int | None) -> dict[str, dict[str, Any]]:
     """Per model: each implementation's predicted largest batch (``predict_largest_batch`` over every batch
     size measured so far) and its ratio to the reference's."""
+    if not capacity:
+        return {}
     memory: dict[tuple[str, str], dict[int, int]] = {}
     for key, record in results.items():
         name, tokens, implementation = key.split("/")
         if tokens.isdigit() and "memory_bytes" in record:
             memory.setdefault((name, implementation), {})[int(tokens)] = record["memory_bytes"]
-    if not capacity:
-        return {}
     table: dict[str, dict[str, Any]] = {}
     for (name, implementation), by_tokens in sorted(memory.items()):
         if len(by_tokens) >= 2:

@@ -32,15 +32,16 @@ def keep_threshold(rate: float) -> int:
 
 
 def _mulhilo(a: jax.Array, multiplier: int) -> tuple[jax.Array, jax.Array]:
-    """High and low 32 bits of ``a * multiplier``, from one 64-bit product.
-
-    The product is formed in uint64 inside a scoped ``jax.enable_x64`` (the caller's x64 setting is untouched;
-    only this intermediate is 64-bit): GPUs do it in one wide multiply, where four 16-bit partial products made
-    the XLA path's dropout compute-bound.
-    """
-    with jax.enable_x64(True):
-        product = a.astype(jnp.uint64) * jnp.uint64(multiplier)
-        return (product >> jnp.uint64(32)).astype(jnp.uint32), product.astype(jnp.uint32)
+    """High and low 32 bits of ``a * multiplier`` using only 32-bit arithmetic (x64 stays off)."""
+    m_lo, m_hi = multiplier & 0xFFFF, multiplier >> 16
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    lo_lo = a_lo * jnp.uint32(m_lo)
+    hi_lo = a_hi * jnp.uint32(m_lo)
+    lo_hi = a_lo * jnp.uint32(m_hi)
+    hi_hi = a_hi * jnp.uint32(m_hi)
+    middle = (lo_lo >> 16) + (hi_lo & 0xFFFF) + (lo_hi & 0xFFFF)
+    high = hi_hi + (hi_lo >> 16) + (lo_hi >> 16) + (middle >> 16)
+    return high, a * jnp.uint32(multiplier)
 
 
 def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:

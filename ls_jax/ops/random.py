@@ -9,8 +9,6 @@ regenerates its mask from the seed instead of storing it.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -59,35 +57,24 @@ def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array])
     return c0, c1, c2, c3
 
 
-def _words(seed: jax.Array, size: int) -> tuple[jax.Array, ...]:
-    """The four Philox words of each group of 4 elements: four uint32 arrays of ``ceil(size / 4)``."""
+def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
+    size = 1
+    for dim in shape:
+        size *= dim
     groups = -(-size // 4)
     if groups >= 2**32:
         raise ValueError(f"dropout over {size} elements exceeds the 2**34-element Philox counter range")
     counter = jnp.arange(groups, dtype=jnp.uint32)
     zero = jnp.zeros_like(counter)
     seed = seed.astype(jnp.uint32)
-    return philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
-
-
-def _interleave(columns: tuple[jax.Array, ...], shape: tuple[int, ...]) -> jax.Array:
-    """Element ``i`` of the result is ``columns[i % 4][i // 4]``, reshaped to ``shape``."""
-    return jnp.stack(columns, axis=-1).reshape(-1)[: math.prod(shape)].reshape(shape)
-
-
-def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
-    return _interleave(_words(seed, math.prod(shape)), shape)
+    words = philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
+    return jnp.stack(words, axis=-1).reshape(-1)[:size].reshape(shape)
 
 
 def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Boolean mask of ``shape``, True where an element survives dropout at ``rate``: ``random_bits >= threshold``.
-
-    Each word is compared before the four are interleaved: XLA computes the words in one fusion and interleaves
-    them in the consumer's, so what passes between the two is one byte per element instead of a 4-byte word.
-    """
-    threshold = jnp.uint32(keep_threshold(rate))
-    return _interleave(tuple(word >= threshold for word in _words(seed, math.prod(shape))), shape)
+    """Boolean mask of ``shape``, True where an element survives dropout at ``rate``."""
+    return random_bits(seed, shape) >= jnp.uint32(keep_threshold(rate))
 
 
 def dropout_multiplier(seed: jax.Array | None, shape: tuple[int, ...], rate: float) -> jax.Array | float:

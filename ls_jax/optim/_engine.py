@@ -3,7 +3,8 @@
 One step, per element of every leaf, in f32 (``s`` are the per-step scalars, ``S`` the moment buffers):
 
     g       = grad,  or  (grad / ||grad||) * max_norm  when max_norm is set and ||grad|| >= max_norm
-    u, S'   = direction(g, S, s)                          the algorithm (adan.py, adam.py)
+    S'      = moments(g, S, s)                            the algorithm (adan.py, adam.py)
+    u       = direction(g, S', s)
     decoupled weight decay:  update = -lr * (u + wd * p),            new_p = p + update
     proximal weight decay:   new_p = (p - lr * u) / (1 + lr * wd),   update = new_p - p
 
@@ -40,7 +41,8 @@ logger = logging.getLogger("ls_jax.optim")
 
 COMMON_SCALARS = ("lr", "weight_decay", "max_norm")
 STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-Direction = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], tuple[jax.Array, tuple[jax.Array, ...]]]
+Moments = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], tuple[jax.Array, ...]]
+Direction = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], jax.Array]
 
 
 # ---- hyperparameter checks ----------------------------------------------------------------------------------
@@ -101,6 +103,27 @@ def check_options(max_grad_norm: Any, storage_dtype: Any) -> jnp.dtype | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rule:
+    """An elementwise optimizer algorithm.
+
+    Attributes:
+      algorithm: the kernel's name for this math ("adan", "adam", "adam_nesterov").
+      state_type: NamedTuple ``(count, *moment buffers)``.
+      scalar_names: names of the per-step scalars ``scalars`` returns, in the kernel's order.
+      scalars: step count (int32 scalar) -> dict of f32 scalars, computed exactly as optax computes them.
+      moments: ``(g, moments, s) -> new_moments`` on f32 arrays, ``s`` the per-step scalars by name.
+      direction: ``(g, new_moments, s) -> u``, the step direction from the updated moments.
+    """
+
+    algorithm: str
+    state_type: type[NamedTuple]
+    scalar_names: tuple[str, ...]
+    scalars: Callable[[jax.Array], dict[str, Any]]
+    moments: Moments
+    direction: Direction
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Everything static about one step: what the kernel is compiled and launched for."""
 
@@ -132,17 +155,27 @@ def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool
     return p + update if config.output == "params" else update
 
 
-def xla_step(config: StepConfig, direction: Direction, grads, params, moments, scalars):
-    """The step in jax.numpy: the direction over the flat workspace, then each leaf's update from its slice."""
+def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
+    """The step in jax.numpy: the new moments over the flat workspace, then each leaf's direction and update from
+    its slices.
+
+    The new moments pass an optimization barrier before the directions are computed from them, so each leaf's
+    update reads its slice back from the new workspace. Without the barrier XLA recomputes the moments inside the
+    leaves' updates, and that fusion slows down with the number of leaves: on an H100 the step took 21.6 ms for
+    Transformer-big 12e12d (367 leaves, 386M parameters) and 10.9 ms with it (4.7 and 4.9 ms for 6e6d, 187 leaves).
+    """
     s = {name: scalars[i] for i, name in enumerate(config.scalar_names)}
     g = config.layout.flatten(grads)
     if config.clip:
         g = _clip_by_global_norm(g, s["max_norm"])
-    u, new_moments = direction(g, moments, s)
+    new_moments = jax.lax.optimization_barrier(tuple(rule.moments(g, moments, s)))
+    leaf_moments = zip(*(config.layout.views(m) for m in new_moments))
     leaf_params = [None] * len(grads) if params is None else params
     outputs = [
-        _finish(config, u_leaf, p, decayed, s).astype(dtype)
-        for u_leaf, p, decayed, dtype in zip(config.layout.views(u), leaf_params, config.decay, config.out_dtypes)
+        _finish(config, rule.direction(g_leaf, m_leaf, s), p, decayed, s).astype(dtype)
+        for g_leaf, m_leaf, p, decayed, dtype in zip(
+            config.layout.views(g), leaf_moments, leaf_params, config.decay, config.out_dtypes
+        )
     ]
     return outputs, tuple(new_moments)
 
@@ -152,9 +185,9 @@ def _log_fallback_once(reason: str) -> None:
     logger.warning("ls_jax.optim: running the XLA implementation on CUDA: %s", reason)
 
 
-def run_step(config: StepConfig, direction: Direction, grads, params, moments, scalars):
+def run_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
     """The CUDA kernel when lowering for CUDA with kernels enabled and supported, else ``xla_step``."""
-    xla = functools.partial(xla_step, config, direction)
+    xla = functools.partial(xla_step, config, rule)
     if not backend.kernels_enabled():
         return xla(grads, params, moments, scalars)
     reason = _kernel.unsupported(config, grads, params)
@@ -166,25 +199,6 @@ def run_step(config: StepConfig, direction: Direction, grads, params, moments, s
 
 
 # ---- the transformation -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """An elementwise optimizer algorithm.
-
-    Attributes:
-      algorithm: the kernel's name for this math ("adan", "adam", "adam_nesterov").
-      state_type: NamedTuple ``(count, *moment buffers)``.
-      scalar_names: names of the per-step scalars ``scalars`` returns, in the kernel's order.
-      scalars: step count (int32 scalar) -> dict of f32 scalars, computed exactly as optax computes them.
-      direction: ``(g, moments, s) -> (u, new_moments)`` on f32 arrays, ``s`` the per-step scalars by name.
-    """
-
-    algorithm: str
-    state_type: type[NamedTuple]
-    scalar_names: tuple[str, ...]
-    scalars: Callable[[jax.Array], dict[str, Any]]
-    direction: Direction
 
 
 def _at(value: Any, count: jax.Array) -> Any:
@@ -280,7 +294,7 @@ def workspace_transformation(
         moments = tuple(getattr(state, name) for name in moment_names)
         needed_params = param_leaves if output == "params" or any(decay) else None
         scalars = _pack(scalar_names, values)
-        outputs, new_moments = run_step(config, rule.direction, grad_leaves, needed_params, moments, scalars)
+        outputs, new_moments = run_step(config, rule, grad_leaves, needed_params, moments, scalars)
         return outputs, rule.state_type(optax.safe_increment(count), *new_moments)
 
     def update(updates, state, params=None, **extra_args):

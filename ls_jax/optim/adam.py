@@ -48,14 +48,14 @@ def _denominator(nu, s):
 
 
 def _direction(g, moments, s):
-    mu, nu = _moments(g, moments, s)
-    return (mu / s["bc1"]) / _denominator(nu, s), (mu, nu)
+    mu, nu = moments
+    return (mu / s["bc1"]) / _denominator(nu, s)
 
 
 def _nesterov_direction(g, moments, s):
-    mu, nu = _moments(g, moments, s)
+    mu, nu = moments
     mu_hat = s["b1"] * (mu / s["bc1_next"]) + s["omb1"] * (g / s["bc1"])
-    return mu_hat / _denominator(nu, s), (mu, nu)
+    return mu_hat / _denominator(nu, s)
 
 
 def _scalars(b1, b2, eps, eps_root) -> Callable[[jax.Array], dict[str, Any]]:
@@ -119,6 +119,7 @@ def adamw(
         AdamState,
         SCALARS,
         _scalars(b1, b2, eps, eps_root),
+        _moments,
         _nesterov_direction if nesterov else _direction,
     )
     return _engine.workspace_transformation(

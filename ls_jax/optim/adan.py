@@ -48,7 +48,7 @@ class AdanState(NamedTuple):
     prev_grad: jax.Array
 
 
-def _direction(g, moments, s):
+def _moments(g, moments, s):
     m, v, n, prev_grad = moments
     first = s["first"] > 0
     m, v, n = (jnp.where(first, 0.0, x) for x in (m, v, n))
@@ -57,11 +57,15 @@ def _direction(g, moments, s):
     v = s["omb2"] * diff + s["b2"] * v
     sq = g + s["omb2"] * diff
     n = s["omb3"] * (sq * sq) + s["b3"] * n
+    return m, v, n, g
+
+
+def _direction(g, moments, s):
+    m, v, n, _ = moments
     m_hat = m / s["bc1"]
     v_hat = v / s["bc2"]
     n_hat = n / s["bc3"]
-    u = (m_hat + s["omb2"] * v_hat) / (jnp.sqrt(n_hat + s["eps_root"]) + s["eps"])
-    return u, (m, v, n, g)
+    return (m_hat + s["omb2"] * v_hat) / (jnp.sqrt(n_hat + s["eps_root"]) + s["eps"])
 
 
 def _scalars(b1, b2, b3, eps, eps_root, restart_every) -> Callable[[jax.Array], dict[str, Any]]:
@@ -132,7 +136,7 @@ def adan(
     _engine.check_nonnegative("eps_root", eps_root)
     _engine.check_nonnegative("weight_decay", weight_decay, schedule_ok=True)
     _engine.check_positive_int("restart_every", restart_every)
-    rule = _engine.Rule("adan", AdanState, SCALARS, _scalars(b1, b2, b3, eps, eps_root, restart_every), _direction)
+    rule = _engine.Rule("adan", AdanState, SCALARS, _scalars(b1, b2, b3, eps, eps_root, restart_every), _moments, _direction)
     return _engine.workspace_transformation(
         rule,
         learning_rate=learning_rate,

@@ -38,6 +38,15 @@ def test_predicted_largest_batches_compare_each_implementation_with_the_referenc
     assert e2e.predicted_largest_batches(results, capacity=None) == {}
 
 
+def test_speedups_pair_records_of_one_run_only():
+    results = {
+        "big/8192/reference": {"step_time_s": 0.03, "run": "a"},
+        "big/8192/ls_jax_ffi": {"step_time_s": 0.02, "run": "a"},
+        "big/8192/ls_jax_xla": {"step_time_s": 0.025, "run": "b"},  # another run: its host may dispatch faster
+    }
+    assert e2e.speedups(results) == {"big/8192": {"ls_jax_ffi": pytest.approx(1.5)}}
+
+
 def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
     """The ops benchmark traces without keeping the trace; on CPU there are no GPU kernels to report."""
     x = jnp.ones((8, 8))
@@ -54,6 +63,7 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
         assert record["step_time_s"] > 0 and record["memory_bytes"] > 0 and record["steps_timed"] == 10
         assert math.isfinite(record["first_loss"]) and math.isfinite(record["loss_after_timing"])
         assert record["flops_per_step"] > 0
+        assert record["commit"] and record["run"] == report["results"]["tiny-2e2d/1024/reference"]["run"]
     ratio = report["speedup_vs_reference"]["tiny-2e2d/1024"]["ls_jax_xla"]
     timed = report["results"]
     assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]

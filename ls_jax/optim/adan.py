@@ -136,7 +136,8 @@ def adan(
     _engine.check_nonnegative("eps_root", eps_root)
     _engine.check_nonnegative("weight_decay", weight_decay, schedule_ok=True)
     _engine.check_positive_int("restart_every", restart_every)
-    rule = _engine.Rule("adan", AdanState, SCALARS, _scalars(b1, b2, b3, eps, eps_root, restart_every), _moments, _direction)
+    scalars = _scalars(b1, b2, b3, eps, eps_root, restart_every)
+    rule = _engine.Rule("adan", AdanState, SCALARS, scalars, _moments, _direction)
     return _engine.workspace_transformation(
         rule,
         learning_rate=learning_rate,

@@ -43,11 +43,15 @@ def git_state() -> dict[str, Any]:
     return {"commit": runlog.git_commit(), "dirty": dirty}
 
 
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def environment() -> dict[str, Any]:
     """Device, software versions, commit and time: the header of every result file."""
     devices = jax.devices()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "host": socket.gethostname(),
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,

@@ -291,20 +291,22 @@ def measured_gemm_tflops(size: int = 8192) -> float:
 @dataclasses.dataclass
 class ResultFile:
     """docs/results/e2e-<device>.json, rewritten after every measurement so an interrupted run keeps what it
-    measured; measurements from earlier runs on the same device are kept unless measured again."""
+    measured; measurements from earlier runs on the same device are kept unless measured again. Every record
+    names its run (the time this process opened the file) and commit, and speedups pair records of one run only."""
 
     path: Path
     header: dict[str, Any]
     results: dict[str, Any]
+    run: str
 
     @classmethod
     def open(cls, out_dir: Path, header: dict[str, Any], fresh: bool) -> "ResultFile":
         path = out_dir / f"e2e-{common.device_slug()}.json"
         results = {} if fresh or not path.exists() else json.loads(path.read_text())["results"]
-        return cls(path, header, results)
+        return cls(path, header, results, common.utc_now())
 
     def add(self, key: str, record: dict[str, Any]) -> None:
-        self.results[key] = record
+        self.results[key] = {**record, "run": self.run, "commit": common.git_state()["commit"]}
         table = speedups(self.results)
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
@@ -313,7 +315,7 @@ class ResultFile:
              "largest_batch_tokens_predicted": largest},
             self.path.parent,
         )
-        plot_speedups(table, written.with_suffix(".png"))
+        plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind)
 
 
 def run(
@@ -375,19 +377,21 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
 
 
 def speedups(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Reference step time over each ls_jax implementation's, per (model, tokens)."""
+    """Reference step time over each ls_jax implementation's, per (model, tokens), where both were measured in the
+    same run: the reference's speed depends on the host that dispatches its kernels, so a ratio across runs (or
+    machines) is not a measurement."""
     table: dict[str, dict[str, float]] = {}
     for key, record in results.items():
         name, tokens, implementation = key.split("/")
         if implementation == "reference" or "step_time_s" not in record:
             continue
         reference = results.get(f"{name}/{tokens}/reference", {})
-        if "step_time_s" in reference:
+        if "step_time_s" in reference and reference.get("run") == record.get("run"):
             table.setdefault(f"{name}/{tokens}", {})[implementation] = reference["step_time_s"] / record["step_time_s"]
     return table
 
 
-def plot_speedups(table: dict[str, dict[str, float]], path: Path) -> None:
+def plot_speedups(table: dict[str, dict[str, float]], path: Path, device_kind: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -404,7 +408,7 @@ def plot_speedups(table: dict[str, dict[str, float]], path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
     ax.set_ylabel("speedup over plain Flax (step time ratio)")
-    ax.set_title(f"Transformer training step, {jax.devices()[0].device_kind}, bf16")
+    ax.set_title(f"Transformer training step, {device_kind}, bf16")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

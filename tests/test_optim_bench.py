@@ -16,6 +16,8 @@ def test_model_shapes_have_the_published_sizes():
     transformer = optim.MODELS["transformer-big"](False)
     assert _parameters(transformer) == 209_915_904  # 6+6 layers, 1024/4096, shared 32768-token embedding
     assert transformer[0] == (32768, 1024) and transformer.count((32768, 1024)) == 1
+    # ls_jax's transformer-big-12e12d preset has these parameters too
+    assert _parameters(optim.MODELS["transformer-big-12e12d"](False)) == 386_273_280
 
 
 def test_byte_and_kernel_counts():

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from ls_jax import backend
-from train import metrics
+from train import metrics, runlog
 from train.benchmarks import common
 from train.reference_model import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
 
@@ -298,15 +298,16 @@ class ResultFile:
     header: dict[str, Any]
     results: dict[str, Any]
     run: str
+    commit: str | None
 
     @classmethod
     def open(cls, out_dir: Path, header: dict[str, Any], fresh: bool) -> "ResultFile":
         path = out_dir / f"e2e-{common.device_slug()}.json"
         results = {} if fresh or not path.exists() else json.loads(path.read_text())["results"]
-        return cls(path, header, results, common.utc_now())
+        return cls(path, header, results, common.utc_now(), runlog.git_commit())
 
     def add(self, key: str, record: dict[str, Any]) -> None:
-        self.results[key] = {**record, "run": self.run, "commit": common.git_state()["commit"]}
+        self.results[key] = {**record, "run": self.run, "commit": self.commit}
         table = speedups(self.results)
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
@@ -421,7 +422,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(measured_models), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
-    parser.add_argument("--steps", type=int, default=20, help="timed samples of 5 consecutive steps (after 3 warm-up steps)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)")
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help=f"a smoke run (CPU): {QUICK_MODEL}, 1024 tokens")

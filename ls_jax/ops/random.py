@@ -57,8 +57,8 @@ def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array])
     return c0, c1, c2, c3
 
 
-def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
+def _philox_words(seed: jax.Array, shape: tuple[int, ...]) -> tuple[int, tuple[jax.Array, ...]]:
+    """The element count of ``shape`` and the four Philox words (ceil(size / 4),) that cover it."""
     size = 1
     for dim in shape:
         size *= dim
@@ -68,13 +68,31 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     counter = jnp.arange(groups, dtype=jnp.uint32)
     zero = jnp.zeros_like(counter)
     seed = seed.astype(jnp.uint32)
-    words = philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
+    return size, philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
+
+
+def _interleave(words: tuple[jax.Array, ...], size: int, shape: tuple[int, ...]) -> jax.Array:
+    """Element ``i`` of ``shape`` from ``words[i % 4][i // 4]``."""
     return jnp.stack(words, axis=-1).reshape(-1)[:size].reshape(shape)
 
 
+def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
+    size, words = _philox_words(seed, shape)
+    return _interleave(words, size, shape)
+
+
 def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Boolean mask of ``shape``, True where an element survives dropout at ``rate``."""
-    return random_bits(seed, shape) >= jnp.uint32(keep_threshold(rate))
+    """Boolean mask of ``shape``, True where an element survives dropout at ``rate``.
+
+    Each word is compared with the threshold before the interleave, behind an optimization barrier: XLA cannot
+    fuse the Philox rounds into the consumer of an interleave, so something is written between the two fusions,
+    and the barrier makes that one byte per element instead of the 4-byte word.
+    """
+    size, words = _philox_words(seed, shape)
+    threshold = jnp.uint32(keep_threshold(rate))
+    kept = jax.lax.optimization_barrier(tuple(word >= threshold for word in words))
+    return _interleave(kept, size, shape)
 
 
 def dropout_multiplier(seed: jax.Array | None, shape: tuple[int, ...], rate: float) -> jax.Array | float:

@@ -85,9 +85,11 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
     """Boolean mask of ``shape``, True where an element survives dropout at ``rate``.
 
-    Each word is compared with the threshold before the interleave, behind an optimization barrier: XLA cannot
-    fuse the Philox rounds into the consumer of an interleave, so something is written between the two fusions,
-    and the barrier makes that one byte per element instead of the 4-byte word.
+    Each word is compared with the threshold behind an optimization barrier, before the interleave. XLA on GPU
+    does not fuse the Philox rounds into the interleave's consumer, so something crosses memory between the two
+    fusions; the barrier makes that a 1-byte flag instead of the 4-byte word (Transformer-big 6e6d, 8192 tokens,
+    H100: dropout and softmax 6.40 -> 5.67 ms per training step). Without the barrier XLA moves the comparison
+    into the consumer and writes the words.
     """
     size, words = _philox_words(seed, shape)
     threshold = jnp.uint32(keep_threshold(rate))

@@ -41,7 +41,8 @@ def check_log_schema(records, counters, undocumented=frozenset()):
 
 def check_run_files(run_dir, checkpoint_steps):
     """The files a training run leaves: config, vocabulary, log, TensorBoard events, checkpoints at the steps."""
-    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
+    expected = {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
+    assert {p.name for p in run_dir.iterdir()} >= expected
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == checkpoint_steps
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 

@@ -4,8 +4,8 @@
 
 One optimizer step (gradients already computed; the new parameters and state returned) on the leaf shapes of
 a Transformer-big (6+6 layers, 1024/4096, 16 heads, one shared 32768 x 1024 embedding: 210M parameters), the
-same with 12+12 layers (386M) and BERT-base (110M), f32 parameters and gradients. Implementations, each jitted with params and optimizer
-state donated so the update can run in place:
+same with 12+12 layers (386M) and BERT-base (110M), f32 parameters and gradients. Implementations, each jitted
+with params and optimizer state donated so the update can run in place:
 
   ls_jax_kernel         ls_jax.optim.fused_apply with the CUDA kernel (GPU with the kernels only)
   ls_jax_kernel_update  ls_jax's update + optax.apply_updates with the kernel: what fused_apply saves
@@ -21,8 +21,8 @@ that count over the median time against the measured copy bandwidth.
 Targets on H100: ls_jax_kernel at least 3x optax.adan, at least 1.3x optax.adamw, at least 80% of copy
 bandwidth. Results go to docs/results/optim-<device>.json.
 
-``--quick`` uses 2+2- and 4+4-layer 64/256 Transformers and a 2-layer BERT of width 64 and few samples: a smoke test
-that runs on CPU (without the kernel).
+``--quick`` uses 2+2- and 4+4-layer 64/256 Transformers and a 2-layer BERT of width 64 and few samples: a smoke
+test that runs on CPU (without the kernel).
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ def _fresh_backend_state(monkeypatch):
     monkeypatch.delenv(backend.ENV_VAR, raising=False)
     backend._load_kernels.cache_clear()
     backend._warn_fallback.cache_clear()
-    _common._log_fallback_once.cache_clear()
+    _common.log_fallback_once.cache_clear()
     yield
     backend._load_kernels.cache_clear()
     backend._warn_fallback.cache_clear()
-    _common._log_fallback_once.cache_clear()
+    _common.log_fallback_once.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -208,3 +208,17 @@ def test_embedding_lowers_to_its_kernels(kernels_enabled):
     no_positions = lambda t: _forward_and_backward(lambda t: ops.embed(tokens, t, scale=4.0), t)
     text = _cuda_module(no_positions, table)
     assert _targets(text) == {"ls_embed_fwd", "ls_embed_grad"} and "token_scale = 4.000000e+00 : f32" in text
+
+
+def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enabled):
+    qkv, mask = normal(0, (2, 64, 3, 4, 64), jnp.bfloat16), jnp.ones((2, 64), bool)
+    self_attention = lambda x: ops.self_attention(x, mask, causal=True, dropout_rate=0.1, seed=seed_array(0))
+    text = _cuda_module(lambda x: _forward_and_backward(self_attention, x), qkv)
+    assert _targets(text) == {"ls_attention_fwd", "ls_attention_bwd"}
+    assert "causal = true" in text and f"threshold = {random.keep_threshold(0.1)} : ui32" in text
+    assert re.search(r"logit_scale = 1.250000e-01 : f32", text)
+    query, key_value = normal(1, (2, 5, 4, 64), jnp.float16), normal(2, (2, 128, 2, 4, 64), jnp.float16)
+    cross = lambda q, kv: _forward_and_backward(lambda q, kv: ops.cross_attention(q, kv), q, kv)
+    assert _targets(_cuda_module(cross, query, key_value)) == {"ls_attention_fwd", "ls_attention_bwd"}
+    too_long = normal(3, (2, 129, 2, 4, 64), jnp.float16)
+    assert _targets(_cuda_module(cross, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}

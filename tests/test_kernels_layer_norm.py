@@ -83,7 +83,7 @@ def test_hidden_above_the_kernel_limit_runs_xla_and_logs_once(caplog):
     x = normal(0, (2, hidden), F32)
     gamma, beta = _params(1, hidden, F32)
     run = lambda x, g, b: ops.layer_norm(x, g, b)
-    _common._log_fallback_once.cache_clear()
+    _common.log_fallback_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="ls_jax.ops"):
         assert kernel_targets(run, x, gamma, beta) == set()
         got = on_backend("ffi", run, x, gamma, beta)

@@ -1,4 +1,4 @@
-"""Multi-head attention sublayer: LayerNorm, projections, fused softmax, output bias + dropout + residual."""
+"""Multi-head attention sublayer: LayerNorm, QKV projection, fused attention, output bias + dropout + residual."""
 
 from __future__ import annotations
 
@@ -9,15 +9,7 @@ import jax.numpy as jnp
 from ls_jax import ops
 from ls_jax.layers.common import CacheIndex, LayerNorm, dense, dropout_args, pre_norm
 from ls_jax.layers.config import LayerConfig
-
-
-def key_padding_mask(key_mask: jax.Array | None) -> jax.Array | None:
-    """(B, K) "is a real token" flags -> the (B, 1, 1, K) boolean mask ``ops.attn_softmax`` broadcasts."""
-    if key_mask is None:
-        return None
-    if key_mask.ndim != 2:
-        raise ValueError(f"key_mask must have shape (batch, keys), got {key_mask.shape}")
-    return key_mask.astype(bool)[:, None, None, :]
+from ls_jax.ops.attention import attention_unfused
 
 
 class MultiHeadAttention(nn.Module):
@@ -67,31 +59,28 @@ class MultiHeadAttention(nn.Module):
         if decode and key_mask is not None:
             raise ValueError("key_mask is not supported with decode: cached keys are never padding")
         h, x = pre_norm(cfg, x.astype(cfg.dtype))
-        if self.self_attention:
-            qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), name="qkv")(h)
-            query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        else:
+        rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
+        if not self.self_attention:
             query = dense(cfg, (cfg.nhead, cfg.head_dim), name="query")(h)
-            key, value = key_value[:, :, 0], key_value[:, :, 1]
-        mask, causal = key_padding_mask(key_mask), self.causal
-        if decode:
-            key, value, visible = self._extend_cache(key, value)
-            if visible is not None:
-                mask, causal = visible, False
-        context = self._attend(query, key, value, mask, causal, deterministic)
+            context = ops.cross_attention(query, key_value, key_mask, dropout_rate=rate, seed=seed)
+        else:
+            qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), name="qkv")(h)
+            if decode:
+                context = self._attend_cached(qkv, rate, seed)
+            else:
+                context = ops.self_attention(qkv, key_mask, causal=self.causal, dropout_rate=rate, seed=seed)
         out = dense(cfg, cfg.hidden_size, axis=(-2, -1), use_bias=False, name="out")(context)
         out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
         rate, seed = dropout_args(self, cfg.hidden_dropout_ratio, deterministic)
         y = ops.bias_dropout_residual(out, out_bias, x, dropout_rate=rate, seed=seed)
         return y if cfg.pre_layer_norm else LayerNorm(cfg.layer_norm_eps, name="layer_norm")(y)
 
-    def _attend(self, query, key, value, mask, causal: bool, deterministic: bool) -> jax.Array:
-        """softmax(q k^T / sqrt(d)) v: (B, Q, heads, d) x (B, K, heads, d) -> (B, Q, heads, d)."""
-        cfg = self.config
-        scores = jnp.einsum("bqhd,bkhd->bhqk", query, key)
-        rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
-        probs = ops.attn_softmax(scores, mask, scale=cfg.head_dim**-0.5, causal=causal, dropout_rate=rate, seed=seed)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
+    def _attend_cached(self, qkv: jax.Array, rate: float, seed: jax.Array | None) -> jax.Array:
+        """Causal self-attention of this call's (B, L, 3, heads, d) qkv over the KV cache extended with it."""
+        key, value, visible = self._extend_cache(qkv[:, :, 1], qkv[:, :, 2])
+        return attention_unfused(
+            qkv[:, :, 0], key, value, visible, causal=visible is None, dropout_rate=rate, seed=seed
+        )
 
     def _extend_cache(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Writes (B, L, heads, d) keys/values at the cache index and returns the whole cache (B, C, heads, d)

@@ -1,6 +1,7 @@
 """Fused Transformer operators: one public function per op, each a ``jax.custom_vjp`` whose forward and
 backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere. See ``ls_jax.backend``."""
 
+from ls_jax.ops.attention import cross_attention, self_attention
 from ls_jax.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_jax.ops.dropout import ACTIVATIONS, Activation, bias_act_dropout, bias_dropout_residual, dropout
 from ls_jax.ops.embedding import embed
@@ -14,9 +15,11 @@ __all__ = [
     "attn_softmax",
     "bias_act_dropout",
     "bias_dropout_residual",
+    "cross_attention",
     "dropout",
     "dropout_seed",
     "embed",
     "label_smoothed_cross_entropy",
     "layer_norm",
+    "self_attention",
 ]

@@ -97,8 +97,9 @@ def rows(x: jax.Array) -> int:
 
 
 @functools.cache
-def _log_fallback_once(op: str, reason: str) -> None:
-    logger.warning("ls_jax.ops.%s: running the XLA implementation on CUDA: %s", op, reason)
+def log_fallback_once(op: str, reason: str, instead: str = "the XLA implementation") -> None:
+    """Logs once per (op, reason) that ``op`` runs ``instead`` of its kernels on CUDA, and why."""
+    logger.warning("ls_jax.ops.%s: running %s on CUDA: %s", op, instead, reason)
 
 
 def dispatch(
@@ -119,6 +120,6 @@ def dispatch(
         if not backend.kernels_enabled() or ffi_impl is None:
             return xla_impl(*args)
         if unsupported is not None:
-            _log_fallback_once(op, unsupported)
+            log_fallback_once(op, unsupported)
             return xla_impl(*args)
         return jax.lax.platform_dependent(*args, cuda=ffi_impl, default=xla_impl)

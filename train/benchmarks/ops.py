@@ -158,6 +158,19 @@ def attn_softmax_workload(batch: int, length: int, causal: bool) -> Workload:
                     moved)
 
 
+def self_attention_workload(batch: int, length: int) -> Workload:
+    """qkv (B, L, 3, 16, 64) with a (B, L) key-padding mask (lengths L/2 .. L), causal, and dropout on the
+    probabilities. Forward reads qkv and writes out and lse; backward reads dout, qkv and lse and writes dqkv."""
+    seed = _seed()
+    lengths = np.random.default_rng(0).integers(length // 2, length + 1, size=batch)
+    mask = jnp.asarray(np.arange(length)[None, :] < lengths[:, None])
+    op = lambda qkv: ops.self_attention(qkv, mask, causal=True, dropout_rate=DROPOUT, seed=seed)
+    shape = (batch, length, 3, ATTENTION_HEADS, HIDDEN // ATTENTION_HEADS)
+    tokens = batch * length
+    moved = 11 * tokens * HIDDEN * _itemsize(ACTIVATION) + 2 * batch * ATTENTION_HEADS * length * 4 + batch * length
+    return Workload(op, (_normal(0, shape, ACTIVATION),), "x".join(map(str, shape)) + " causal", moved)
+
+
 def cross_entropy_workload(rows: int, vocab: int) -> Workload:
     """Logits (rows, V) with about 5% pad labels, label smoothing 0.1. Forward reads the real rows' logits and
     every label and writes loss, nll and lse (f32) per row; backward reads the real rows' logits, the labels and
@@ -184,6 +197,8 @@ CASES: list[Case] = [
     Case("attn_softmax[L=128]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 128, causal=False)),
     Case("attn_softmax[L=512]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 512, causal=False)),
     Case("attn_softmax_causal[L=512]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 512, causal=True)),
+    Case("self_attention[L=64]", lambda d: self_attention_workload(ATTENTION_BATCH // d, 64)),
+    Case("self_attention[L=128]", lambda d: self_attention_workload(ATTENTION_BATCH // d, 128)),
     Case("cross_entropy", lambda d: cross_entropy_workload(TOKENS // d, VOCAB)),
 ]
 

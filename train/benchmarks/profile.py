@@ -48,7 +48,7 @@ _SCOPE_RULES = (
     ("criterion", re.compile(r"criterion|cross_entropy")),
     ("optimizer", re.compile(r"optimizer")),
     ("LayerNorm", re.compile(r"LayerNorm|layer_norm")),
-    ("softmax", re.compile(r"softmax")),
+    ("softmax", re.compile(r"softmax|\battention\b")),  # ops.attn_softmax; the XLA path of the fused attention
     ("embedding", re.compile(r"Embed|embed|gather|scatter")),
     ("dropout/elementwise", re.compile(r"Dropout|dropout|random_bits|threefry|philox")),
 )
@@ -56,6 +56,7 @@ _COPY = re.compile(r"copy|transpose", re.IGNORECASE)
 _LS_KERNEL = re.compile(r"\bls::(?:\(anonymous namespace\)::)?(\w+)_kernel\b")
 # ls_jax's CUDA kernels (ffi_kernels/csrc) by the start of their function names.
 _LS_KERNEL_PREFIXES = (
+    ("attention", "attention"),
     ("layer_norm", "LayerNorm"),
     ("softmax", "softmax"),
     ("cross_entropy", "criterion"),

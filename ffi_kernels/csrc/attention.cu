@@ -1,0 +1,735 @@
+// Fused attention for short sequences: softmax(q k^T * scale + masks) with Philox dropout, times v, for one
+// (batch, head) per block, all in registers and shared memory; its backward recomputes the probabilities from
+// the saved log-sum-exp (math: ls_jax/ops/attention.py).
+//
+// Shapes: queries and keys 1..128, head_dim 64, bf16 or f16 (tensor cores: mma.sync m16n8k16, f32 accumulators).
+// Each warp owns 16 query rows and holds their whole score rows, so the softmax reductions are quad shuffles.
+// Rounding follows XLA's composition (scores GEMM in the activation dtype, then f32 softmax): the scores and
+// dp = dout v^T are rounded to the activation dtype before the softmax math.
+//
+//   logits = round(q k^T) * logit_scale, -inf where key_mask is false or (causal) k > q + K - Q
+//   lse    = log sum_k exp(logits)                  (+inf for a row with no visible key: its probs are 0)
+//   probs  = exp(logits - lse);   kept = probs * keep * scale     (keep: Philox word of (b, h, q, k) >= threshold)
+//   out    = kept v
+//   dp     = round(dout v^T) * keep * scale;   dscores = logit_scale * probs * (dp - sum_k dp * probs)
+//   dq = dscores k,   dk = dscores^T q,   dv = kept^T dout
+//
+// Operands are "sources" of shape (B, L, P, H, 64): the query is part 0 of query_source (P = 1, or P = 3 for a
+// packed self-attention qkv), key and value are parts P - 2 and P - 1 of key_value_source (P = 2, or the same
+// qkv). The backward writes gradients in the sources' layouts, so a packed qkv gets one packed gradient.
+//
+// Targets
+//   ls_attention_fwd(query_source, key_value_source, seed u32[2] [, key_mask bool (B, K)]) -> (out (B, Q, H, 64),
+//       lse f32 (B, H, Q)); attributes causal: bool, logit_scale: f32, threshold: u32, scale: f32 (as ls_dropout)
+//   ls_attention_bwd(dout, query_source, key_value_source, lse, seed [, key_mask]) -> (d_query_source
+//       [, d_key_value_source]); without d_key_value_source the sources are one packed qkv (P = 3) and
+//       d_query_source receives dq, dk and dv. Same attributes.
+#include "common.cuh"
+
+#include <algorithm>
+#include <optional>
+
+namespace ls {
+namespace {
+
+constexpr int kHeadDim = 64;
+constexpr int kRowBytes = kHeadDim * 2;  // one 64-element row of a 16-bit type: 8 chunks of 16 bytes
+constexpr int kMaxLength = 128;
+
+// ---- tensor-core primitives ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Four 8x8 16-bit matrices; lane i gives the address of row i % 8 of matrix i / 8.
+__device__ __forceinline__ void ldmatrix(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_transposed(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// c += a b for a 16x16 A (row-major fragment), a 16x8 B (column-major fragment) and f32 C. Fragment layouts
+// (g = lane / 4, t = lane % 4): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}; b = {(2t..2t+1, g),
+// (2t+8.., g)}; c = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as a pair of T (the lower column in the low half), as the fragments hold them.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float low, float high) {
+  Pack<T, 2> pair;
+  pair.v[0] = from_float<T>(low);
+  pair.v[1] = from_float<T>(high);
+  return *reinterpret_cast<uint32_t*>(&pair);
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// The A fragment of columns 16c..16c+15 of a 16-row tile held as C fragments of 8 columns each.
+template <typename T>
+__device__ __forceinline__ void to_a_fragment(uint32_t (&a)[4], const float (&left)[4], const float (&right)[4]) {
+  a[0] = pack_pair<T>(left[0], left[1]);
+  a[1] = pack_pair<T>(left[2], left[3]);
+  a[2] = pack_pair<T>(right[0], right[1]);
+  a[3] = pack_pair<T>(right[2], right[3]);
+}
+
+// ---- shared-memory tiles ---------------------------------------------------------------------------------
+
+// A tile of 16-bit rows of `pitch` bytes (a multiple of 128) whose 16-byte chunks are XOR-swizzled by the row,
+// so that the 8 rows one ldmatrix reads (or one fragment store writes) fall in different banks.
+struct Tile {
+  uint8_t* base;
+  int pitch;
+
+  __device__ __forceinline__ uint8_t* chunk(int row, int chunk_index) const {
+    return base + row * pitch + ((chunk_index ^ (row & 7)) << 4);
+  }
+  __device__ __forceinline__ uint32_t address(int row, int chunk_index) const {
+    return shared_address(chunk(row, chunk_index));
+  }
+};
+
+// Copies `rows` rows of 64 elements (row r at src + r * row_stride) into a 64-wide tile and zero-fills rows
+// rows..padded_rows - 1, so that padding contributes exact zeros to the products.
+template <typename T>
+__device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict__ src, int64_t row_stride, int rows,
+                                          int padded_rows) {
+  for (int index = threadIdx.x; index < padded_rows * 8; index += blockDim.x) {
+    const int row = index / 8, chunk = index % 8;
+    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+    if (row < rows) value = *reinterpret_cast<const uint4*>(src + row * row_stride + chunk * 8);
+    *reinterpret_cast<uint4*>(tile.chunk(row, chunk)) = value;
+  }
+}
+
+// A = rows row0..row0+15, columns 16c..16c+15 of a tile (row-major operand).
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const Tile& tile, int row0, int c) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix(a, tile.address(row0 + lane % 16, 2 * c + lane / 16));
+}
+
+// A = the transpose of rows 16c..16c+15, columns col0..col0+15 of a tile: A[m][k] = tile[16c + k][col0 + m].
+__device__ __forceinline__ void load_a_transposed(uint32_t (&a)[4], const Tile& tile, int col0, int c) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_transposed(a, tile.address(16 * c + lane % 8 + (lane / 16) * 8, col0 / 8 + (lane / 8) % 2));
+}
+
+// B fragments of two 8-column n-tiles whose B[k][n] = tile[row0 + n][16c + k] (tile rows are B's columns, as
+// keys are for q k^T): b[0], b[1] for n-tile row0..row0+7, b[2], b[3] for row0+8..row0+15.
+__device__ __forceinline__ void load_b_rows(uint32_t (&b)[4], const Tile& tile, int row0, int c) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix(b, tile.address(row0 + lane % 8 + (lane / 16) * 8, 2 * c + (lane / 8) % 2));
+}
+
+// B fragments of two n-tiles whose B[k][n] = tile[16c + k][col0 + n] (tile rows are B's rows, as keys are for
+// probs v): b[0], b[1] for columns col0..col0+7, b[2], b[3] for col0+8..col0+15.
+__device__ __forceinline__ void load_b_columns(uint32_t (&b)[4], const Tile& tile, int col0, int c) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_transposed(b, tile.address(16 * c + lane % 8 + ((lane / 8) % 2) * 8, col0 / 8 + lane / 16));
+}
+
+// Writes a C fragment pair (row, 8j + 2t .. +1) of T into a tile.
+template <typename T>
+__device__ __forceinline__ void store_pair(const Tile& tile, int row, int j, float low, float high) {
+  const int t = threadIdx.x % 4;
+  *reinterpret_cast<uint32_t*>(tile.chunk(row, j) + 4 * t) = pack_pair<T>(low, high);
+}
+
+// ---- geometry ---------------------------------------------------------------------------------------------
+
+// A (B, L, P, H, 64) source or a (B, L, H, 64) tensor: element (b, l, h, d) of its part lives at
+// data + b * batch_stride + l * row_stride + h * 64 + d.
+struct Strided {
+  void* data;
+  int64_t batch_stride;
+  int64_t row_stride;
+
+  template <typename T>
+  __device__ __forceinline__ T* rows(int b, int h) const {
+    return static_cast<T*>(data) + b * batch_stride + h * kHeadDim;
+  }
+};
+
+struct Geometry {
+  int heads, queries, keys;
+  bool causal;
+  float logit_scale;
+  const bool* key_mask;  // (B, K) or null
+};
+
+__device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
+
+// Scores of a warp's 16 rows against every key: s[j] is the C fragment of keys 8j..8j+7.
+template <typename T, int kKeyTiles>
+__device__ __forceinline__ void row_products(float (&s)[kKeyTiles][4], const Tile& rows, int row0, const Tile& cols,
+                                             int col_chunks) {
+#pragma unroll
+  for (int j = 0; j < kKeyTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  uint32_t a[4][4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) load_a(a[c], rows, row0, c);
+#pragma unroll
+  for (int n = 0; n < kKeyTiles / 2; ++n) {
+    if (n >= col_chunks) break;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint32_t b[4];
+      load_b_rows(b, cols, 16 * n, c);
+      mma<T>(s[2 * n], a[c], b[0], b[1]);
+      mma<T>(s[2 * n + 1], a[c], b[2], b[3]);
+    }
+  }
+}
+
+// In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
+template <typename T, int kKeyTiles>
+__device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g, int b, int row0) {
+  const int lane = threadIdx.x % 32;
+  const bool* mask = g.key_mask == nullptr ? nullptr : g.key_mask + static_cast<int64_t>(b) * g.keys;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    const int visible = g.causal ? min(row + 1 + g.keys - g.queries, g.keys) : g.keys;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (lane % 4) + e;
+        const bool seen = col < visible && (mask == nullptr || mask[col]);
+        float& v = s[j][2 * half + e];
+        v = seen ? round_to<T>(v) * g.logit_scale : -INFINITY;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Dropout multipliers (0 or scale) of this thread's elements: m[j][i] for s[j][i]. Element (row, col) of head
+// block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 4 the four lanes of a quad draw the
+// four Philox blocks of 16 columns of a row, one each, and exchange keep flags by shuffle; otherwise each
+// element draws its own block. Every lane of the warp must call it.
+template <int kKeyTiles>
+__device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], const Dropout& dropout,
+                                                    const Geometry& g, int64_t bh, int row0) {
+  const int lane = threadIdx.x % 32, t = lane % 4, quad = lane & ~3;
+#pragma unroll
+  for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 0.0f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    const uint64_t row_start = (static_cast<uint64_t>(bh) * g.queries + row) * g.keys;
+    if (g.keys % 4 == 0) {
+#pragma unroll
+      for (int n = 0; n < kKeyTiles / 2; ++n) {
+        if (16 * n >= g.keys) break;
+        const uint4 words = dropout_words(dropout.key, (row_start + 16 * n) / 4 + t);
+        const uint32_t flags = (words.x >= dropout.threshold) | (words.y >= dropout.threshold) << 1 |
+                               (words.z >= dropout.threshold) << 2 | (words.w >= dropout.threshold) << 3;
+        const uint32_t left = __shfl_sync(0xffffffffu, flags, quad + t / 2) >> (2 * (t % 2));
+        const uint32_t right = __shfl_sync(0xffffffffu, flags, quad + 2 + t / 2) >> (2 * (t % 2));
+        m[2 * n][2 * half] = (left & 1u) ? dropout.scale : 0.0f;
+        m[2 * n][2 * half + 1] = (left & 2u) ? dropout.scale : 0.0f;
+        m[2 * n + 1][2 * half] = (right & 1u) ? dropout.scale : 0.0f;
+        m[2 * n + 1][2 * half + 1] = (right & 2u) ? dropout.scale : 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) {
+        if (8 * j >= g.keys) break;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) m[j][2 * half + e] = dropout.multiplier(row_start + 8 * j + 2 * t + e);
+      }
+    }
+  }
+}
+
+// ---- kernels ----------------------------------------------------------------------------------------------
+
+struct Tensors {
+  Strided query, key, value;  // inputs
+  Strided out;                // forward: out (B, Q, H, 64); backward: dout
+  float* lse;                 // (B, H, Q)
+  Strided dquery, dkey, dvalue;
+};
+
+constexpr int kMaxThreads = kMaxLength / 16 * 32;  // a warp per 16 rows of the longer of queries and keys
+
+__host__ __device__ inline int padded(int length) { return (length + 15) / 16 * 16; }
+
+inline size_t forward_shared_bytes(int queries, int keys) { return (padded(queries) + 2 * padded(keys)) * kRowBytes; }
+
+// kMaxKeys (64 or 128, at least K) sizes the register arrays. Forward: a warp per 16 queries; backward: a warp
+// per 16 rows of the longer of queries and keys.
+template <typename T, int kMaxKeys>
+__global__ void __launch_bounds__(kMaxThreads)
+    attention_fwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
+  constexpr int kKeyTiles = kMaxKeys / 8;
+  extern __shared__ uint4 shared[];
+  const int bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
+  const int q_pad = padded(g.queries), k_pad = padded(g.keys);
+  const Tile q_tile{reinterpret_cast<uint8_t*>(shared), kRowBytes};
+  const Tile k_tile{q_tile.base + q_pad * kRowBytes, kRowBytes};
+  const Tile v_tile{k_tile.base + k_pad * kRowBytes, kRowBytes};
+  load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
+  load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
+  load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
+  __syncthreads();
+  const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
+
+  float s[kKeyTiles][4];
+  row_products<T>(s, q_tile, row0, k_tile, k_pad / 16);
+  to_logits<T>(s, g, b, row0);
+  float lse[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) row_max = fmaxf(row_max, fmaxf(s[j][2 * half], s[j][2 * half + 1]));
+    row_max = finite_or_zero(quad_max(row_max));
+    float total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[j][2 * half + e] = expf(s[j][2 * half + e] - row_max);
+        total += s[j][2 * half + e];
+      }
+    }
+    total = quad_sum(total);
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    lse[half] = total > 0.0f ? row_max + logf(total) : INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+      s[j][2 * half] *= inverse;
+      s[j][2 * half + 1] *= inverse;
+    }
+  }
+  if (dropout_params.seed != nullptr) {
+    float m[kKeyTiles][4];
+    dropout_multipliers(m, Dropout::load(dropout_params), g, bh, row0);
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] *= m[j][i];
+    }
+  }
+
+  float o[kHeadDim / 8][4] = {};
+#pragma unroll
+  for (int n = 0; n < kKeyTiles / 2; ++n) {
+    if (n >= k_pad / 16) break;
+    uint32_t a[4];
+    to_a_fragment<T>(a, s[2 * n], s[2 * n + 1]);
+#pragma unroll
+    for (int c = 0; c < kHeadDim / 16; ++c) {
+      uint32_t bv[4];
+      load_b_columns(bv, v_tile, 16 * c, n);
+      mma<T>(o[2 * c], a, bv[0], bv[1]);
+      mma<T>(o[2 * c + 1], a, bv[2], bv[3]);
+    }
+  }
+
+  T* out = x.out.rows<T>(b, h);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    if (row >= g.queries) continue;
+    if (lane % 4 == 0) x.lse[static_cast<int64_t>(bh) * g.queries + row] = lse[half];
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<uint32_t*>(out + row * x.out.row_stride + 8 * j + 2 * (lane % 4)) =
+          pack_pair<T>(o[j][2 * half], o[j][2 * half + 1]);
+  }
+}
+
+inline size_t backward_shared_bytes(int queries, int keys, int max_keys) {
+  return (2 * padded(queries) + 2 * padded(keys)) * kRowBytes + 2 * padded(queries) * max_keys * 2;
+}
+
+// Writes a warp's 16 x 64 f32 accumulators (rows row0.., C fragments of 8 columns) as T to rows < limit.
+template <typename T>
+__device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, int row0, int limit,
+                                           const float (&acc)[kHeadDim / 8][4]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    if (row >= limit) continue;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + row * row_stride + 8 * j + 2 * (lane % 4)) =
+          pack_pair<T>(acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+}
+
+// acc += A^T B over the padded query rows, A = rows col0.. of `scores` (queries x keys), B = `rows` (queries x 64).
+template <typename T>
+__device__ __forceinline__ void transposed_products(float (&acc)[kHeadDim / 8][4], const Tile& scores, int col0,
+                                                    const Tile& rows, int row_chunks) {
+  for (int c = 0; c < row_chunks; ++c) {
+    uint32_t a[4];
+    load_a_transposed(a, scores, col0, c);
+#pragma unroll
+    for (int n = 0; n < kHeadDim / 16; ++n) {
+      uint32_t b[4];
+      load_b_columns(b, rows, 16 * n, c);
+      mma<T>(acc[2 * n], a, b[0], b[1]);
+      mma<T>(acc[2 * n + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <typename T, int kMaxKeys>
+__global__ void __launch_bounds__(kMaxThreads)
+    attention_bwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
+  constexpr int kKeyTiles = kMaxKeys / 8;
+  extern __shared__ uint4 shared[];
+  const int bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
+  const int q_pad = padded(g.queries), k_pad = padded(g.keys);
+  const Tile q_tile{reinterpret_cast<uint8_t*>(shared), kRowBytes};
+  const Tile dout_tile{q_tile.base + q_pad * kRowBytes, kRowBytes};
+  const Tile k_tile{dout_tile.base + q_pad * kRowBytes, kRowBytes};
+  const Tile v_tile{k_tile.base + k_pad * kRowBytes, kRowBytes};
+  const Tile kept_tile{v_tile.base + k_pad * kRowBytes, kMaxKeys * 2};    // kept probabilities, queries x keys
+  const Tile dscores_tile{kept_tile.base + q_pad * kMaxKeys * 2, kMaxKeys * 2};
+  load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
+  load_rows(dout_tile, x.out.rows<const T>(b, h), x.out.row_stride, g.queries, q_pad);
+  load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
+  load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = 16 * warp;
+
+  // Phase 1, a warp per 16 query rows: probabilities, dscores, dq; kept and dscores go to shared memory.
+  if (row0 < q_pad) {
+    float p[kKeyTiles][4], dp[kKeyTiles][4];
+    row_products<T>(p, q_tile, row0, k_tile, k_pad / 16);
+    to_logits<T>(p, g, b, row0);
+    row_products<T>(dp, dout_tile, row0, v_tile, k_pad / 16);
+    float m[kKeyTiles][4];
+    if (dropout_params.seed != nullptr) {
+      dropout_multipliers(m, Dropout::load(dropout_params), g, bh, row0);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 1.0f;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + lane / 4 + 8 * half;
+      const float lse = row < g.queries ? x.lse[static_cast<int64_t>(bh) * g.queries + row] : INFINITY;
+      float dot = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * half + e;
+          p[j][i] = expf(p[j][i] - lse);
+          dp[j][i] = round_to<T>(dp[j][i]) * m[j][i];
+          dot += dp[j][i] * p[j][i];
+        }
+      }
+      dot = quad_sum(dot);
+#pragma unroll
+      for (int j = 0; j < kKeyTiles; ++j) {
+        if (j >= k_pad / 8) break;
+        const int i = 2 * half;
+        store_pair<T>(kept_tile, row, j, p[j][i] * m[j][i], p[j][i + 1] * m[j][i + 1]);
+        dp[j][i] = g.logit_scale * p[j][i] * (dp[j][i] - dot);
+        dp[j][i + 1] = g.logit_scale * p[j][i + 1] * (dp[j][i + 1] - dot);
+        store_pair<T>(dscores_tile, row, j, dp[j][i], dp[j][i + 1]);
+      }
+    }
+    float dq[kHeadDim / 8][4] = {};
+#pragma unroll
+    for (int n = 0; n < kKeyTiles / 2; ++n) {
+      if (n >= k_pad / 16) break;
+      uint32_t a[4];
+      to_a_fragment<T>(a, dp[2 * n], dp[2 * n + 1]);
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 16; ++c) {
+        uint32_t bk[4];
+        load_b_columns(bk, k_tile, 16 * c, n);
+        mma<T>(dq[2 * c], a, bk[0], bk[1]);
+        mma<T>(dq[2 * c + 1], a, bk[2], bk[3]);
+      }
+    }
+    store_rows(x.dquery.rows<T>(b, h), x.dquery.row_stride, row0, g.queries, dq);
+  }
+  __syncthreads();
+
+  // Phase 2, a warp per 16 key rows: dv = kept^T dout, dk = dscores^T q.
+  if (row0 < k_pad) {
+    float acc[kHeadDim / 8][4] = {};
+    transposed_products<T>(acc, kept_tile, row0, dout_tile, q_pad / 16);
+    store_rows(x.dvalue.rows<T>(b, h), x.dvalue.row_stride, row0, g.keys, acc);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    transposed_products<T>(acc, dscores_tile, row0, q_tile, q_pad / 16);
+    store_rows(x.dkey.rows<T>(b, h), x.dkey.row_stride, row0, g.keys, acc);
+  }
+}
+
+// ---- handlers ---------------------------------------------------------------------------------------------
+
+// The (B, L, P, H, 64) view of a source: its dims and the strides of one part.
+struct Source {
+  int64_t batch, length, parts, heads;
+};
+
+ffi::Error describe_source(std::string_view name, const ffi::AnyBuffer& buffer, Source& out) {
+  const auto dims = buffer.dimensions();
+  LS_RETURN_IF_ERROR(require(dims.size() == 5 && dims[4] == kHeadDim,
+                             std::string(name) + " must have shape (B, L, parts, heads, 64), got " +
+                                 shape_string(dims)));
+  LS_RETURN_IF_ERROR(require(dims[1] >= 1 && dims[1] <= kMaxLength,
+                             std::string(name) + ": the fused attention takes 1 to 128 positions, got " +
+                                 shape_string(dims)));
+  out = {dims[0], dims[1], dims[2], dims[3]};
+  return ffi::Error::Success();
+}
+
+// Part `part` of a source of 16-bit elements.
+Strided part_of(void* data, const Source& s, int64_t part) {
+  const int64_t row = s.parts * s.heads * kHeadDim;
+  return {static_cast<uint16_t*>(data) + part * s.heads * kHeadDim, s.length * row, row};
+}
+
+struct Problem {
+  Source query, key_value;
+  Geometry geometry;
+  int64_t batch_heads;
+};
+
+ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBuffer& key_value_source,
+                            const std::optional<ffi::AnyBuffer>& key_mask, bool causal, float logit_scale,
+                            Problem& out) {
+  LS_RETURN_IF_ERROR(describe_source("query_source", query_source, out.query));
+  LS_RETURN_IF_ERROR(describe_source("key_value_source", key_value_source, out.key_value));
+  const Source& q = out.query;
+  const Source& kv = out.key_value;
+  LS_RETURN_IF_ERROR(require(q.parts == 1 || q.parts == 3,
+                             "query_source must have 1 part (a query) or 3 (a packed qkv), got " +
+                                 shape_string(query_source.dimensions())));
+  LS_RETURN_IF_ERROR(require(kv.parts == (q.parts == 3 ? 3 : 2) && kv.batch == q.batch && kv.heads == q.heads,
+                             "key_value_source " + shape_string(key_value_source.dimensions()) +
+                                 " does not match query_source " + shape_string(query_source.dimensions()) +
+                                 ": expected (B, K, 2, heads, 64), or the same packed qkv"));
+  const ffi::DataType dtype = query_source.element_type();
+  LS_RETURN_IF_ERROR(require(dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16,
+                             std::string("the fused attention takes bfloat16 or float16, got ") + dtype_name(dtype)));
+  LS_RETURN_IF_ERROR(require(key_value_source.element_type() == dtype,
+                             "key_value_source must have the dtype of query_source"));
+  LS_RETURN_IF_ERROR(require(!causal || q.length <= kv.length, "causal attention needs queries <= keys"));
+  if (key_mask) {
+    const auto dims = key_mask->dimensions();
+    LS_RETURN_IF_ERROR(require(key_mask->element_type() == ffi::DataType::PRED && dims.size() == 2 &&
+                                   dims[0] == q.batch && dims[1] == kv.length,
+                               "key_mask must be bool of shape (B, K) = (" + std::to_string(q.batch) + ", " +
+                                   std::to_string(kv.length) + "), got " + dtype_name(key_mask->element_type()) +
+                                   shape_string(dims)));
+  }
+  out.batch_heads = q.batch * q.heads;
+  LS_RETURN_IF_ERROR(require(out.batch_heads <= 0x7fffffff, "batch * heads must be below 2**31"));
+  out.geometry = {static_cast<int>(q.heads), static_cast<int>(q.length), static_cast<int>(kv.length), causal,
+                  logit_scale, key_mask ? static_cast<const bool*>(key_mask->untyped_data()) : nullptr};
+  return ffi::Error::Success();
+}
+
+ffi::Error check_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutParams& params, const Problem& p) {
+  if (!params.enabled()) return ffi::Error::Success();
+  LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
+                             "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
+  return require_dropout_range(params, static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
+}
+
+ffi::Error check_tensor(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                        std::initializer_list<int64_t> dims) {
+  const auto actual = buffer.dimensions();
+  const bool ok = buffer.element_type() == dtype && actual.size() == dims.size() &&
+                  std::equal(dims.begin(), dims.end(), actual.begin());
+  std::string expected;
+  for (int64_t dim : dims) expected += (expected.empty() ? "(" : ", ") + std::to_string(dim);
+  return require(ok, std::string(name) + " must be " + dtype_name(dtype) + expected + "), got " +
+                         dtype_name(buffer.element_type()) + shape_string(actual));
+}
+
+ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
+  for (const void* buffer : buffers)
+    LS_RETURN_IF_ERROR(require(buffer == nullptr || is_aligned(buffer, 16), "attention buffers must be 16-byte aligned"));
+  return ffi::Error::Success();
+}
+
+// Launches kernel<T, 64 or 128> with one block per (batch, head) and the shared memory it needs.
+template <typename T, template <typename, int> class Launch>
+ffi::Error launch_sized(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
+  const int longest = std::max(p.geometry.queries, p.geometry.keys);
+  if (p.geometry.keys <= 64) return Launch<T, 64>::run(stream, p, x, dropout, longest);
+  return Launch<T, 128>::run(stream, p, x, dropout, longest);
+}
+
+template <typename Kernel>
+ffi::Error launch_kernel(Kernel kernel, const char* name, cudaStream_t stream, const Problem& p, const Tensors& x,
+                         const DropoutParams& dropout, int warps, size_t shared_bytes) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
+      cudaSuccess)
+    return launch_error(name);
+  kernel<<<static_cast<unsigned>(p.batch_heads), 32 * warps, shared_bytes, stream>>>(x, p.geometry, dropout);
+  return launch_error(name);
+}
+
+template <typename T, int kMaxKeys>
+struct LaunchForward {
+  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout,
+                        int longest) {
+    return launch_kernel(attention_fwd_kernel<T, kMaxKeys>, "attention_fwd_kernel", stream, p, x, dropout,
+                         padded(p.geometry.queries) / 16, forward_shared_bytes(p.geometry.queries, p.geometry.keys));
+  }
+};
+
+template <typename T, int kMaxKeys>
+struct LaunchBackward {
+  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout,
+                        int longest) {
+    return launch_kernel(attention_bwd_kernel<T, kMaxKeys>, "attention_bwd_kernel", stream, p, x, dropout,
+                         padded(longest) / 16, backward_shared_bytes(p.geometry.queries, p.geometry.keys, kMaxKeys));
+  }
+};
+
+// bf16 or f16 (describe_problem admits nothing else).
+template <template <typename, int> class Launch>
+ffi::Error dispatch_half(ffi::DataType dtype, cudaStream_t stream, const Problem& p, const Tensors& x,
+                         const DropoutParams& dropout) {
+  if (dtype == ffi::DataType::BF16) return launch_sized<__nv_bfloat16, Launch>(stream, p, x, dropout);
+  return launch_sized<__half, Launch>(stream, p, x, dropout);
+}
+
+ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
+                         ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool causal,
+                         float logit_scale, uint32_t threshold, float scale) {
+  Problem p;
+  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, key_mask, causal, logit_scale, p));
+  const DropoutParams dropout{seed.typed_data(), threshold, scale};
+  LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
+  const ffi::DataType dtype = query_source.element_type();
+  LS_RETURN_IF_ERROR(check_tensor("out", *out, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
+  LS_RETURN_IF_ERROR(check_tensor("lse", *lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
+  LS_RETURN_IF_ERROR(check_aligned({query_source.untyped_data(), key_value_source.untyped_data(), out->untyped_data()}));
+  if (p.batch_heads == 0) return ffi::Error::Success();
+  const Source& kv = p.key_value;
+  const int64_t out_row = p.query.heads * kHeadDim;
+  Tensors x{part_of(query_source.untyped_data(), p.query, 0),
+            part_of(key_value_source.untyped_data(), kv, kv.parts - 2),
+            part_of(key_value_source.untyped_data(), kv, kv.parts - 1),
+            {out->untyped_data(), p.query.length * out_row, out_row},
+            static_cast<float*>(lse->untyped_data()),
+            {},
+            {},
+            {}};
+  const DropoutParams kernel_dropout{dropout.enabled() ? dropout.seed : nullptr, threshold, scale};
+  return dispatch_half<LaunchForward>(dtype, stream, p, x, kernel_dropout);
+}
+
+ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer query_source,
+                         ffi::AnyBuffer key_value_source, ffi::AnyBuffer lse, ffi::Buffer<ffi::U32> seed,
+                         std::optional<ffi::AnyBuffer> key_mask, ffi::Result<ffi::AnyBuffer> d_query_source,
+                         std::optional<ffi::Result<ffi::AnyBuffer>> d_key_value_source, bool causal,
+                         float logit_scale, uint32_t threshold, float scale) {
+  Problem p;
+  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, key_mask, causal, logit_scale, p));
+  const DropoutParams dropout{seed.typed_data(), threshold, scale};
+  LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
+  const ffi::DataType dtype = query_source.element_type();
+  LS_RETURN_IF_ERROR(check_tensor("dout", dout, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
+  LS_RETURN_IF_ERROR(check_tensor("lse", lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
+  const bool packed = p.query.parts == 3;
+  LS_RETURN_IF_ERROR(require(packed != d_key_value_source.has_value(),
+                             packed ? "a packed qkv takes one gradient output (d_query_source)"
+                                    : "separate query and key_value sources take two gradient outputs"));
+  LS_RETURN_IF_ERROR(require_same_shape("d_query_source", *d_query_source, "query_source", query_source));
+  if (!packed)
+    LS_RETURN_IF_ERROR(require_same_shape("d_key_value_source", **d_key_value_source, "key_value_source",
+                                          key_value_source));
+  void* dkv_data = packed ? d_query_source->untyped_data() : (*d_key_value_source)->untyped_data();
+  LS_RETURN_IF_ERROR(check_aligned({dout.untyped_data(), query_source.untyped_data(), key_value_source.untyped_data(),
+                                    d_query_source->untyped_data(), dkv_data}));
+  if (p.batch_heads == 0) return ffi::Error::Success();
+  const Source& q = p.query;
+  const Source& kv = p.key_value;
+  const int64_t dout_row = q.heads * kHeadDim;
+  Tensors x{part_of(query_source.untyped_data(), q, 0),
+            part_of(key_value_source.untyped_data(), kv, kv.parts - 2),
+            part_of(key_value_source.untyped_data(), kv, kv.parts - 1),
+            {dout.untyped_data(), q.length * dout_row, dout_row},
+            static_cast<float*>(lse.untyped_data()),
+            part_of(d_query_source->untyped_data(), q, 0),
+            part_of(dkv_data, kv, kv.parts - 2),
+            part_of(dkv_data, kv, kv.parts - 1)};
+  const DropoutParams kernel_dropout{dropout.enabled() ? dropout.seed : nullptr, threshold, scale};
+  return dispatch_half<LaunchBackward>(dtype, stream, p, x, kernel_dropout);
+}
+
+}  // namespace
+
+LS_FFI_TARGET(ls_attention_fwd, attention_fwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .OptionalArg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .Attr<bool>("causal")
+                  .Attr<float>("logit_scale")
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+LS_FFI_TARGET(ls_attention_bwd, attention_bwd,
+              ffi::Ffi::Bind()
+                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .OptionalArg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
+                  .OptionalRet<ffi::AnyBuffer>()
+                  .Attr<bool>("causal")
+                  .Attr<float>("logit_scale")
+                  .Attr<uint32_t>("threshold")
+                  .Attr<float>("scale"));
+
+}  // namespace ls

@@ -1,0 +1,99 @@
+"""GPU: the fused attention kernels (ls_attention_fwd / _bwd) against the XLA backend (the unfused attention)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ls_jax import ops
+from ls_jax.ops import _common
+from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, value_and_grads
+from test_ops_support import normal, seed_array
+
+pytestmark = pytest.mark.gpu
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TARGETS = {"ls_attention_fwd", "ls_attention_bwd"}
+
+
+def _key_mask(lengths, keys):
+    return jnp.arange(keys)[None, :] < jnp.asarray(lengths)[:, None]
+
+
+# (queries, keys or None for self-attention, key lengths or None, causal, dropout rate): both register sizes
+# (keys <= 64 and <= 128), lengths that are not multiples of 16 or of 4 (per-element Philox), more queries than
+# keys, a single position and a fully masked batch element.
+CASES = [
+    (64, None, [64, 30], False, 0.1),
+    (7, None, None, True, 0.1),
+    (128, None, [128, 77], True, 0.1),
+    (100, None, None, False, 0.2),
+    (1, None, None, False, 0.0),
+    (64, 128, [128, 50], False, 0.1),
+    (128, 40, [40, 0], False, 0.1),
+    (3, 66, None, False, 0.0),
+    (18, 18, [17, 18], False, 0.3),
+]
+
+
+def _case(index, case, dtype, heads=4, head_dim=64):
+    """(op, primals, cotangent) of a case; the op closes over the mask, rate and seed."""
+    queries, keys, lengths, causal, rate = case
+    seed = seed_array(index)
+    if keys is None:
+        qkv = normal(index, (2, queries, 3, heads, head_dim), dtype)
+        mask = None if lengths is None else _key_mask(lengths, queries)
+        op = lambda qkv: ops.self_attention(qkv, mask, causal=causal, dropout_rate=rate, seed=seed)
+        primals = (qkv,)
+    else:
+        query = normal(index, (2, queries, heads, head_dim), dtype)
+        key_value = normal(100 + index, (2, keys, 2, heads, head_dim), dtype)
+        mask = None if lengths is None else _key_mask(lengths, keys)
+        op = lambda q, kv: ops.cross_attention(q, kv, mask, dropout_rate=rate, seed=seed)
+        primals = (query, key_value)
+    cotangent = normal(200 + index, (2, queries, heads, head_dim), dtype)
+    return op, primals, cotangent
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_attention_matches_xla(dtype, index):
+    op, primals, cotangent = _case(index, CASES[index], dtype)
+    run = value_and_grads(op)
+    assert kernel_targets(run, primals, cotangent) == TARGETS
+    got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
+    assert_backends_agree(got, want, dtype, f"attention{CASES[index]}")
+
+
+def test_dropout_drops_the_probabilities_attn_softmax_drops():
+    """With v = identity over 64 keys, out holds the dropped probabilities: zero exactly where the XLA
+    attn_softmax (the same Philox mask of (B, H, Q, K)) drops."""
+    batch, heads, length, rate, seed = 2, 3, 64, 0.3, seed_array(20)
+    qk = normal(21, (batch, length, 2, heads, length), BF16)
+    identity = jnp.broadcast_to(jnp.eye(length, dtype=BF16)[None, :, None, :], (batch, length, heads, length))
+    qkv = jnp.concatenate([qk, identity[:, :, None]], axis=2)
+    out = on_backend("ffi", lambda x: ops.self_attention(x, dropout_rate=rate, seed=seed), qkv)
+
+    def dropped_probs(qkv):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", qkv[:, :, 0], qkv[:, :, 1])
+        return ops.attn_softmax(scores.astype(F32), scale=length**-0.5, dropout_rate=rate, seed=seed)
+
+    probs = on_backend("xla", dropped_probs, qkv)
+    expected_zero = np.asarray(jnp.transpose(probs, (0, 2, 1, 3)) == 0)
+    assert 0.2 < expected_zero.mean() < 0.4
+    np.testing.assert_array_equal(np.asarray(out == 0), expected_zero)
+
+
+@pytest.mark.parametrize(
+    "dtype, length, head_dim",
+    [(F32, 16, 64), (BF16, 129, 64), (BF16, 16, 32)],
+    ids=["float32", "longer than 128", "head_dim 32"],
+)
+def test_shapes_the_fused_kernels_do_not_take_run_the_softmax_kernels(dtype, length, head_dim, caplog):
+    op, primals, cotangent = _case(30, (length, None, None, True, 0.1), dtype, heads=2, head_dim=head_dim)
+    run = value_and_grads(op)
+    _common.log_fallback_once.cache_clear()
+    assert kernel_targets(run, primals, cotangent) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
+    assert "ls_jax.ops.attention: running the unfused attention" in caplog.text
+    assert "the fused attention kernels take" in caplog.text
+    got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
+    assert_backends_agree(got, want, dtype, f"fallback {dtype.__name__} {length} {head_dim}")

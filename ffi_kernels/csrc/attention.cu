@@ -112,17 +112,25 @@ struct Tile {
   }
 };
 
-// Copies `rows` rows of 64 elements (row r at src + r * row_stride) into a 64-wide tile and zero-fills rows
-// rows..padded_rows - 1, so that padding contributes exact zeros to the products.
+// Starts copying `rows` rows of 64 elements (row r at src + r * row_stride) into a 64-wide tile and zero-fills
+// rows rows..padded_rows - 1, so that padding contributes exact zeros to the products. Asynchronous (cp.async,
+// sm_80+): every copy of the block is in flight at once; wait_for_copies() ends them.
 template <typename T>
 __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict__ src, int64_t row_stride, int rows,
                                           int padded_rows) {
   for (int index = threadIdx.x; index < padded_rows * 8; index += blockDim.x) {
     const int row = index / 8, chunk = index % 8;
-    uint4 value = make_uint4(0u, 0u, 0u, 0u);
-    if (row < rows) value = *reinterpret_cast<const uint4*>(src + row * row_stride + chunk * 8);
-    *reinterpret_cast<uint4*>(tile.chunk(row, chunk)) = value;
+    const bool inside = row < rows;
+    const T* from = src + (inside ? row : 0) * row_stride + chunk * 8;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tile.address(row, chunk)), "l"(from),
+                 "r"(inside ? 16 : 0));
   }
+}
+
+// Waits for this thread's load_rows copies, then makes every thread's copies visible to the block.
+__device__ __forceinline__ void wait_for_copies() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
 }
 
 // A = rows row0..row0+15, columns 16c..16c+15 of a tile (row-major operand).
@@ -305,7 +313,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  __syncthreads();
+  wait_for_copies();
   const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
 
   float s[kKeyTiles][4];
@@ -428,7 +436,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   load_rows(dout_tile, x.out.rows<const T>(b, h), x.out.row_stride, g.queries, q_pad);
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  __syncthreads();
+  wait_for_copies();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = 16 * warp;
 
   // Phase 1, a warp per 16 query rows: probabilities, dscores, dq; kept and dscores go to shared memory.

@@ -301,7 +301,7 @@ inline size_t forward_shared_bytes(int queries, int keys) { return (padded(queri
 // kMaxKeys (64 or 128, at least K) sizes the register arrays. Forward: a warp per 16 queries; backward: a warp
 // per 16 rows of the longer of queries and keys.
 template <typename T, int kMaxKeys>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
     attention_fwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
   constexpr int kKeyTiles = kMaxKeys / 8;
   extern __shared__ uint4 shared[];
@@ -420,7 +420,7 @@ __device__ __forceinline__ void transposed_products(float (&acc)[kHeadDim / 8][4
 }
 
 template <typename T, int kMaxKeys>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
     attention_bwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
   constexpr int kKeyTiles = kMaxKeys / 8;
   extern __shared__ uint4 shared[];

@@ -27,8 +27,9 @@ for name in "$@"; do
     test)
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -n 8 \
         -p no:cacheprovider --tb=short -rfE --durations=15 ${TEST_ARGS:-tests} || status=1 ;;
-    sanitizer)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
+    sanitizer)  # GEMM autotuning under memcheck takes minutes per GEMM: the sanitizer checks kernels, not speed
+      XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/test_ops_transforms.py || status=1 ;;
     ops|optim|e2e|profile) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;

@@ -48,6 +48,7 @@ def cases(dtype: Any) -> dict[str, Case]:
     x, r = normal(1, (5, hidden), dtype), normal(2, (5, hidden), dtype)
     gamma, beta, bias = normal(3, (hidden,), dtype), normal(4, (hidden,), dtype), normal(5, (hidden,), dtype)
     mask = jnp.arange(37)[None, None, None, :] < jnp.array([37, 0])[:, None, None, None]  # batch 1 fully masked
+    key_mask = jnp.arange(7)[None, :] < jnp.array([7, 0])[:, None]
     tokens = jnp.array([[3, 0, 9, 100], [1, 2, 0, 0]], jnp.int32)
     labels = jnp.array([[1, 0, 1002], [5, 0, 0]], jnp.int32)
     return {
@@ -65,6 +66,15 @@ def cases(dtype: Any) -> dict[str, Case]:
         "attn_softmax[long keys, causal]": forward_backward(
             lambda s: ops.attn_softmax(s, causal=True, scale=0.125, dropout_rate=0.1, seed=seed),
             normal(7, (1, 2, 3, 4100), dtype)),
+        # bf16/f16 reach the fused attention kernels (both register sizes); f32 runs the attn_softmax kernels.
+        "self_attention[7 positions, causal, padding]": forward_backward(
+            lambda qkv: ops.self_attention(qkv, key_mask, causal=True, dropout_rate=0.1, seed=seed),
+            normal(14, (2, 7, 3, 2, 64), dtype)),
+        "self_attention[100 positions]": forward_backward(
+            lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (1, 100, 3, 2, 64), dtype)),
+        "cross_attention[128 queries, 40 keys]": forward_backward(
+            lambda q, kv: ops.cross_attention(q, kv, dropout_rate=0.1, seed=seed),
+            normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype)),
         "embed[learned positions]": forward_backward(
             lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
             normal(8, (101, 72), dtype), normal(9, (6, 72), dtype)),

@@ -42,7 +42,13 @@ def _keep(seed, rate, batch, heads, queries, keys):
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize(
     "length, lengths, causal, rate",
-    [(7, None, False, 0.0), (7, [7, 4], False, 0.3), (16, [16, 9], True, 0.1), (5, None, True, 0.2), (1, None, False, 0.0)],
+    [
+        (7, None, False, 0.0),
+        (7, [7, 4], False, 0.3),
+        (16, [16, 9], True, 0.1),
+        (5, None, True, 0.2),
+        (1, None, False, 0.0),
+    ],
 )
 def test_self_attention_matches_reference(dtype, length, lengths, causal, rate):
     batch, heads, head_dim = 2, 3, 16
@@ -95,7 +101,8 @@ def test_a_query_with_no_visible_key_gets_zeros_and_zero_gradient():
 
 
 def test_gradients_keep_the_packed_layouts():
-    qkv, query, key_value = normal(9, (1, 3, 3, 2, 4), BF16), normal(10, (1, 2, 2, 4), BF16), normal(11, (1, 3, 2, 2, 4), BF16)
+    qkv, query = normal(9, (1, 3, 3, 2, 4), BF16), normal(10, (1, 2, 2, 4), BF16)
+    key_value = normal(11, (1, 3, 2, 2, 4), BF16)
     (dqkv,) = jax.grad(lambda x: ops.self_attention(x).astype(F32).sum(), argnums=(0,))(qkv)
     dq, dkv = jax.grad(lambda q, kv: ops.cross_attention(q, kv).astype(F32).sum(), argnums=(0, 1))(query, key_value)
     assert (dqkv.shape, dqkv.dtype) == (qkv.shape, BF16)
@@ -106,7 +113,8 @@ def test_gradients_keep_the_packed_layouts():
 def _bad_call(qkv=None, query=None, key_value=None, key_mask=None, **kwargs):
     if query is None:
         return ops.self_attention(normal(0, (2, 4, 3, 2, 8)) if qkv is None else qkv, key_mask, **kwargs)
-    return ops.cross_attention(query, normal(1, (2, 5, 2, 2, 8)) if key_value is None else key_value, key_mask, **kwargs)
+    key_value = normal(1, (2, 5, 2, 2, 8)) if key_value is None else key_value
+    return ops.cross_attention(query, key_value, key_mask, **kwargs)
 
 
 @pytest.mark.parametrize(

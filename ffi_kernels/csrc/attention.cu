@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
 
 // ---- handlers ---------------------------------------------------------------------------------------------
 
-// The (B, L, P, H, 64) view of a source: its dims and the strides of one part.
+// The dims of a (B, L, P, H, 64) source.
 struct Source {
   int64_t batch, length, parts, heads;
 };
@@ -549,7 +549,9 @@ ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBu
   LS_RETURN_IF_ERROR(require(q.parts == 1 || q.parts == 3,
                              "query_source must have 1 part (a query) or 3 (a packed qkv), got " +
                                  shape_string(query_source.dimensions())));
-  LS_RETURN_IF_ERROR(require(kv.parts == (q.parts == 3 ? 3 : 2) && kv.batch == q.batch && kv.heads == q.heads,
+  const bool packed = q.parts == 3;
+  LS_RETURN_IF_ERROR(require(packed ? same_dims(key_value_source.dimensions(), query_source.dimensions())
+                                    : kv.parts == 2 && kv.batch == q.batch && kv.heads == q.heads,
                              "key_value_source " + shape_string(key_value_source.dimensions()) +
                                  " does not match query_source " + shape_string(query_source.dimensions()) +
                                  ": expected (B, K, 2, heads, 64), or the same packed qkv"));
@@ -594,7 +596,8 @@ ffi::Error check_tensor(std::string_view name, const ffi::AnyBuffer& buffer, ffi
 
 ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
   for (const void* buffer : buffers)
-    LS_RETURN_IF_ERROR(require(buffer == nullptr || is_aligned(buffer, 16), "attention buffers must be 16-byte aligned"));
+    LS_RETURN_IF_ERROR(
+        require(buffer == nullptr || is_aligned(buffer, 16), "attention buffers must be 16-byte aligned"));
   return ffi::Error::Success();
 }
 
@@ -653,7 +656,8 @@ ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::
   const ffi::DataType dtype = query_source.element_type();
   LS_RETURN_IF_ERROR(check_tensor("out", *out, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
   LS_RETURN_IF_ERROR(check_tensor("lse", *lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
-  LS_RETURN_IF_ERROR(check_aligned({query_source.untyped_data(), key_value_source.untyped_data(), out->untyped_data()}));
+  LS_RETURN_IF_ERROR(
+      check_aligned({query_source.untyped_data(), key_value_source.untyped_data(), out->untyped_data()}));
   if (p.batch_heads == 0) return ffi::Error::Success();
   const Source& kv = p.key_value;
   const int64_t out_row = p.query.heads * kHeadDim;

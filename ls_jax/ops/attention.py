@@ -49,7 +49,8 @@ KERNEL_HEAD_DIM = 64
 KERNEL_MAX_LENGTH = 128
 
 Sources = tuple[jax.Array, ...]
-"""``(qkv,)`` with qkv (B, L, 3, H, D), or ``(query, key_value)`` with query (B, Q, 1, H, D), key_value (B, K, 2, H, D)."""
+"""``(qkv,)`` with qkv (B, L, 3, H, D), or ``(query, key_value)`` with query (B, Q, 1, H, D) and key_value
+(B, K, 2, H, D)."""
 
 
 def _split(sources: Sources) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -81,10 +82,11 @@ def _forward_xla(sources, key_mask, seed, *, causal, dropout_rate):
     q, k, v = _split(sources)
     logits = _logits(q, k, key_mask, causal)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
-    exp = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    exp = jnp.exp(logits - row_max)
     total = jnp.sum(exp, axis=-1, keepdims=True)
     probs = jnp.where(total > 0, exp / jnp.where(total > 0, total, 1.0), 0.0)
-    lse = jnp.where(total > 0, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(total), jnp.inf)
+    lse = jnp.where(total > 0, row_max + jnp.log(total), jnp.inf)
     kept = probs * random.dropout_multiplier(seed, logits.shape, dropout_rate)
     out = jnp.einsum("bhqk,bkhd->bqhd", kept.astype(q.dtype), v)
     return out, lse[..., 0]

@@ -212,6 +212,44 @@ __device__ __forceinline__ void row_products(float (&s)[kKeyTiles][4], const Til
   }
 }
 
+// acc = P B for a warp's 16 rows: P (16 x keys) held as C fragments (p[j] for keys 8j..8j+7), B (keys x 64) the
+// rows of a tile (v for the context, k for dq).
+template <typename T, int kKeyTiles>
+__device__ __forceinline__ void register_products(float (&acc)[kHeadDim / 8][4], const float (&p)[kKeyTiles][4],
+                                                  const Tile& cols, int key_chunks) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < kKeyTiles / 2; ++n) {
+    if (n >= key_chunks) break;
+    uint32_t a[4];
+    to_a_fragment<T>(a, p[2 * n], p[2 * n + 1]);
+#pragma unroll
+    for (int c = 0; c < kHeadDim / 16; ++c) {
+      uint32_t b[4];
+      load_b_columns(b, cols, 16 * c, n);
+      mma<T>(acc[2 * c], a, b[0], b[1]);
+      mma<T>(acc[2 * c + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Writes a warp's 16 x 64 f32 accumulators (rows row0.., C fragments of 8 columns) as T to rows < limit.
+template <typename T>
+__device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, int row0, int limit,
+                                           const float (&acc)[kHeadDim / 8][4]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    if (row >= limit) continue;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j)
+      *reinterpret_cast<uint32_t*>(dst + row * row_stride + 8 * j + 2 * (lane % 4)) =
+          pack_pair<T>(acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+}
+
 // In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
 template <typename T, int kKeyTiles>
 __device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g, int b, int row0) {
@@ -354,21 +392,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
     }
   }
 
-  float o[kHeadDim / 8][4] = {};
-#pragma unroll
-  for (int n = 0; n < kKeyTiles / 2; ++n) {
-    if (n >= k_pad / 16) break;
-    uint32_t a[4];
-    to_a_fragment<T>(a, s[2 * n], s[2 * n + 1]);
-#pragma unroll
-    for (int c = 0; c < kHeadDim / 16; ++c) {
-      uint32_t bv[4];
-      load_b_columns(bv, v_tile, 16 * c, n);
-      mma<T>(o[2 * c], a, bv[0], bv[1]);
-      mma<T>(o[2 * c + 1], a, bv[2], bv[3]);
-    }
-  }
-
+  float o[kHeadDim / 8][4];
+  register_products<T>(o, s, v_tile, k_pad / 16);
   T* out = x.out.rows<T>(b, h);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -384,22 +409,6 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
 
 inline size_t backward_shared_bytes(int queries, int keys, int max_keys) {
   return (2 * padded(queries) + 2 * padded(keys)) * kRowBytes + 2 * padded(queries) * max_keys * 2;
-}
-
-// Writes a warp's 16 x 64 f32 accumulators (rows row0.., C fragments of 8 columns) as T to rows < limit.
-template <typename T>
-__device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, int row0, int limit,
-                                           const float (&acc)[kHeadDim / 8][4]) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + lane / 4 + 8 * half;
-    if (row >= limit) continue;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j)
-      *reinterpret_cast<uint32_t*>(dst + row * row_stride + 8 * j + 2 * (lane % 4)) =
-          pack_pair<T>(acc[j][2 * half], acc[j][2 * half + 1]);
-  }
 }
 
 // acc += A^T B over the padded query rows, A = rows col0.. of `scores` (queries x keys), B = `rows` (queries x 64).
@@ -478,20 +487,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
         store_pair<T>(dscores_tile, row, j, dp[j][i], dp[j][i + 1]);
       }
     }
-    float dq[kHeadDim / 8][4] = {};
-#pragma unroll
-    for (int n = 0; n < kKeyTiles / 2; ++n) {
-      if (n >= k_pad / 16) break;
-      uint32_t a[4];
-      to_a_fragment<T>(a, dp[2 * n], dp[2 * n + 1]);
-#pragma unroll
-      for (int c = 0; c < kHeadDim / 16; ++c) {
-        uint32_t bk[4];
-        load_b_columns(bk, k_tile, 16 * c, n);
-        mma<T>(dq[2 * c], a, bk[0], bk[1]);
-        mma<T>(dq[2 * c + 1], a, bk[2], bk[3]);
-      }
-    }
+    float dq[kHeadDim / 8][4];
+    register_products<T>(dq, dp, k_tile, k_pad / 16);
     store_rows(x.dquery.rows<T>(b, h), x.dquery.row_stride, row0, g.queries, dq);
   }
   __syncthreads();
@@ -604,9 +601,8 @@ ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
 // Launches kernel<T, 64 or 128> with one block per (batch, head) and the shared memory it needs.
 template <typename T, template <typename, int> class Launch>
 ffi::Error launch_sized(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
-  const int longest = std::max(p.geometry.queries, p.geometry.keys);
-  if (p.geometry.keys <= 64) return Launch<T, 64>::run(stream, p, x, dropout, longest);
-  return Launch<T, 128>::run(stream, p, x, dropout, longest);
+  if (p.geometry.keys <= 64) return Launch<T, 64>::run(stream, p, x, dropout);
+  return Launch<T, 128>::run(stream, p, x, dropout);
 }
 
 template <typename Kernel>
@@ -621,8 +617,7 @@ ffi::Error launch_kernel(Kernel kernel, const char* name, cudaStream_t stream, c
 
 template <typename T, int kMaxKeys>
 struct LaunchForward {
-  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout,
-                        int longest) {
+  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
     return launch_kernel(attention_fwd_kernel<T, kMaxKeys>, "attention_fwd_kernel", stream, p, x, dropout,
                          padded(p.geometry.queries) / 16, forward_shared_bytes(p.geometry.queries, p.geometry.keys));
   }
@@ -630,8 +625,8 @@ struct LaunchForward {
 
 template <typename T, int kMaxKeys>
 struct LaunchBackward {
-  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout,
-                        int longest) {
+  static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
+    const int longest = std::max(p.geometry.queries, p.geometry.keys);
     return launch_kernel(attention_bwd_kernel<T, kMaxKeys>, "attention_bwd_kernel", stream, p, x, dropout,
                          padded(longest) / 16, backward_shared_bytes(p.geometry.queries, p.geometry.keys, kMaxKeys));
   }

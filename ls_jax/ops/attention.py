@@ -106,12 +106,9 @@ def _backward_xla(dout, sources, key_mask, seed, lse, *, causal, dropout_rate):
     return _join(sources, dq, dk, dv)
 
 
-def _kernel_operands(sources, key_mask, seed):
-    """(query_source, key_value_source, seed[, key_mask]): a packed qkv is passed as both sources."""
-    operands = [sources[0], sources[-1], kernel_seed(seed)]
-    if key_mask is not None:
-        operands.append(key_mask)
-    return operands
+def _mask_operand(key_mask):
+    """The kernels' trailing optional operand: ``(key_mask,)`` or nothing."""
+    return () if key_mask is None else (key_mask,)
 
 
 def _kernel_attributes(q_source, causal, dropout_rate):
@@ -125,15 +122,16 @@ def _forward_ffi(sources, key_mask, seed, *, causal, dropout_rate):
     out = jax.ShapeDtypeStruct((batch, queries, heads, head_dim), sources[0].dtype)
     lse = jax.ShapeDtypeStruct((batch, heads, queries), _f32)
     call = jax.ffi.ffi_call("ls_attention_fwd", (out, lse), vmap_method="sequential")
-    return call(*_kernel_operands(sources, key_mask, seed), **_kernel_attributes(sources[0], causal, dropout_rate))
+    # A packed qkv is passed as both sources.
+    return call(sources[0], sources[-1], kernel_seed(seed), *_mask_operand(key_mask),
+                **_kernel_attributes(sources[0], causal, dropout_rate))
 
 
 def _backward_ffi(dout, sources, key_mask, seed, lse, *, causal, dropout_rate):
     grads = tuple(jax.ShapeDtypeStruct(source.shape, source.dtype) for source in sources)
     call = jax.ffi.ffi_call("ls_attention_bwd", grads, vmap_method="sequential")
-    query_source, key_value_source, seed_operand, *mask = _kernel_operands(sources, key_mask, seed)
     return tuple(
-        call(dout, query_source, key_value_source, lse, seed_operand, *mask,
+        call(dout, sources[0], sources[-1], lse, kernel_seed(seed), *_mask_operand(key_mask),
              **_kernel_attributes(sources[0], causal, dropout_rate))
     )
 
@@ -210,10 +208,7 @@ def attention_unfused(
 
 def _attend(sources: Sources, key_mask, causal: bool, dropout_rate: float, seed) -> jax.Array:
     _common.check_dropout(dropout_rate, seed)
-    queries, keys = sources[0].shape[1], sources[-1].shape[1]
-    if causal and queries > keys:
-        raise ValueError(f"causal attention needs queries <= keys, got {queries} queries and {keys} keys")
-    key_mask = _check_key_mask(key_mask, sources[0].shape[0], keys)
+    key_mask = _check_key_mask(key_mask, sources[0].shape[0], sources[-1].shape[1])
     if dropout_rate == 0.0:
         seed = None
     if backend.kernels_enabled():

@@ -67,14 +67,14 @@ def cases(dtype: Any) -> dict[str, Case]:
             lambda s: ops.attn_softmax(s, causal=True, scale=0.125, dropout_rate=0.1, seed=seed),
             normal(7, (1, 2, 3, 4100), dtype)),
         # bf16/f16 reach the fused attention kernels (both register sizes); f32 runs the attn_softmax kernels.
-        "self_attention[7 positions, causal, padding]": forward_backward(
-            lambda qkv: ops.self_attention(qkv, key_mask, causal=True, dropout_rate=0.1, seed=seed),
-            normal(14, (2, 7, 3, 2, 64), dtype)),
+        "self_attention[7 positions, causal, padding, bias]": forward_backward(
+            lambda qkv, b: ops.self_attention(qkv, key_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
+            normal(14, (2, 7, 3, 2, 64), dtype), normal(18, (3, 2, 64), jnp.float32)),
         "self_attention[100 positions]": forward_backward(
             lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (1, 100, 3, 2, 64), dtype)),
-        "cross_attention[128 queries, 40 keys]": forward_backward(
-            lambda q, kv: ops.cross_attention(q, kv, dropout_rate=0.1, seed=seed),
-            normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype)),
+        "cross_attention[128 queries, 40 keys, bias]": forward_backward(
+            lambda q, kv, b: ops.cross_attention(q, kv, bias=b, dropout_rate=0.1, seed=seed),
+            normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype), normal(19, (2, 64), jnp.float32)),
         "embed[learned positions]": forward_backward(
             lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
             normal(8, (101, 72), dtype), normal(9, (6, 72), dtype)),

@@ -36,20 +36,21 @@ CASES = [
 
 
 def _case(index, case, dtype, heads=4, head_dim=64):
-    """(op, primals, cotangent) of a case; the op closes over the mask, rate and seed."""
+    """(op, primals, cotangent) of a case; the op closes over the mask, rate and seed. The primals end with the
+    f32 projection bias of the query source (qkv's (3, heads, 64) or the query's (heads, 64))."""
     queries, keys, lengths, causal, rate = case
     seed = seed_array(index)
     if keys is None:
         qkv = normal(index, (2, queries, 3, heads, head_dim), dtype)
         mask = None if lengths is None else _key_mask(lengths, queries)
-        op = lambda qkv: ops.self_attention(qkv, mask, causal=causal, dropout_rate=rate, seed=seed)
-        primals = (qkv,)
+        op = lambda qkv, bias: ops.self_attention(qkv, mask, bias=bias, causal=causal, dropout_rate=rate, seed=seed)
+        primals = (qkv, normal(300 + index, (3, heads, head_dim), F32))
     else:
         query = normal(index, (2, queries, heads, head_dim), dtype)
         key_value = normal(100 + index, (2, keys, 2, heads, head_dim), dtype)
         mask = None if lengths is None else _key_mask(lengths, keys)
-        op = lambda q, kv: ops.cross_attention(q, kv, mask, dropout_rate=rate, seed=seed)
-        primals = (query, key_value)
+        op = lambda q, kv, bias: ops.cross_attention(q, kv, mask, bias=bias, dropout_rate=rate, seed=seed)
+        primals = (query, key_value, normal(300 + index, (heads, head_dim), F32))
     cotangent = normal(200 + index, (2, queries, heads, head_dim), dtype)
     return op, primals, cotangent
 

@@ -128,7 +128,7 @@ def ref_projections(attention, key_kernel, key_bias, value_kernel, value_bias, q
 
 
 def ref_self_attention(attention):
-    kernel, bias = attention["qkv"]["kernel"], attention["qkv"]["bias"]
+    kernel, bias = attention["qkv"]["kernel"], attention["qkv_bias"]
     return ref_projections(attention, kernel[:, 1], bias[1], kernel[:, 2], bias[2], kernel[:, 0], bias[0])
 
 
@@ -159,7 +159,7 @@ def decoder_to_ref(params, num_layers, pre_layer_norm):
             kv_kernel[:, index, 1],
             kv_bias[index, 1],
             cross["query"]["kernel"],
-            cross["query"]["bias"],
+            cross["query_bias"],
         )
         ref[f"cross_norm_{index}"] = ref_layer_norm(cross)
         ref[f"ffn_norm_{index}"], ref[f"ffn_{index}"] = ref_ffn(layer)

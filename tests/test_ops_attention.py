@@ -76,6 +76,34 @@ def test_cross_attention_matches_reference(dtype, queries, keys, rate):
     check_vjp(op, ref, (query, key_value), dtype)
 
 
+@pytest.mark.parametrize("dtype, bias_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)])
+def test_the_projection_bias_is_added_first_and_gets_its_gradient(dtype, bias_dtype):
+    batch, length, heads, head_dim, rate, seed = 2, 6, 2, 8, 0.2, seed_array(12)
+    qkv = normal(13, (batch, length, 3, heads, head_dim), dtype)
+    bias = normal(14, (3, heads, head_dim), bias_dtype)
+    key_mask = _key_mask([6, 4], length)
+    keep = _keep(seed, rate, batch, heads, length, length)
+    op = lambda qkv, bias: ops.self_attention(qkv, key_mask, bias=bias, causal=True, dropout_rate=rate, seed=seed)
+
+    def ref(qkv, bias):
+        x = qkv + bias
+        return reference_attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], key_mask, causal=True, keep=keep, rate=rate)
+
+    check_vjp(op, ref, (qkv, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_query_bias_is_added_to_the_query_only(dtype):
+    batch, queries, keys, heads, head_dim = 2, 5, 7, 2, 8
+    query = normal(15, (batch, queries, heads, head_dim), dtype)
+    key_value = normal(16, (batch, keys, 2, heads, head_dim), dtype)
+    bias = normal(17, (heads, head_dim), F32)
+    key_mask = _key_mask([7, 3], keys)
+    op = lambda q, kv, bias: ops.cross_attention(q, kv, key_mask, bias=bias)
+    ref = lambda q, kv, bias: reference_attention(q + bias, kv[:, :, 0], kv[:, :, 1], key_mask)
+    check_vjp(op, ref, (query, key_value, bias), dtype)
+
+
 def test_dropout_drops_the_probabilities_attn_softmax_drops():
     """With v = identity over keys, out holds the dropped probabilities themselves: the same as attn_softmax's."""
     batch, heads, length, rate, seed = 2, 2, 8, 0.4, seed_array(5)
@@ -128,6 +156,9 @@ def _bad_call(qkv=None, query=None, key_value=None, key_mask=None, **kwargs):
          r"key_value must have shape \(batch, keys, 2, heads, head_dim\) = \(2, keys, 2, 2, 8\)"),
         (dict(query=jnp.zeros((2, 3, 2, 8), BF16)), "key_value has dtype float32 but query has bfloat16"),
         (dict(query=jnp.zeros((2, 3, 16))), r"query must have shape \(batch, queries, heads, head_dim\)"),
+        (dict(bias=jnp.zeros((2, 8))), r"bias must have shape \(3, 2, 8\), got \(2, 8\)"),
+        (dict(query=jnp.zeros((2, 3, 2, 8)), bias=jnp.zeros((3, 2, 8))), r"bias must have shape \(2, 8\)"),
+        (dict(bias=jnp.zeros((3, 2, 8), jnp.float16)), "bias must be float32, got float16"),
     ],
 )
 def test_bad_inputs_raise_value_error(kwargs, message):

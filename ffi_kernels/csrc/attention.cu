@@ -17,13 +17,17 @@
 // Operands are "sources" of shape (B, L, P, H, 64): the query is part 0 of query_source (P = 1, or P = 3 for a
 // packed self-attention qkv), key and value are parts P - 2 and P - 1 of key_value_source (P = 2, or the same
 // qkv). The backward writes gradients in the sources' layouts, so a packed qkv gets one packed gradient.
+// query_bias (P, H, 64) is the query source's projection bias, added (rounded to T, as XLA's add is) to every
+// part of it as the tiles are loaded: q for a query, q, k and v for a packed qkv. The backward returns its
+// gradient as f32 partial sums over each warp's 16 rows, (B, ceil(Q / 16), P, H, 64), for XLA to add up.
 //
 // Targets
-//   ls_attention_fwd(query_source, key_value_source, seed u32[2] [, key_mask bool (B, K)]) -> (out (B, Q, H, 64),
-//       lse f32 (B, H, Q)); attributes causal: bool, logit_scale: f32, threshold: u32, scale: f32 (as ls_dropout)
-//   ls_attention_bwd(dout, query_source, key_value_source, lse, seed [, key_mask]) -> (d_query_source
-//       [, d_key_value_source]); without d_key_value_source the sources are one packed qkv (P = 3) and
-//       d_query_source receives dq, dk and dv. Same attributes.
+//   ls_attention_fwd(query_source, key_value_source, query_bias, seed u32[2] [, key_mask bool (B, K)])
+//       -> (out (B, Q, H, 64), lse f32 (B, H, Q)); attributes causal: bool, logit_scale: f32, threshold: u32,
+//       scale: f32 (as ls_dropout)
+//   ls_attention_bwd(dout, query_source, key_value_source, query_bias, lse, seed [, key_mask]) -> (d_query_source,
+//       d_query_bias_partials [, d_key_value_source]); without d_key_value_source the sources are one packed qkv
+//       (P = 3) and d_query_source receives dq, dk and dv. Same attributes.
 #include "common.cuh"
 
 #include <algorithm>
@@ -131,6 +135,20 @@ __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict_
 __device__ __forceinline__ void wait_for_copies() {
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+}
+
+// In place: rows 0..rows-1 of a 64-wide tile += bias (64 values of T), each sum rounded to T. Padding rows stay
+// zero. Nothing when bias is null.
+template <typename T>
+__device__ __forceinline__ void add_bias(const Tile& tile, const T* __restrict__ bias, int rows) {
+  if (bias == nullptr) return;
+  for (int index = threadIdx.x; index < rows * 8; index += blockDim.x) {
+    const int row = index / 8, chunk = index % 8;
+    const Pack<T, 8> add = *reinterpret_cast<const Pack<T, 8>*>(bias + chunk * 8);
+    Pack<T, 8>& values = *reinterpret_cast<Pack<T, 8>*>(tile.chunk(row, chunk));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) values.v[i] = from_float<T>(to_float(values.v[i]) + to_float(add.v[i]));
+  }
 }
 
 // A = rows row0..row0+15, columns 16c..16c+15 of a tile (row-major operand).
@@ -250,6 +268,24 @@ __device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, int row0,
   }
 }
 
+// Writes the column sums of a warp's 16 x 64 f32 accumulators to sums[0..63]: the warp's share of a bias
+// gradient. Nothing when sums is null.
+__device__ __forceinline__ void store_column_sums(float* sums, const float (&acc)[kHeadDim / 8][4]) {
+  if (sums == nullptr) return;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = acc[j][e] + acc[j][2 + e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) sums[8 * j + 2 * lane + e] = v;
+    }
+  }
+}
+
 // In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
 template <typename T, int kKeyTiles>
 __device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g, int b, int row0) {
@@ -324,11 +360,31 @@ __device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], co
 // ---- kernels ----------------------------------------------------------------------------------------------
 
 struct Tensors {
-  Strided query, key, value;  // inputs
-  Strided out;                // forward: out (B, Q, H, 64); backward: dout
-  float* lse;                 // (B, H, Q)
+  Strided query, key, value;                 // inputs
+  const void *query_bias, *key_bias, *value_bias;  // (H, 64) of T each; key and value ones null unless packed
+  Strided out;                               // forward: out (B, Q, H, 64); backward: dout
+  float* lse;                                // (B, H, Q)
   Strided dquery, dkey, dvalue;
+  Strided dquery_bias, dkey_bias, dvalue_bias;  // f32 partials, a "row" per warp; key and value ones as above
 };
+
+// Adds the projection biases of head h to the loaded tiles (see the header); every thread must call it.
+template <typename T>
+__device__ __forceinline__ void add_biases(const Tensors& x, const Geometry& g, int h, const Tile& q_tile,
+                                           const Tile& k_tile, const Tile& v_tile) {
+  const auto head = [h](const void* bias) {
+    return bias == nullptr ? nullptr : static_cast<const T*>(bias) + h * kHeadDim;
+  };
+  add_bias(q_tile, head(x.query_bias), g.queries);
+  add_bias(k_tile, head(x.key_bias), g.keys);
+  add_bias(v_tile, head(x.value_bias), g.keys);
+  __syncthreads();
+}
+
+// The f32 partial-sum row of warp `warp` of head block (b, h), or null.
+__device__ __forceinline__ float* warp_sums(const Strided& sums, int b, int h, int warp) {
+  return sums.data == nullptr ? nullptr : sums.rows<float>(b, h) + warp * sums.row_stride;
+}
 
 constexpr int kMaxThreads = kMaxLength / 16 * 32;  // a warp per 16 rows of the longer of queries and keys
 
@@ -352,6 +408,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
   wait_for_copies();
+  add_biases<T>(x, g, h, q_tile, k_tile, v_tile);
   const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
 
   float s[kKeyTiles][4];
@@ -446,6 +503,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
   wait_for_copies();
+  add_biases<T>(x, g, h, q_tile, k_tile, v_tile);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = 16 * warp;
 
   // Phase 1, a warp per 16 query rows: probabilities, dscores, dq; kept and dscores go to shared memory.
@@ -490,6 +548,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
     float dq[kHeadDim / 8][4];
     register_products<T>(dq, dp, k_tile, k_pad / 16);
     store_rows(x.dquery.rows<T>(b, h), x.dquery.row_stride, row0, g.queries, dq);
+    store_column_sums(warp_sums(x.dquery_bias, b, h, warp), dq);
   }
   __syncthreads();
 
@@ -498,10 +557,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
     float acc[kHeadDim / 8][4] = {};
     transposed_products<T>(acc, kept_tile, row0, dout_tile, q_pad / 16);
     store_rows(x.dvalue.rows<T>(b, h), x.dvalue.row_stride, row0, g.keys, acc);
+    store_column_sums(warp_sums(x.dvalue_bias, b, h, warp), acc);
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     transposed_products<T>(acc, dscores_tile, row0, q_tile, q_pad / 16);
     store_rows(x.dkey.rows<T>(b, h), x.dkey.row_stride, row0, g.keys, acc);
+    store_column_sums(warp_sums(x.dkey_bias, b, h, warp), acc);
   }
 }
 
@@ -530,6 +591,28 @@ Strided part_of(void* data, const Source& s, int64_t part) {
   return {static_cast<uint16_t*>(data) + part * s.heads * kHeadDim, s.length * row, row};
 }
 
+ffi::Error check_tensor(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
+                        std::initializer_list<int64_t> dims) {
+  const auto actual = buffer.dimensions();
+  const bool ok = buffer.element_type() == dtype && actual.size() == dims.size() &&
+                  std::equal(dims.begin(), dims.end(), actual.begin());
+  std::string expected;
+  for (int64_t dim : dims) expected += (expected.empty() ? "(" : ", ") + std::to_string(dim);
+  return require(ok, std::string(name) + " must be " + dtype_name(dtype) + expected + "), got " +
+                         dtype_name(buffer.element_type()) + shape_string(actual));
+}
+
+// Part `part` of a (P, H, 64) bias of 16-bit elements.
+const void* bias_part(const ffi::AnyBuffer& bias, const Source& s, int64_t part) {
+  return static_cast<const uint16_t*>(bias.untyped_data()) + part * s.heads * kHeadDim;
+}
+
+// Part `part` of f32 bias-gradient partials (B, G, P, H, 64): "row" g of head block (b, h) is warp g's sums.
+Strided partials_part(void* data, const Source& s, int64_t part) {
+  const int64_t row = s.parts * s.heads * kHeadDim;
+  return {static_cast<float*>(data) + part * s.heads * kHeadDim, (s.length + 15) / 16 * row, row};
+}
+
 struct Problem {
   Source query, key_value;
   Geometry geometry;
@@ -537,8 +620,8 @@ struct Problem {
 };
 
 ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBuffer& key_value_source,
-                            const std::optional<ffi::AnyBuffer>& key_mask, bool causal, float logit_scale,
-                            Problem& out) {
+                            const ffi::AnyBuffer& query_bias, const std::optional<ffi::AnyBuffer>& key_mask,
+                            bool causal, float logit_scale, Problem& out) {
   LS_RETURN_IF_ERROR(describe_source("query_source", query_source, out.query));
   LS_RETURN_IF_ERROR(describe_source("key_value_source", key_value_source, out.key_value));
   const Source& q = out.query;
@@ -557,6 +640,7 @@ ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBu
                              std::string("the fused attention takes bfloat16 or float16, got ") + dtype_name(dtype)));
   LS_RETURN_IF_ERROR(require(key_value_source.element_type() == dtype,
                              "key_value_source must have the dtype of query_source"));
+  LS_RETURN_IF_ERROR(check_tensor("query_bias", query_bias, dtype, {q.parts, q.heads, kHeadDim}));
   LS_RETURN_IF_ERROR(require(!causal || q.length <= kv.length, "causal attention needs queries <= keys"));
   if (key_mask) {
     const auto dims = key_mask->dimensions();
@@ -578,17 +662,6 @@ ffi::Error check_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutPa
   LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
                              "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
   return require_dropout_range(params, static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
-}
-
-ffi::Error check_tensor(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                        std::initializer_list<int64_t> dims) {
-  const auto actual = buffer.dimensions();
-  const bool ok = buffer.element_type() == dtype && actual.size() == dims.size() &&
-                  std::equal(dims.begin(), dims.end(), actual.begin());
-  std::string expected;
-  for (int64_t dim : dims) expected += (expected.empty() ? "(" : ", ") + std::to_string(dim);
-  return require(ok, std::string(name) + " must be " + dtype_name(dtype) + expected + "), got " +
-                         dtype_name(buffer.element_type()) + shape_string(actual));
 }
 
 ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
@@ -641,26 +714,34 @@ ffi::Error dispatch_half(ffi::DataType dtype, cudaStream_t stream, const Problem
 }
 
 ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
-                         ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
+                         ffi::AnyBuffer query_bias, ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool causal,
                          float logit_scale, uint32_t threshold, float scale) {
   Problem p;
-  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, key_mask, causal, logit_scale, p));
+  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, query_bias, key_mask, causal, logit_scale, p));
   const DropoutParams dropout{seed.typed_data(), threshold, scale};
   LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
   const ffi::DataType dtype = query_source.element_type();
   LS_RETURN_IF_ERROR(check_tensor("out", *out, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
   LS_RETURN_IF_ERROR(check_tensor("lse", *lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
-  LS_RETURN_IF_ERROR(
-      check_aligned({query_source.untyped_data(), key_value_source.untyped_data(), out->untyped_data()}));
+  LS_RETURN_IF_ERROR(check_aligned({query_source.untyped_data(), key_value_source.untyped_data(),
+                                    query_bias.untyped_data(), out->untyped_data()}));
   if (p.batch_heads == 0) return ffi::Error::Success();
+  const Source& q = p.query;
   const Source& kv = p.key_value;
-  const int64_t out_row = p.query.heads * kHeadDim;
-  Tensors x{part_of(query_source.untyped_data(), p.query, 0),
+  const bool packed = q.parts == 3;
+  const int64_t out_row = q.heads * kHeadDim;
+  Tensors x{part_of(query_source.untyped_data(), q, 0),
             part_of(key_value_source.untyped_data(), kv, kv.parts - 2),
             part_of(key_value_source.untyped_data(), kv, kv.parts - 1),
-            {out->untyped_data(), p.query.length * out_row, out_row},
+            bias_part(query_bias, q, 0),
+            packed ? bias_part(query_bias, q, 1) : nullptr,
+            packed ? bias_part(query_bias, q, 2) : nullptr,
+            {out->untyped_data(), q.length * out_row, out_row},
             static_cast<float*>(lse->untyped_data()),
+            {},
+            {},
+            {},
             {},
             {},
             {}};
@@ -669,40 +750,50 @@ ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::
 }
 
 ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer query_source,
-                         ffi::AnyBuffer key_value_source, ffi::AnyBuffer lse, ffi::Buffer<ffi::U32> seed,
-                         std::optional<ffi::AnyBuffer> key_mask, ffi::Result<ffi::AnyBuffer> d_query_source,
+                         ffi::AnyBuffer key_value_source, ffi::AnyBuffer query_bias, ffi::AnyBuffer lse,
+                         ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
+                         ffi::Result<ffi::AnyBuffer> d_query_source, ffi::Result<ffi::AnyBuffer> d_query_bias_partials,
                          std::optional<ffi::Result<ffi::AnyBuffer>> d_key_value_source, bool causal,
                          float logit_scale, uint32_t threshold, float scale) {
   Problem p;
-  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, key_mask, causal, logit_scale, p));
+  LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, query_bias, key_mask, causal, logit_scale, p));
   const DropoutParams dropout{seed.typed_data(), threshold, scale};
   LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
   const ffi::DataType dtype = query_source.element_type();
-  LS_RETURN_IF_ERROR(check_tensor("dout", dout, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
-  LS_RETURN_IF_ERROR(check_tensor("lse", lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
-  const bool packed = p.query.parts == 3;
+  const Source& q = p.query;
+  LS_RETURN_IF_ERROR(check_tensor("dout", dout, dtype, {q.batch, q.length, q.heads, kHeadDim}));
+  LS_RETURN_IF_ERROR(check_tensor("lse", lse, ffi::DataType::F32, {q.batch, q.heads, q.length}));
+  const bool packed = q.parts == 3;
   LS_RETURN_IF_ERROR(require(packed != d_key_value_source.has_value(),
                              packed ? "a packed qkv takes one gradient output (d_query_source)"
                                     : "separate query and key_value sources take two gradient outputs"));
   LS_RETURN_IF_ERROR(require_same_shape("d_query_source", *d_query_source, "query_source", query_source));
+  LS_RETURN_IF_ERROR(check_tensor("d_query_bias_partials", *d_query_bias_partials, ffi::DataType::F32,
+                                  {q.batch, (q.length + 15) / 16, q.parts, q.heads, kHeadDim}));
   if (!packed)
     LS_RETURN_IF_ERROR(require_same_shape("d_key_value_source", **d_key_value_source, "key_value_source",
                                           key_value_source));
   void* dkv_data = packed ? d_query_source->untyped_data() : (*d_key_value_source)->untyped_data();
   LS_RETURN_IF_ERROR(check_aligned({dout.untyped_data(), query_source.untyped_data(), key_value_source.untyped_data(),
-                                    d_query_source->untyped_data(), dkv_data}));
+                                    query_bias.untyped_data(), d_query_source->untyped_data(), dkv_data}));
   if (p.batch_heads == 0) return ffi::Error::Success();
-  const Source& q = p.query;
   const Source& kv = p.key_value;
   const int64_t dout_row = q.heads * kHeadDim;
+  void* bias_sums = d_query_bias_partials->untyped_data();
   Tensors x{part_of(query_source.untyped_data(), q, 0),
             part_of(key_value_source.untyped_data(), kv, kv.parts - 2),
             part_of(key_value_source.untyped_data(), kv, kv.parts - 1),
+            bias_part(query_bias, q, 0),
+            packed ? bias_part(query_bias, q, 1) : nullptr,
+            packed ? bias_part(query_bias, q, 2) : nullptr,
             {dout.untyped_data(), q.length * dout_row, dout_row},
             static_cast<float*>(lse.untyped_data()),
             part_of(d_query_source->untyped_data(), q, 0),
             part_of(dkv_data, kv, kv.parts - 2),
-            part_of(dkv_data, kv, kv.parts - 1)};
+            part_of(dkv_data, kv, kv.parts - 1),
+            partials_part(bias_sums, q, 0),
+            packed ? partials_part(bias_sums, q, 1) : Strided{},
+            packed ? partials_part(bias_sums, q, 2) : Strided{}};
   const DropoutParams kernel_dropout{dropout.enabled() ? dropout.seed : nullptr, threshold, scale};
   return dispatch_half<LaunchBackward>(dtype, stream, p, x, kernel_dropout);
 }
@@ -712,6 +803,7 @@ ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffe
 LS_FFI_TARGET(ls_attention_fwd, attention_fwd,
               ffi::Ffi::Bind()
                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                  .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::Buffer<ffi::U32>>()
@@ -730,8 +822,10 @@ LS_FFI_TARGET(ls_attention_bwd, attention_bwd,
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
+                  .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::Buffer<ffi::U32>>()
                   .OptionalArg<ffi::AnyBuffer>()
+                  .Ret<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()
                   .OptionalRet<ffi::AnyBuffer>()
                   .Attr<bool>("causal")

@@ -1,8 +1,8 @@
 """Flax linen Transformer layers whose non-GEMM work runs in the fused ops of ``ls_jax.ops``.
 
-GEMMs are ``flax.linen.DenseGeneral`` (and ``jnp.einsum`` for attention scores and context); LayerNorm,
-softmax, bias + activation + dropout, bias + dropout + residual, embedding and the loss are fused ops, which run
-as CUDA kernels on NVIDIA GPUs and as XLA elsewhere (``ls_jax.backend``). Parameters are float32; activations
+GEMMs are ``Dense`` (``ops.dense``: the weight gradients come out of the GEMM in f32); attention, LayerNorm,
+bias + activation + dropout, bias + dropout + residual, embedding and the loss are fused ops, which run as CUDA
+kernels on NVIDIA GPUs and as XLA elsewhere (``ls_jax.backend``). Parameters are float32; activations
 run in ``LayerConfig.dtype``. Dropout needs a "dropout" rng when ``deterministic=False``::
 
     cfg = LayerConfig.preset("transformer-base", dtype=jnp.float32)
@@ -24,7 +24,7 @@ it. ``ls_jax.models.Transformer.init_cache`` / ``decode`` wrap this.
 """
 
 from ls_jax.layers.attention import MultiHeadAttention
-from ls_jax.layers.common import LayerNorm
+from ls_jax.layers.common import Dense, LayerNorm
 from ls_jax.layers.config import PRESETS, LayerConfig
 from ls_jax.layers.criterion import CrossEntropyCriterion
 from ls_jax.layers.embedding import TransformerEmbedding, sinusoidal_positions
@@ -39,6 +39,7 @@ from ls_jax.layers.transformer import (
 __all__ = [
     "PRESETS",
     "CrossEntropyCriterion",
+    "Dense",
     "FeedForward",
     "LayerConfig",
     "LayerNorm",

@@ -21,7 +21,8 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention computes Q, K and V with one (H -> 3, heads, d) GEMM. Cross-attention projects Q from ``x``
     and takes K and V precomputed as ``key_value`` (B, K, 2, heads, d), so a decoder can project all its layers'
-    K/V in one GEMM. Shapes: x (B, Q, H) -> y (B, Q, H).
+    K/V in one GEMM. The Q (or QKV) projection's bias ("query_bias", "qkv_bias") is added inside the fused
+    attention. Shapes: x (B, Q, H) -> y (B, Q, H).
 
     Attributes:
       config: layer configuration.
@@ -61,15 +62,19 @@ class MultiHeadAttention(nn.Module):
         h, x = pre_norm(cfg, x.astype(cfg.dtype))
         rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
         if not self.self_attention:
-            query = dense(cfg, (cfg.nhead, cfg.head_dim), name="query")(h)
-            context = ops.cross_attention(query, key_value, key_mask, dropout_rate=rate, seed=seed)
+            query = dense(cfg, (cfg.nhead, cfg.head_dim), use_bias=False, name="query")(h)
+            query_bias = self.param("query_bias", nn.initializers.zeros, query.shape[2:], jnp.float32)
+            context = ops.cross_attention(query, key_value, key_mask, bias=query_bias, dropout_rate=rate, seed=seed)
         else:
-            qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), name="qkv")(h)
+            qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), use_bias=False, name="qkv")(h)
+            qkv_bias = self.param("qkv_bias", nn.initializers.zeros, qkv.shape[2:], jnp.float32)
             if decode:
-                context = self._attend_cached(qkv, rate, seed)
+                context = self._attend_cached(qkv + qkv_bias.astype(qkv.dtype), rate, seed)
             else:
-                context = ops.self_attention(qkv, key_mask, causal=self.causal, dropout_rate=rate, seed=seed)
-        out = dense(cfg, cfg.hidden_size, axis=(-2, -1), use_bias=False, name="out")(context)
+                context = ops.self_attention(
+                    qkv, key_mask, bias=qkv_bias, causal=self.causal, dropout_rate=rate, seed=seed
+                )
+        out = dense(cfg, cfg.hidden_size, input_axes=2, use_bias=False, name="out")(context)
         out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
         rate, seed = dropout_args(self, cfg.hidden_dropout_ratio, deterministic)
         y = ops.bias_dropout_residual(out, out_bias, x, dropout_rate=rate, seed=seed)

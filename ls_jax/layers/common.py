@@ -3,6 +3,9 @@ decode-mode cache index."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,11 +49,36 @@ def dropout_args(module: nn.Module, rate: float, deterministic: bool) -> tuple[f
     return rate, ops.dropout_seed(module.make_rng("dropout"))
 
 
-def dense(config: LayerConfig, features, *, name: str, axis=-1, use_bias: bool = True) -> nn.DenseGeneral:
+class Dense(nn.Module):
+    """``ops.dense`` with f32 parameters: x (..., *in) -> (..., *features) in ``dtype``.
+
+    The parameters are ``nn.DenseGeneral``'s ("kernel" (*in, *features), ``kernel_init`` over the flattened
+    (prod(in), prod(features)); "bias" (*features), zeros), so checkpoints of either load into the other.
+    """
+
+    features: int | tuple[int, ...]
+    input_axes: int = 1
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+        in_shape = x.shape[x.ndim - self.input_axes :]
+
+        def kernel_init(key, shape, dtype):
+            flat = self.kernel_init(key, (math.prod(in_shape), math.prod(features)), dtype)
+            return flat.reshape(shape)
+
+        kernel = self.param("kernel", kernel_init, (*in_shape, *features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, features, jnp.float32) if self.use_bias else None
+        return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
+
+
+def dense(config: LayerConfig, features, *, name: str, input_axes: int = 1, use_bias: bool = True) -> Dense:
     """A GEMM in the compute dtype with f32 parameters."""
-    return nn.DenseGeneral(
-        features, axis=axis, use_bias=use_bias, dtype=config.dtype, param_dtype=jnp.float32, name=name
-    )
+    return Dense(features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, name=name)
 
 
 class CacheIndex(nn.Module):

@@ -90,5 +90,4 @@ class TransformerEmbedding(nn.Module):
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """Output logits tied to the token table: ``hidden @ table.T``, (..., H) -> (..., V) in ``config.dtype``."""
-        dtype = self.config.dtype
-        return jnp.einsum("...h,vh->...v", hidden.astype(dtype), self.embedding.astype(dtype))
+        return ops.dense(hidden, self.embedding, transposed_kernel=True, dtype=self.config.dtype)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax import ops
-from ls_jax.layers import LayerConfig, LayerNorm, TransformerEncoder
+from ls_jax.layers import Dense, LayerConfig, LayerNorm, TransformerEncoder
 from ls_jax.layers.common import dropout_args
 from ls_jax.layers.config import replace_checked
 from ls_jax.models.tokens import check_tokens
@@ -123,7 +123,5 @@ class BertForSequenceClassification(nn.Module):
         rate, seed = dropout_args(self, rate, deterministic)
         return self._dense(cfg.num_labels, "classifier")(ops.dropout(pooled, rate=rate, seed=seed))
 
-    def _dense(self, features: int, name: str) -> nn.Dense:
-        return nn.Dense(
-            features, dtype=self.config.layer.dtype, param_dtype=jnp.float32, kernel_init=INITIALIZER, name=name
-        )
+    def _dense(self, features: int, name: str) -> Dense:
+        return Dense(features, dtype=self.config.layer.dtype, kernel_init=INITIALIZER, name=name)

@@ -130,7 +130,7 @@ def _bert_rules(config: BertConfig) -> list[_Rule]:
         qkv = tuple(hf + f"attention.self.{name}" for name in ("query", "key", "value"))
         rules += [
             _stacked_linear(attention + ("qkv", "kernel"), tuple(key + ".weight" for key in qkv)),
-            _stacked_bias(attention + ("qkv", "bias"), tuple(key + ".bias" for key in qkv)),
+            _stacked_bias(attention + ("qkv_bias",), tuple(key + ".bias" for key in qkv)),
             _linear(attention + ("out", "kernel"), hf + "attention.output.dense.weight", input_axes=2),
             _same(attention + ("out_bias",), hf + "attention.output.dense.bias"),
             *_layer_norm(attention + ("layer_norm",), hf + "attention.output.LayerNorm"),
@@ -160,7 +160,7 @@ def _gpt_rules(config: GPTConfig) -> list[_Rule]:
         rules += [
             *_layer_norm(attention + ("layer_norm",), hf + "ln_1"),
             _conv1d(attention + ("qkv", "kernel"), hf + "attn.c_attn.weight"),
-            _flat(attention + ("qkv", "bias"), hf + "attn.c_attn.bias"),
+            _flat(attention + ("qkv_bias",), hf + "attn.c_attn.bias"),
             _conv1d(attention + ("out", "kernel"), hf + "attn.c_proj.weight", input_axes=2),
             _same(attention + ("out_bias",), hf + "attn.c_proj.bias"),
             *_layer_norm(ffn + ("layer_norm",), hf + "ln_2"),

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ls_jax.layers import LayerConfig, TransformerDecoder, TransformerEmbedding, TransformerEncoder
+from ls_jax.layers import Dense, LayerConfig, TransformerDecoder, TransformerEmbedding, TransformerEncoder
 from ls_jax.models.tokens import BOS_ID, NUM_SPECIAL_TOKENS, PAD_ID, check_tokens
 
 _TINY_LAYER = LayerConfig.preset("transformer-base", hidden_size=128, intermediate_size=256, nhead=4, max_seq_len=64)
@@ -102,9 +102,7 @@ class Transformer(nn.Module):
         self.encoder = TransformerEncoder(cfg.layer, cfg.num_encoder_layers)
         self.decoder = TransformerDecoder(cfg.layer, cfg.num_decoder_layers)
         if not cfg.tie_output:
-            self.output_projection = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=cfg.layer.dtype, param_dtype=jnp.float32
-            )
+            self.output_projection = Dense(cfg.vocab_size, use_bias=False, dtype=cfg.layer.dtype)
 
     def _embedding(self) -> TransformerEmbedding:
         cfg = self.config

@@ -2,6 +2,7 @@
 backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere. See ``ls_jax.backend``."""
 
 from ls_jax.ops.attention import cross_attention, self_attention
+from ls_jax.ops.dense import dense
 from ls_jax.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_jax.ops.dropout import ACTIVATIONS, Activation, bias_act_dropout, bias_dropout_residual, dropout
 from ls_jax.ops.embedding import embed
@@ -16,6 +17,7 @@ __all__ = [
     "bias_act_dropout",
     "bias_dropout_residual",
     "cross_attention",
+    "dense",
     "dropout",
     "dropout_seed",
     "embed",

@@ -17,13 +17,15 @@ recomputes the probabilities instead of storing them:
 
 Inputs arrive as "sources" in the layouts the projections produce, so no slice or concatenation is copied:
 ``self_attention`` takes the packed (B, L, 3, H, D) qkv and returns its gradient packed;
-``cross_attention`` takes q (B, Q, H, D) and the packed (B, K, 2, H, D) key_value.
+``cross_attention`` takes q (B, Q, H, D) and the packed (B, K, 2, H, D) key_value. The query source's
+projection bias comes along unapplied (qkv's (3, H, D), or the query's (H, D)): the fused kernels add it as they
+load the tiles and return its gradient as partial sums, which saves a pass over qkv each way.
 
 Two formulations:
   fused (CUDA kernels, bf16/f16, head_dim 64, at most 128 queries and keys): one block per (batch, head) keeps
     the scores on chip; implementations share
-      forward(sources, key_mask, seed) -> (out, lse)
-      backward(dout, sources, key_mask, seed, lse) -> d_sources
+      forward(sources, bias, key_mask, seed) -> (out, lse)
+      backward(dout, sources, bias, key_mask, seed, lse) -> (d_sources, d_bias)
     and the XLA one (for a computation lowered for another platform) recomputes the probabilities from lse.
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
     backend for shapes the fused kernels do not take (then ``attn_softmax`` runs its kernels). On XLA it is
@@ -50,13 +52,29 @@ KERNEL_MAX_LENGTH = 128
 
 Sources = tuple[jax.Array, ...]
 """``(qkv,)`` with qkv (B, L, 3, H, D), or ``(query, key_value)`` with query (B, Q, 1, H, D) and key_value
-(B, K, 2, H, D)."""
+(B, K, 2, H, D). Their ``bias`` is the query source's, (3, H, D) or (1, H, D), or None."""
 
 
-def _split(sources: Sources) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q, k, v), each (B, L, H, D), of sources."""
-    query_source, key_value_source = sources[0], sources[-1]
+def _split(sources: Sources, bias: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(q, k, v), each (B, L, H, D), of sources with the bias added in their dtype."""
+    query_source = sources[0] if bias is None else sources[0] + bias.astype(sources[0].dtype)
+    key_value_source = query_source if len(sources) == 1 else sources[1]
     return query_source[:, :, 0], key_value_source[:, :, -2], key_value_source[:, :, -1]
+
+
+def _bias_grad(partial_sums: jax.Array, bias: jax.Array | None) -> jax.Array | None:
+    """The bias gradient from (..., parts, H, D) partial sums of the query source's gradient."""
+    if bias is None:
+        return None
+    axes = tuple(range(partial_sums.ndim - 3))
+    return jnp.sum(partial_sums, axis=axes, dtype=_f32).astype(bias.dtype)
+
+
+def _bias_operand(sources: Sources, bias: jax.Array | None) -> jax.Array:
+    """The kernels' query_bias: the bias in the sources' dtype, zeros when there is none."""
+    if bias is None:
+        return jnp.zeros(sources[0].shape[2:], sources[0].dtype)
+    return bias.astype(sources[0].dtype)
 
 
 def _join(sources: Sources, dq: jax.Array, dk: jax.Array, dv: jax.Array) -> Sources:
@@ -78,8 +96,8 @@ def _logits(q, k, key_mask, causal):
     return logits
 
 
-def _forward_xla(sources, key_mask, seed, *, causal, dropout_rate):
-    q, k, v = _split(sources)
+def _forward_xla(sources, bias, key_mask, seed, *, causal, dropout_rate):
+    q, k, v = _split(sources, bias)
     logits = _logits(q, k, key_mask, causal)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -92,8 +110,8 @@ def _forward_xla(sources, key_mask, seed, *, causal, dropout_rate):
     return out, lse[..., 0]
 
 
-def _backward_xla(dout, sources, key_mask, seed, lse, *, causal, dropout_rate):
-    q, k, v = _split(sources)
+def _backward_xla(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_rate):
+    q, k, v = _split(sources, bias)
     logits = _logits(q, k, key_mask, causal)
     probs = jnp.exp(logits - lse[..., None])
     multiplier = random.dropout_multiplier(seed, logits.shape, dropout_rate)
@@ -103,7 +121,8 @@ def _backward_xla(dout, sources, key_mask, seed, lse, *, causal, dropout_rate):
     dq = jnp.einsum("bhqk,bkhd->bqhd", dscores, k)
     dk = jnp.einsum("bhqk,bqhd->bkhd", dscores, q)
     dv = jnp.einsum("bhqk,bqhd->bkhd", kept, dout)
-    return _join(sources, dq, dk, dv)
+    d_sources = _join(sources, dq, dk, dv)
+    return d_sources, _bias_grad(d_sources[0], bias)
 
 
 def _mask_operand(key_mask):
@@ -117,23 +136,29 @@ def _kernel_attributes(q_source, causal, dropout_rate):
     )
 
 
-def _forward_ffi(sources, key_mask, seed, *, causal, dropout_rate):
+def _forward_ffi(sources, bias, key_mask, seed, *, causal, dropout_rate):
     batch, queries, _, heads, head_dim = sources[0].shape
     out = jax.ShapeDtypeStruct((batch, queries, heads, head_dim), sources[0].dtype)
     lse = jax.ShapeDtypeStruct((batch, heads, queries), _f32)
     call = jax.ffi.ffi_call("ls_attention_fwd", (out, lse), vmap_method="sequential")
     # A packed qkv is passed as both sources.
-    return call(sources[0], sources[-1], kernel_seed(seed), *_mask_operand(key_mask),
+    return call(sources[0], sources[-1], _bias_operand(sources, bias), kernel_seed(seed), *_mask_operand(key_mask),
                 **_kernel_attributes(sources[0], causal, dropout_rate))
 
 
-def _backward_ffi(dout, sources, key_mask, seed, lse, *, causal, dropout_rate):
-    grads = tuple(jax.ShapeDtypeStruct(source.shape, source.dtype) for source in sources)
-    call = jax.ffi.ffi_call("ls_attention_bwd", grads, vmap_method="sequential")
-    return tuple(
-        call(dout, sources[0], sources[-1], lse, kernel_seed(seed), *_mask_operand(key_mask),
-             **_kernel_attributes(sources[0], causal, dropout_rate))
+def _backward_ffi(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_rate):
+    batch, queries, parts, heads, head_dim = sources[0].shape
+    d_query_source = jax.ShapeDtypeStruct(sources[0].shape, sources[0].dtype)
+    bias_partials = jax.ShapeDtypeStruct((batch, -(-queries // 16), parts, heads, head_dim), _f32)
+    d_key_value_source = tuple(jax.ShapeDtypeStruct(source.shape, source.dtype) for source in sources[1:])
+    call = jax.ffi.ffi_call(
+        "ls_attention_bwd", (d_query_source, bias_partials, *d_key_value_source), vmap_method="sequential"
     )
+    d_query_source, bias_partials, *d_key_value_source = call(
+        dout, sources[0], sources[-1], _bias_operand(sources, bias), lse, kernel_seed(seed),
+        *_mask_operand(key_mask), **_kernel_attributes(sources[0], causal, dropout_rate)
+    )
+    return (d_query_source, *d_key_value_source), _bias_grad(bias_partials, bias)
 
 
 def _unsupported(sources: Sources) -> str | None:
@@ -148,32 +173,32 @@ def _unsupported(sources: Sources) -> str | None:
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(sources, key_mask, seed, causal, dropout_rate):
-    return _attention_fwd(sources, key_mask, seed, causal, dropout_rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(sources, bias, key_mask, seed, causal, dropout_rate):
+    return _attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate)[0]
 
 
-def _attention_fwd(sources, key_mask, seed, causal, dropout_rate):
+def _attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate):
     options = dict(causal=causal, dropout_rate=dropout_rate)
     out, lse = _common.dispatch(
         "attention",
         functools.partial(_forward_xla, **options),
         functools.partial(_forward_ffi, **options),
-        (sources, key_mask, seed),
+        (sources, bias, key_mask, seed),
     )
-    return out, (sources, key_mask, seed, lse)
+    return out, (sources, bias, key_mask, seed, lse)
 
 
 def _attention_bwd(causal, dropout_rate, residuals, dout):
-    sources, key_mask, seed, lse = residuals
+    sources, bias, key_mask, seed, lse = residuals
     options = dict(causal=causal, dropout_rate=dropout_rate)
-    d_sources = _common.dispatch(
+    d_sources, d_bias = _common.dispatch(
         "attention",
         functools.partial(_backward_xla, **options),
         functools.partial(_backward_ffi, **options),
-        (dout, sources, key_mask, seed, lse),
+        (dout, sources, bias, key_mask, seed, lse),
     )
-    return d_sources, None, None
+    return d_sources, d_bias, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -206,7 +231,15 @@ def attention_unfused(
     return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
 
 
-def _attend(sources: Sources, key_mask, causal: bool, dropout_rate: float, seed) -> jax.Array:
+def _check_bias(bias: jax.Array | None, shape: tuple[int, ...], query_source: jax.Array) -> jax.Array | None:
+    """``bias`` checked against its documented ``shape``, as the query source's (parts, H, D)."""
+    if bias is None:
+        return None
+    _common.check_param("bias", bias, shape, query_source.dtype)
+    return bias.reshape(query_source.shape[2:])
+
+
+def _attend(sources: Sources, bias, key_mask, causal: bool, dropout_rate: float, seed) -> jax.Array:
     _common.check_dropout(dropout_rate, seed)
     key_mask = _check_key_mask(key_mask, sources[0].shape[0], sources[-1].shape[1])
     if dropout_rate == 0.0:
@@ -214,17 +247,18 @@ def _attend(sources: Sources, key_mask, causal: bool, dropout_rate: float, seed)
     if backend.kernels_enabled():
         reason = _unsupported(sources)
         if reason is None:
-            *sources, key_mask, seed = _common.vary_together(*sources, key_mask, seed)
-            return _attention(tuple(sources), key_mask, seed, bool(causal), float(dropout_rate))
+            *sources, bias, key_mask, seed = _common.vary_together(*sources, bias, key_mask, seed)
+            return _attention(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
         _common.log_fallback_once("attention", reason, "the unfused attention (the attn_softmax kernels)")
     mask = None if key_mask is None else key_mask[:, None, None, :]
-    return attention_unfused(*_split(sources), mask, causal=causal, dropout_rate=dropout_rate, seed=seed)
+    return attention_unfused(*_split(sources, bias), mask, causal=causal, dropout_rate=dropout_rate, seed=seed)
 
 
 def self_attention(
     qkv: jax.Array,
     key_mask: jax.Array | None = None,
     *,
+    bias: jax.Array | None = None,
     causal: bool = False,
     dropout_rate: float = 0.0,
     seed: jax.Array | None = None,
@@ -234,6 +268,7 @@ def self_attention(
     Args:
       qkv: (B, L, 3, H, D) queries, keys and values (``[:, :, 0]``, ``[:, :, 1]``, ``[:, :, 2]``), f32, bf16 or f16.
       key_mask: optional (B, L) boolean, True for positions that may be attended (False at padding).
+      bias: optional (3, H, D) projection bias added to qkv first, f32 or qkv's dtype.
       causal: each query attends only to itself and earlier positions.
       dropout_rate: probability of zeroing an attention probability.
       seed: uint32[2] dropout seed (``ls_jax.ops.dropout_seed``); required when ``dropout_rate > 0``.
@@ -244,7 +279,7 @@ def self_attention(
     _common.check_activation("qkv", qkv)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, length, 3, heads, head_dim), got {qkv.shape}")
-    return _attend((qkv,), key_mask, causal, dropout_rate, seed)
+    return _attend((qkv,), _check_bias(bias, qkv.shape[2:], qkv), key_mask, causal, dropout_rate, seed)
 
 
 def cross_attention(
@@ -252,6 +287,7 @@ def cross_attention(
     key_value: jax.Array,
     key_mask: jax.Array | None = None,
     *,
+    bias: jax.Array | None = None,
     dropout_rate: float = 0.0,
     seed: jax.Array | None = None,
 ) -> jax.Array:
@@ -261,6 +297,7 @@ def cross_attention(
       query: (B, Q, H, D), f32, bf16 or f16.
       key_value: (B, K, 2, H, D) keys ``[:, :, 0]`` and values ``[:, :, 1]``, query's dtype.
       key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding).
+      bias: optional (H, D) projection bias added to query first, f32 or query's dtype.
       dropout_rate, seed: as for ``self_attention``.
 
     Returns:
@@ -276,4 +313,6 @@ def cross_attention(
             f"key_value must have shape (batch, keys, 2, heads, head_dim) = ({batch}, keys, 2, {heads}, {head_dim}), "
             f"got {key_value.shape}"
         )
-    return _attend((query[:, :, None], key_value), key_mask, False, dropout_rate, seed)
+    query_source = query[:, :, None]
+    bias = _check_bias(bias, query.shape[2:], query_source)
+    return _attend((query_source, key_value), bias, key_mask, False, dropout_rate, seed)

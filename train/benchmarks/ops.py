@@ -159,16 +159,18 @@ def attn_softmax_workload(batch: int, length: int, causal: bool) -> Workload:
 
 
 def self_attention_workload(batch: int, length: int) -> Workload:
-    """qkv (B, L, 3, 16, 64) with a (B, L) key-padding mask (lengths L/2 .. L), causal, and dropout on the
-    probabilities. Forward reads qkv and writes out and lse; backward reads dout, qkv and lse and writes dqkv."""
+    """qkv (B, L, 3, 16, 64) and its f32 projection bias (3, 16, 64), as the layers pass them, with a (B, L)
+    key-padding mask (lengths L/2 .. L), causal, and dropout on the probabilities. Forward reads qkv and writes out
+    and lse; backward reads dout, qkv and lse and writes dqkv."""
     seed = _seed()
     lengths = np.random.default_rng(0).integers(length // 2, length + 1, size=batch)
     mask = jnp.asarray(np.arange(length)[None, :] < lengths[:, None])
-    op = lambda qkv: ops.self_attention(qkv, mask, causal=True, dropout_rate=DROPOUT, seed=seed)
+    op = lambda qkv, bias: ops.self_attention(qkv, mask, bias=bias, causal=True, dropout_rate=DROPOUT, seed=seed)
     shape = (batch, length, 3, ATTENTION_HEADS, HIDDEN // ATTENTION_HEADS)
     tokens = batch * length
     moved = 11 * tokens * HIDDEN * _itemsize(ACTIVATION) + 2 * batch * ATTENTION_HEADS * length * 4 + batch * length
-    return Workload(op, (_normal(0, shape, ACTIVATION),), "x".join(map(str, shape)) + " causal", moved)
+    primals = (_normal(0, shape, ACTIVATION), _normal(1, shape[2:], jnp.float32))
+    return Workload(op, primals, "x".join(map(str, shape)) + " causal", moved)
 
 
 def cross_entropy_workload(rows: int, vocab: int) -> Workload:

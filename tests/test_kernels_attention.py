@@ -62,7 +62,14 @@ def test_attention_matches_xla(dtype, index):
     run = value_and_grads(op)
     assert kernel_targets(run, primals, cotangent) == TARGETS
     got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
-    assert_backends_agree(got, want, dtype, f"attention{CASES[index]}")
+    assert_backends_agree(got, _bias_grad_summed_in_f32(want), dtype, f"attention{CASES[index]}")
+
+
+def _bias_grad_summed_in_f32(result):
+    """The XLA backend's result with its bias gradient replaced by its query-source gradient summed in f32: XLA's
+    own bias gradient reduces that bf16/f16 gradient in bf16/f16 (1% off over 256 rows), the kernels sum in f32."""
+    out, grads = result
+    return out, (*grads[:-1], jnp.sum(grads[0].astype(F32), axis=(0, 1)))
 
 
 def test_dropout_drops_the_probabilities_attn_softmax_drops():

@@ -118,7 +118,8 @@ struct Tile {
 
 // Starts copying `rows` rows of 64 elements (row r at src + r * row_stride) into a 64-wide tile and zero-fills
 // rows rows..padded_rows - 1, so that padding contributes exact zeros to the products. Asynchronous (cp.async,
-// sm_80+): every copy of the block is in flight at once; wait_for_copies() ends them.
+// sm_80+): every copy of the block is in flight at once; finish_loads() ends them. Thread i copies 16-byte chunk
+// i % 8 of rows i / 8, i / 8 + blockDim.x / 8, ... (blockDim.x is a multiple of 32).
 template <typename T>
 __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict__ src, int64_t row_stride, int rows,
                                           int padded_rows) {
@@ -131,23 +132,28 @@ __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict_
   }
 }
 
-// Waits for this thread's load_rows copies, then makes every thread's copies visible to the block.
-__device__ __forceinline__ void wait_for_copies() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-}
-
-// In place: rows 0..rows-1 of a 64-wide tile += bias (64 values of T), each sum rounded to T. Padding rows stay
-// zero. Nothing when bias is null.
+// In place, on the chunks this thread's load_rows copied: rows 0..rows-1 of a tile += bias (64 values of T, or
+// nothing when null), each sum rounded to T. Four rows are read before any is written, so that their shared-memory
+// latencies overlap.
 template <typename T>
 __device__ __forceinline__ void add_bias(const Tile& tile, const T* __restrict__ bias, int rows) {
   if (bias == nullptr) return;
-  for (int index = threadIdx.x; index < rows * 8; index += blockDim.x) {
-    const int row = index / 8, chunk = index % 8;
-    const Pack<T, 8> add = *reinterpret_cast<const Pack<T, 8>*>(bias + chunk * 8);
-    Pack<T, 8>& values = *reinterpret_cast<Pack<T, 8>*>(tile.chunk(row, chunk));
+  constexpr int kBatch = 4;
+  const int chunk = threadIdx.x % 8, stride = blockDim.x / 8;
+  float add[8];
+  load_floats<8>(bias + chunk * 8, add);
+  for (int first = threadIdx.x / 8; first < rows; first += kBatch * stride) {
+    Pack<T, 8> values[kBatch];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) values.v[i] = from_float<T>(to_float(values.v[i]) + to_float(add.v[i]));
+    for (int u = 0; u < kBatch; ++u)
+      if (first + u * stride < rows) values[u] = *reinterpret_cast<const Pack<T, 8>*>(tile.chunk(first + u * stride, chunk));
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (first + u * stride >= rows) continue;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) values[u].v[i] = from_float<T>(to_float(values[u].v[i]) + add[i]);
+      *reinterpret_cast<Pack<T, 8>*>(tile.chunk(first + u * stride, chunk)) = values[u];
+    }
   }
 }
 
@@ -268,22 +274,35 @@ __device__ __forceinline__ void store_rows(T* dst, int64_t row_stride, int row0,
   }
 }
 
+// One halving of store_column_sums: lanes with bit 2 * kHalf set keep v[kHalf..2 kHalf), the others v[0..kHalf),
+// each adding the partner lane's copy; the kept half moves to v[0..kHalf).
+template <int kHalf>
+__device__ __forceinline__ void halve_columns(float (&v)[16], int lane) {
+  const bool upper = lane & (2 * kHalf);
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? v[i] : v[i + kHalf];
+    v[i] = (upper ? v[i + kHalf] : v[i]) + __shfl_xor_sync(0xffffffffu, send, 2 * kHalf);
+  }
+}
+
 // Writes the column sums of a warp's 16 x 64 f32 accumulators to sums[0..63]: the warp's share of a bias
-// gradient. Nothing when sums is null.
+// gradient; nothing when sums is null. Each lane holds 16 columns (8j + 2t + e) of rows g and g + 8; the eight
+// lanes of a t halve their columns three times (with the lane 16, 8, then 4 apart), so 14 shuffles leave lane
+// (g, t) with the sums of columns 8g + 2t and 8g + 2t + 1.
 __device__ __forceinline__ void store_column_sums(float* sums, const float (&acc)[kHeadDim / 8][4]) {
   if (sums == nullptr) return;
   const int lane = threadIdx.x % 32;
+  float v[16];
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float v = acc[j][e] + acc[j][2 + e];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 4) sums[8 * j + 2 * lane + e] = v;
-    }
+    v[2 * j] = acc[j][0] + acc[j][2];
+    v[2 * j + 1] = acc[j][1] + acc[j][3];
   }
+  halve_columns<8>(v, lane);
+  halve_columns<4>(v, lane);
+  halve_columns<2>(v, lane);
+  *reinterpret_cast<float2*>(sums + 8 * (lane / 4) + 2 * (lane % 4)) = make_float2(v[0], v[1]);
 }
 
 // In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
@@ -368,10 +387,12 @@ struct Tensors {
   Strided dquery_bias, dkey_bias, dvalue_bias;  // f32 partials, a "row" per warp; key and value ones as above
 };
 
-// Adds the projection biases of head h to the loaded tiles (see the header); every thread must call it.
+// Waits for this thread's load_rows copies of the q, k and v tiles of head h, adds the projection biases to them
+// (see the header), then makes every thread's tiles visible to the block. Every thread must call it.
 template <typename T>
-__device__ __forceinline__ void add_biases(const Tensors& x, const Geometry& g, int h, const Tile& q_tile,
-                                           const Tile& k_tile, const Tile& v_tile) {
+__device__ __forceinline__ void finish_loads(const Tensors& x, const Geometry& g, int h, const Tile& q_tile,
+                                             const Tile& k_tile, const Tile& v_tile) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
   const auto head = [h](const void* bias) {
     return bias == nullptr ? nullptr : static_cast<const T*>(bias) + h * kHeadDim;
   };
@@ -407,8 +428,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
   load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  wait_for_copies();
-  add_biases<T>(x, g, h, q_tile, k_tile, v_tile);
+  finish_loads<T>(x, g, h, q_tile, k_tile, v_tile);
   const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
 
   float s[kKeyTiles][4];
@@ -502,8 +522,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
   load_rows(dout_tile, x.out.rows<const T>(b, h), x.out.row_stride, g.queries, q_pad);
   load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
   load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  wait_for_copies();
-  add_biases<T>(x, g, h, q_tile, k_tile, v_tile);
+  finish_loads<T>(x, g, h, q_tile, k_tile, v_tile);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = 16 * warp;
 
   // Phase 1, a warp per 16 query rows: probabilities, dscores, dq; kept and dscores go to shared memory.

@@ -17,7 +17,7 @@
 // Operands are "sources" of shape (B, L, P, H, 64): the query is part 0 of query_source (P = 1, or P = 3 for a
 // packed self-attention qkv), key and value are parts P - 2 and P - 1 of key_value_source (P = 2, or the same
 // qkv). The backward writes gradients in the sources' layouts, so a packed qkv gets one packed gradient.
-// query_bias (P, H, 64) is the query source's projection bias, added (rounded to T, as XLA's add is) to every
+// query_bias (P, H, 64) is the query source's projection bias, added (in T, as XLA adds a T bias) to every
 // part of it as the tiles are loaded: q for a query, q, k and v for a packed qkv. The backward returns its
 // gradient as f32 partial sums over each warp's 16 rows, (B, ceil(Q / 16), P, H, 64), for XLA to add up.
 //
@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 namespace ls {
 namespace {
@@ -132,27 +133,31 @@ __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict_
   }
 }
 
+// Two T in one register, as the packed-arithmetic intrinsics take them.
+template <typename T>
+using Pair = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+
 // In place, on the chunks this thread's load_rows copied: rows 0..rows-1 of a tile += bias (64 values of T, or
-// nothing when null), each sum rounded to T. Four rows are read before any is written, so that their shared-memory
-// latencies overlap.
+// nothing when null), in T's packed add (one rounding of the exact sum). Four rows are read before any is written,
+// so that their shared-memory latencies overlap.
 template <typename T>
 __device__ __forceinline__ void add_bias(const Tile& tile, const T* __restrict__ bias, int rows) {
   if (bias == nullptr) return;
+  using Chunk = Pack<Pair<T>, 4>;
   constexpr int kBatch = 4;
   const int chunk = threadIdx.x % 8, stride = blockDim.x / 8;
-  float add[8];
-  load_floats<8>(bias + chunk * 8, add);
+  const Chunk add = *reinterpret_cast<const Chunk*>(bias + chunk * 8);
   for (int first = threadIdx.x / 8; first < rows; first += kBatch * stride) {
-    Pack<T, 8> values[kBatch];
+    Chunk values[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
-      if (first + u * stride < rows) values[u] = *reinterpret_cast<const Pack<T, 8>*>(tile.chunk(first + u * stride, chunk));
+      if (first + u * stride < rows) values[u] = *reinterpret_cast<const Chunk*>(tile.chunk(first + u * stride, chunk));
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (first + u * stride >= rows) continue;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) values[u].v[i] = from_float<T>(to_float(values[u].v[i]) + add[i]);
-      *reinterpret_cast<Pack<T, 8>*>(tile.chunk(first + u * stride, chunk)) = values[u];
+      for (int i = 0; i < 4; ++i) values[u].v[i] = __hadd2(values[u].v[i], add.v[i]);
+      *reinterpret_cast<Chunk*>(tile.chunk(first + u * stride, chunk)) = values[u];
     }
   }
 }

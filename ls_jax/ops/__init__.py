@@ -1,5 +1,6 @@
 """Fused Transformer operators: one public function per op, each a ``jax.custom_vjp`` whose forward and
-backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere. See ``ls_jax.backend``."""
+backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere (``dense``, the layers' GEMM,
+is XLA everywhere). See ``ls_jax.backend``."""
 
 from ls_jax.ops.attention import cross_attention, self_attention
 from ls_jax.ops.dense import dense

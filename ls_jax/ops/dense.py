@@ -9,8 +9,7 @@ the output projection), b (*out), y (..., *out). The GEMM runs on x flattened to
 
 Autodiff of ``x @ W.astype(dtype)`` would write dW in ``dtype`` and convert it to f32 in a separate pass over
 every weight (the f32 parameters' gradients), rounding it to bf16 on the way. Here the GEMM's f32 accumulator is
-the gradient: no convert pass and no rounding. The op is plain XLA on every platform: cuBLAS and the TPU's MXU
-write f32 results at the same speed.
+the gradient: no convert pass and no rounding. The op is plain XLA on every platform.
 """
 
 from __future__ import annotations

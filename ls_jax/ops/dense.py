@@ -31,32 +31,32 @@ def _kernel_dims(transposed: bool) -> tuple[int, int]:
     return (1, 0) if transposed else (0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gemm(x, kernel, bias, transposed, dtype):
-    return _gemm_fwd(x, kernel, bias, transposed, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gemm(x, kernel, bias, transposed, dtype, param_dtypes):
+    return _gemm_fwd(x, kernel, bias, transposed, dtype, param_dtypes)[0]
 
 
-def _gemm_fwd(x, kernel, bias, transposed, dtype):
+def _gemm_fwd(x, kernel, bias, transposed, dtype, param_dtypes):
+    del param_dtypes
     compute_kernel = kernel.astype(dtype)
     contract, _ = _kernel_dims(transposed)
     y = jax.lax.dot_general(x, compute_kernel, (((1,), (contract,)), ((), ())))
     if bias is not None:
         y = y + bias.astype(dtype)
-    # Zero-size stand-ins carry the parameters' dtypes to the backward.
-    param_dtypes = (jnp.zeros((0,), kernel.dtype), None if bias is None else jnp.zeros((0,), bias.dtype))
-    return y, (x, compute_kernel, param_dtypes)
+    return y, (x, compute_kernel)
 
 
-def _gemm_bwd(transposed, dtype, residuals, dy):
-    x, kernel, (kernel_like, bias_like) = residuals
+def _gemm_bwd(transposed, dtype, param_dtypes, residuals, dy):
+    x, kernel = residuals
+    kernel_dtype, bias_dtype = param_dtypes
     _, out_axis = _kernel_dims(transposed)
     dx = jax.lax.dot_general(dy, kernel, (((1,), (out_axis,)), ((), ())))
     if transposed:
         d_kernel = jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
     else:
         d_kernel = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
-    d_bias = None if bias_like is None else jnp.sum(dy, axis=0, dtype=_f32).astype(bias_like.dtype)
-    return dx, d_kernel.astype(kernel_like.dtype), d_bias
+    d_bias = None if bias_dtype is None else jnp.sum(dy, axis=0, dtype=_f32).astype(bias_dtype)
+    return dx, d_kernel.astype(kernel_dtype), d_bias
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -108,5 +108,6 @@ def dense(
     fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
     kernel_2d = kernel.reshape((fan_out, fan_in) if transposed_kernel else (fan_in, fan_out))
     batch_shape = x.shape[: x.ndim - input_axes]
-    y = _gemm(x.reshape(-1, fan_in).astype(dtype), kernel_2d, bias, bool(transposed_kernel), dtype)
+    param_dtypes = (jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
+    y = _gemm(x.reshape(-1, fan_in).astype(dtype), kernel_2d, bias, bool(transposed_kernel), dtype, param_dtypes)
     return y.reshape(*batch_shape, *out_shape)

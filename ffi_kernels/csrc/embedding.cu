@@ -4,21 +4,21 @@
 // index i * H + h.
 //
 // Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort) and
-// passes the sorted ids with the permutation `order`; segment_bounds_kernel marks where each id's run of
-// sorted entries starts and ends, and embed_grad_kernel gives every table row to one thread group, which
-// adds the gradient rows of its run in token order (f32 registers) and writes the row once, zeros for ids
-// that do not occur. So the whole table gradient is written exactly once, in its own dtype, with no f32
-// buffer of the table's size and no separate zero fill; cost: one pass over dy plus one write of the table.
-// A token occurring k times is summed serially by one group (k loads deep); with natural text k is small.
+// passes the sorted ids (keys) with the permutation `order`; embed_grad_kernel gives each sorted position that
+// starts a run of equal ids to one warp, which adds the gradient rows of the run in token order (f32
+// registers) and writes the sum to that position of an (n, H) f32 output. The wrapper scatters those sums into
+// the table, where XLA adds them in place to the table's other gradients (a tied output projection's). Cost: one
+// pass over dy and one (n, H) write; no table-sized buffer per lookup. A token occurring k times is summed
+// serially by one group (k loads deep); with natural text k is small.
 //
 // Targets (tokens, positions, order, keys int32 (n) or (B, L); table (V, H), pos_table (P, H) f32 or the
 // output dtype; seed uint32[2]; attributes token_scale: f32, has_padding: bool, padding_id: i64,
 // threshold: u32, scale: f32 (dropout, as in dropout.cu)):
 //   ls_embed_fwd(tokens, table, seed) -> y (..., H)
 //   ls_embed_pos_fwd(tokens, positions, table, pos_table, seed) -> y (..., H)
-//   ls_embed_grad(dy (n, H), tokens, keys, order, seed) -> (grad (R, H), bounds int32 (2, R) scratch)
-//     with keys the sorted clipped ids in [0, R), order the positions in tokens they came from, token_scale
-//     multiplying the sum (scale for the token table, 1 for the position table).
+//   ls_embed_grad(dy (n, H), tokens, keys, order, seed) -> sums f32 (n, H)
+//     with keys the sorted clipped ids, order the positions in tokens they came from, token_scale multiplying
+//     the sums (scale for the token table, 1 for the position table).
 #include "rows.cuh"
 
 namespace ls {
@@ -27,10 +27,12 @@ namespace {
 constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kBlocksPerSm = 4;
-// Most table rows of the backward are zeros behind one dependent load of their bounds: oversubscribe the SMs
-// so that those latencies overlap.
-constexpr int kGradBlocksPerSm = 16;
-constexpr int kMarkThreads = 256;
+// The backward gives a warp to each sorted position (slot) and launches all of them: a slot reads its key, its
+// neighbour's, then each token's position and row, one after another, so many slots must be in flight for those
+// latencies to overlap. A lane holds kGradVectorsPerLane 16-byte column vectors of the row (grid.y covers wider
+// rows), few enough for kGradBlocksPerSm resident blocks (64 registers).
+constexpr int kGradVectorsPerLane = 2;
+constexpr int kGradBlocksPerSm = 4;
 
 struct Padding {
   bool enabled;
@@ -177,69 +179,73 @@ ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuf
 
 // ---- backward -------------------------------------------------------------------------------------------
 
-// bounds[0][id], bounds[1][id] = first and one-past-last index k with keys[k] == id (keys sorted); ids that do
-// not occur keep the zeros the handler wrote, an empty run.
-__global__ void segment_bounds_kernel(const int32_t* __restrict__ keys, int64_t n, int64_t rows,
-                                      int32_t* __restrict__ bounds) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
-    const int32_t key = keys[k];
-    if (key < 0 || key >= rows) continue;
-    if (k == 0 || keys[k - 1] != key) bounds[key] = static_cast<int32_t>(k);
-    if (k == n - 1 || keys[k + 1] != key) bounds[rows + key] = static_cast<int32_t>(k + 1);
-  }
-}
-
-template <typename D, typename OutT, int W>
-__global__ void __launch_bounds__(kBlockThreads, kBlocksPerSm)
-    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens,
-                      const int32_t* __restrict__ order, const int32_t* __restrict__ bounds, OutT* __restrict__ grad,
-                      int64_t rows, int64_t cols, float token_scale, Padding padding, DropoutParams params) {
+// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows of the run of equal keys that starts at
+// sorted position k (k == 0 or keys[k] != keys[k - 1]), added in sorted (token) order; zeros where no run starts.
+template <typename D, int W>
+__global__ void __launch_bounds__(kBlockThreads, kGradBlocksPerSm)
+    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens, const int32_t* __restrict__ keys,
+                      const int32_t* __restrict__ order, float* __restrict__ sums, int64_t n, int64_t cols,
+                      float token_scale, Padding padding, DropoutParams params) {
+  constexpr int kV = kGradVectorsPerLane;
   const int64_t vectors = cols / W;
-  const int64_t vector = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (vector >= vectors) return;
+  const int64_t first_vector = static_cast<int64_t>(blockIdx.y) * 32 * kV + threadIdx.x;
   const bool drop = params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += step) {
-    float sum[W];
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (slot >= n) return;
+  float sum[kV][W];
 #pragma unroll
-    for (int e = 0; e < W; ++e) sum[e] = 0.0f;
-    const int32_t end = bounds[rows + row];
-    for (int32_t k = bounds[row]; k < end; ++k) {
+  for (int j = 0; j < kV; ++j) {
+#pragma unroll
+    for (int e = 0; e < W; ++e) sum[j][e] = 0.0f;
+  }
+  const int32_t key = keys[slot];
+  if (slot == 0 || keys[slot - 1] != key) {
+    for (int64_t k = slot; k < n && keys[k] == key; ++k) {
       const int64_t i = order[k];
       if (padding.is_pad(tokens[i])) continue;
-      const int64_t index = i * cols + vector * W;
-      float d[W];
-      load_floats<W>(dy + index, d);
-      if (drop) dropout.apply<W>(static_cast<uint64_t>(index), d);
+      float d[kV][W];
 #pragma unroll
-      for (int e = 0; e < W; ++e) sum[e] += d[e];
+      for (int j = 0; j < kV; ++j) {
+        const int64_t vector = first_vector + 32 * j;
+        if (vector < vectors) load_floats<W>(dy + i * cols + vector * W, d[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const int64_t vector = first_vector + 32 * j;
+        if (vector >= vectors) continue;
+        if (drop) dropout.apply<W>(static_cast<uint64_t>(i * cols + vector * W), d[j]);
+#pragma unroll
+        for (int e = 0; e < W; ++e) sum[j][e] += d[j][e];
+      }
     }
+  }
 #pragma unroll
-    for (int e = 0; e < W; ++e) sum[e] *= token_scale;
-    store_floats<W>(grad + row * cols + vector * W, sum);
+  for (int j = 0; j < kV; ++j) {
+    const int64_t vector = first_vector + 32 * j;
+    if (vector >= vectors) continue;
+#pragma unroll
+    for (int e = 0; e < W; ++e) sum[j][e] *= token_scale;
+    store_floats<W>(sums + slot * cols + vector * W, sum[j]);
   }
 }
 
-template <typename D, typename OutT, int W>
-ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* order,
-                       const int32_t* bounds, OutT* grad, int64_t rows, int64_t cols, float token_scale,
-                       Padding padding, DropoutParams params) {
-  dim3 block;
-  unsigned chunks = 0;
-  LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
-  int64_t row_blocks = 0;
-  LS_RETURN_IF_ERROR(stride_grid(rows, block.y, kGradBlocksPerSm, row_blocks));
-  embed_grad_kernel<D, OutT, W><<<dim3(static_cast<unsigned>(row_blocks), chunks), block, 0, stream>>>(
-      dy, tokens, order, bounds, grad, rows, cols, token_scale, padding, params);
+template <typename D, int W>
+ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* keys,
+                       const int32_t* order, float* sums, int64_t n, int64_t cols, float token_scale, Padding padding,
+                       DropoutParams params) {
+  const dim3 block(32, kBlockThreads / 32);
+  const int64_t chunks = ceil_div(cols / W, int64_t{32} * kGradVectorsPerLane);
+  LS_RETURN_IF_ERROR(require(chunks <= 65535, "rows of " + std::to_string(cols) + " elements are too long"));
+  const int64_t slot_blocks = ceil_div(n, int64_t{block.y});  // every slot at once: n < 2**31 was checked
+  embed_grad_kernel<D, W><<<dim3(static_cast<unsigned>(slot_blocks), static_cast<unsigned>(chunks)), block, 0,
+                            stream>>>(dy, tokens, keys, order, sums, n, cols, token_scale, padding, params);
   return launch_error("embed_grad_kernel");
 }
 
 ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tokens, ffi::AnyBuffer keys,
-                      ffi::AnyBuffer order, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> grad,
-                      ffi::Result<ffi::AnyBuffer> bounds, float token_scale, bool has_padding, int64_t padding_id,
-                      uint32_t threshold, float scale) {
+                      ffi::AnyBuffer order, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> sums,
+                      float token_scale, bool has_padding, int64_t padding_id, uint32_t threshold, float scale) {
   const auto dy_dims = dy.dimensions();
   LS_RETURN_IF_ERROR(require(dy_dims.size() == 2, "dy must have shape (tokens, hidden), got " +
                                                       shape_string(dy_dims)));
@@ -249,41 +255,26 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
   LS_RETURN_IF_ERROR(require_ids("tokens", tokens, n));
   LS_RETURN_IF_ERROR(require_ids("keys", keys, n));
   LS_RETURN_IF_ERROR(require_ids("order", order, n));
-  LS_RETURN_IF_ERROR(require_table("the table gradient", *grad, cols));
-  const int64_t rows = grad->dimensions()[0];
-  LS_RETURN_IF_ERROR(require(bounds->element_type() == ffi::DataType::S32 &&
-                                 static_cast<int64_t>(bounds->element_count()) == 2 * rows,
-                             "bounds scratch must be int32 (2, " + std::to_string(rows) + ")"));
+  LS_RETURN_IF_ERROR(require(sums->element_type() == ffi::DataType::F32 && sums->dimensions().size() == 2 &&
+                                 sums->dimensions()[0] == n && sums->dimensions()[1] == cols,
+                             "the run sums must be float32 (" + std::to_string(n) + ", " + std::to_string(cols) +
+                                 "), got " + dtype_name(sums->element_type()) + shape_string(sums->dimensions())));
   LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
   const DropoutParams params{seed.typed_data(), threshold, scale};
   LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
-  if (cols == 0) return ffi::Error::Success();
-  int32_t* bound_ptr = static_cast<int32_t*>(bounds->untyped_data());
-  const cudaError_t cleared = cudaMemsetAsync(bound_ptr, 0, bounds->size_bytes(), stream);
-  if (cleared != cudaSuccess)
-    return ffi::Error::Internal(std::string("cudaMemsetAsync: ") + cudaGetErrorString(cleared));
-  if (n > 0) {
-    int64_t blocks = 0;
-    LS_RETURN_IF_ERROR(stride_grid(n, kMarkThreads, kBlocksPerSm, blocks));
-    segment_bounds_kernel<<<blocks, kMarkThreads, 0, stream>>>(static_cast<const int32_t*>(keys.untyped_data()), n,
-                                                               rows, bound_ptr);
-    LS_RETURN_IF_ERROR(launch_error("segment_bounds_kernel"));
-  }
+  if (n == 0 || cols == 0) return ffi::Error::Success();
   const Padding padding{has_padding, padding_id};
   const int32_t* token_ptr = static_cast<const int32_t*>(tokens.untyped_data());
+  const int32_t* key_ptr = static_cast<const int32_t*>(keys.untyped_data());
   const int32_t* order_ptr = static_cast<const int32_t*>(order.untyped_data());
+  float* out = static_cast<float*>(sums->untyped_data());
   return dispatch_float(dy.element_type(), "dy", [&](auto dy_tag) {
     using D = decltype(dy_tag);
-    return dispatch_param<D>(grad->element_type(), "the table gradient", [&](auto out_tag) {
-      using OutT = decltype(out_tag);
-      const D* d = static_cast<const D*>(dy.untyped_data());
-      OutT* out = static_cast<OutT*>(grad->untyped_data());
-      if (cols % kVecWidth<D> == 0 && is_aligned(d, 16) && is_aligned(out, 16))
-        return launch_grad<D, OutT, kVecWidth<D>>(stream, d, token_ptr, order_ptr, bound_ptr, out, rows, cols,
-                                                  token_scale, padding, params);
-      return launch_grad<D, OutT, 1>(stream, d, token_ptr, order_ptr, bound_ptr, out, rows, cols, token_scale,
-                                     padding, params);
-    });
+    const D* d = static_cast<const D*>(dy.untyped_data());
+    if (cols % kVecWidth<D> == 0 && is_aligned(d, 16) && is_aligned(out, 16))
+      return launch_grad<D, kVecWidth<D>>(stream, d, token_ptr, key_ptr, order_ptr, out, n, cols, token_scale,
+                                          padding, params);
+    return launch_grad<D, 1>(stream, d, token_ptr, key_ptr, order_ptr, out, n, cols, token_scale, padding, params);
   });
 }
 
@@ -325,7 +316,6 @@ LS_FFI_TARGET(ls_embed_grad, embed_grad,
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::Buffer<ffi::U32>>()
-                  .Ret<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()
                   .Attr<float>("token_scale")
                   .Attr<bool>("has_padding")

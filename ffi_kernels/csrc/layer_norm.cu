@@ -201,11 +201,9 @@ __global__ void __launch_bounds__(1024, 1)
   const int vectors = static_cast<int>(cols / W);  // cols <= kMaxRowLength: int column indices
   const float inv_cols = 1.0f / static_cast<float>(cols);
 
-  float g[kVpt][W], dgamma[kVpt][W], dbeta[kVpt][W];
+  float dgamma[kVpt][W], dbeta[kVpt][W];
 #pragma unroll
   for (int k = 0; k < kVpt; ++k) {
-    const int vector = threadIdx.x + k * blockDim.x;
-    if (k < vpt && vector < vectors) load_floats<W>(gamma + vector * W, g[k]);
 #pragma unroll
     for (int i = 0; i < W; ++i) dgamma[k][i] = dbeta[k][i] = 0.0f;
   }
@@ -219,7 +217,10 @@ __global__ void __launch_bounds__(1024, 1)
     const T* s_row = s + row * cols;
     const float row_mean = active ? mean[row] : 0.0f;
     const float row_rstd = active ? rstd[row] : 0.0f;
-    float d[kVpt][W], xhat[kVpt][W];
+    // gamma is re-read per row (from L1) and dsum read with dy and s, so that the registers hold a row without
+    // spilling and one memory latency covers it.
+    float d[kVpt][W], xhat[kVpt][W], g[kVpt][W];
+    Pack<T, W> incoming[kVpt];
     float sums[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int k = 0; k < kVpt; ++k) {
@@ -227,6 +228,8 @@ __global__ void __launch_bounds__(1024, 1)
       if (k < vpt && active && vector < vectors) {
         load_floats<W>(dy_row + vector * W, d[k]);
         load_floats<W>(s_row + vector * W, xhat[k]);
+        load_floats<W>(gamma + vector * W, g[k]);
+        if (dsum != nullptr) incoming[k] = *reinterpret_cast<const Pack<T, W>*>(dsum + row * cols + vector * W);
 #pragma unroll
         for (int i = 0; i < W; ++i) {
           xhat[k][i] = (xhat[k][i] - row_mean) * row_rstd;
@@ -244,14 +247,9 @@ __global__ void __launch_bounds__(1024, 1)
       const int vector = threadIdx.x + k * blockDim.x;
       if (k < vpt && active && vector < vectors) {
         float out[W];
-        if (dsum != nullptr) {
-          load_floats<W>(dsum + row * cols + vector * W, out);
-        } else {
-#pragma unroll
-          for (int i = 0; i < W; ++i) out[i] = 0.0f;
-        }
 #pragma unroll
         for (int i = 0; i < W; ++i) {
+          out[i] = dsum != nullptr ? to_float(incoming[k].v[i]) : 0.0f;
           out[i] += row_rstd * (d[k][i] * g[k][i] - mean_dg - xhat[k][i] * mean_dg_xhat);
           dgamma[k][i] += d[k][i] * xhat[k][i];
           dbeta[k][i] += d[k][i];

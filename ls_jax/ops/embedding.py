@@ -95,14 +95,18 @@ def _forward_ffi(tokens, positions, table, pos_table, seed, *, static: _Static):
 def _table_grad_ffi(dy, tokens, rows, shape, dtype, token_scale, seed, static: _Static):
     """The gradient of one table of ``shape``: row ``rows[i]`` (clipped ids, (n,)) receives dy[i] * token_scale.
 
-    XLA's stable sort groups equal ids with their token positions in order; the kernel then sums each id's
-    gradient rows in that order, so the result is deterministic and the table is written once.
+    XLA's stable sort groups equal ids with their token positions in order; the kernel sums each run of equal ids
+    in that order (deterministic) into the run's first sorted position, and a scatter with one index per run
+    puts the sums into the table (the other positions get distinct out-of-range indices and are dropped). XLA
+    rewrites ``other + scatter(zeros, ...)`` as a scatter into ``other``, so where the table has other
+    gradients (a tied output projection's) the sums are added to them in place.
     """
     keys, order = jax.lax.sort((rows, jnp.arange(rows.size, dtype=jnp.int32)), num_keys=1, is_stable=True)
-    outputs = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((2, shape[0]), jnp.int32))
-    call = jax.ffi.ffi_call("ls_embed_grad", outputs, vmap_method="sequential")
-    grad, _ = call(dy, tokens, keys, order, kernel_seed(seed), **_kernel_attributes(static, token_scale))
-    return grad
+    call = jax.ffi.ffi_call("ls_embed_grad", jax.ShapeDtypeStruct((rows.size, shape[1]), _f32), vmap_method="sequential")
+    sums = call(dy, tokens, keys, order, kernel_seed(seed), **_kernel_attributes(static, token_scale))
+    starts_run = jnp.ones(keys.shape, bool).at[1:].set(keys[1:] != keys[:-1])
+    indices = jnp.where(starts_run, keys, shape[0] + jnp.arange(keys.size, dtype=jnp.int32))
+    return jnp.zeros(shape, dtype).at[indices].add(sums.astype(dtype), mode="drop", unique_indices=True)
 
 
 def _backward_ffi(dy, tokens, positions, seed, *, static: _Static):
@@ -119,9 +123,10 @@ def _backward_ffi(dy, tokens, positions, seed, *, static: _Static):
     return dtable, dpos
 
 
-def _unsupported(tokens: jax.Array) -> str | None:
-    if tokens.size >= 2**31:
-        return f"{tokens.size} tokens exceed the kernels' int32 token index"
+def _unsupported(tokens: jax.Array, static: _Static) -> str | None:
+    rows = max(static.table_shape[0], 0 if static.pos_shape is None else static.pos_shape[0])
+    if tokens.size + rows >= 2**31:
+        return f"{tokens.size} tokens and {rows} table rows exceed the kernels' int32 indices"
     return None
 
 
@@ -134,7 +139,7 @@ def _embed_fwd(tokens, positions, table, pos_table, seed, static):
     forward_xla = functools.partial(_forward_xla, static=static)
     forward_ffi = functools.partial(_forward_ffi, static=static)
     y = _common.dispatch(
-        "embed", forward_xla, forward_ffi, (tokens, positions, table, pos_table, seed), _unsupported(tokens)
+        "embed", forward_xla, forward_ffi, (tokens, positions, table, pos_table, seed), _unsupported(tokens, static)
     )
     return y, (tokens, positions, seed)
 
@@ -144,7 +149,7 @@ def _embed_bwd(static, res, dy):
     backward_xla = functools.partial(_backward_xla, static=static)
     backward_ffi = functools.partial(_backward_ffi, static=static)
     dtable, dpos = _common.dispatch(
-        "embed", backward_xla, backward_ffi, (dy, tokens, positions, seed), _unsupported(tokens)
+        "embed", backward_xla, backward_ffi, (dy, tokens, positions, seed), _unsupported(tokens, static)
     )
     return None, None, dtable, dpos, None
 

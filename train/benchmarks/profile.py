@@ -61,7 +61,6 @@ _LS_KERNEL_PREFIXES = (
     ("softmax", "softmax"),
     ("cross_entropy", "criterion"),
     ("embed", "embedding"),
-    ("segment_bounds", "embedding"),
     ("step", "optimizer"),
     ("norm_partials", "optimizer"),
     ("dropout", "dropout/elementwise"),

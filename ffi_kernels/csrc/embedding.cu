@@ -3,22 +3,23 @@
 // for the n = B * L tokens i in row-major order, m the Philox dropout multiplier of element (i, h) at flat
 // index i * H + h.
 //
-// Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort) and
-// passes the sorted ids (keys) with the permutation `order`; embed_grad_kernel gives each sorted position that
-// starts a run of equal ids to one warp, which adds the gradient rows of the run in token order (f32
-// registers) and writes the sum to that position of an (n, H) f32 output. The wrapper scatters those sums into
-// the table, where XLA adds them in place to the table's other gradients (a tied output projection's). Cost: one
-// pass over dy and one (n, H) write; no table-sized buffer per lookup. A token occurring k times is summed
-// serially by one group (k loads deep); with natural text k is small.
+// Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort),
+// giving the permutation `order`, and marks where each run of equal ids ends (run_end). embed_grad_kernel gives
+// each sorted position that starts a run to one warp, which adds the gradient rows of the run in token order (f32
+// registers) and writes the sum to that position of an (n, H) f32 output (zeros elsewhere). The wrapper scatters
+// those sums into the table, where XLA adds them in place to the table's other gradients (a tied output
+// projection's). Cost: one pass over dy and one (n, H) write; no table-sized buffer per lookup. A token
+// occurring k times is summed serially by one warp (k rows deep, kGradEntriesInFlight loads at a time).
 //
-// Targets (tokens, positions, order, keys int32 (n) or (B, L); table (V, H), pos_table (P, H) f32 or the
+// Targets (tokens, positions, order, run_end int32 (n) or (B, L); table (V, H), pos_table (P, H) f32 or the
 // output dtype; seed uint32[2]; attributes token_scale: f32, has_padding: bool, padding_id: i64,
 // threshold: u32, scale: f32 (dropout, as in dropout.cu)):
 //   ls_embed_fwd(tokens, table, seed) -> y (..., H)
 //   ls_embed_pos_fwd(tokens, positions, table, pos_table, seed) -> y (..., H)
-//   ls_embed_grad(dy (n, H), tokens, keys, order, seed) -> sums f32 (n, H)
-//     with keys the sorted clipped ids, order the positions in tokens they came from, token_scale multiplying
-//     the sums (scale for the token table, 1 for the position table).
+//   ls_embed_grad(dy (n, H), tokens, order, run_end, seed) -> sums f32 (n, H)
+//     with order the token positions in the order of their sorted clipped ids, run_end[k] the end of the run of
+//     equal ids starting at k (k where none starts there), token_scale multiplying the sums (scale for the
+//     token table, 1 for the position table).
 #include "rows.cuh"
 
 namespace ls {
@@ -27,12 +28,10 @@ namespace {
 constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kBlocksPerSm = 4;
-// The backward gives a warp to each sorted position (slot) and launches all of them: a slot reads its key, its
-// neighbour's, then each token's position and row, one after another, so many slots must be in flight for those
-// latencies to overlap. A lane holds kGradVectorsPerLane 16-byte column vectors of the row (grid.y covers wider
-// rows), few enough for kGradBlocksPerSm resident blocks (64 registers).
-constexpr int kGradVectorsPerLane = 2;
-constexpr int kGradBlocksPerSm = 4;
+// The backward gives a warp to each sorted position (slot), a lane a 16-byte column vector (grid.y covers rows
+// wider than a warp), and launches all of them: a slot's index loads (its run's token positions, their tokens)
+// come one after another, so many slots must be in flight for those latencies to overlap.
+constexpr int kGradEntriesInFlight = 2;  // rows of a run loaded before they are added, in order
 
 struct Padding {
   bool enabled;
@@ -179,72 +178,62 @@ ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuf
 
 // ---- backward -------------------------------------------------------------------------------------------
 
-// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows of the run of equal keys that starts at
-// sorted position k (k == 0 or keys[k] != keys[k - 1]), added in sorted (token) order; zeros where no run starts.
+// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows order[k..run_end[k]) (a run of equal
+// ids when k starts one, else empty), added in that (token) order; zeros for an empty run.
 template <typename D, int W>
-__global__ void __launch_bounds__(kBlockThreads, kGradBlocksPerSm)
-    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens, const int32_t* __restrict__ keys,
-                      const int32_t* __restrict__ order, float* __restrict__ sums, int64_t n, int64_t cols,
+__global__ void __launch_bounds__(kBlockThreads)
+    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens, const int32_t* __restrict__ order,
+                      const int32_t* __restrict__ run_end, float* __restrict__ sums, int64_t n, int64_t cols,
                       float token_scale, Padding padding, DropoutParams params) {
-  constexpr int kV = kGradVectorsPerLane;
-  const int64_t vectors = cols / W;
-  const int64_t first_vector = static_cast<int64_t>(blockIdx.y) * 32 * kV + threadIdx.x;
+  constexpr int kE = kGradEntriesInFlight;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + threadIdx.x;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (slot >= n || vector >= cols / W) return;
   const bool drop = params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (slot >= n) return;
-  float sum[kV][W];
+  float sum[W];
 #pragma unroll
-  for (int j = 0; j < kV; ++j) {
+  for (int e = 0; e < W; ++e) sum[e] = 0.0f;
+  const int64_t end = min(static_cast<int64_t>(run_end[slot]), n);
+  for (int64_t first = slot; first < end; first += kE) {
+    int64_t index[kE];
+    bool used[kE];
+    float d[kE][W];
 #pragma unroll
-    for (int e = 0; e < W; ++e) sum[j][e] = 0.0f;
-  }
-  const int32_t key = keys[slot];
-  if (slot == 0 || keys[slot - 1] != key) {
-    for (int64_t k = slot; k < n && keys[k] == key; ++k) {
-      const int64_t i = order[k];
-      if (padding.is_pad(tokens[i])) continue;
-      float d[kV][W];
+    for (int u = 0; u < kE; ++u) {
+      const int32_t token = first + u < end ? order[first + u] : -1;
+      used[u] = token >= 0 && !padding.is_pad(tokens[token]);
+      index[u] = static_cast<int64_t>(token) * cols + vector * W;
+      if (used[u]) load_floats<W>(dy + index[u], d[u]);
+    }
 #pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        const int64_t vector = first_vector + 32 * j;
-        if (vector < vectors) load_floats<W>(dy + i * cols + vector * W, d[j]);
-      }
+    for (int u = 0; u < kE; ++u) {
+      if (!used[u]) continue;
+      if (drop) dropout.apply<W>(static_cast<uint64_t>(index[u]), d[u]);
 #pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        const int64_t vector = first_vector + 32 * j;
-        if (vector >= vectors) continue;
-        if (drop) dropout.apply<W>(static_cast<uint64_t>(i * cols + vector * W), d[j]);
-#pragma unroll
-        for (int e = 0; e < W; ++e) sum[j][e] += d[j][e];
-      }
+      for (int e = 0; e < W; ++e) sum[e] += d[u][e];
     }
   }
 #pragma unroll
-  for (int j = 0; j < kV; ++j) {
-    const int64_t vector = first_vector + 32 * j;
-    if (vector >= vectors) continue;
-#pragma unroll
-    for (int e = 0; e < W; ++e) sum[j][e] *= token_scale;
-    store_floats<W>(sums + slot * cols + vector * W, sum[j]);
-  }
+  for (int e = 0; e < W; ++e) sum[e] *= token_scale;
+  store_floats<W>(sums + slot * cols + vector * W, sum);
 }
 
 template <typename D, int W>
-ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* keys,
-                       const int32_t* order, float* sums, int64_t n, int64_t cols, float token_scale, Padding padding,
-                       DropoutParams params) {
+ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* order,
+                       const int32_t* run_end, float* sums, int64_t n, int64_t cols, float token_scale,
+                       Padding padding, DropoutParams params) {
   const dim3 block(32, kBlockThreads / 32);
-  const int64_t chunks = ceil_div(cols / W, int64_t{32} * kGradVectorsPerLane);
+  const int64_t chunks = ceil_div(cols / W, int64_t{32});
   LS_RETURN_IF_ERROR(require(chunks <= 65535, "rows of " + std::to_string(cols) + " elements are too long"));
   const int64_t slot_blocks = ceil_div(n, int64_t{block.y});  // every slot at once: n < 2**31 was checked
   embed_grad_kernel<D, W><<<dim3(static_cast<unsigned>(slot_blocks), static_cast<unsigned>(chunks)), block, 0,
-                            stream>>>(dy, tokens, keys, order, sums, n, cols, token_scale, padding, params);
+                            stream>>>(dy, tokens, order, run_end, sums, n, cols, token_scale, padding, params);
   return launch_error("embed_grad_kernel");
 }
 
-ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tokens, ffi::AnyBuffer keys,
-                      ffi::AnyBuffer order, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> sums,
+ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tokens, ffi::AnyBuffer order,
+                      ffi::AnyBuffer run_end, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> sums,
                       float token_scale, bool has_padding, int64_t padding_id, uint32_t threshold, float scale) {
   const auto dy_dims = dy.dimensions();
   LS_RETURN_IF_ERROR(require(dy_dims.size() == 2, "dy must have shape (tokens, hidden), got " +
@@ -253,8 +242,8 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
   const int64_t cols = dy_dims[1];
   LS_RETURN_IF_ERROR(require(n <= 0x7fffffff, "more than 2**31 - 1 tokens"));
   LS_RETURN_IF_ERROR(require_ids("tokens", tokens, n));
-  LS_RETURN_IF_ERROR(require_ids("keys", keys, n));
   LS_RETURN_IF_ERROR(require_ids("order", order, n));
+  LS_RETURN_IF_ERROR(require_ids("run_end", run_end, n));
   LS_RETURN_IF_ERROR(require(sums->element_type() == ffi::DataType::F32 && sums->dimensions().size() == 2 &&
                                  sums->dimensions()[0] == n && sums->dimensions()[1] == cols,
                              "the run sums must be float32 (" + std::to_string(n) + ", " + std::to_string(cols) +
@@ -265,16 +254,16 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
   if (n == 0 || cols == 0) return ffi::Error::Success();
   const Padding padding{has_padding, padding_id};
   const int32_t* token_ptr = static_cast<const int32_t*>(tokens.untyped_data());
-  const int32_t* key_ptr = static_cast<const int32_t*>(keys.untyped_data());
   const int32_t* order_ptr = static_cast<const int32_t*>(order.untyped_data());
+  const int32_t* end_ptr = static_cast<const int32_t*>(run_end.untyped_data());
   float* out = static_cast<float*>(sums->untyped_data());
   return dispatch_float(dy.element_type(), "dy", [&](auto dy_tag) {
     using D = decltype(dy_tag);
     const D* d = static_cast<const D*>(dy.untyped_data());
     if (cols % kVecWidth<D> == 0 && is_aligned(d, 16) && is_aligned(out, 16))
-      return launch_grad<D, kVecWidth<D>>(stream, d, token_ptr, key_ptr, order_ptr, out, n, cols, token_scale,
+      return launch_grad<D, kVecWidth<D>>(stream, d, token_ptr, order_ptr, end_ptr, out, n, cols, token_scale,
                                           padding, params);
-    return launch_grad<D, 1>(stream, d, token_ptr, key_ptr, order_ptr, out, n, cols, token_scale, padding, params);
+    return launch_grad<D, 1>(stream, d, token_ptr, order_ptr, end_ptr, out, n, cols, token_scale, padding, params);
   });
 }
 

@@ -137,16 +137,30 @@ __device__ __forceinline__ void load_rows(const Tile& tile, const T* __restrict_
 template <typename T>
 using Pair = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
 
-// In place, on the chunks this thread's load_rows copied: rows 0..rows-1 of a tile += bias (64 values of T, or
-// nothing when null), in T's packed add (one rounding of the exact sum). Four rows are read before any is written,
-// so that their shared-memory latencies overlap.
+// The 16-byte chunk of a (64,) projection bias that this thread adds to the rows it copied (chunk
+// threadIdx.x % 8, as load_rows assigns them); absent for a null bias.
 template <typename T>
-__device__ __forceinline__ void add_bias(const Tile& tile, const T* __restrict__ bias, int rows) {
-  if (bias == nullptr) return;
+struct ChunkBias {
+  bool present;
+  Pack<Pair<T>, 4> value;
+};
+
+template <typename T>
+__device__ __forceinline__ ChunkBias<T> load_chunk_bias(const T* __restrict__ bias) {
+  ChunkBias<T> chunk_bias{bias != nullptr, {}};
+  if (bias != nullptr) chunk_bias.value = *reinterpret_cast<const Pack<Pair<T>, 4>*>(bias + threadIdx.x % 8 * 8);
+  return chunk_bias;
+}
+
+// In place, on the chunks this thread's load_rows copied: rows 0..rows-1 of a tile += bias, in T's packed add
+// (one rounding of the exact sum). Four rows are read before any is written, so that their shared-memory
+// latencies overlap.
+template <typename T>
+__device__ __forceinline__ void add_bias(const Tile& tile, const ChunkBias<T>& bias, int rows) {
+  if (!bias.present) return;
   using Chunk = Pack<Pair<T>, 4>;
   constexpr int kBatch = 4;
   const int chunk = threadIdx.x % 8, stride = blockDim.x / 8;
-  const Chunk add = *reinterpret_cast<const Chunk*>(bias + chunk * 8);
   for (int first = threadIdx.x / 8; first < rows; first += kBatch * stride) {
     Chunk values[kBatch];
 #pragma unroll
@@ -156,7 +170,7 @@ __device__ __forceinline__ void add_bias(const Tile& tile, const T* __restrict__
     for (int u = 0; u < kBatch; ++u) {
       if (first + u * stride >= rows) continue;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) values[u].v[i] = __hadd2(values[u].v[i], add.v[i]);
+      for (int i = 0; i < 4; ++i) values[u].v[i] = __hadd2(values[u].v[i], bias.value.v[i]);
       *reinterpret_cast<Chunk*>(tile.chunk(first + u * stride, chunk)) = values[u];
     }
   }
@@ -310,21 +324,42 @@ __device__ __forceinline__ void store_column_sums(float* sums, const float (&acc
   *reinterpret_cast<float2*>(sums + 8 * (lane / 4) + 2 * (lane % 4)) = make_float2(v[0], v[1]);
 }
 
-// In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
-template <typename T, int kKeyTiles>
-__device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g, int b, int row0) {
+// Bit k % 32 of words[k / 32], the same in every lane of a warp: key k exists (k < K) and the key mask admits it.
+template <int kMaxKeys>
+struct VisibleKeys {
+  uint32_t words[kMaxKeys / 32];
+};
+
+// The key mask row of batch element b as bits (one ballot per 32 keys instead of a mask load per score element).
+// Every lane of the warp must call it.
+template <int kMaxKeys>
+__device__ __forceinline__ VisibleKeys<kMaxKeys> visible_keys(const Geometry& g, int b) {
   const int lane = threadIdx.x % 32;
   const bool* mask = g.key_mask == nullptr ? nullptr : g.key_mask + static_cast<int64_t>(b) * g.keys;
+  VisibleKeys<kMaxKeys> keys;
+#pragma unroll
+  for (int w = 0; w < kMaxKeys / 32; ++w) {
+    const int col = 32 * w + lane;
+    keys.words[w] = __ballot_sync(0xffffffffu, col < g.keys && (mask == nullptr || mask[col]));
+  }
+  return keys;
+}
+
+// In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
+template <typename T, int kKeyTiles>
+__device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g,
+                                          const VisibleKeys<kKeyTiles * 8>& keys, int row0) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + lane / 4 + 8 * half;
-    const int visible = g.causal ? min(row + 1 + g.keys - g.queries, g.keys) : g.keys;
+    const int causal_limit = g.causal ? row + 1 + g.keys - g.queries : kKeyTiles * 8;
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
+      const uint32_t bits = keys.words[j / 4] >> (8 * (j % 4) + 2 * t);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * (lane % 4) + e;
-        const bool seen = col < visible && (mask == nullptr || mask[col]);
+        const bool seen = (bits >> e & 1u) && 8 * j + 2 * t + e < causal_limit;
         float& v = s[j][2 * half + e];
         v = seen ? round_to<T>(v) * g.logit_scale : -INFINITY;
       }
@@ -393,17 +428,19 @@ struct Tensors {
 };
 
 // Waits for this thread's load_rows copies of the q, k and v tiles of head h, adds the projection biases to them
-// (see the header), then makes every thread's tiles visible to the block. Every thread must call it.
+// (see the header), then makes every thread's tiles visible to the block. The biases are read before the wait, so
+// that their latency overlaps the copies'. Every thread must call it.
 template <typename T>
 __device__ __forceinline__ void finish_loads(const Tensors& x, const Geometry& g, int h, const Tile& q_tile,
                                              const Tile& k_tile, const Tile& v_tile) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
   const auto head = [h](const void* bias) {
-    return bias == nullptr ? nullptr : static_cast<const T*>(bias) + h * kHeadDim;
+    return load_chunk_bias(bias == nullptr ? nullptr : static_cast<const T*>(bias) + h * kHeadDim);
   };
-  add_bias(q_tile, head(x.query_bias), g.queries);
-  add_bias(k_tile, head(x.key_bias), g.keys);
-  add_bias(v_tile, head(x.value_bias), g.keys);
+  const ChunkBias<T> q_bias = head(x.query_bias), k_bias = head(x.key_bias), v_bias = head(x.value_bias);
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  add_bias(q_tile, q_bias, g.queries);
+  add_bias(k_tile, k_bias, g.keys);
+  add_bias(v_tile, v_bias, g.keys);
   __syncthreads();
 }
 
@@ -438,7 +475,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
 
   float s[kKeyTiles][4];
   row_products<T>(s, q_tile, row0, k_tile, k_pad / 16);
-  to_logits<T>(s, g, b, row0);
+  to_logits<T>(s, g, visible_keys<kMaxKeys>(g, b), row0);
   float lse[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -451,7 +488,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[j][2 * half + e] = expf(s[j][2 * half + e] - row_max);
+        s[j][2 * half + e] = __expf(s[j][2 * half + e] - row_max);
         total += s[j][2 * half + e];
       }
     }
@@ -534,7 +571,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
   if (row0 < q_pad) {
     float p[kKeyTiles][4], dp[kKeyTiles][4];
     row_products<T>(p, q_tile, row0, k_tile, k_pad / 16);
-    to_logits<T>(p, g, b, row0);
+    to_logits<T>(p, g, visible_keys<kMaxKeys>(g, b), row0);
     row_products<T>(dp, dout_tile, row0, v_tile, k_pad / 16);
     float m[kKeyTiles][4];
     if (dropout_params.seed != nullptr) {
@@ -553,7 +590,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          p[j][i] = expf(p[j][i] - lse);
+          p[j][i] = __expf(p[j][i] - lse);
           dp[j][i] = round_to<T>(dp[j][i]) * m[j][i];
           dot += dp[j][i] * p[j][i];
         }

@@ -4,7 +4,8 @@
 // index i * H + h.
 //
 // Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort),
-// giving the permutation `order`, and marks where each run of equal ids ends (run_end). embed_grad_kernel gives
+// giving the permutation `order` and the tokens in that order (sorted_tokens, for the padding test), and marks
+// where each run of equal ids ends (run_end). embed_grad_kernel gives
 // each sorted position that starts a run to one warp, which adds the gradient rows of the run in token order (f32
 // registers) and writes the sum to that position of an (n, H) f32 output (zeros elsewhere). The wrapper scatters
 // those sums into the table, where XLA adds them in place to the table's other gradients (a tied output
@@ -16,8 +17,9 @@
 // threshold: u32, scale: f32 (dropout, as in dropout.cu)):
 //   ls_embed_fwd(tokens, table, seed) -> y (..., H)
 //   ls_embed_pos_fwd(tokens, positions, table, pos_table, seed) -> y (..., H)
-//   ls_embed_grad(dy (n, H), tokens, order, run_end, seed) -> sums f32 (n, H)
-//     with order the token positions in the order of their sorted clipped ids, run_end[k] the end of the run of
+//   ls_embed_grad(dy (n, H), sorted_tokens, order, run_end, seed) -> sums f32 (n, H)
+//     with order the token positions in the order of their sorted clipped ids, sorted_tokens[k] =
+//     tokens[order[k]], run_end[k] the end of the run of
 //     equal ids starting at k (k where none starts there), token_scale multiplying the sums (scale for the
 //     token table, 1 for the position table).
 #include "rows.cuh"
@@ -29,8 +31,9 @@ constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kBlocksPerSm = 4;
 // The backward gives a warp to each sorted position (slot), a lane a 16-byte column vector (grid.y covers rows
-// wider than a warp), and launches all of them: a slot's index loads (its run's token positions, their tokens)
-// come one after another, so many slots must be in flight for those latencies to overlap.
+// wider than a warp), and launches all of them. A slot reads its run end, its first token positions and their
+// tokens at once (the positions are read before the run end is known), then the dy rows: two memory latencies
+// per slot, not the four of a chain run end -> position -> token -> row.
 constexpr int kGradEntriesInFlight = 2;  // rows of a run loaded before they are added, in order
 
 struct Padding {
@@ -182,9 +185,9 @@ ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuf
 // ids when k starts one, else empty), added in that (token) order; zeros for an empty run.
 template <typename D, int W>
 __global__ void __launch_bounds__(kBlockThreads)
-    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ tokens, const int32_t* __restrict__ order,
-                      const int32_t* __restrict__ run_end, float* __restrict__ sums, int64_t n, int64_t cols,
-                      float token_scale, Padding padding, DropoutParams params) {
+    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ sorted_tokens,
+                      const int32_t* __restrict__ order, const int32_t* __restrict__ run_end, float* __restrict__ sums,
+                      int64_t n, int64_t cols, float token_scale, Padding padding, DropoutParams params) {
   constexpr int kE = kGradEntriesInFlight;
   const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + threadIdx.x;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -195,15 +198,19 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int e = 0; e < W; ++e) sum[e] = 0.0f;
   const int64_t end = min(static_cast<int64_t>(run_end[slot]), n);
-  for (int64_t first = slot; first < end; first += kE) {
+  int64_t first = slot;
+  do {  // the first pass runs before `end` arrives: its index loads only need k < n
     int64_t index[kE];
     bool used[kE];
     float d[kE][W];
 #pragma unroll
     for (int u = 0; u < kE; ++u) {
-      const int32_t token = first + u < end ? order[first + u] : -1;
-      used[u] = token >= 0 && !padding.is_pad(tokens[token]);
-      index[u] = static_cast<int64_t>(token) * cols + vector * W;
+      const int64_t k = first + u;
+      const bool exists = k < n;
+      const int32_t token_position = exists ? order[k] : 0;
+      const int32_t token = exists ? sorted_tokens[k] : 0;
+      used[u] = k < end && !padding.is_pad(token);
+      index[u] = static_cast<int64_t>(token_position) * cols + vector * W;
       if (used[u]) load_floats<W>(dy + index[u], d[u]);
     }
 #pragma unroll
@@ -213,14 +220,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int e = 0; e < W; ++e) sum[e] += d[u][e];
     }
-  }
+    first += kE;
+  } while (first < end);
 #pragma unroll
   for (int e = 0; e < W; ++e) sum[e] *= token_scale;
   store_floats<W>(sums + slot * cols + vector * W, sum);
 }
 
 template <typename D, int W>
-ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, const int32_t* order,
+ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* sorted_tokens, const int32_t* order,
                        const int32_t* run_end, float* sums, int64_t n, int64_t cols, float token_scale,
                        Padding padding, DropoutParams params) {
   const dim3 block(32, kBlockThreads / 32);
@@ -228,11 +236,11 @@ ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* tokens, 
   LS_RETURN_IF_ERROR(require(chunks <= 65535, "rows of " + std::to_string(cols) + " elements are too long"));
   const int64_t slot_blocks = ceil_div(n, int64_t{block.y});  // every slot at once: n < 2**31 was checked
   embed_grad_kernel<D, W><<<dim3(static_cast<unsigned>(slot_blocks), static_cast<unsigned>(chunks)), block, 0,
-                            stream>>>(dy, tokens, order, run_end, sums, n, cols, token_scale, padding, params);
+                            stream>>>(dy, sorted_tokens, order, run_end, sums, n, cols, token_scale, padding, params);
   return launch_error("embed_grad_kernel");
 }
 
-ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tokens, ffi::AnyBuffer order,
+ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer sorted_tokens, ffi::AnyBuffer order,
                       ffi::AnyBuffer run_end, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> sums,
                       float token_scale, bool has_padding, int64_t padding_id, uint32_t threshold, float scale) {
   const auto dy_dims = dy.dimensions();
@@ -241,7 +249,7 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
   const int64_t n = dy_dims[0];
   const int64_t cols = dy_dims[1];
   LS_RETURN_IF_ERROR(require(n <= 0x7fffffff, "more than 2**31 - 1 tokens"));
-  LS_RETURN_IF_ERROR(require_ids("tokens", tokens, n));
+  LS_RETURN_IF_ERROR(require_ids("sorted_tokens", sorted_tokens, n));
   LS_RETURN_IF_ERROR(require_ids("order", order, n));
   LS_RETURN_IF_ERROR(require_ids("run_end", run_end, n));
   LS_RETURN_IF_ERROR(require(sums->element_type() == ffi::DataType::F32 && sums->dimensions().size() == 2 &&
@@ -253,7 +261,7 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
   LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
   if (n == 0 || cols == 0) return ffi::Error::Success();
   const Padding padding{has_padding, padding_id};
-  const int32_t* token_ptr = static_cast<const int32_t*>(tokens.untyped_data());
+  const int32_t* sorted_ptr = static_cast<const int32_t*>(sorted_tokens.untyped_data());
   const int32_t* order_ptr = static_cast<const int32_t*>(order.untyped_data());
   const int32_t* end_ptr = static_cast<const int32_t*>(run_end.untyped_data());
   float* out = static_cast<float*>(sums->untyped_data());
@@ -261,9 +269,9 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer tok
     using D = decltype(dy_tag);
     const D* d = static_cast<const D*>(dy.untyped_data());
     if (cols % kVecWidth<D> == 0 && is_aligned(d, 16) && is_aligned(out, 16))
-      return launch_grad<D, kVecWidth<D>>(stream, d, token_ptr, order_ptr, end_ptr, out, n, cols, token_scale,
+      return launch_grad<D, kVecWidth<D>>(stream, d, sorted_ptr, order_ptr, end_ptr, out, n, cols, token_scale,
                                           padding, params);
-    return launch_grad<D, 1>(stream, d, token_ptr, order_ptr, end_ptr, out, n, cols, token_scale, padding, params);
+    return launch_grad<D, 1>(stream, d, sorted_ptr, order_ptr, end_ptr, out, n, cols, token_scale, padding, params);
   });
 }
 

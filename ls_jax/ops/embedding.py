@@ -103,13 +103,13 @@ def _table_grad_ffi(dy, tokens, rows, shape, dtype, token_scale, seed, static: _
     """
     n = rows.size
     position = jnp.arange(n, dtype=jnp.int32)
-    keys, order = jax.lax.sort((rows, position), num_keys=1, is_stable=True)
+    keys, order, sorted_tokens = jax.lax.sort((rows, position, tokens), num_keys=1, is_stable=True)
     starts_run = jnp.ones(keys.shape, bool).at[1:].set(keys[1:] != keys[:-1])
     start_or_end = jnp.where(starts_run, position, n)
     following = jnp.concatenate([start_or_end[1:], jnp.full(start_or_end[:1].shape, n, jnp.int32)])
     run_end = jnp.where(starts_run, jax.lax.cummin(following, reverse=True), position)
     call = jax.ffi.ffi_call("ls_embed_grad", jax.ShapeDtypeStruct((n, shape[1]), _f32), vmap_method="sequential")
-    sums = call(dy, tokens, order, run_end, kernel_seed(seed), **_kernel_attributes(static, token_scale))
+    sums = call(dy, sorted_tokens, order, run_end, kernel_seed(seed), **_kernel_attributes(static, token_scale))
     indices = jnp.where(starts_run, keys, shape[0] + position)
     return jnp.zeros(shape, dtype).at[indices].add(sums.astype(dtype), mode="drop", unique_indices=True)
 

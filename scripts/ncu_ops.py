@@ -1,0 +1,33 @@
+"""Runs the ops benchmark's fused kernels a few times for Nsight Compute: ``ncu ... python3 scripts/ncu_ops.py OP...``.
+
+Each named case of ``train.benchmarks.ops`` (Transformer-big shapes) runs forward + backward, compiled in ffi
+mode, ``--calls`` times, so ``ncu --kernel-name ...`` finds every kernel of the op that many times.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax import backend
+from train.benchmarks import ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ops", nargs="+", help="case names of train.benchmarks.ops")
+    parser.add_argument("--calls", type=int, default=2)
+    args = parser.parse_args()
+    cases = {case.op: case for case in ops.CASES}
+    for name in args.ops:
+        workload = cases[name].workload(1)
+        outputs = jax.eval_shape(workload.op, *workload.primals)
+        cotangent = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outputs)
+        with backend.use("ffi"):
+            fn = jax.jit(ops._forward_backward(workload.op))
+            for _ in range(args.calls):
+                jax.block_until_ready(fn(workload.primals, cotangent))
+
+
+if __name__ == "__main__":
+    main()

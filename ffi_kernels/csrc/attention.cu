@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[j][2 * half + e] = __expf(s[j][2 * half + e] - row_max);
+        s[j][2 * half + e] = expf(s[j][2 * half + e] - row_max);
         total += s[j][2 * half + e];
       }
     }
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          p[j][i] = __expf(p[j][i] - lse);
+          p[j][i] = expf(p[j][i] - lse);
           dp[j][i] = round_to<T>(dp[j][i]) * m[j][i];
           dot += dp[j][i] * p[j][i];
         }

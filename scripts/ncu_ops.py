@@ -7,7 +7,6 @@ mode, ``--calls`` times, so ``ncu --kernel-name ...`` finds every kernel of the 
 import argparse
 
 import jax
-import jax.numpy as jnp
 
 from ls_jax import backend
 from train.benchmarks import ops
@@ -21,10 +20,8 @@ def main() -> None:
     cases = {case.op: case for case in ops.CASES}
     for name in args.ops:
         workload = cases[name].workload(1)
-        outputs = jax.eval_shape(workload.op, *workload.primals)
-        cotangent = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outputs)
+        fn, cotangent = ops.forward_backward(workload)
         with backend.use("ffi"):
-            fn = jax.jit(ops._forward_backward(workload.op))
             for _ in range(args.calls):
                 jax.block_until_ready(fn(workload.primals, cotangent))
 

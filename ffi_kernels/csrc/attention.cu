@@ -255,6 +255,20 @@ __device__ __forceinline__ void row_products(float (&s)[kKeyTiles][4], const Til
   }
 }
 
+// acc += A B for a warp's 16 rows, A (16 x 16) in registers, B rows 16 block..16 block + 15 of a tile (all 64
+// columns; the 8 C fragments of acc hold 8 columns each).
+template <typename T>
+__device__ __forceinline__ void accumulate_row_block(float (&acc)[kHeadDim / 8][4], const uint32_t (&a)[4],
+                                                     const Tile& tile, int block) {
+#pragma unroll
+  for (int c = 0; c < kHeadDim / 16; ++c) {
+    uint32_t b[4];
+    load_b_columns(b, tile, 16 * c, block);
+    mma<T>(acc[2 * c], a, b[0], b[1]);
+    mma<T>(acc[2 * c + 1], a, b[2], b[3]);
+  }
+}
+
 // acc = P B for a warp's 16 rows: P (16 x keys) held as C fragments (p[j] for keys 8j..8j+7), B (keys x 64) the
 // rows of a tile (v for the context, k for dq).
 template <typename T, int kKeyTiles>
@@ -267,13 +281,7 @@ __device__ __forceinline__ void register_products(float (&acc)[kHeadDim / 8][4],
     if (n >= key_chunks) break;
     uint32_t a[4];
     to_a_fragment<T>(a, p[2 * n], p[2 * n + 1]);
-#pragma unroll
-    for (int c = 0; c < kHeadDim / 16; ++c) {
-      uint32_t b[4];
-      load_b_columns(b, cols, 16 * c, n);
-      mma<T>(acc[2 * c], a, b[0], b[1]);
-      mma<T>(acc[2 * c + 1], a, b[2], b[3]);
-    }
+    accumulate_row_block<T>(acc, a, cols, n);
   }
 }
 
@@ -537,13 +545,7 @@ __device__ __forceinline__ void transposed_products(float (&acc)[kHeadDim / 8][4
   for (int c = 0; c < row_chunks; ++c) {
     uint32_t a[4];
     load_a_transposed(a, scores, col0, c);
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 16; ++n) {
-      uint32_t b[4];
-      load_b_columns(b, rows, 16 * n, c);
-      mma<T>(acc[2 * n], a, b[0], b[1]);
-      mma<T>(acc[2 * n + 1], a, b[2], b[3]);
-    }
+    accumulate_row_block<T>(acc, a, rows, c);
   }
 }
 

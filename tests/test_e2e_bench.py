@@ -3,7 +3,9 @@
 import json
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from train.benchmarks import e2e, profile
@@ -69,3 +71,21 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]
                         / timed["tiny-2e2d/1024/ls_jax_xla"]["step_time_s"])
     assert (tmp_path / "e2e-cpu.png").stat().st_size > 0
+
+
+def test_ls_jax_steps_train_bf16_params_from_f32_master_weights():
+    from ls_jax import optim
+
+    batch = e2e._batch(4, seed=0)
+    train_step = e2e._ls_jax_step("tiny-2e2d", batch)
+    initial_params = jax.tree.map(np.asarray, train_step.state[0])  # the steps donate the state's buffers
+    for _ in range(2):
+        assert math.isfinite(float(train_step.run(batch)))
+    params, opt_state, _ = train_step.state
+    assert isinstance(opt_state, optim.MasterWeightsState)
+    leaves = jax.tree.leaves(params)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
+    master = optim.WorkspaceLayout.of(params).views(opt_state.master)
+    for leaf, master_leaf in zip(leaves, master):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(master_leaf.astype(jnp.bfloat16)))
+    assert any(np.any(np.asarray(a) != b) for a, b in zip(leaves, jax.tree.leaves(initial_params)))

@@ -287,6 +287,66 @@ def test_storage_dtype_is_enforced():
         lo.adan(1e-3, storage_dtype=jnp.float32)
 
 
+# ---- master weights -----------------------------------------------------------------------------------------
+
+
+def _bf16_grads(params, step):
+    """Gradients that do not depend on the params, exactly representable in bf16: the same values reach an f32
+    run and a master-weights run."""
+    grads = mlp_grad(jax.tree.map(lambda p: p.astype(jnp.float32), mlp_params()), step)
+    return jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+
+
+def _master_adamw():
+    return lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM,
+                    storage_dtype=jnp.bfloat16, master_weights=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused_apply"])
+def test_master_weights_follow_the_f32_run(fused):
+    """The master copy is the f32 run's params (same gradients); the bf16 params are the master rounded."""
+    f32_params = mlp_params()
+    bf16_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), f32_params)
+    tx = _master_adamw()
+    as_f32 = lambda params, step: jax.tree.map(lambda g: g.astype(jnp.float32), _bf16_grads(params, step))  # noqa: E731
+    exact, _ = trajectory(
+        lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM),
+        f32_params, steps=20, fused=True, grad_fn=as_f32,
+    )
+    ours, state = trajectory(tx, bf16_params, steps=20, fused=fused, grad_fn=_bf16_grads, state=tx.init(f32_params))
+    assert isinstance(state, lo.MasterWeightsState)
+    master = jax.tree.unflatten(jax.tree.structure(f32_params), lo.WorkspaceLayout.of(f32_params).views(state.master))
+    assert_trees_close(master, exact[-1], rtol=1e-6, atol=1e-7)
+    assert_trees_close(ours[-1], jax.tree.map(lambda p: p.astype(jnp.bfloat16), master), rtol=0, atol=0)
+
+
+def test_master_weights_keep_updates_bf16_storage_loses():
+    """lr 1e-5 on weights of magnitude 0.05: each step is below half a bf16 spacing (1.2e-4). Plain bf16 storage
+    never moves them; the master copy accumulates the steps and the bf16 params follow it."""
+    params = {"w": (0.05 * jnp.sign(jax.random.normal(jax.random.PRNGKey(0), (4096,)))).astype(jnp.bfloat16)}
+    grads = {"w": jax.random.normal(jax.random.PRNGKey(1), (4096,)).astype(jnp.bfloat16)}
+    changed = {}
+    for master_weights in (False, True):
+        tx = lo.adam(1e-5, storage_dtype=jnp.bfloat16, master_weights=master_weights)
+        new_params, _ = trajectory(tx, params, steps=40, fused=True, grad_fn=lambda p, step: grads)
+        changed[master_weights] = float(jnp.mean(new_params[-1]["w"] != params["w"]))
+    assert changed[False] < 0.1 and changed[True] > 0.9
+
+
+def test_master_weights_bad_use_raises():
+    with pytest.raises(ValueError, match="master_weights keeps an f32 copy of 16-bit params: it needs storage_dtype"):
+        lo.adan(1e-3, master_weights=True)
+    tx = lo.adan(1e-3, storage_dtype=jnp.bfloat16, master_weights=True)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
+    grads = _bf16_grads(params, 0)
+    with pytest.raises(ValueError, match="with master_weights, update needs the params"):
+        tx.update(grads, tx.init(params))
+    with pytest.raises(TypeError, match="expected a MasterWeightsState from this optimizer's init, got AdanState"):
+        tx.update(grads, lo.adan(1e-3).init(params), params)
+    with pytest.raises(ValueError, match="storage_dtype=bfloat16 needs every gradient leaf in bfloat16"):
+        tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), tx.init(params), params)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------
 
 
@@ -358,6 +418,21 @@ def test_fused_apply_lowers_to_one_in_place_kernel_call_for_cuda(monkeypatch):
     assert text.count("#stablehlo.output_operand_alias") == num_leaves + 4
     flags = ", ".join(str(int(flag)) for flag in jax.tree.leaves(decay_matrices(params)))
     assert f"decay = dense<[{flags}]> : tensor<{num_leaves}xi32>" in text
+
+
+def test_master_weights_lower_to_one_kernel_call_updating_master_and_moments_in_place(monkeypatch):
+    monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
+    tx = lo.adan(1e-3, weight_decay=0.1, max_grad_norm=1.0, storage_dtype=jnp.bfloat16, master_weights=True)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
+    step = jax.jit(lambda g, s, p: lo.fused_apply(tx, g, s, p), donate_argnums=(1, 2))
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
+    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(
+        _bf16_grads(params, 0), tx.init(params), params
+    )
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @ls_optim_step") == 1
+    assert "master = true" in text and "has_params = false" in text
+    assert text.count("#stablehlo.output_operand_alias") == 4 + 1  # Adan's four moments and the master
 
 
 def test_kernel_declines_leaves_beyond_its_limit():

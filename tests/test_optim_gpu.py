@@ -104,6 +104,24 @@ def test_kernel_matches_xla_on_odd_sizes_and_16_bit_storage(name, dtype):
     _assert_agree(ffi, xla, F32_TOLERANCE if dtype == jnp.float32 else BF16_ULP)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_apply", "update"])
+@pytest.mark.parametrize("name", ["adan_decay_mask_clip", "adamw_nesterov_clip"])
+def test_kernel_matches_xla_with_master_weights(name, fused):
+    options = dict(weight_decay=0.05, max_grad_norm=5.0, storage_dtype=jnp.bfloat16, master_weights=True)
+    tx = {
+        "adan_decay_mask_clip": lambda: lo.adan(1e-2, **options),
+        "adamw_nesterov_clip": lambda: lo.adamw(1e-2, nesterov=True, **options),
+    }[name]()
+    params = _odd_tree(jnp.bfloat16)
+    ffi_params, ffi_state = _run("ffi", tx, params, _tree_grad, fused=fused, steps=4)
+    xla_params, xla_state = _run("xla", tx, params, _tree_grad, fused=fused, steps=4)
+    _assert_agree(ffi_state, xla_state, F32_TOLERANCE)
+    _assert_agree(ffi_params, xla_params, BF16_ULP)
+    master = lo.WorkspaceLayout.of(params).views(ffi_state.master)
+    for param, master_leaf in zip(jax.tree.leaves(ffi_params), master):
+        np.testing.assert_array_equal(np.asarray(param), np.asarray(master_leaf.astype(jnp.bfloat16)))
+
+
 def test_mixed_dtypes_f32_params_with_bf16_grads():
     tx = lo.adamw(1e-2, weight_decay=0.05, max_grad_norm=1.0)
     params = _odd_tree(jnp.float32)

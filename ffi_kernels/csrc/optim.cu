@@ -1,11 +1,15 @@
 // Multi-tensor optimizer step (Adam, NAdam, Adan): every parameter leaf updated by one kernel launch.
 //
-// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), moments f32[W] x K)
-//          -> outputs[N], moments f32[W] x K, and with clip a f32[P] scratch of norm partials.
+// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), moments f32[W] x K,
+//                      master f32[W] (when master))
+//          -> outputs[N], moments f32[W] x K, master f32[W] (when master), and with clip a f32[P] scratch of
+//             norm partials.
 // Attributes: algorithm (0 adam, 1 adam_nesterov, 2 adan), num_leaves N, has_params, write_params (outputs
-// are the new params, else the updates), proximal, clip, decay (int32[N], 1 where weight decay applies).
-// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments, and the params when write_params, to
-// their outputs, so the step is in place.
+// are the new params, else the updates), proximal, clip, master, decay (int32[N], 1 where weight decay
+// applies). With master the parameter p comes from the f32 master workspace and its new value goes back there;
+// the outputs are the new p in the leaves' dtype, or the updates new_p - params (f32).
+// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments and the master, and the params when
+// write_params, to their outputs, so the step is in place.
 //
 // The math is the XLA implementation's (ls_jax/optim/_engine.py, adam.py, adan.py) element for element; the
 // scalar vector holds lr, weight_decay, max_norm and then the algorithm's SCALARS in that module's order.
@@ -24,7 +28,8 @@
 // and the result, are deterministic.
 //
 // Bytes per parameter with f32 params and grads: adam reads p, g, mu, nu and writes p, mu, nu (28); adan
-// reads p, g, m, v, n, g' and writes p, m, v, n, g' (44); clipping reads g once more (+4).
+// reads p, g, m, v, n, g' and writes p, m, v, n, g' (44); clipping reads g once more (+4). Master weights
+// with 16-bit params and grads: adam reads master, g, mu, nu, writes master, mu, nu and p (28).
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -67,6 +72,8 @@ struct Leaf {
 struct LeafTable {
   const float* moments_in[kMaxMoments];
   float* moments_out[kMaxMoments];
+  const float* master_in;
+  float* master_out;
   int num_leaves;
   int chunk_end[kMaxLeaves];  // chunks of leaves 0..i together
   Leaf leaf[kMaxLeaves];
@@ -74,7 +81,7 @@ struct LeafTable {
 static_assert(sizeof(LeafTable) + 64 <= 32764, "the leaf table must fit in the kernel parameter space");
 
 struct StepFlags {
-  bool has_params, write_params, proximal, clip;
+  bool has_params, write_params, proximal, clip, master;
 };
 
 template <Algorithm A>
@@ -175,17 +182,22 @@ __device__ __forceinline__ float direction(const Scalars<A>& s, float g, float (
   }
 }
 
+// The new parameter from direction u and parameter p (ls_jax/optim/_engine.py: _new_param).
+template <Algorithm A>
+__device__ __forceinline__ float new_param(const Scalars<A>& s, bool proximal, bool decayed, float u, float p) {
+  const float lr = s[kLr], wd = s[kWeightDecay];
+  if (decayed && proximal) return (p - lr * u) / (1.0f + lr * wd);
+  return p + (decayed ? -lr * (u + wd * p) : -lr * u);
+}
+
 // The new parameter or the update from direction u (ls_jax/optim/_engine.py: _finish).
 template <Algorithm A>
 __device__ __forceinline__ float finish(const Scalars<A>& s, const StepFlags& flags, bool decayed, float u, float p) {
   const float lr = s[kLr], wd = s[kWeightDecay];
   if (!flags.has_params) return -lr * u;
-  if (decayed && flags.proximal) {
-    const float new_p = (p - lr * u) / (1.0f + lr * wd);
-    return flags.write_params ? new_p : new_p - p;
-  }
-  const float update = decayed ? -lr * (u + wd * p) : -lr * u;
-  return flags.write_params ? p + update : update;
+  if (flags.write_params) return new_param<A>(s, flags.proximal, decayed, u, p);
+  if (decayed && flags.proximal) return new_param<A>(s, true, true, u, p) - p;
+  return decayed ? -lr * (u + wd * p) : -lr * u;
 }
 
 // Elements index .. index + N - 1 of one leaf: N = kVec (aligned, whole vector) or 1.
@@ -194,9 +206,10 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
                                               const Scalars<A>& s, const StepFlags& flags, bool clipped,
                                               float norm) {
   constexpr int K = kMoments<A>;
-  float g[N], p[N], m[K][N];
+  float g[N], p[N], m[K][N], master[N];
   load_any<N>(leaf.grad, leaf.grad_type, index, g);
   if (flags.has_params) load_any<N>(leaf.param, leaf.param_type, index, p);
+  if (flags.master) load_floats<N>(table.master_in + leaf.offset + index, master);
 #pragma unroll
   for (int k = 0; k < K; ++k) load_floats<N>(table.moments_in[k] + leaf.offset + index, m[k]);
   const bool decayed = leaf.flags & kDecay;
@@ -210,10 +223,16 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
     const float u = direction<A>(s, gi, mi);
 #pragma unroll
     for (int k = 0; k < K; ++k) m[k][i] = mi[k];
-    out[i] = finish<A>(s, flags, decayed, u, flags.has_params ? p[i] : 0.0f);
+    if (flags.master) {
+      master[i] = new_param<A>(s, flags.proximal, decayed, u, master[i]);
+      out[i] = flags.write_params ? master[i] : master[i] - p[i];
+    } else {
+      out[i] = finish<A>(s, flags, decayed, u, flags.has_params ? p[i] : 0.0f);
+    }
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) store_vector<N>(table.moments_out[k] + leaf.offset + index, m[k]);
+  if (flags.master) store_vector<N>(table.master_out + leaf.offset + index, master);
   store_any<N>(leaf.out, leaf.out_type, index, out);
 }
 
@@ -366,28 +385,31 @@ ffi::Error launch_step(cudaStream_t stream, const LeafTable& table, const float*
 
 ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                       ffi::RemainingRets rets, int32_t algorithm_id, int64_t num_leaves, bool has_params,
-                      bool write_params, bool proximal, bool clip, ffi::Span<const int32_t> decay) {
+                      bool write_params, bool proximal, bool clip, bool master,
+                      ffi::Span<const int32_t> decay) {
   LS_RETURN_IF_ERROR(require(algorithm_id >= 0 && algorithm_id <= 2, "unknown optimizer algorithm " +
                                                                          std::to_string(algorithm_id)));
   const auto algorithm = static_cast<Algorithm>(algorithm_id);
   const int64_t n = num_leaves;
   const int k = moment_count(algorithm);
   LS_RETURN_IF_ERROR(require(n >= 1, "the optimizer step needs at least one leaf"));
-  LS_RETURN_IF_ERROR(require(!write_params || has_params, "writing new params needs the params"));
+  LS_RETURN_IF_ERROR(require(!write_params || has_params || master, "writing new params needs the params"));
+  LS_RETURN_IF_ERROR(require(!master || write_params || has_params, "updates from master weights need the params"));
   LS_RETURN_IF_ERROR(require(static_cast<int64_t>(decay.size()) == n, "decay must have one flag per leaf"));
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == n * (has_params ? 2 : 1) + k,
+  const int workspaces = k + (master ? 1 : 0);
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == n * (has_params ? 2 : 1) + workspaces,
                              "expected " + std::to_string(n) + " grads, " + (has_params ? "as many params, " : "") +
-                                 "and " + std::to_string(k) + " moments after the scalars"));
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + k + (clip ? 1 : 0),
+                                 "and " + std::to_string(k) + " moments" + (master ? " and the master" : "") +
+                                 " after the scalars"));
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + workspaces + (clip ? 1 : 0),
                              "expected " + std::to_string(n) + " outputs, " + std::to_string(k) + " moments" +
-                                 (clip ? " and the norm scratch" : "")));
+                                 (master ? ", the master" : "") + (clip ? " and the norm scratch" : "")));
   LS_RETURN_IF_ERROR(require(static_cast<int>(scalars.element_count()) == scalar_count(algorithm),
                              "expected " + std::to_string(scalar_count(algorithm)) + " scalars, got " +
                                  std::to_string(scalars.element_count())));
 
   std::vector<Leaf> leaves(static_cast<size_t>(n));
   int64_t workspace = 0;
-  bool moments_aligned = true;
   for (int64_t i = 0; i < n; ++i) {
     auto grad = args.get<ffi::AnyBuffer>(i);
     if (grad.has_error()) return grad.error();
@@ -400,40 +422,51 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (out.has_error()) return out.error();
     const bool decayed = decay[i] != 0;
-    LS_RETURN_IF_ERROR(require(!decayed || has_params, "weight decay needs the params"));
+    LS_RETURN_IF_ERROR(require(!decayed || has_params || master, "weight decay needs the params"));
     LS_RETURN_IF_ERROR(describe_leaf(i, *grad, param ? &*param : nullptr, **out, write_params, decayed, workspace,
                                      leaves[i]));
     workspace += round_up(leaves[i].size, kWorkspaceAlign);
   }
 
+  // The moments, then the master: f32 workspaces of these leaves, each read and written.
   LeafTable table;
-  const int64_t first_moment = n * (has_params ? 2 : 1);
-  for (int j = 0; j < k; ++j) {
-    auto in = args.get<ffi::AnyBuffer>(first_moment + j);
+  table.master_in = nullptr;
+  table.master_out = nullptr;
+  const int64_t first_workspace = n * (has_params ? 2 : 1);
+  bool workspaces_aligned = true;
+  for (int j = 0; j < workspaces; ++j) {
+    auto in = args.get<ffi::AnyBuffer>(first_workspace + j);
     if (in.has_error()) return in.error();
     auto out = rets.get<ffi::AnyBuffer>(n + j);
     if (out.has_error()) return out.error();
-    const std::string name = "moment " + std::to_string(j);
+    const std::string name = j < k ? "moment " + std::to_string(j) : std::string("master");
     LS_RETURN_IF_ERROR(require(in->element_type() == ffi::DataType::F32 && (*out)->element_type() == ffi::DataType::F32,
                                name + " must be float32"));
     LS_RETURN_IF_ERROR(require(static_cast<int64_t>(in->element_count()) == workspace &&
                                    static_cast<int64_t>((*out)->element_count()) == workspace,
                                name + " must have " + std::to_string(workspace) + " elements (the workspace of these "
                                    "leaves), got " + std::to_string(in->element_count())));
-    table.moments_in[j] = static_cast<const float*>(in->untyped_data());
-    table.moments_out[j] = static_cast<float*>((*out)->untyped_data());
-    moments_aligned = moments_aligned && is_aligned(table.moments_in[j], 16) && is_aligned(table.moments_out[j], 16);
+    const auto* in_data = static_cast<const float*>(in->untyped_data());
+    auto* out_data = static_cast<float*>((*out)->untyped_data());
+    if (j < k) {
+      table.moments_in[j] = in_data;
+      table.moments_out[j] = out_data;
+    } else {
+      table.master_in = in_data;
+      table.master_out = out_data;
+    }
+    workspaces_aligned = workspaces_aligned && is_aligned(in_data, 16) && is_aligned(out_data, 16);
   }
-  if (!moments_aligned) {
+  if (!workspaces_aligned) {
     for (Leaf& leaf : leaves) leaf.flags &= static_cast<uint8_t>(~kAligned);
   }
 
-  const StepFlags flags{has_params, write_params, proximal, clip};
+  const StepFlags flags{has_params, write_params, proximal, clip, master};
   const int64_t groups = ceil_div(n, kMaxLeaves);
   float* partials = nullptr;
   int num_partials = 0;
   if (clip) {
-    auto scratch = rets.get<ffi::AnyBuffer>(n + k);
+    auto scratch = rets.get<ffi::AnyBuffer>(n + workspaces);
     if (scratch.has_error()) return scratch.error();
     num_partials = static_cast<int>((*scratch)->element_count());
     LS_RETURN_IF_ERROR(require((*scratch)->element_type() == ffi::DataType::F32 && num_partials >= groups,
@@ -487,6 +520,7 @@ LS_FFI_TARGET(ls_optim_step, optim_step,
                   .Attr<bool>("write_params")
                   .Attr<bool>("proximal")
                   .Attr<bool>("clip")
+                  .Attr<bool>("master")
                   .Attr<ffi::Span<const int32_t>>("decay"));
 
 }  // namespace ls

@@ -33,10 +33,26 @@ the relative update is about lr / |p|: lr 1e-3 on weights of magnitude 0.05 give
 threshold (from-scratch Transformer training near its peak learning rate, LightSeq's fp16 WMT case: safe);
 lr 1e-5 on the same weights gives 2e-4, below even f16's 2^-12 = 2.4e-4 (fine-tuning, or the tail of a
 decaying schedule: most updates vanish). Keep f32 params there (``storage_dtype=None``, the default, which
-accepts any mix of dtypes).
+accepts any mix of dtypes), or add master weights.
+
+Master weights (``storage_dtype=jnp.bfloat16, master_weights=True``; mixed-precision training as in Apex's O2
+and LightSeq2's trainer). The state (``MasterWeightsState``) adds an f32 master copy of the parameters, one more
+flat workspace. The step updates the master in f32 and writes the 16-bit params from it, so nothing is lost to
+rounding, and the model computes with the 16-bit params directly: no per-step cast of every f32 weight, and
+16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast to the storage
+dtype::
+
+    tx = ls_jax.optim.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True)
+    opt_state = tx.init(params)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+AdamW then moves 28 bytes per parameter per step, as with f32 params (f32 master read and written, 16-bit
+gradient read and parameter written). ``update`` returns f32 updates ``new_master - params``, which
+``optax.apply_updates`` turns into the master rounded, the params ``apply`` writes.
 """
 
 from ls_jax.optim.adam import AdamState, adam, adamw
+from ls_jax.optim._engine import MasterWeightsState
 from ls_jax.optim.adan import AdanState, adan
 from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
 from ls_jax.optim.workspace import WorkspaceLayout
@@ -45,6 +61,7 @@ __all__ = [
     "AdamState",
     "AdanState",
     "FusedGradientTransformation",
+    "MasterWeightsState",
     "WorkspaceLayout",
     "adam",
     "adamw",

@@ -18,6 +18,11 @@ Implementations (XLA here; CUDA in ffi_kernels/csrc/optim.cu through ``_kernel.s
 grads: list of leaves; params: list of leaves, or None when no leaf decays and updates are written; moments:
 tuple of f32 workspace buffers; scalars: f32[len(config.scalar_names)]; outputs: the new parameters
 (``config.output == "params"``) or the updates (``"updates"``), in ``config.out_dtypes``.
+
+Master weights (``config.master``): ``p`` is read from an f32 workspace of the parameters (the master copy)
+instead of the param leaves, the new ``p`` is written back to it, and the outputs are the new parameters rounded
+to the leaves' 16-bit dtype, or the f32 updates ``new_p - params`` (so that ``optax.apply_updates`` rounds the
+master copy, as ``apply`` does). ``step(..., master) -> (outputs, new_moments, new_master)``.
 """
 
 from __future__ import annotations
@@ -85,8 +90,10 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer or None, got {value}")
 
 
-def check_options(max_grad_norm: Any, storage_dtype: Any) -> jnp.dtype | None:
+def check_options(max_grad_norm: Any, storage_dtype: Any, master_weights: bool) -> jnp.dtype | None:
     """Validates the options every workspace optimizer shares; returns the storage dtype (or None)."""
+    if master_weights and storage_dtype is None:
+        raise ValueError("master_weights keeps an f32 copy of 16-bit params: it needs storage_dtype bfloat16 or float16")
     if max_grad_norm is not None:
         number = _as_number("max_grad_norm", max_grad_norm)
         if number is not None and not number > 0.0:
@@ -135,11 +142,28 @@ class StepConfig:
     clip: bool
     output: Literal["params", "updates"]
     out_dtypes: tuple[np.dtype, ...]
+    master: bool = False
+
+
+class MasterWeightsState(NamedTuple):
+    """A workspace optimizer's state with master weights: the algorithm's state (``AdamState``, ``AdanState``)
+    and the f32 master copy of the parameters, a flat workspace of the same layout as the moments."""
+
+    inner: NamedTuple
+    master: jax.Array
 
 
 def _clip_by_global_norm(g: jax.Array, max_norm: jax.Array) -> jax.Array:
     norm = jnp.sqrt(jnp.sum(g * g))
     return jnp.where(norm < max_norm, g, (g / norm) * max_norm)
+
+
+def _new_param(config: StepConfig, u: jax.Array, p: jax.Array, decayed: bool, s: dict[str, jax.Array]):
+    """The new f32 parameter of one leaf from its direction ``u`` and f32 parameter ``p``."""
+    lr = s["lr"]
+    if decayed and config.proximal:
+        return (p - lr * u) / (1.0 + lr * s["weight_decay"])
+    return p + (-lr * (u + s["weight_decay"] * p) if decayed else -lr * u)
 
 
 def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool, s: dict[str, jax.Array]):
@@ -148,14 +172,14 @@ def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool
     if p is None:
         return -lr * u
     p = p.astype(jnp.float32)
+    if config.output == "params":
+        return _new_param(config, u, p, decayed, s)
     if decayed and config.proximal:
-        new_p = (p - lr * u) / (1.0 + lr * s["weight_decay"])
-        return new_p if config.output == "params" else new_p - p
-    update = -lr * (u + s["weight_decay"] * p) if decayed else -lr * u
-    return p + update if config.output == "params" else update
+        return _new_param(config, u, p, decayed, s) - p
+    return -lr * (u + s["weight_decay"] * p) if decayed else -lr * u
 
 
-def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
+def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars, master=None):
     """The step in jax.numpy: the new moments over the flat workspace, then each leaf's direction and update from
     its slices.
 
@@ -170,14 +194,23 @@ def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
         g = _clip_by_global_norm(g, s["max_norm"])
     new_moments = jax.lax.optimization_barrier(tuple(rule.moments(g, moments, s)))
     leaf_moments = zip(*(config.layout.views(m) for m in new_moments))
-    leaf_params = [None] * len(grads) if params is None else params
-    outputs = [
-        _finish(config, rule.direction(g_leaf, m_leaf, s), p, decayed, s).astype(dtype)
-        for g_leaf, m_leaf, p, decayed, dtype in zip(
-            config.layout.views(g), leaf_moments, leaf_params, config.decay, config.out_dtypes
-        )
+    directions = [rule.direction(g_leaf, m_leaf, s) for g_leaf, m_leaf in zip(config.layout.views(g), leaf_moments)]
+    if master is None:
+        leaf_params = [None] * len(grads) if params is None else params
+        outputs = [
+            _finish(config, u, p, decayed, s).astype(dtype)
+            for u, p, decayed, dtype in zip(directions, leaf_params, config.decay, config.out_dtypes)
+        ]
+        return outputs, tuple(new_moments), None
+    new_master = [
+        _new_param(config, u, p, decayed, s)
+        for u, p, decayed in zip(directions, config.layout.views(master), config.decay)
     ]
-    return outputs, tuple(new_moments)
+    if config.output == "params":
+        outputs = [p.astype(dtype) for p, dtype in zip(new_master, config.out_dtypes)]
+    else:
+        outputs = [p - param.astype(jnp.float32) for p, param in zip(new_master, params)]
+    return outputs, tuple(new_moments), config.layout.flatten(new_master)
 
 
 @functools.cache
@@ -185,17 +218,17 @@ def _log_fallback_once(reason: str) -> None:
     logger.warning("ls_jax.optim: running the XLA implementation on CUDA: %s", reason)
 
 
-def run_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
+def run_step(config: StepConfig, rule: Rule, grads, params, moments, scalars, master):
     """The CUDA kernel when lowering for CUDA with kernels enabled and supported, else ``xla_step``."""
     xla = functools.partial(xla_step, config, rule)
     if not backend.kernels_enabled():
-        return xla(grads, params, moments, scalars)
+        return xla(grads, params, moments, scalars, master)
     reason = _kernel.unsupported(config, grads, params)
     if reason is not None:
         _log_fallback_once(reason)
-        return xla(grads, params, moments, scalars)
+        return xla(grads, params, moments, scalars, master)
     kernel = functools.partial(_kernel.step, config)
-    return jax.lax.platform_dependent(grads, params, moments, scalars, cuda=kernel, default=xla)
+    return jax.lax.platform_dependent(grads, params, moments, scalars, master, cuda=kernel, default=xla)
 
 
 # ---- the transformation -----------------------------------------------------------------------------------
@@ -253,17 +286,26 @@ def workspace_transformation(
     proximal: bool,
     max_grad_norm: float | None,
     storage_dtype: jnp.dtype | None,
+    master_weights: bool,
 ) -> FusedGradientTransformation:
     """The optax-compatible transformation (``init``, ``update``, fused ``apply``) of ``rule``."""
     moment_names = rule.state_type._fields[1:]
     scalar_names = COMMON_SCALARS + rule.scalar_names
 
     def init(params):
-        _check_storage("param", check_leaves("param", params), storage_dtype)
+        leaves = check_leaves("param", params)
+        if not master_weights:
+            _check_storage("param", leaves, storage_dtype)
         layout = WorkspaceLayout.of(params)
-        return rule.state_type(jnp.zeros([], jnp.int32), *(layout.zeros() for _ in moment_names))
+        state = rule.state_type(jnp.zeros([], jnp.int32), *(layout.zeros() for _ in moment_names))
+        return MasterWeightsState(state, layout.flatten(leaves)) if master_weights else state
 
     def step(grads, state, params, output):
+        master = None
+        if master_weights:
+            if not isinstance(state, MasterWeightsState):
+                raise TypeError(f"expected a MasterWeightsState from this optimizer's init, got {type(state).__name__}")
+            state, master = state
         if not isinstance(state, rule.state_type):
             expected, got = rule.state_type.__name__, type(state).__name__
             raise TypeError(f"expected a {expected} from this optimizer's init, got {got}")
@@ -272,18 +314,27 @@ def workspace_transformation(
         layout = WorkspaceLayout.of(grads)
         for name in moment_names:
             layout.check_buffer(name, getattr(state, name))
+        if master_weights:
+            layout.check_buffer("master", master)
         decay = _decay_flags(weight_decay, mask, grads if params is None else params, len(grad_leaves))
         if params is None:
-            if any(decay):
+            if any(decay) and not master_weights:
                 raise ValueError("weight decay needs the params: call update(grads, state, params)")
+            if master_weights and output == "updates":
+                raise ValueError("with master_weights, update needs the params: call update(grads, state, params)")
             param_leaves = None
         else:
             _check_params_match(grads, params, layout)
             param_leaves = check_leaves("param", params)
             _check_storage("param", param_leaves, storage_dtype)
-        out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
+        if master_weights and output == "updates":
+            out_dtypes = (jnp.dtype(jnp.float32),) * len(grad_leaves)
+        else:
+            out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
         clip = max_grad_norm is not None
-        config = StepConfig(rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes)
+        config = StepConfig(
+            rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes, master_weights
+        )
         count = state.count
         values = {
             "lr": _at(learning_rate, count),
@@ -292,10 +343,14 @@ def workspace_transformation(
             **rule.scalars(count),
         }
         moments = tuple(getattr(state, name) for name in moment_names)
-        needed_params = param_leaves if output == "params" or any(decay) else None
+        if master_weights:
+            needed_params = param_leaves if output == "updates" else None
+        else:
+            needed_params = param_leaves if output == "params" or any(decay) else None
         scalars = _pack(scalar_names, values)
-        outputs, new_moments = run_step(config, rule, grad_leaves, needed_params, moments, scalars)
-        return outputs, rule.state_type(optax.safe_increment(count), *new_moments)
+        outputs, new_moments, new_master = run_step(config, rule, grad_leaves, needed_params, moments, scalars, master)
+        new_state = rule.state_type(optax.safe_increment(count), *new_moments)
+        return outputs, MasterWeightsState(new_state, new_master) if master_weights else new_state
 
     def update(updates, state, params=None, **extra_args):
         del extra_args

@@ -88,6 +88,7 @@ def adamw(
     nesterov: bool = False,
     max_grad_norm: float | None = None,
     storage_dtype: Any = None,
+    master_weights: bool = False,
 ) -> FusedGradientTransformation:
     """AdamW as an optax transformation with a fused ``apply`` (see ``ls_jax.optim.fused_apply``).
 
@@ -104,6 +105,8 @@ def adamw(
         folded into the same pass; None does not clip.
       storage_dtype: None, or bfloat16/float16 to require every parameter and gradient in that dtype
         (LightSeq's memory-saving mode); the moments and the arithmetic stay f32. See ``ls_jax.optim``.
+      master_weights: with ``storage_dtype``, keep an f32 master copy of the parameters in the state: the step
+        updates it and writes the 16-bit parameters from it (mixed-precision training). See ``ls_jax.optim``.
 
     Raises:
       ValueError: a hyperparameter out of range (naming it).
@@ -129,7 +132,8 @@ def adamw(
         mask=mask,
         proximal=False,
         max_grad_norm=max_grad_norm,
-        storage_dtype=_engine.check_options(max_grad_norm, storage_dtype),
+        storage_dtype=_engine.check_options(max_grad_norm, storage_dtype, master_weights),
+        master_weights=master_weights,
     )
 
 
@@ -143,6 +147,7 @@ def adam(
     nesterov: bool = False,
     max_grad_norm: float | None = None,
     storage_dtype: Any = None,
+    master_weights: bool = False,
 ) -> FusedGradientTransformation:
     """Adam: ``adamw`` without weight decay (``optax.adam``); the arguments are ``adamw``'s."""
     return adamw(
@@ -155,4 +160,5 @@ def adam(
         nesterov=nesterov,
         max_grad_norm=max_grad_norm,
         storage_dtype=storage_dtype,
+        master_weights=master_weights,
     )

@@ -5,8 +5,10 @@
 One process builds the same Transformer three ways and trains it on the same random batches (fixed-length
 64-token source and target sentences, shared 32768 vocabulary, dropout 0.1 everywhere, label smoothing 0.1,
 AdamW, bf16 compute with f32 params):
-  reference  train/reference_model.py, plain Flax linen + optax, all XLA;
-  ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation;
+  reference  train/reference_model.py, plain Flax linen + optax, all XLA; the f32 params are cast to bf16 for
+             every use;
+  ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation; the f32 params
+             are the optimizer's master weights, and its step writes the bf16 copy the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples
 of 5 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak and against a
@@ -145,7 +147,9 @@ def _ls_jax_step(name: str, batch) -> TrainStep:
     config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
     model = Transformer(config)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
-    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
+    opt_state = tx.init(params)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
     def step(state, batch):
         params, opt_state, rng = state
@@ -166,7 +170,7 @@ def _ls_jax_step(name: str, batch) -> TrainStep:
             params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
         return (params, opt_state, rng), loss
 
-    return _compile(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
+    return _compile(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
 
 
 def _build(implementation: str, name: str, batch) -> TrainStep:
@@ -372,6 +376,7 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
         "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,
         "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
                   "optimizer": "adamw", "precision": "bf16 compute, f32 params",
+                  "ls_jax_params": "f32 master weights in the optimizer, bf16 copies written by its step",
                   "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
                   "ls_jax_attention_dropout": "per element (fairseq / LightSeq)"},
     }

@@ -1,15 +1,13 @@
 // Multi-tensor optimizer step (Adam, NAdam, Adan): every parameter leaf updated by one kernel launch.
 //
-// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), moments f32[W] x K,
-//                      master f32[W] (when master))
-//          -> outputs[N], moments f32[W] x K, master f32[W] (when master), and with clip a f32[P] scratch of
+// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), moments f32[W] x K)
+//          -> outputs[N], moments f32[W] x K, copies[N] (when write_copies), and with clip a f32[P] scratch of
 //             norm partials.
 // Attributes: algorithm (0 adam, 1 adam_nesterov, 2 adan), num_leaves N, has_params, write_params (outputs
-// are the new params, else the updates), proximal, clip, master, decay (int32[N], 1 where weight decay
-// applies). With master the parameter p comes from the f32 master workspace and its new value goes back there;
-// the outputs are the new p in the leaves' dtype, or the updates new_p - params (f32).
-// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments and the master, and the params when
-// write_params, to their outputs, so the step is in place.
+// are the new params, else the updates), proximal, clip, write_copies (the new params are also written in
+// the copies' dtype: the 16-bit params of master weights), decay (int32[N], 1 where weight decay applies).
+// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments, and the params when write_params, to
+// their outputs, so the step is in place.
 //
 // The math is the XLA implementation's (ls_jax/optim/_engine.py, adam.py, adan.py) element for element; the
 // scalar vector holds lr, weight_decay, max_norm and then the algorithm's SCALARS in that module's order.
@@ -29,7 +27,7 @@
 //
 // Bytes per parameter with f32 params and grads: adam reads p, g, mu, nu and writes p, mu, nu (28); adan
 // reads p, g, m, v, n, g' and writes p, m, v, n, g' (44); clipping reads g once more (+4). Master weights
-// with 16-bit params and grads: adam reads master, g, mu, nu, writes master, mu, nu and p (28).
+// (f32 params, 16-bit grads and copies): adam reads p, g, mu, nu and writes p, mu, nu and the copy (28).
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -64,16 +62,15 @@ struct Leaf {
   const void* grad;
   const void* param;
   void* out;
+  void* copy;      // the new params again, in copy_type; null without write_copies
   int64_t offset;  // of the leaf in every workspace
   int64_t size;
-  uint8_t grad_type, param_type, out_type, flags;
+  uint8_t grad_type, param_type, out_type, copy_type, flags;
 };
 
 struct LeafTable {
   const float* moments_in[kMaxMoments];
   float* moments_out[kMaxMoments];
-  const float* master_in;
-  float* master_out;
   int num_leaves;
   int chunk_end[kMaxLeaves];  // chunks of leaves 0..i together
   Leaf leaf[kMaxLeaves];
@@ -81,7 +78,7 @@ struct LeafTable {
 static_assert(sizeof(LeafTable) + 64 <= 32764, "the leaf table must fit in the kernel parameter space");
 
 struct StepFlags {
-  bool has_params, write_params, proximal, clip, master;
+  bool has_params, write_params, proximal, clip;
 };
 
 template <Algorithm A>
@@ -182,22 +179,17 @@ __device__ __forceinline__ float direction(const Scalars<A>& s, float g, float (
   }
 }
 
-// The new parameter from direction u and parameter p (ls_jax/optim/_engine.py: _new_param).
-template <Algorithm A>
-__device__ __forceinline__ float new_param(const Scalars<A>& s, bool proximal, bool decayed, float u, float p) {
-  const float lr = s[kLr], wd = s[kWeightDecay];
-  if (decayed && proximal) return (p - lr * u) / (1.0f + lr * wd);
-  return p + (decayed ? -lr * (u + wd * p) : -lr * u);
-}
-
 // The new parameter or the update from direction u (ls_jax/optim/_engine.py: _finish).
 template <Algorithm A>
 __device__ __forceinline__ float finish(const Scalars<A>& s, const StepFlags& flags, bool decayed, float u, float p) {
   const float lr = s[kLr], wd = s[kWeightDecay];
   if (!flags.has_params) return -lr * u;
-  if (flags.write_params) return new_param<A>(s, flags.proximal, decayed, u, p);
-  if (decayed && flags.proximal) return new_param<A>(s, true, true, u, p) - p;
-  return decayed ? -lr * (u + wd * p) : -lr * u;
+  if (decayed && flags.proximal) {
+    const float new_p = (p - lr * u) / (1.0f + lr * wd);
+    return flags.write_params ? new_p : new_p - p;
+  }
+  const float update = decayed ? -lr * (u + wd * p) : -lr * u;
+  return flags.write_params ? p + update : update;
 }
 
 // Elements index .. index + N - 1 of one leaf: N = kVec (aligned, whole vector) or 1.
@@ -206,10 +198,9 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
                                               const Scalars<A>& s, const StepFlags& flags, bool clipped,
                                               float norm) {
   constexpr int K = kMoments<A>;
-  float g[N], p[N], m[K][N], master[N];
+  float g[N], p[N], m[K][N];
   load_any<N>(leaf.grad, leaf.grad_type, index, g);
   if (flags.has_params) load_any<N>(leaf.param, leaf.param_type, index, p);
-  if (flags.master) load_floats<N>(table.master_in + leaf.offset + index, master);
 #pragma unroll
   for (int k = 0; k < K; ++k) load_floats<N>(table.moments_in[k] + leaf.offset + index, m[k]);
   const bool decayed = leaf.flags & kDecay;
@@ -223,17 +214,12 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
     const float u = direction<A>(s, gi, mi);
 #pragma unroll
     for (int k = 0; k < K; ++k) m[k][i] = mi[k];
-    if (flags.master) {
-      master[i] = new_param<A>(s, flags.proximal, decayed, u, master[i]);
-      out[i] = flags.write_params ? master[i] : master[i] - p[i];
-    } else {
-      out[i] = finish<A>(s, flags, decayed, u, flags.has_params ? p[i] : 0.0f);
-    }
+    out[i] = finish<A>(s, flags, decayed, u, flags.has_params ? p[i] : 0.0f);
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) store_vector<N>(table.moments_out[k] + leaf.offset + index, m[k]);
-  if (flags.master) store_vector<N>(table.master_out + leaf.offset + index, master);
   store_any<N>(leaf.out, leaf.out_type, index, out);
+  if (leaf.copy != nullptr) store_any<N>(leaf.copy, leaf.copy_type, index, out);
 }
 
 // The leaf that owns `chunk`: the first i with chunk < chunk_end[i].
@@ -332,9 +318,17 @@ int scalar_count(Algorithm algorithm) {
 
 // Leaf i's table entry from its buffers; `offset` is its workspace offset.
 ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBuffer* param,
-                         const ffi::AnyBuffer& out, bool write_params, bool decayed, int64_t offset, Leaf& leaf) {
+                         const ffi::AnyBuffer& out, const ffi::AnyBuffer* copy, bool write_params, bool decayed,
+                         int64_t offset, Leaf& leaf) {
   const std::string name = "leaf " + std::to_string(i);
   LS_RETURN_IF_ERROR(require_same_shape(name + " output", out, name + " gradient", grad));
+  leaf.copy = nullptr;
+  leaf.copy_type = kF32;
+  if (copy != nullptr) {
+    LS_RETURN_IF_ERROR(require_same_shape(name + " copy", *copy, name + " gradient", grad));
+    LS_RETURN_IF_ERROR(storage_type(copy->element_type(), name + " copy", leaf.copy_type));
+    leaf.copy = copy->untyped_data();
+  }
   LS_RETURN_IF_ERROR(storage_type(grad.element_type(), name + " gradient", leaf.grad_type));
   LS_RETURN_IF_ERROR(storage_type(out.element_type(), name + " output", leaf.out_type));
   leaf.param_type = leaf.out_type;
@@ -350,7 +344,8 @@ ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBu
   leaf.offset = offset;
   leaf.size = static_cast<int64_t>(grad.element_count());
   const bool aligned = is_aligned(leaf.grad, 16) && is_aligned(leaf.out, 16) &&
-                       (leaf.param == nullptr || is_aligned(leaf.param, 16));
+                       (leaf.param == nullptr || is_aligned(leaf.param, 16)) &&
+                       (leaf.copy == nullptr || is_aligned(leaf.copy, 16));
   leaf.flags = static_cast<uint8_t>((decayed ? kDecay : 0) | (aligned ? kAligned : 0));
   return ffi::Error::Success();
 }
@@ -385,7 +380,7 @@ ffi::Error launch_step(cudaStream_t stream, const LeafTable& table, const float*
 
 ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                       ffi::RemainingRets rets, int32_t algorithm_id, int64_t num_leaves, bool has_params,
-                      bool write_params, bool proximal, bool clip, bool master,
+                      bool write_params, bool proximal, bool clip, bool write_copies,
                       ffi::Span<const int32_t> decay) {
   LS_RETURN_IF_ERROR(require(algorithm_id >= 0 && algorithm_id <= 2, "unknown optimizer algorithm " +
                                                                          std::to_string(algorithm_id)));
@@ -393,23 +388,24 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
   const int64_t n = num_leaves;
   const int k = moment_count(algorithm);
   LS_RETURN_IF_ERROR(require(n >= 1, "the optimizer step needs at least one leaf"));
-  LS_RETURN_IF_ERROR(require(!write_params || has_params || master, "writing new params needs the params"));
-  LS_RETURN_IF_ERROR(require(!master || write_params || has_params, "updates from master weights need the params"));
+  LS_RETURN_IF_ERROR(require(!write_params || has_params, "writing new params needs the params"));
+  LS_RETURN_IF_ERROR(require(!write_copies || write_params, "copies are of the new params: write_params is off"));
   LS_RETURN_IF_ERROR(require(static_cast<int64_t>(decay.size()) == n, "decay must have one flag per leaf"));
-  const int workspaces = k + (master ? 1 : 0);
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == n * (has_params ? 2 : 1) + workspaces,
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == n * (has_params ? 2 : 1) + k,
                              "expected " + std::to_string(n) + " grads, " + (has_params ? "as many params, " : "") +
-                                 "and " + std::to_string(k) + " moments" + (master ? " and the master" : "") +
-                                 " after the scalars"));
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + workspaces + (clip ? 1 : 0),
+                                 "and " + std::to_string(k) + " moments after the scalars"));
+  const int64_t copies = write_copies ? n : 0;
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + k + copies + (clip ? 1 : 0),
                              "expected " + std::to_string(n) + " outputs, " + std::to_string(k) + " moments" +
-                                 (master ? ", the master" : "") + (clip ? " and the norm scratch" : "")));
+                                 (write_copies ? ", " + std::to_string(n) + " copies" : "") +
+                                 (clip ? " and the norm scratch" : "")));
   LS_RETURN_IF_ERROR(require(static_cast<int>(scalars.element_count()) == scalar_count(algorithm),
                              "expected " + std::to_string(scalar_count(algorithm)) + " scalars, got " +
                                  std::to_string(scalars.element_count())));
 
   std::vector<Leaf> leaves(static_cast<size_t>(n));
   int64_t workspace = 0;
+  bool moments_aligned = true;
   for (int64_t i = 0; i < n; ++i) {
     auto grad = args.get<ffi::AnyBuffer>(i);
     if (grad.has_error()) return grad.error();
@@ -421,52 +417,47 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
     }
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (out.has_error()) return out.error();
+    std::optional<ffi::AnyBuffer> copy;
+    if (write_copies) {
+      auto c = rets.get<ffi::AnyBuffer>(n + k + i);
+      if (c.has_error()) return c.error();
+      copy = **c;
+    }
     const bool decayed = decay[i] != 0;
-    LS_RETURN_IF_ERROR(require(!decayed || has_params || master, "weight decay needs the params"));
-    LS_RETURN_IF_ERROR(describe_leaf(i, *grad, param ? &*param : nullptr, **out, write_params, decayed, workspace,
-                                     leaves[i]));
+    LS_RETURN_IF_ERROR(require(!decayed || has_params, "weight decay needs the params"));
+    LS_RETURN_IF_ERROR(describe_leaf(i, *grad, param ? &*param : nullptr, **out, copy ? &*copy : nullptr,
+                                     write_params, decayed, workspace, leaves[i]));
     workspace += round_up(leaves[i].size, kWorkspaceAlign);
   }
 
-  // The moments, then the master: f32 workspaces of these leaves, each read and written.
   LeafTable table;
-  table.master_in = nullptr;
-  table.master_out = nullptr;
-  const int64_t first_workspace = n * (has_params ? 2 : 1);
-  bool workspaces_aligned = true;
-  for (int j = 0; j < workspaces; ++j) {
-    auto in = args.get<ffi::AnyBuffer>(first_workspace + j);
+  const int64_t first_moment = n * (has_params ? 2 : 1);
+  for (int j = 0; j < k; ++j) {
+    auto in = args.get<ffi::AnyBuffer>(first_moment + j);
     if (in.has_error()) return in.error();
     auto out = rets.get<ffi::AnyBuffer>(n + j);
     if (out.has_error()) return out.error();
-    const std::string name = j < k ? "moment " + std::to_string(j) : std::string("master");
+    const std::string name = "moment " + std::to_string(j);
     LS_RETURN_IF_ERROR(require(in->element_type() == ffi::DataType::F32 && (*out)->element_type() == ffi::DataType::F32,
                                name + " must be float32"));
     LS_RETURN_IF_ERROR(require(static_cast<int64_t>(in->element_count()) == workspace &&
                                    static_cast<int64_t>((*out)->element_count()) == workspace,
                                name + " must have " + std::to_string(workspace) + " elements (the workspace of these "
                                    "leaves), got " + std::to_string(in->element_count())));
-    const auto* in_data = static_cast<const float*>(in->untyped_data());
-    auto* out_data = static_cast<float*>((*out)->untyped_data());
-    if (j < k) {
-      table.moments_in[j] = in_data;
-      table.moments_out[j] = out_data;
-    } else {
-      table.master_in = in_data;
-      table.master_out = out_data;
-    }
-    workspaces_aligned = workspaces_aligned && is_aligned(in_data, 16) && is_aligned(out_data, 16);
+    table.moments_in[j] = static_cast<const float*>(in->untyped_data());
+    table.moments_out[j] = static_cast<float*>((*out)->untyped_data());
+    moments_aligned = moments_aligned && is_aligned(table.moments_in[j], 16) && is_aligned(table.moments_out[j], 16);
   }
-  if (!workspaces_aligned) {
+  if (!moments_aligned) {
     for (Leaf& leaf : leaves) leaf.flags &= static_cast<uint8_t>(~kAligned);
   }
 
-  const StepFlags flags{has_params, write_params, proximal, clip, master};
+  const StepFlags flags{has_params, write_params, proximal, clip};
   const int64_t groups = ceil_div(n, kMaxLeaves);
   float* partials = nullptr;
   int num_partials = 0;
   if (clip) {
-    auto scratch = rets.get<ffi::AnyBuffer>(n + workspaces);
+    auto scratch = rets.get<ffi::AnyBuffer>(n + k + copies);
     if (scratch.has_error()) return scratch.error();
     num_partials = static_cast<int>((*scratch)->element_count());
     LS_RETURN_IF_ERROR(require((*scratch)->element_type() == ffi::DataType::F32 && num_partials >= groups,
@@ -520,7 +511,7 @@ LS_FFI_TARGET(ls_optim_step, optim_step,
                   .Attr<bool>("write_params")
                   .Attr<bool>("proximal")
                   .Attr<bool>("clip")
-                  .Attr<bool>("master")
+                  .Attr<bool>("write_copies")
                   .Attr<ffi::Span<const int32_t>>("decay"));
 
 }  // namespace ls

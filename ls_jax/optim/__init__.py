@@ -36,10 +36,10 @@ decaying schedule: most updates vanish). Keep f32 params there (``storage_dtype=
 accepts any mix of dtypes), or add master weights.
 
 Master weights (``storage_dtype=jnp.bfloat16, master_weights=True``; mixed-precision training as in Apex's O2
-and LightSeq2's trainer). The state (``MasterWeightsState``) adds an f32 master copy of the parameters, one more
-flat workspace. The step updates the master in f32 and writes the 16-bit params from it, so nothing is lost to
-rounding, and the model computes with the 16-bit params directly: no per-step cast of every f32 weight, and
-16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast to the storage
+and LightSeq2's trainer). The state (``MasterWeightsState``) adds an f32 master copy of the parameters (a pytree
+like the params). The step updates the master in f32 and writes the 16-bit params from it in the same pass, so
+nothing is lost to rounding, and the model computes with the 16-bit params directly: no per-step cast of every
+f32 weight, and 16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast to the storage
 dtype::
 
     tx = ls_jax.optim.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True)
@@ -47,8 +47,8 @@ dtype::
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
 AdamW then moves 28 bytes per parameter per step, as with f32 params (f32 master read and written, 16-bit
-gradient read and parameter written). ``update`` returns f32 updates ``new_master - params``, which
-``optax.apply_updates`` turns into the master rounded, the params ``apply`` writes.
+gradient read and parameter written). ``update`` returns the f32 updates that ``optax.apply_updates`` turns into
+the same 16-bit params ``apply`` writes.
 """
 
 from ls_jax.optim.adam import AdamState, adam, adamw

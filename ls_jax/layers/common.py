@@ -54,10 +54,6 @@ class Dense(nn.Module):
 
     The parameters are ``nn.DenseGeneral``'s ("kernel" (*in, *features), ``kernel_init`` over the flattened
     (prod(in), prod(features)); "bias" (*features), zeros), so checkpoints of either load into the other.
-
-    With ``per_slice`` the output is a tuple of ``features[0]`` arrays (..., *features[1:]), one GEMM per slice of
-    the first feature axis: for consumers that each take one slice, which the output of a single GEMM would
-    copy out (and whose gradients it would copy back together).
     """
 
     features: int | tuple[int, ...]
@@ -65,10 +61,9 @@ class Dense(nn.Module):
     use_bias: bool = True
     dtype: Any = jnp.float32
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
-    per_slice: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array) -> jax.Array:
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         in_shape = x.shape[x.ndim - self.input_axes :]
 
@@ -78,21 +73,12 @@ class Dense(nn.Module):
 
         kernel = self.param("kernel", kernel_init, (*in_shape, *features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, features, jnp.float32) if self.use_bias else None
-        if not self.per_slice:
-            return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
-        in_axes = (slice(None),) * len(in_shape)
-        return tuple(
-            ops.dense(x, kernel[(*in_axes, index)], None if bias is None else bias[index],
-                      input_axes=self.input_axes, dtype=self.dtype)
-            for index in range(features[0])
-        )
+        return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
 
 
-def dense(
-    config: LayerConfig, features, *, name: str, input_axes: int = 1, use_bias: bool = True, per_slice: bool = False
-) -> Dense:
+def dense(config: LayerConfig, features, *, name: str, input_axes: int = 1, use_bias: bool = True) -> Dense:
     """A GEMM in the compute dtype with f32 parameters."""
-    return Dense(features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, name=name, per_slice=per_slice)
+    return Dense(features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, name=name)
 
 
 class CacheIndex(nn.Module):

@@ -97,12 +97,10 @@ class TransformerEncoder(nn.Module):
 class TransformerDecoder(nn.Module):
     """``num_layers`` decoder layers over embedded targets, then a final LayerNorm when pre-LN.
 
-    The cross-attention keys and values of every layer come from one (H, layers, 2, heads, head_dim) projection of
-    the encoder output (LightSeq2's layer-batched cross attention), computed as one GEMM per layer: layer i takes
-    (B, S, 2, heads, head_dim) from GEMM i. (One GEMM over all layers writes (B, S, layers, 2, heads, head_dim),
-    which has to be copied out slice by slice, and its gradient copied back together.) In decode mode the call
-    that creates the cache stores the projections and the source mask, so later steps neither recompute them
-    nor need the encoder output.
+    The cross-attention keys and values of every layer come from one GEMM over the encoder output,
+    (B, S, H) x (H, layers, 2, heads, head_dim) -> (B, S, layers, 2, heads, head_dim), and layer i attends over
+    slice i (LightSeq2's layer-batched cross attention). In decode mode the call that creates the cache stores
+    that projection and the source mask, so later steps neither recompute it nor need the encoder output.
     """
 
     config: LayerConfig
@@ -122,29 +120,26 @@ class TransformerDecoder(nn.Module):
 
         With ``decode`` and an existing cache, ``encoded`` and ``src_mask`` are read from the cache.
         """
-        cross_key_values, src_mask = self._cross_key_values(encoded, src_mask, decode)
+        cross_key_value, src_mask = self._cross_key_values(encoded, src_mask, decode)
         for index in range(self.num_layers):
             x = TransformerDecoderLayer(self.config, name=f"layer_{index}")(
-                x, cross_key_values[index], src_mask, decode=decode, deterministic=deterministic
+                x, cross_key_value[:, :, index], src_mask, decode=decode, deterministic=deterministic
             )
         if self.config.pre_layer_norm:
             x = LayerNorm(self.config.layer_norm_eps, name="final_layer_norm")(x)
         return x
 
-    def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-        """Each layer's cross-attention K/V (B, S, 2, heads, d) and the source mask, cached when decoding."""
+    def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:
+        """All layers' cross-attention K/V (B, S, layers, 2, heads, d) and the source mask, cached when decoding."""
         if decode and self.has_variable("cache", SOURCE_CACHE_NAMES[0]):
-            cached, src_mask = (self.get_variable("cache", name) for name in SOURCE_CACHE_NAMES)
-            return tuple(cached[:, :, index] for index in range(self.num_layers)), src_mask
+            return tuple(self.get_variable("cache", name) for name in SOURCE_CACHE_NAMES)
         if encoded is None:
             raise ValueError("encoded (the encoder output) is required unless a decode cache already holds it")
         cfg = self.config
-        key_values = dense(
-            cfg, (self.num_layers, 2, cfg.nhead, cfg.head_dim), name="cross_attention_kv", per_slice=True
-        )(encoded)
+        key_value = dense(cfg, (self.num_layers, 2, cfg.nhead, cfg.head_dim), name="cross_attention_kv")(encoded)
         if decode:
             if src_mask is None:
                 src_mask = jnp.ones(encoded.shape[:2], bool)
-            self.put_variable("cache", SOURCE_CACHE_NAMES[0], jnp.stack(key_values, axis=2))
+            self.put_variable("cache", SOURCE_CACHE_NAMES[0], key_value)
             self.put_variable("cache", SOURCE_CACHE_NAMES[1], src_mask)
-        return key_values, src_mask
+        return key_value, src_mask

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -174,6 +175,28 @@ def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cach
     assert intervals[-1]["loss"] < intervals[0]["loss"]
 
 
+@pytest.mark.slow
+def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_dir, compilation_cache):
+    flags = ("--precision", "bf16", "--master-weights", "--log-every", "1")
+    assert wmt.main(small_job(corpus_dir, tmp_path / "straight", "--steps", "4", *flags)) == 0
+    split = tmp_path / "split"
+    assert wmt.main(small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
+    assert wmt.main(["--resume", str(split), "--steps", "4"]) == 0
+
+    straight, resumed = state_arrays(tmp_path / "straight", 4), state_arrays(split, 4)
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
+    params = {name[len("['params']"):]: value for name, value in straight.items() if name.startswith("['params']")}
+    master = {name.split("['master']", 1)[1]: value for name, value in straight.items() if "['master']" in name}
+    assert params and params.keys() == master.keys()
+    for name, value in params.items():
+        assert value.dtype == jnp.bfloat16 and master[name].dtype == np.float32, name
+        np.testing.assert_array_equal(value, master[name].astype(jnp.bfloat16), err_msg=name)
+    intervals = [r for r in runlog.read(split / "run.jsonl") if r["type"] == "interval"]
+    assert all(np.isfinite(r["loss"]) for r in intervals) and intervals[-1]["loss"] < intervals[0]["loss"]
+
+
 @pytest.mark.parametrize(
     "make_args, message",
     [
@@ -186,9 +209,11 @@ def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cach
         (lambda d, c: ["--steps", "0"], "--steps must be >= 1"),
         (lambda d, c: ["--spm", str(d / "missing.model"), "--run-dir", str(d / "r")], "missing.model"),
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
+        (lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
+         "--master-weights needs --precision bf16 or fp16"),
     ],
     ids=["missing-dir", "missing-file", "max-tokens", "max-len", "unwritable-run-dir", "resume-not-a-run",
-         "steps", "missing-spm", "ffi-without-cuda"],
+         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32"],
 )
 def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, make_args, message):
     (tmp_path / "file.txt").write_text("a file, not a directory")

@@ -299,6 +299,7 @@ def model_signature(config: Mapping[str, Any], model_cfg: BertConfig, precision:
         "num_labels": model_cfg.num_labels,
         "optimizer": config["optimizer"],
         "fp16_loss_scaling": precision == "fp16",
+        "master_weights": config["master_weights"],
     }
 
 
@@ -386,14 +387,14 @@ class Evaluator:
 
 
 def _initial_state(model: BertForSequenceClassification, params: Any, tx, rng: jax.Array, seq_len: int, fp16: bool,
-                   parallel: loop.DataParallel) -> loop.TrainState:
+                   param_dtype: Any, parallel: loop.DataParallel) -> loop.TrainState:
     """The step-0 state: ``params`` (pretrained) or a random initialization from ``rng``."""
     init_key, train_key = jax.random.split(rng)
 
     def create(params):
         if params is None:
             params = model.init(init_key, jnp.ones((1, seq_len), jnp.int32))["params"]
-        return loop.TrainState.create(params, tx, train_key, fp16=fp16)
+        return loop.TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
 
     return jax.jit(create, out_shardings=parallel.replicated)(params)
 
@@ -430,9 +431,11 @@ def _train(run: loop.Run) -> int:
     )
     schedule = Schedule.resolve(config, stream.steps_per_epoch)
     learning_rate = linear_warmup_decay(config["lr"], schedule.warmup_steps, schedule.steps)
+    master_dtype = loop.master_dtype(config, precision)
     tx = loop.make_optimizer(config["optimizer"], learning_rate, weight_decay=config["weight_decay"],
-                             clip_norm=config["clip_norm"])
-    state = _initial_state(model, pretrained, tx, model_key, config["max_seq_len"], precision == "fp16", parallel)
+                             clip_norm=config["clip_norm"], master_dtype=master_dtype)
+    state = _initial_state(model, pretrained, tx, model_key, config["max_seq_len"], precision == "fp16", master_dtype,
+                           parallel)
     counters = None
     if config["resume"]:
         state, position, counters = loop.restore_latest(checkpoints, state, signature, run_dir)

@@ -99,11 +99,17 @@ class TrainState:
     loss_scale: DynamicLossScale | None = None
 
     @classmethod
-    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool) -> TrainState:
+    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool,
+               param_dtype: Any = None) -> TrainState:
+        """The step-0 state; ``param_dtype`` casts the params after ``tx.init`` has seen them (master weights:
+        the optimizer keeps the f32 values, the model trains the cast ones)."""
+        opt_state = tx.init(params)
+        if param_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=opt_state,
             rng=rng,
             loss_scale=DynamicLossScale.create() if fp16 else None,
         )
@@ -692,17 +698,30 @@ OPTIMIZERS = ("adamw", "adan")
 
 
 def make_optimizer(
-    name: str, schedule: optax.Schedule, *, weight_decay: float, clip_norm: float | None
+    name: str, schedule: optax.Schedule, *, weight_decay: float, clip_norm: float | None, master_dtype: Any = None
 ) -> optax.GradientTransformation:
-    """ls_jax.optim's fused AdamW (betas 0.9, 0.98 as in fairseq's Transformer recipe) or Adan (paper defaults)."""
-    max_grad_norm = clip_norm if clip_norm else None
+    """ls_jax.optim's fused AdamW (betas 0.9, 0.98 as in fairseq's Transformer recipe) or Adan (paper defaults);
+    with ``master_dtype`` (bf16 or f16) it keeps f32 master weights and trains params of that dtype."""
+    options = dict(weight_decay=weight_decay, mask=decay_mask, max_grad_norm=clip_norm if clip_norm else None,
+                   storage_dtype=master_dtype, master_weights=master_dtype is not None)
     if name == "adamw":
-        return ls_jax.optim.adamw(
-            schedule, b1=0.9, b2=0.98, weight_decay=weight_decay, mask=decay_mask, max_grad_norm=max_grad_norm
-        )
+        return ls_jax.optim.adamw(schedule, b1=0.9, b2=0.98, **options)
     if name == "adan":
-        return ls_jax.optim.adan(schedule, weight_decay=weight_decay, mask=decay_mask, max_grad_norm=max_grad_norm)
+        return ls_jax.optim.adan(schedule, **options)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+
+
+def master_dtype(config: Mapping[str, Any], precision: str) -> Any:
+    """The 16-bit param dtype of ``--master-weights`` (the compute dtype), or None without it.
+
+    Raises:
+      UsageError: ``--master-weights`` with fp32 compute.
+    """
+    if not config["master_weights"]:
+        return None
+    if precision == "fp32":
+        raise UsageError("--master-weights needs --precision bf16 or fp16: with fp32 compute the params are f32")
+    return PRECISION_DTYPES[precision]
 
 
 def parse_precision(value: str, platform: str, spec: metrics_lib.DeviceSpec | None) -> str:
@@ -737,6 +756,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", choices=("auto", *PRECISION_DTYPES),
                        help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
                             "fp16 uses dynamic loss scaling")
+    group.add_argument("--master-weights", action="store_const", const=True,
+                       help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
+                            "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
     group.add_argument("--backend", choices=("auto", "ffi", "xla"),
                        help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect")
     group.add_argument("--seed", type=int, help="seed of initialization, dropout and data order")
@@ -774,6 +796,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "clip_norm": 0.0,
     "grad_accum": 1,
     "precision": "auto",
+    "master_weights": False,
     "backend": "auto",
     "seed": 0,
     "run_dir": None,

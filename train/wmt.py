@@ -228,6 +228,7 @@ def model_signature(config: Mapping[str, Any], model_cfg: TransformerConfig, pre
         "decoder_layers": model_cfg.num_decoder_layers,
         "optimizer": config["optimizer"],
         "fp16_loss_scaling": precision == "fp16",
+        "master_weights": config["master_weights"],
     }
 
 
@@ -334,13 +335,14 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _initial_state(model: Transformer, tx, seed: int, fp16: bool, parallel: loop.DataParallel) -> loop.TrainState:
+def _initial_state(model: Transformer, tx, seed: int, fp16: bool, param_dtype, parallel: loop.DataParallel
+                   ) -> loop.TrainState:
     init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
 
     def create():
         dummy = jnp.ones((1, 8), jnp.int32)
         params = model.init(init_key, dummy, dummy)["params"]
-        return loop.TrainState.create(params, tx, train_key, fp16=fp16)
+        return loop.TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
 
     return jax.jit(create, out_shardings=parallel.replicated)()
 
@@ -362,9 +364,10 @@ def _train(run: loop.Run) -> int:
     model = Transformer(model_cfg)
     signature = model_signature(config, model_cfg, precision)
     schedule = loop.inverse_sqrt_schedule(config["lr"], config["warmup_steps"])
+    master_dtype = loop.master_dtype(config, precision)
     tx = loop.make_optimizer(config["optimizer"], schedule, weight_decay=config["weight_decay"],
-                             clip_norm=config["clip_norm"])
-    state = _initial_state(model, tx, config["seed"], precision == "fp16", parallel)
+                             clip_norm=config["clip_norm"], master_dtype=master_dtype)
+    state = _initial_state(model, tx, config["seed"], precision == "fp16", master_dtype, parallel)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
     counters, position = None, {"epoch": 0, "index": 0}
     if config["resume"]:

@@ -88,19 +88,22 @@ def cases(dtype: Any) -> dict[str, Case]:
 
 
 def optimizer_cases() -> dict[str, Case]:
-    params = {"w": normal(12, (67, 33), jnp.float32), "b": normal(13, (33,), jnp.bfloat16)}
-    grads = jax.tree.map(lambda p: (0.1 * p).astype(p.dtype), params)
+    mixed = {"w": normal(12, (67, 33), jnp.float32), "b": normal(13, (33,), jnp.bfloat16)}
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mixed)
 
-    def step(tx: optax.GradientTransformation) -> Case:
+    def step(tx: optax.GradientTransformation, params: Any) -> Case:
         def run(params, grads):
             updates, _ = tx.update(grads, tx.init(params), params)
             return optax.apply_updates(params, updates)
 
-        return jax.jit(run), (params, grads)
+        return jax.jit(run), (params, jax.tree.map(lambda p: (0.1 * p).astype(p.dtype), params))
 
+    master = ls_jax.optim.adamw(1e-3, weight_decay=0.01, storage_dtype=jnp.bfloat16, master_weights=True)
     return {
-        "adan+clip": step(optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01))),
-        "adamw": step(ls_jax.optim.adamw(1e-3, weight_decay=0.01)),
+        "adan+clip": step(optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01)),
+                          mixed),
+        "adamw": step(ls_jax.optim.adamw(1e-3, weight_decay=0.01), mixed),
+        "adamw+master": step(master, bf16),
     }
 
 

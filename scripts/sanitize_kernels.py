@@ -1,10 +1,11 @@
 """Runs every CUDA kernel of ls_jax once, forward and backward, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_kernels.py [SUBSTRING...]
 
 Small shapes that reach each kernel's edge cases (odd hidden sizes, a partial last vector, short and long keys,
 fully masked rows, padding ids, 16-bit storage) in one process, so the sanitizer attaches once. It fails when
-any FFI target of the library went unexercised, so a clean run covers them all.
+any FFI target of the library went unexercised, so a clean run covers them all. With SUBSTRINGs it runs only the
+cases whose names contain one (e.g. to look at one case alone) and does not check that coverage.
 """
 
 from __future__ import annotations
@@ -107,17 +108,22 @@ def optimizer_cases() -> dict[str, Case]:
     }
 
 
-def main() -> int:
+def main(only: list[str]) -> int:
     with backend.use("ffi"):
         every_target = set(ffi_kernels.load())
         all_cases = {f"{name} {jnp.dtype(dtype).name}": case for dtype in DTYPES for name, case in cases(dtype).items()}
         all_cases.update(optimizer_cases())
+        if only:
+            all_cases = {name: case for name, case in all_cases.items() if any(part in name for part in only)}
         called: set[str] = set()
         for name, (fn, args) in all_cases.items():
             compiled = fn.lower(*args).compile()
             called |= set(re.findall(r'custom_call_target="(ls_\w+)"', compiled.as_text()))
             jax.block_until_ready(compiled(*args))
             print(f"ran {name}", flush=True)
+    if only:
+        print(f"ran {len(all_cases)} selected cases")
+        return 0
     missing = every_target - called
     if missing:
         print(f"not exercised: {sorted(missing)}", file=sys.stderr)
@@ -127,4 +133,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

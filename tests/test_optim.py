@@ -401,17 +401,20 @@ def test_forcing_kernels_without_cuda_is_a_clear_error():
 # ---- the CUDA path, lowered on CPU ----------------------------------------------------------------------
 
 
+def _cuda_lowering(tx, grads, params) -> str:
+    """The MLIR of a donated, jitted ``fused_apply`` step exported for CUDA (the kernel call is not run)."""
+    step = jax.jit(lambda g, s, p: lo.fused_apply(tx, g, s, p), donate_argnums=(1, 2))
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
+    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(grads, tx.init(params), params)
+    return exported.mlir_module()
+
+
 def test_fused_apply_lowers_to_one_in_place_kernel_call_for_cuda(monkeypatch):
     """With kernels enabled, a CUDA lowering holds one ls_optim_step call whose params and moments are aliased."""
     monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
     tx = lo.adan(1e-3, weight_decay=0.1, mask=decay_matrices, max_grad_norm=1.0)
     params = mlp_params()
-    step = jax.jit(lambda g, s, p: lo.fused_apply(tx, g, s, p), donate_argnums=(1, 2))
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
-    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(
-        mlp_grad(params, 0), tx.init(params), params
-    )
-    text = exported.mlir_module()
+    text = _cuda_lowering(tx, mlp_grad(params, 0), params)
     assert text.count("stablehlo.custom_call @ls_optim_step") == 1
     num_leaves = len(jax.tree.leaves(params))
     assert text.count("#stablehlo.output_operand_alias") == num_leaves + 4
@@ -424,12 +427,7 @@ def test_master_weights_lower_to_one_kernel_call_updating_master_and_moments_in_
     monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
     tx = lo.adan(1e-3, weight_decay=0.1, max_grad_norm=1.0, storage_dtype=jnp.bfloat16, master_weights=True)
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
-    step = jax.jit(lambda g, s, p: lo.fused_apply(tx, g, s, p), donate_argnums=(1, 2))
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
-    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)(
-        _bf16_grads(params, 0), tx.init(params), params
-    )
-    text = exported.mlir_module()
+    text = _cuda_lowering(tx, _bf16_grads(params, 0), params)
     assert text.count("stablehlo.custom_call @ls_optim_step") == 1
     assert "write_copies = true" in text
     num_leaves = len(jax.tree.leaves(params))

@@ -298,8 +298,7 @@ def model_signature(config: Mapping[str, Any], model_cfg: BertConfig, precision:
         "positions": layer.max_seq_len,
         "num_labels": model_cfg.num_labels,
         "optimizer": config["optimizer"],
-        "fp16_loss_scaling": precision == "fp16",
-        "master_weights": config["master_weights"],
+        **loop.precision_signature(config, precision),
     }
 
 

@@ -711,6 +711,13 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
+def precision_signature(config: Mapping[str, Any], precision: str) -> dict[str, bool]:
+    """The entries of a checkpoint's model signature that change the train state's structure with the precision.
+
+    ``master_weights`` appears only when set, so checkpoints written before the flag existed still resume."""
+    return {"fp16_loss_scaling": precision == "fp16", **({"master_weights": True} if config["master_weights"] else {})}
+
+
 def master_dtype(config: Mapping[str, Any], precision: str) -> Any:
     """The 16-bit param dtype of ``--master-weights`` (the compute dtype), or None without it.
 

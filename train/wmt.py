@@ -227,8 +227,7 @@ def model_signature(config: Mapping[str, Any], model_cfg: TransformerConfig, pre
         "encoder_layers": model_cfg.num_encoder_layers,
         "decoder_layers": model_cfg.num_decoder_layers,
         "optimizer": config["optimizer"],
-        "fp16_loss_scaling": precision == "fp16",
-        "master_weights": config["master_weights"],
+        **loop.precision_signature(config, precision),
     }
 
 
@@ -335,7 +334,7 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _initial_state(model: Transformer, tx, seed: int, fp16: bool, param_dtype, parallel: loop.DataParallel
+def _initial_state(model: Transformer, tx, seed: int, fp16: bool, param_dtype: Any, parallel: loop.DataParallel
                    ) -> loop.TrainState:
     init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
 

@@ -39,8 +39,8 @@ Master weights (``storage_dtype=jnp.bfloat16, master_weights=True``; mixed-preci
 and LightSeq2's trainer). The state (``MasterWeightsState``) adds an f32 master copy of the parameters (a pytree
 like the params). The step updates the master in f32 and writes the 16-bit params from it in the same pass, so
 nothing is lost to rounding, and the model computes with the 16-bit params directly: no per-step cast of every
-f32 weight, and 16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast to the storage
-dtype::
+f32 weight, and 16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast
+to the storage dtype::
 
     tx = ls_jax.optim.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True)
     opt_state = tx.init(params)

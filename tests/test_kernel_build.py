@@ -145,6 +145,36 @@ def test_cuda_philox_is_bit_identical_to_random_py(tmp_path):
     np.testing.assert_array_equal(cuda, expected)
 
 
+_DRAW_PROGRAM = r"""
+#include <cstdio>
+#include "common.cuh"
+
+int main() {
+  unsigned k0, k1, count;
+  if (std::scanf("%u %u %u", &k0, &k1, &count) != 3) return 1;
+  for (unsigned i = 0; i < count; ++i) std::printf("%u\n", ls::dropout_draw(make_uint2(k0, k1), i));
+  return 0;
+}
+"""
+
+
+def test_cuda_dropout_draws_are_bit_identical_to_random_py(tmp_path):
+    """The element -> 16-bit draw layout (which call, word and half) is the one random.py documents."""
+    nvcc = _require_nvcc()
+    source = tmp_path / "draws.cu"
+    source.write_text(_DRAW_PROGRAM)
+    binary = tmp_path / "draws"
+    subprocess.run([str(nvcc), "-std=c++17", "-I", str(build.CSRC), "-isystem", jax.ffi.include_dir(), str(source),
+                    "-o", str(binary)], check=True, capture_output=True, timeout=600)
+    seed = (0x12345678, 0x9ABCDEF0)
+    count = 203
+    output = subprocess.run([str(binary)], input=f"{seed[0]} {seed[1]} {count}\n", capture_output=True, text=True,
+                            check=True).stdout
+    cuda = np.array(output.split(), np.uint32)
+    expected = np.asarray(random.random_draws(jnp.array(seed, jnp.uint32), (count,)))
+    np.testing.assert_array_equal(cuda, expected)
+
+
 # ---- the FFI implementations lower to their kernels ------------------------------------------------------
 
 

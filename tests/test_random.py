@@ -61,29 +61,38 @@ def test_philox_matches_python_reference_on_random_inputs():
         assert tuple(outputs) == _philox_python(row[:4], row[4:])
 
 
-@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (2, 3, 4)])
-def test_random_bits_word_layout(shape):
-    """Element i (row-major) is word i % 4 of Philox at counter (i // 4, 0, 0, 0) keyed by the seed."""
+def _draw_python(i, key):
+    """Element i's 16-bit draw, as random.py documents it."""
+    word = _philox_python((i // 8, 0, 0, 0), key)[(i % 8) // 2]
+    return (word >> (16 * (i % 2))) & 0xFFFF
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (2, 3, 4), (17,)])
+def test_random_draws_layout(shape):
+    """Element i (row-major) draws half i % 2 of word (i % 8) // 2 of Philox at counter (i // 8, 0, 0, 0)."""
     seed = jnp.array([0x12345678, 0x9ABCDEF0], jnp.uint32)
-    flat = np.asarray(random.random_bits(seed, shape)).reshape(-1)
-    for i, word in enumerate(flat.tolist()):
-        assert word == _philox_python((i // 4, 0, 0, 0), (0x12345678, 0x9ABCDEF0))[i % 4]
+    flat = np.asarray(random.random_draws(seed, shape)).reshape(-1)
+    assert flat.max() < 2**16
+    for i, draw in enumerate(flat.tolist()):
+        assert draw == _draw_python(i, (0x12345678, 0x9ABCDEF0))
 
 
-def test_random_bits_is_a_prefix_across_shapes():
+def test_random_draws_are_a_prefix_across_shapes():
     """The mask depends only on the flat index, so a tensor's mask is the prefix of a larger one's."""
     seed = seed_array(3)
-    small = random.random_bits(seed, (5, 3))
-    large = random.random_bits(seed, (40,))
+    small = random.random_draws(seed, (5, 3))
+    large = random.random_draws(seed, (40,))
     np.testing.assert_array_equal(np.asarray(small).reshape(-1), np.asarray(large)[:15])
 
 
-def test_random_bits_rejects_counter_overflow():
-    with pytest.raises(ValueError, match="2\\*\\*34"):
-        random.random_bits(seed_array(0), (2**32, 5))
+def test_random_draws_reject_counter_overflow():
+    with pytest.raises(ValueError, match="2\\*\\*35"):
+        random.random_draws(seed_array(0), (2**32, 9))
 
 
-@pytest.mark.parametrize("rate, threshold", [(0.0, 0), (0.25, 2**30), (0.5, 2**31), (1 - 2**-33, 2**32 - 1)])
+@pytest.mark.parametrize(
+    "rate, threshold", [(0.0, 0), (0.1, 6554), (0.25, 2**14), (0.5, 2**15), (1 - 2**-18, 2**16 - 1)]
+)
 def test_keep_threshold(rate, threshold):
     assert random.keep_threshold(rate) == threshold
 
@@ -94,11 +103,11 @@ def test_keep_threshold_rejects_rates_outside_unit_interval(rate):
         random.keep_threshold(rate)
 
 
-def test_keep_mask_is_threshold_of_random_bits():
+def test_keep_mask_is_threshold_of_random_draws():
     seed = seed_array(1)
-    bits = np.asarray(random.random_bits(seed, (9, 11)))
+    draws = np.asarray(random.random_draws(seed, (9, 11)))
     keep = np.asarray(random.keep_mask(seed, (9, 11), 0.3))
-    np.testing.assert_array_equal(keep, bits >= random.keep_threshold(0.3))
+    np.testing.assert_array_equal(keep, draws >= random.keep_threshold(0.3))
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])

@@ -386,9 +386,9 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 // Dropout multipliers (0 or scale) of this thread's elements: m[j][i] for s[j][i]. Element (row, col) of head
-// block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 4 the four lanes of a quad draw the
-// four Philox blocks of 16 columns of a row, one each, and exchange keep flags by shuffle; otherwise each
-// element draws its own block. Every lane of the warp must call it.
+// block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 8 the four lanes of a quad draw the
+// four Philox calls of a row's 32 columns, one each (8 columns), and exchange keep flags by shuffle; otherwise
+// each element draws its own call. Every lane of the warp must call it.
 template <int kKeyTiles>
 __device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], const Dropout& dropout,
                                                     const Geometry& g, int64_t bh, int row0) {
@@ -399,19 +399,22 @@ __device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], co
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + lane / 4 + 8 * half;
     const uint64_t row_start = (static_cast<uint64_t>(bh) * g.queries + row) * g.keys;
-    if (g.keys % 4 == 0) {
+    if (g.keys % kDrawsPerCall == 0) {
 #pragma unroll
-      for (int n = 0; n < kKeyTiles / 2; ++n) {
-        if (16 * n >= g.keys) break;
-        const uint4 words = dropout_words(dropout.key, (row_start + 16 * n) / 4 + t);
-        const uint32_t flags = (words.x >= dropout.threshold) | (words.y >= dropout.threshold) << 1 |
-                               (words.z >= dropout.threshold) << 2 | (words.w >= dropout.threshold) << 3;
-        const uint32_t left = __shfl_sync(0xffffffffu, flags, quad + t / 2) >> (2 * (t % 2));
-        const uint32_t right = __shfl_sync(0xffffffffu, flags, quad + 2 + t / 2) >> (2 * (t % 2));
-        m[2 * n][2 * half] = (left & 1u) ? dropout.scale : 0.0f;
-        m[2 * n][2 * half + 1] = (left & 2u) ? dropout.scale : 0.0f;
-        m[2 * n + 1][2 * half] = (right & 1u) ? dropout.scale : 0.0f;
-        m[2 * n + 1][2 * half + 1] = (right & 2u) ? dropout.scale : 0.0f;
+      for (int block = 0; block < kKeyTiles / 4; ++block) {
+        if (32 * block >= g.keys) break;
+        uint32_t flags = 0;
+        if (32 * block + 8 * t < g.keys) {
+          const uint4 words = dropout_words(dropout.key, row_start / kDrawsPerCall + 4 * block + t);
+#pragma unroll
+          for (int e = 0; e < kDrawsPerCall; ++e) flags |= uint32_t{draw_of(words, e) >= dropout.threshold} << e;
+        }
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) {
+          const uint32_t bits = __shfl_sync(0xffffffffu, flags, quad + tile) >> (2 * t);
+          m[4 * block + tile][2 * half] = (bits & 1u) ? dropout.scale : 0.0f;
+          m[4 * block + tile][2 * half + 1] = (bits & 2u) ? dropout.scale : 0.0f;
+        }
       }
     } else {
 #pragma unroll

@@ -251,17 +251,30 @@ __host__ __device__ inline uint4 philox4x32_10(uint4 counter, uint2 key) {
   return counter;
 }
 
-// The four random words of elements 4 * group .. 4 * group + 3 of a dropped tensor (row-major flat index).
-__host__ __device__ inline uint4 dropout_words(uint2 key, uint64_t group) {
-  return philox4x32_10(make_uint4(static_cast<uint32_t>(group), 0u, 0u, 0u), key);
+// One Philox call serves eight consecutive elements (row-major flat index of a dropped tensor), each a 16-bit
+// draw: element i takes half i % 2 (0 the low half) of word (i % 8) / 2 of the call at counter i / 8.
+inline constexpr int kDrawsPerCall = 8;
+
+__host__ __device__ inline uint4 dropout_words(uint2 key, uint64_t call) {
+  return philox4x32_10(make_uint4(static_cast<uint32_t>(call), 0u, 0u, 0u), key);
 }
 
 __host__ __device__ inline uint32_t word_of(uint4 words, uint32_t index) {
   return index == 0 ? words.x : index == 1 ? words.y : index == 2 ? words.z : words.w;
 }
 
+// Draw `index` (0..7) of a call's words.
+__host__ __device__ inline uint32_t draw_of(uint4 words, uint32_t index) {
+  return (word_of(words, index / 2) >> (16 * (index % 2))) & 0xffffu;
+}
+
+// The 16-bit draw of the element at flat index i.
+__host__ __device__ inline uint32_t dropout_draw(uint2 key, uint64_t i) {
+  return draw_of(dropout_words(key, i / kDrawsPerCall), static_cast<uint32_t>(i % kDrawsPerCall));
+}
+
 // What a handler passes to a kernel that drops elements: the device seed (uint32[2], the Philox key), the
-// keep threshold (an element is kept iff its word >= threshold) and the multiplier 1 / (1 - rate) of kept
+// keep threshold (an element is kept iff its draw >= threshold) and the multiplier 1 / (1 - rate) of kept
 // elements, both computed by the Python wrapper exactly as the XLA implementation computes them.
 struct DropoutParams {
   const uint32_t* seed;
@@ -282,25 +295,32 @@ struct Dropout {
     return {make_uint2(__ldg(params.seed), __ldg(params.seed + 1)), params.threshold, params.scale};
   }
 
-  __device__ __forceinline__ float factor(uint32_t word) const { return word >= threshold ? scale : 0.0f; }
+  __device__ __forceinline__ float factor(uint32_t draw) const { return draw >= threshold ? scale : 0.0f; }
 
   // Multiplier (0 or scale) of the element at flat index i.
-  __device__ __forceinline__ float multiplier(uint64_t i) const {
-    return factor(word_of(dropout_words(key, i / 4), static_cast<uint32_t>(i % 4)));
-  }
+  __device__ __forceinline__ float multiplier(uint64_t i) const { return factor(dropout_draw(key, i)); }
 
-  // Multiplies v[0..N) by the multipliers of flat indices first .. first + N - 1. With N a multiple of 4 the
-  // caller guarantees first % 4 == 0, so each Philox call serves four elements.
+  // Multiplies v[0..N) by the multipliers of flat indices first .. first + N - 1. With N a multiple of 8 the
+  // caller guarantees first % 8 == 0, so each Philox call serves eight elements; with N a multiple of 4,
+  // first % 4 == 0, and each group of four takes one half of a call's words.
   template <int N>
   __device__ __forceinline__ void apply(uint64_t first, float (&v)[N]) const {
-    if constexpr (N % 4 == 0) {
+    if constexpr (N % kDrawsPerCall == 0) {
+#pragma unroll
+      for (int g = 0; g < N / kDrawsPerCall; ++g) {
+        const uint4 words = dropout_words(key, first / kDrawsPerCall + g);
+#pragma unroll
+        for (int e = 0; e < kDrawsPerCall; ++e) v[kDrawsPerCall * g + e] *= factor(draw_of(words, e));
+      }
+    } else if constexpr (N % 4 == 0) {
 #pragma unroll
       for (int g = 0; g < N / 4; ++g) {
-        const uint4 words = dropout_words(key, first / 4 + g);
-        v[4 * g + 0] *= factor(words.x);
-        v[4 * g + 1] *= factor(words.y);
-        v[4 * g + 2] *= factor(words.z);
-        v[4 * g + 3] *= factor(words.w);
+        const uint64_t start = first + 4 * g;
+        const uint4 words = dropout_words(key, start / kDrawsPerCall);
+        const bool upper = start % kDrawsPerCall != 0;
+        const uint4 half = upper ? make_uint4(words.z, words.w, 0u, 0u) : make_uint4(words.x, words.y, 0u, 0u);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[4 * g + e] *= factor(draw_of(half, e));
       }
     } else {
 #pragma unroll
@@ -309,12 +329,12 @@ struct Dropout {
   }
 };
 
-// Dropout over 2**34 elements would wrap the 32-bit Philox counter (random.py refuses it too).
-inline constexpr uint64_t kMaxDropoutElements = uint64_t{1} << 34;
+// Dropout over 2**35 elements would wrap the 32-bit Philox counter (random.py refuses it too).
+inline constexpr uint64_t kMaxDropoutElements = uint64_t{1} << 35;
 
 inline ffi::Error require_dropout_range(const DropoutParams& params, uint64_t elements) {
   return require(!params.enabled() || elements < kMaxDropoutElements,
-                 "dropout over " + std::to_string(elements) + " elements exceeds the 2**34-element Philox range");
+                 "dropout over " + std::to_string(elements) + " elements exceeds the 2**35-element Philox range");
 }
 
 // ---- launch sizing --------------------------------------------------------------------------------------

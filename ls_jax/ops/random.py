@@ -1,10 +1,12 @@
 """Counter-based dropout masks shared bit for bit by the XLA and CUDA implementations.
 
 A dropout seed is a ``uint32[2]`` array: the Philox-4x32-10 key. Element ``i`` (row-major flat index of the
-tensor being dropped) takes word ``i % 4`` of ``philox4x32(counter=(i // 4, 0, 0, 0), key=seed)`` and is kept
-when that word is ``>= keep_threshold(rate)``, i.e. with probability ``1 - rate``. The CUDA kernels compute
-the same words, so both backends drop exactly the same elements for the same seed, and a backward pass
-regenerates its mask from the seed instead of storing it.
+tensor being dropped) draws 16 bits: half ``i % 2`` (0 the low half) of word ``(i % 8) // 2`` of
+``philox4x32(counter=(i // 8, 0, 0, 0), key=seed)``, and is kept when its draw is ``>= keep_threshold(rate)``,
+i.e. with probability ``1 - threshold / 2**16`` (the rate rounded to a multiple of 2**-16; FlashAttention's
+dropout draws 8 bits). One Philox call thus serves eight elements, which halves the integer work the kernels spend
+on masks against 32-bit draws. The CUDA kernels compute the same draws, so both backends drop exactly the same
+elements for the same seed, and a backward pass regenerates its mask from the seed instead of storing it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ _PHILOX_M1 = 0xCD9E8D57
 _PHILOX_W0 = 0x9E3779B9
 _PHILOX_W1 = 0xBB67AE85
 _PHILOX_ROUNDS = 10
+_DRAW_BITS = 16
+_DRAWS_PER_CALL = 8  # four 32-bit words, two 16-bit draws each
 
 
 def dropout_seed(key: jax.Array) -> jax.Array:
@@ -25,10 +29,10 @@ def dropout_seed(key: jax.Array) -> jax.Array:
 
 
 def keep_threshold(rate: float) -> int:
-    """The uint32 threshold below which a Philox word drops its element: ``round(rate * 2**32)``."""
+    """The threshold below which an element's 16-bit draw drops it: ``round(rate * 2**16)``, at most 2**16 - 1."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    return min(int(round(rate * 2.0**32)), 2**32 - 1)
+    return min(int(round(rate * 2.0**_DRAW_BITS)), 2**_DRAW_BITS - 1)
 
 
 def _mulhilo(a: jax.Array, multiplier: int) -> tuple[jax.Array, jax.Array]:
@@ -58,42 +62,49 @@ def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array])
 
 
 def _philox_words(seed: jax.Array, shape: tuple[int, ...]) -> tuple[int, tuple[jax.Array, ...]]:
-    """The element count of ``shape`` and the four Philox words (ceil(size / 4),) that cover it."""
+    """The element count of ``shape`` and the four Philox words (ceil(size / 8),) whose halves cover it."""
     size = 1
     for dim in shape:
         size *= dim
-    groups = -(-size // 4)
-    if groups >= 2**32:
-        raise ValueError(f"dropout over {size} elements exceeds the 2**34-element Philox counter range")
-    counter = jnp.arange(groups, dtype=jnp.uint32)
+    calls = -(-size // _DRAWS_PER_CALL)
+    if calls >= 2**32:
+        raise ValueError(f"dropout over {size} elements exceeds the 2**35-element Philox counter range")
+    counter = jnp.arange(calls, dtype=jnp.uint32)
     zero = jnp.zeros_like(counter)
     seed = seed.astype(jnp.uint32)
     return size, philox4x32((counter, zero, zero, zero), (seed[0], seed[1]))
 
 
-def _interleave(words: tuple[jax.Array, ...], size: int, shape: tuple[int, ...]) -> jax.Array:
-    """Element ``i`` of ``shape`` from ``words[i % 4][i // 4]``."""
-    return jnp.stack(words, axis=-1).reshape(-1)[:size].reshape(shape)
+def _halves(words: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """The eight 16-bit draws of each call, in element order: low then high half of each word."""
+    low_mask = jnp.uint32(2**_DRAW_BITS - 1)
+    return tuple(half for word in words for half in (word & low_mask, word >> _DRAW_BITS))
 
 
-def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 words of ``shape``: element ``i`` is word ``i % 4`` of Philox at counter ``i // 4``."""
+def _interleave(draws: tuple[jax.Array, ...], size: int, shape: tuple[int, ...]) -> jax.Array:
+    """Element ``i`` of ``shape`` from ``draws[i % 8][i // 8]``."""
+    return jnp.stack(draws, axis=-1).reshape(-1)[:size].reshape(shape)
+
+
+def random_draws(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Each element's 16-bit draw (as uint32) of ``shape``: half ``i % 2`` of word ``(i % 8) // 2`` of Philox at
+    counter ``i // 8``."""
     size, words = _philox_words(seed, shape)
-    return _interleave(words, size, shape)
+    return _interleave(_halves(words), size, shape)
 
 
 def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
     """Boolean mask of ``shape``, True where an element survives dropout at ``rate``.
 
-    Each word is compared with the threshold behind an optimization barrier, before the interleave. XLA on GPU
+    Each draw is compared with the threshold behind an optimization barrier, before the interleave. XLA on GPU
     does not fuse the Philox rounds into the interleave's consumer, so something crosses memory between the two
-    fusions; the barrier makes that a 1-byte flag instead of the 4-byte word (Transformer-big 6e6d, 8192 tokens,
+    fusions; the barrier makes that a 1-byte flag instead of a 4-byte word (Transformer-big 6e6d, 8192 tokens,
     H100: dropout and softmax 6.40 -> 5.67 ms per training step). Without the barrier XLA moves the comparison
     into the consumer and writes the words.
     """
     size, words = _philox_words(seed, shape)
     threshold = jnp.uint32(keep_threshold(rate))
-    kept = jax.lax.optimization_barrier(tuple(word >= threshold for word in words))
+    kept = jax.lax.optimization_barrier(tuple(draw >= threshold for draw in _halves(words)))
     return _interleave(kept, size, shape)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from train import metrics
 from train.benchmarks import e2e, profile
 
 
@@ -71,6 +72,15 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]
                         / timed["tiny-2e2d/1024/ls_jax_xla"]["step_time_s"])
     assert (tmp_path / "e2e-cpu.png").stat().st_size > 0
+    assert report["target_basis_tflops"] is None and timed["tiny-2e2d/1024/reference"]["mfu_vs_target_basis"] is None
+
+
+def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():
+    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H100 80GB HBM3")) == 790.0
+    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H200")) == 790.0
+    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H100 PCIe")) is None
+    assert e2e.target_basis_tflops(metrics.find_device("TPU v5 lite")) is None
+    assert e2e.target_basis_tflops(None) is None
 
 
 def test_ls_jax_steps_train_bf16_params_from_f32_master_weights():

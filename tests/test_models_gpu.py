@@ -32,9 +32,11 @@ VOCAB = 96
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 5e-2}
 # In bf16 the two backends round in different places, and a whole training step amplifies that (a ReLU input
 # rounded across zero flips its gradient): XLA's own bf16 step differs from its f32 step by up to ~0.25 on
-# some leaves. So a bf16 step is judged against the f32 step: the kernels may be at most this much further
-# from it than XLA's bf16 step is.
+# some leaves. So a bf16 step is judged against the f32 step, by each leaf's RMS error relative to the leaf's
+# RMS: the kernels may be at most this much further from it than XLA's bf16 step is. (The largest element's
+# error, one flipped ReLU gradient, exceeded this bound for some dropout keys with either backend's masks.)
 BF16_EXCESS_ERROR = 2.0, 2e-2
+BF16_DROPOUT_KEYS = (3, 4, 5)
 
 
 def assert_close(ffi_tree, xla_tree, dtype, label):
@@ -92,20 +94,33 @@ def test_transformer_training_step_float32(pre_layer_norm):
     compare_training_step(params, loss_fn, jnp.float32, f"transformer float32 pre_ln={pre_layer_norm}")
 
 
+def rms_relative_error(actual: jax.Array, expected: jax.Array) -> float:
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    scale = np.sqrt(np.mean(expected**2))
+    difference = np.sqrt(np.mean((actual - expected) ** 2))
+    return float(difference / scale) if scale > 0 else float(difference)
+
+
 @pytest.mark.parametrize("pre_layer_norm", [True, False])
 def test_transformer_training_step_bfloat16_is_no_noisier_than_xla(pre_layer_norm):
     params, loss_fn = transformer_loss(jnp.bfloat16, pre_layer_norm)
     _, reference_loss_fn = transformer_loss(jnp.float32, pre_layer_norm)
-    step, rng = jax.value_and_grad(loss_fn), jax.random.key(3)
-    assert kernel_targets(step, params, rng), "no ls_* kernel in the ffi lowering"
-    reference = on_backend("xla", jax.value_and_grad(reference_loss_fn), params, rng)
-    ffi, xla = on_backend("ffi", step, params, rng), on_backend("xla", step, params, rng)
+    step = jax.value_and_grad(loss_fn)
+    assert kernel_targets(step, params, jax.random.key(3)), "no ls_* kernel in the ffi lowering"
+    steps = {}
+    for mode, fn in (("ffi", step), ("xla", step), ("reference", jax.value_and_grad(reference_loss_fn))):
+        with backend.use("xla" if mode == "reference" else mode):
+            steps[mode] = jax.jit(fn).lower(params, jax.random.key(0)).compile()
     factor, slack = BF16_EXCESS_ERROR
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(reference)[0]]
-    for path, got, xla_got, want in zip(paths, jax.tree.leaves(ffi), jax.tree.leaves(xla), jax.tree.leaves(reference)):
-        assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{path}: non-finite"
-        ffi_error, xla_error = relative_error(got, want), relative_error(xla_got, want)
-        assert ffi_error <= factor * xla_error + slack, f"{path}: ffi {ffi_error:.3g} vs xla {xla_error:.3g} from f32"
+    for key in BF16_DROPOUT_KEYS:
+        ffi, xla, reference = (steps[mode](params, jax.random.key(key)) for mode in ("ffi", "xla", "reference"))
+        flat = jax.tree_util.tree_flatten_with_path(reference)[0]
+        for (path, want), got, xla_got in zip(flat, jax.tree.leaves(ffi), jax.tree.leaves(xla)):
+            label = f"key {key} {jax.tree_util.keystr(path)}"
+            assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{label}: non-finite"
+            ffi_error, xla_error = rms_relative_error(got, want), rms_relative_error(xla_got, want)
+            assert ffi_error <= factor * xla_error + slack, f"{label}: ffi {ffi_error:.3g} vs xla {xla_error:.3g} from f32"
 
 
 def test_decoding_produces_the_same_tokens():

@@ -127,17 +127,22 @@ int main() {
 """
 
 
-def test_cuda_philox_is_bit_identical_to_random_py(tmp_path):
+def _run_host_program(tmp_path, program: str, stdin: str) -> str:
+    """Compiles a host-only program against common.cuh with nvcc, runs it on ``stdin`` and returns its stdout."""
     nvcc = _require_nvcc()
-    source = tmp_path / "philox.cu"
-    source.write_text(_PHILOX_PROGRAM)
-    binary = tmp_path / "philox"
+    source = tmp_path / "program.cu"
+    source.write_text(program)
+    binary = tmp_path / "program"
     subprocess.run([str(nvcc), "-std=c++17", "-I", str(build.CSRC), "-isystem", jax.ffi.include_dir(), str(source),
                     "-o", str(binary)], check=True, capture_output=True, timeout=600)
+    return subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True).stdout
+
+
+def test_cuda_philox_is_bit_identical_to_random_py(tmp_path):
     words = np.random.default_rng(0).integers(0, 2**32, size=(256, 6), dtype=np.uint64)
     words[:4] = [[0, 0, 0, 0, 0, 0], [2**32 - 1] * 6, [1, 0, 0, 0, 7, 9], [2**31, 0, 0, 0, 2**32 - 1, 0]]
     stdin = "\n".join(" ".join(map(str, row)) for row in words.tolist()) + "\n"
-    output = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True).stdout
+    output = _run_host_program(tmp_path, _PHILOX_PROGRAM, stdin)
     cuda = np.array([line.split() for line in output.splitlines()], np.uint64)
     counter = tuple(jnp.asarray(words[:, i], jnp.uint32) for i in range(4))
     key = (jnp.asarray(words[:, 4], jnp.uint32), jnp.asarray(words[:, 5], jnp.uint32))
@@ -160,16 +165,9 @@ int main() {
 
 def test_cuda_dropout_draws_are_bit_identical_to_random_py(tmp_path):
     """The element -> 16-bit draw layout (which call, word and half) is the one random.py documents."""
-    nvcc = _require_nvcc()
-    source = tmp_path / "draws.cu"
-    source.write_text(_DRAW_PROGRAM)
-    binary = tmp_path / "draws"
-    subprocess.run([str(nvcc), "-std=c++17", "-I", str(build.CSRC), "-isystem", jax.ffi.include_dir(), str(source),
-                    "-o", str(binary)], check=True, capture_output=True, timeout=600)
     seed = (0x12345678, 0x9ABCDEF0)
     count = 203
-    output = subprocess.run([str(binary)], input=f"{seed[0]} {seed[1]} {count}\n", capture_output=True, text=True,
-                            check=True).stdout
+    output = _run_host_program(tmp_path, _DRAW_PROGRAM, f"{seed[0]} {seed[1]} {count}\n")
     cuda = np.array(output.split(), np.uint32)
     expected = np.asarray(random.random_draws(jnp.array(seed, jnp.uint32), (count,)))
     np.testing.assert_array_equal(cuda, expected)

@@ -5,7 +5,9 @@
 // Shapes: queries and keys 1..128, head_dim 64, bf16 or f16 (tensor cores: mma.sync m16n8k16, f32 accumulators).
 // Each warp owns 16 query rows and holds their whole score rows, so the softmax reductions are quad shuffles.
 // Rounding follows XLA's composition (scores GEMM in the activation dtype, then f32 softmax): the scores and
-// dp = dout v^T are rounded to the activation dtype before the softmax math.
+// dp = dout v^T are rounded to the activation dtype before the softmax math. The kernels hold logits in base 2
+// (scaled by log2(e) with logit_scale) so that each exponential is one ex2.approx instruction; lse leaves and
+// enters in natural-log units, as the XLA implementation has it.
 //
 //   logits = round(q k^T) * logit_scale, -inf where key_mask is false or (causal) k > q + K - Q
 //   lse    = log sum_k exp(logits)                  (+inf for a row with no visible key: its probs are 0)
@@ -228,8 +230,19 @@ struct Geometry {
   int heads, queries, keys;
   bool causal;
   float logit_scale;
+  float log2_scale;      // logit_scale * log2(e): the scale of the kernels' base-2 logits
   const bool* key_mask;  // (B, K) or null
 };
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.69314718055994531f;
+
+// 2^x by the SFU (ex2.approx.ftz: relative error about 2^-22, subnormal results flushed to 0; 2^-inf = 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
 
@@ -353,7 +366,8 @@ __device__ __forceinline__ VisibleKeys<kMaxKeys> visible_keys(const Geometry& g,
   return keys;
 }
 
-// In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> logits (rounded to T, scaled, masked).
+// In place: scores of this thread's two rows (row0 + g, row0 + g + 8) -> base-2 logits (rounded to T, scaled
+// by log2_scale, masked).
 template <typename T, int kKeyTiles>
 __device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geometry& g,
                                           const VisibleKeys<kKeyTiles * 8>& keys, int row0) {
@@ -369,7 +383,7 @@ __device__ __forceinline__ void to_logits(float (&s)[kKeyTiles][4], const Geomet
       for (int e = 0; e < 2; ++e) {
         const bool seen = (bits >> e & 1u) && 8 * j + 2 * t + e < causal_limit;
         float& v = s[j][2 * half + e];
-        v = seen ? round_to<T>(v) * g.logit_scale : -INFINITY;
+        v = seen ? round_to<T>(v) * g.log2_scale : -INFINITY;
       }
     }
   }
@@ -499,13 +513,13 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        s[j][2 * half + e] = expf(s[j][2 * half + e] - row_max);
+        s[j][2 * half + e] = exp2_approx(s[j][2 * half + e] - row_max);
         total += s[j][2 * half + e];
       }
     }
     total = quad_sum(total);
     const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-    lse[half] = total > 0.0f ? row_max + logf(total) : INFINITY;
+    lse[half] = total > 0.0f ? (row_max + log2f(total)) * kLn2 : INFINITY;
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
       s[j][2 * half] *= inverse;
@@ -588,14 +602,14 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + lane / 4 + 8 * half;
-      const float lse = row < g.queries ? x.lse[static_cast<int64_t>(bh) * g.queries + row] : INFINITY;
+      const float lse2 = row < g.queries ? x.lse[static_cast<int64_t>(bh) * g.queries + row] * kLog2e : INFINITY;
       float dot = 0.0f;
 #pragma unroll
       for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * half + e;
-          p[j][i] = expf(p[j][i] - lse);
+          p[j][i] = exp2_approx(p[j][i] - lse2);
           dp[j][i] = round_to<T>(dp[j][i]) * m[j][i];
           dot += dp[j][i] * p[j][i];
         }
@@ -719,7 +733,8 @@ ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBu
   out.batch_heads = q.batch * q.heads;
   LS_RETURN_IF_ERROR(require(out.batch_heads <= 0x7fffffff, "batch * heads must be below 2**31"));
   out.geometry = {static_cast<int>(q.heads), static_cast<int>(q.length), static_cast<int>(kv.length), causal,
-                  logit_scale, key_mask ? static_cast<const bool*>(key_mask->untyped_data()) : nullptr};
+                  logit_scale, logit_scale * kLog2e,
+                  key_mask ? static_cast<const bool*>(key_mask->untyped_data()) : nullptr};
   return ffi::Error::Success();
 }
 

@@ -56,6 +56,9 @@ def cases(dtype: Any) -> dict[str, Case]:
         "layer_norm": forward_backward(lambda x, g, b: ops.layer_norm(x, g, b), x, gamma, beta),
         "layer_norm+residual": forward_backward(lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r),
                                                 x, r, gamma, beta),
+        **{f"bias_dropout_residual+layer_norm[{h}]": forward_backward(
+            lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.1, seed=seed),
+            x[:, :h], bias[:h], r[:, :h], gamma[:h], beta[:h]) for h in (hidden, 1000)},
         "dropout": forward_backward(lambda x: ops.dropout(x, rate=0.1, seed=seed), x),
         "bias_dropout_residual": forward_backward(
             lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed), x, bias, r),

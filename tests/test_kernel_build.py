@@ -35,6 +35,8 @@ EXPECTED_TARGETS = {
     "ls_layer_norm_add_fwd",
     "ls_layer_norm_bwd",
     "ls_layer_norm_add_bwd",
+    "ls_bias_dropout_residual_layer_norm_fwd",
+    "ls_bias_dropout_residual_layer_norm_bwd",
     "ls_embed_fwd",
     "ls_embed_pos_fwd",
     "ls_embed_grad",
@@ -224,6 +226,17 @@ def test_layer_norm_lowers_to_its_kernels_below_the_hidden_limit(kernels_enabled
     assert re.search(r"tensor<264x2x8192xf32>", text), "backward scratch: 2 partial rows per SM"
     wide = jnp.ones((8193,), jnp.float32)
     assert _targets(_cuda_module(plain, normal(1, (2, 8193), jnp.float32), wide, wide)) == set()
+
+
+def test_bias_dropout_residual_layer_norm_lowers_to_one_kernel_each_way(kernels_enabled):
+    seed = seed_array(0)
+
+    x, gamma = normal(0, (300, 8192), jnp.bfloat16), jnp.ones((8192,), jnp.float32)
+    fused = lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.1, seed=seed)
+    text = _cuda_module(lambda *p: _forward_and_backward(fused, *p), x, gamma, x, gamma, gamma)
+    assert _targets(text) == {"ls_bias_dropout_residual_layer_norm_fwd", "ls_bias_dropout_residual_layer_norm_bwd"}
+    assert re.search(r"tensor<264x3x8192xf32>", text), "backward scratch: dgamma, dbeta and dbias partial rows"
+    assert f"threshold = {random.keep_threshold(0.1)} : ui32" in text
 
 
 def test_embedding_lowers_to_its_kernels(kernels_enabled):

@@ -1,4 +1,5 @@
-"""GPU: the LayerNorm kernels (plain and with the fused residual add) against the XLA implementation."""
+"""GPU: the LayerNorm kernels (plain, with the fused residual add, and with bias + dropout + residual before it)
+against the XLA implementation."""
 
 import logging
 
@@ -11,7 +12,7 @@ from ls_jax import ops
 from ls_jax.ops import _common
 from ls_jax.ops.layer_norm import MAX_KERNEL_HIDDEN
 from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, relative_error, value_and_grads
-from test_ops_support import normal, random_cotangent
+from test_ops_support import normal, random_cotangent, seed_array
 
 pytestmark = pytest.mark.gpu
 
@@ -51,6 +52,45 @@ def test_layer_norm_matches_xla(dtype, param_dtype, with_residual):
     got, want = on_backend("ffi", run, primal_sets, cotangents), on_backend("xla", run, primal_sets, cotangents)
     for shape, got_case, want_case in zip(SHAPES, got, want):
         assert_backends_agree(got_case, want_case, dtype, f"layer_norm{shape}")
+
+
+# Vector and scalar paths, one and many rows per backward block, 1024-thread row groups (4097, 8192).
+BDR_SHAPES = [(3, 33), (2, 1000), (4096, 1024), (2, 3, 512), (2, 4097), (3, 8192)]
+
+
+def _bdr_case(index, shape, dtype, param_dtype):
+    """Primals (x, bias, residual, gamma, beta) and a cotangent of both outputs (y, s)."""
+    x = normal(index, shape, dtype, scale=2.0)
+    bias = (0.5 * normal(300 + index, shape[-1:], F32)).astype(param_dtype)
+    primals = (x, bias, normal(50 + index, shape, dtype), *_params(100 + 2 * index, shape[-1], param_dtype))
+    return primals, random_cotangent(200 + index, (x, x))
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1])
+@pytest.mark.parametrize("dtype, param_dtype", DTYPES)
+def test_bias_dropout_residual_layer_norm_matches_xla_and_the_two_kernels(dtype, param_dtype, rate):
+    """The fused kernels against XLA (tolerance), and against bias_dropout_residual's kernels then the
+    LayerNorm kernels: y, s, dx, dresidual, dgamma and dbeta to the bit; dbias sums in another order."""
+    seed = seed_array(7)
+    fused = lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=rate, seed=seed)
+
+    def composed(x, b, r, g, be):
+        s = ops.bias_dropout_residual(x, b, r, dropout_rate=rate, seed=seed)
+        return ops.layer_norm(s, g, be, return_input=True)
+
+    cases = [_bdr_case(i, shape, dtype, param_dtype) for i, shape in enumerate(BDR_SHAPES)]
+    run = lambda op: lambda cases: [value_and_grads(op)(primals, ct) for primals, ct in cases]
+    assert kernel_targets(run(fused), cases) == {
+        "ls_bias_dropout_residual_layer_norm_fwd", "ls_bias_dropout_residual_layer_norm_bwd"}
+    got, two_ops = on_backend("ffi", run(fused), cases), on_backend("ffi", run(composed), cases)
+    want = on_backend("xla", run(fused), cases)
+    for shape, got_case, two_ops_case, want_case in zip(BDR_SHAPES, got, two_ops, want):
+        assert_backends_agree(got_case, want_case, dtype, f"bdr_layer_norm{shape}")
+        (y, s), (dx, dbias, dresidual, dgamma, dbeta) = got_case
+        (y2, s2), (dx2, dbias2, dresidual2, dgamma2, dbeta2) = two_ops_case
+        for a, b in [(y, y2), (s, s2), (dx, dx2), (dresidual, dresidual2), (dgamma, dgamma2), (dbeta, dbeta2)]:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{shape}")
+        assert relative_error(dbias, dbias2) <= 1e-5, shape
 
 
 def test_layer_norm_statistics_of_a_large_offset_row():

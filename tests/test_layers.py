@@ -13,6 +13,7 @@ import pytest
 
 from ls_jax.layers import (
     CrossEntropyCriterion,
+    DeferredResidual,
     LayerConfig,
     MultiHeadAttention,
     TransformerDecoder,
@@ -338,6 +339,36 @@ def test_dropout_depends_on_the_rng_only_when_not_deterministic():
     assert not np.allclose(run(3), run(4))
     np.testing.assert_array_equal(run(3, deterministic=True), run(4, deterministic=True))
     np.testing.assert_array_equal(run(3, deterministic=True), apply({"params": params}, x, deterministic=True))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_deferred_residual_chains_layers_like_formed_outputs(dtype):
+    """A pre-LN layer with defer_residual=True returns its output unformed; it resolves to the plain output, and
+    the next layer's LayerNorm, forming it in one op, gives the plain chain's output and gradients, with dropout."""
+    cfg = layer_config(
+        dtype=dtype, attn_prob_dropout_ratio=0.2, activation_dropout_ratio=0.2, hidden_dropout_ratio=0.2
+    )
+    x = normal(0, (2, 5, HIDDEN))
+    layer = TransformerEncoderLayer(cfg)
+    first, second = random_params(layer, x, seed=1), random_params(layer, x, seed=2)
+    rngs = lambda seed: {"dropout": jax.random.key(seed)}
+
+    def chain(params, defer):
+        middle = layer.apply({"params": params[0]}, x, deterministic=False, rngs=rngs(3), defer_residual=defer)
+        assert isinstance(middle, DeferredResidual) == defer
+        return layer.apply({"params": params[1]}, middle, deterministic=False, rngs=rngs(4))
+
+    deferred = layer.apply({"params": first}, x, deterministic=False, rngs=rngs(3), defer_residual=True)
+    formed = layer.apply({"params": first}, x, deterministic=False, rngs=rngs(3))
+    np.testing.assert_array_equal(np.asarray(deferred.resolve()), np.asarray(formed))
+
+    loss = lambda params, defer: jnp.sum(chain(params, defer).astype(jnp.float32) ** 2)
+    (value, grads), (want_value, want_grads) = (
+        jax.jit(jax.value_and_grad(loss), static_argnums=1)((first, second), defer) for defer in (True, False)
+    )
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 # ---- configuration -----------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""ls_jax.ops.layer_norm against a naive LayerNorm, with and without the fused residual add."""
+"""ls_jax.ops.layer_norm against a naive LayerNorm, with and without the fused residual add, and its
+bias + dropout + residual form against ops.bias_dropout_residual followed by ops.layer_norm."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax.ops import layer_norm
-from test_ops_support import BF16, F32, assert_close, check_vjp, normal
+from ls_jax.ops import bias_dropout_residual, layer_norm
+from test_ops_support import BF16, F32, apply_vjp, assert_close, check_vjp, normal, random_cotangent, seed_array
 
 EPS = 1e-5
 
@@ -70,6 +72,67 @@ def test_layer_norm_returning_its_input_adds_both_cotangents(shape, act_dtype, p
     )
     np.testing.assert_array_equal(np.asarray(same), np.asarray(x))
     assert y.dtype == act_dtype
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+@pytest.mark.parametrize("act_dtype, param_dtype", DTYPES)
+def test_bias_dropout_residual_form_is_the_two_ops_to_the_bit(act_dtype, param_dtype, rate):
+    """(LN(s), s) with s = residual + dropout(x + bias): outputs and the gradients of x, bias, residual, gamma and
+    beta equal bias_dropout_residual then layer_norm(return_input=True) exactly, both outputs' cotangents used."""
+    x, gamma, beta, residual = _inputs((3, 7, 40), act_dtype, param_dtype)
+    bias = normal(4, (40,), param_dtype)
+    seed = seed_array(5) if rate else None
+
+    def fused(x, b, r, g, be):
+        return layer_norm(x, g, be, eps=EPS, residual=r, bias=b, dropout_rate=rate, seed=seed)
+
+    def composed(x, b, r, g, be):
+        s = bias_dropout_residual(x, b, r, dropout_rate=rate, seed=seed)
+        return layer_norm(s, g, be, eps=EPS, return_input=True)
+
+    primals = (x, bias, residual, gamma, beta)
+    cotangent = random_cotangent(6, composed(*primals))
+    got, want = apply_vjp(jax.jit(fused), primals, cotangent), apply_vjp(jax.jit(composed), primals, cotangent)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    (_, s), (dx, *_) = got
+    if rate:  # dropped elements of x + bias leave s = residual and get no gradient
+        dropped = np.asarray(dx) == 0
+        assert 0.15 < dropped.mean() < 0.45
+        np.testing.assert_array_equal(np.asarray(s)[dropped], np.asarray(residual)[dropped])
+
+
+def test_dropout_without_a_bias_adds_none():
+    x, gamma, beta, residual = _inputs((4, 16), F32, F32)
+    seed = seed_array(1)
+    _, s = layer_norm(x, gamma, beta, residual=residual, dropout_rate=0.2, seed=seed)
+    expected = bias_dropout_residual(x, jnp.zeros(16, F32), residual, dropout_rate=0.2, seed=seed)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(expected))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bias=jnp.ones(8, F32)), "bias and dropout_rate need a residual"),
+        (dict(dropout_rate=0.1, seed=seed_array(0)), "bias and dropout_rate need a residual"),
+        (dict(residual=jnp.ones((2, 3, 8), F32), bias=jnp.ones(6, F32)), r"bias must have shape \(8,\)"),
+        (dict(residual=jnp.ones((2, 3, 8), BF16), bias=jnp.ones(8, BF16)), "residual has dtype bfloat16"),
+        (dict(residual=jnp.ones((2, 3, 8), F32), dropout_rate=0.1), "dropout_rate > 0 needs a seed"),
+        (dict(residual=jnp.ones((2, 3, 8), F32), bias=jnp.ones(8, F32), dropout_rate=1.0), r"in \[0, 1\)"),
+    ],
+)
+def test_bad_bias_dropout_residual_arguments_raise(kwargs, message):
+    x, gamma, beta, _ = _inputs((2, 3, 8), F32, F32)
+    with pytest.raises(ValueError, match=message):
+        layer_norm(x, gamma, beta, **kwargs)
+
+
+def test_bias_of_another_dtype_than_gamma_is_rejected():
+    x, _, _, residual = _inputs((2, 3, 8), BF16, BF16)
+    gamma, beta = jnp.ones(8, BF16), jnp.zeros(8, BF16)
+    with pytest.raises(ValueError, match="bias has dtype float32 but gamma has bfloat16"):
+        layer_norm(x, gamma, beta, residual=residual, bias=jnp.ones(8, F32))
 
 
 def test_return_input_with_a_residual_is_rejected():

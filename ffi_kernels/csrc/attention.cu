@@ -89,11 +89,6 @@ __device__ __forceinline__ uint32_t pack_pair(float low, float high) {
   return *reinterpret_cast<uint32_t*>(&pair);
 }
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
-
 // The A fragment of columns 16c..16c+15 of a 16-row tile held as C fragments of 8 columns each.
 template <typename T>
 __device__ __forceinline__ void to_a_fragment(uint32_t (&a)[4], const float (&left)[4], const float (&right)[4]) {

@@ -237,7 +237,7 @@ ffi::Error launch_backward(cudaStream_t stream, const T* dy, const T* x, const P
   bias_bwd_kernel<T, P, W, A><<<dim3(static_cast<unsigned>(blocks), chunks), block, shared, stream>>>(
       dy, x, bias, dx, partials, rows, cols, params);
   LS_RETURN_IF_ERROR(launch_error("bias_bwd_kernel"));
-  return sum_partials<P>(stream, partials, blocks, cols, dbias, nullptr);
+  return sum_partials<P>(stream, partials, blocks, cols, {{dbias}, 1});
 }
 
 // x and bias are read only for an activation; bias_dropout_residual and the relu backward from the output pass

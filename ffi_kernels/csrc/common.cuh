@@ -144,6 +144,12 @@ __device__ __forceinline__ T from_float(float v) {
   if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
 }
 
+// v rounded to T and back: the value a T store and load would give.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
 // Elements of T in one 16-byte access: the natural vector width of a kernel over T.
 template <typename T>
 inline constexpr int kVecWidth = 16 / sizeof(T);
@@ -284,6 +290,8 @@ struct DropoutParams {
   // Rate 0 arrives as threshold 0 and scale 1: nothing is dropped or scaled, and the seed is not read.
   __host__ __device__ bool enabled() const { return threshold != 0 || scale != 1.0f; }
 };
+
+inline constexpr DropoutParams kNoDropout{nullptr, 0, 1.0f};
 
 // DropoutParams with the key read from device memory, ready to produce multipliers.
 struct Dropout {

@@ -79,12 +79,20 @@ inline constexpr int kPartialSharedBytes = kMaxRowElements * sizeof(float);
 
 constexpr int kSumPartialsCols = 32;
 constexpr int kSumPartialsLanes = 32;
+constexpr int kMaxPartialOutputs = 3;
 
-// out_j[c] = sum over p of partials[p, j, c] (j < number of outputs, p < num_partials), in a fixed order.
+// The (cols,) outputs of sum_partials: outputs j < count receive partial rows j.
+template <typename OutT>
+struct PartialOutputs {
+  OutT* out[kMaxPartialOutputs];
+  int count;
+};
+
+// out_j[c] = sum over p of partials[p, j, c] (j < outputs.count, p < num_partials), in a fixed order.
 template <typename OutT>
 __global__ void __launch_bounds__(kSumPartialsCols* kSumPartialsLanes)
-    sum_partials_kernel(const float* __restrict__ partials, int64_t num_partials, int64_t cols, OutT* out0,
-                        OutT* out1) {
+    sum_partials_kernel(const float* __restrict__ partials, int64_t num_partials, int64_t cols,
+                        PartialOutputs<OutT> outputs) {
   __shared__ float lanes[kSumPartialsLanes][kSumPartialsCols + 1];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kSumPartialsCols + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.y) * cols;
@@ -97,16 +105,16 @@ __global__ void __launch_bounds__(kSumPartialsCols* kSumPartialsLanes)
   __syncthreads();
   if (threadIdx.y != 0 || col >= cols) return;
   for (int lane = 1; lane < kSumPartialsLanes; ++lane) total += lanes[lane][threadIdx.x];
-  (blockIdx.y == 0 ? out0 : out1)[col] = from_float<OutT>(total);
+  outputs.out[blockIdx.y][col] = from_float<OutT>(total);
 }
 
-// Reduces partials [num_partials, outputs, cols] (outputs = 1, or 2 when out1 is given) into out0 (and out1).
+// Reduces partials [num_partials, outputs.count, cols] into the outputs.
 template <typename OutT>
-ffi::Error sum_partials(cudaStream_t stream, const float* partials, int64_t num_partials, int64_t cols, OutT* out0,
-                        OutT* out1) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kSumPartialsCols)), out1 == nullptr ? 1u : 2u);
+ffi::Error sum_partials(cudaStream_t stream, const float* partials, int64_t num_partials, int64_t cols,
+                        PartialOutputs<OutT> outputs) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kSumPartialsCols)), static_cast<unsigned>(outputs.count));
   sum_partials_kernel<OutT>
-      <<<grid, dim3(kSumPartialsCols, kSumPartialsLanes), 0, stream>>>(partials, num_partials, cols, out0, out1);
+      <<<grid, dim3(kSumPartialsCols, kSumPartialsLanes), 0, stream>>>(partials, num_partials, cols, outputs);
   return launch_error("sum_partials_kernel");
 }
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax import ops
-from ls_jax.layers.common import CacheIndex, LayerNorm, dense, dropout_args, pre_norm
+from ls_jax.layers.common import CacheIndex, DeferredResidual, dense, dropout_args, pre_norm, sublayer_output
 from ls_jax.layers.config import LayerConfig
 from ls_jax.ops.attention import attention_unfused
 
@@ -22,7 +22,8 @@ class MultiHeadAttention(nn.Module):
     Self-attention computes Q, K and V with one (H -> 3, heads, d) GEMM. Cross-attention projects Q from ``x``
     and takes K and V precomputed as ``key_value`` (B, K, 2, heads, d), so a decoder can project all its layers'
     K/V in one GEMM. The Q (or QKV) projection's bias ("query_bias", "qkv_bias") is added inside the fused
-    attention. Shapes: x (B, Q, H) -> y (B, Q, H).
+    attention. Shapes: x (B, Q, H) -> y (B, Q, H). Pre-LN, x may be a ``DeferredResidual`` (the previous
+    sublayer's output, formed by this one's LayerNorm), and ``defer_residual=True`` returns y as one.
 
     Attributes:
       config: layer configuration.
@@ -37,13 +38,14 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(
         self,
-        x: jax.Array,
+        x: jax.Array | DeferredResidual,
         key_value: jax.Array | None = None,
         key_mask: jax.Array | None = None,
         *,
         decode: bool = False,
         deterministic: bool = True,
-    ) -> jax.Array:
+        defer_residual: bool = False,
+    ) -> jax.Array | DeferredResidual:
         """Args:
           x: (B, Q, H) query stream (and, for self-attention, keys and values).
           key_value: cross-attention only: (B, K, 2, heads, head_dim) keys [:, :, 0] and values [:, :, 1].
@@ -51,6 +53,7 @@ class MultiHeadAttention(nn.Module):
           decode: self-attention only: append this step's keys/values to the "cache" collection and attend
             over everything cached so far (incremental decoding, one or more tokens per call).
           deterministic: disable dropout.
+          defer_residual: pre-LN only: return ``DeferredResidual`` for the next LayerNorm to form.
         """
         cfg = self.config
         if self.self_attention == (key_value is not None):
@@ -59,7 +62,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("decode (KV cache) applies only to causal self-attention")
         if decode and key_mask is not None:
             raise ValueError("key_mask is not supported with decode: cached keys are never padding")
-        h, x = pre_norm(cfg, x.astype(cfg.dtype))
+        h, x = pre_norm(cfg, x)
         rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
         if not self.self_attention:
             query = dense(cfg, (cfg.nhead, cfg.head_dim), use_bias=False, name="query")(h)
@@ -76,9 +79,9 @@ class MultiHeadAttention(nn.Module):
                 )
         out = dense(cfg, cfg.hidden_size, input_axes=2, use_bias=False, name="out")(context)
         out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
-        rate, seed = dropout_args(self, cfg.hidden_dropout_ratio, deterministic)
-        y = ops.bias_dropout_residual(out, out_bias, x, dropout_rate=rate, seed=seed)
-        return y if cfg.pre_layer_norm else LayerNorm(cfg.layer_norm_eps, name="layer_norm")(y)
+        return sublayer_output(
+            cfg, self, out, out_bias, x, deterministic=deterministic, defer_residual=defer_residual
+        )
 
     def _attend_cached(self, qkv: jax.Array, rate: float, seed: jax.Array | None) -> jax.Array:
         """Causal self-attention of this call's (B, L, 3, heads, d) qkv over the KV cache extended with it."""

@@ -1,5 +1,5 @@
-"""Pieces every layer uses: LayerNorm over ``ls_jax.ops.layer_norm``, GEMMs, per-call dropout seeds and the
-decode-mode cache index."""
+"""Pieces every layer uses: LayerNorm over ``ls_jax.ops.layer_norm``, the deferred residual sum of pre-LN
+sublayers, GEMMs, per-call dropout seeds and the decode-mode cache index."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -14,29 +15,90 @@ from ls_jax import ops
 from ls_jax.layers.config import LayerConfig
 
 
+@flax.struct.dataclass
+class DeferredResidual:
+    """``residual + dropout(update + bias)``: a pre-LN sublayer's output, not yet formed.
+
+    Sublayers called with ``defer_residual=True`` return it, and the next LayerNorm forms and normalizes the sum
+    in one kernel each way (``ops.layer_norm`` with ``bias``), saving a pass over the activations in each
+    direction. ``resolve()`` forms it alone (``ops.bias_dropout_residual``). update, residual (..., H) in the
+    compute dtype; bias (H,) f32; seed None when dropout_rate is 0.
+    """
+
+    update: jax.Array
+    bias: jax.Array
+    residual: jax.Array
+    seed: jax.Array | None
+    dropout_rate: float = flax.struct.field(pytree_node=False)
+
+    def resolve(self) -> jax.Array:
+        return ops.bias_dropout_residual(
+            self.update, self.bias, self.residual, dropout_rate=self.dropout_rate, seed=self.seed
+        )
+
+
 class LayerNorm(nn.Module):
     """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; params f32 (H,), y in x's dtype.
 
     ``return_input=True`` returns ``(y, x)`` (``ops.layer_norm``): a pre-LN sublayer takes its residual from
-    there so that the residual's gradient joins the LayerNorm backward kernel.
+    there so that the residual's gradient joins the LayerNorm backward kernel. A ``DeferredResidual`` input is
+    formed in the same kernel and always returns ``(y, sum)``.
     """
 
     eps: float = 1e-5
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, return_input: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-        hidden = x.shape[-1]
+    def __call__(
+        self, x: jax.Array | DeferredResidual, *, return_input: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        deferred = x if isinstance(x, DeferredResidual) else None
+        hidden = (deferred.update if deferred else x).shape[-1]
         scale = self.param("scale", nn.initializers.ones, (hidden,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (hidden,), jnp.float32)
-        return ops.layer_norm(x, scale, bias, eps=self.eps, return_input=return_input)
+        if deferred is None:
+            return ops.layer_norm(x, scale, bias, eps=self.eps, return_input=return_input)
+        return ops.layer_norm(
+            deferred.update,
+            scale,
+            bias,
+            eps=self.eps,
+            residual=deferred.residual,
+            bias=deferred.bias,
+            dropout_rate=deferred.dropout_rate,
+            seed=deferred.seed,
+        )
 
 
-def pre_norm(config: LayerConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def pre_norm(config: LayerConfig, x: jax.Array | DeferredResidual) -> tuple[jax.Array, jax.Array]:
     """A sublayer's ``(input to its body, residual)``: ``(LN(x), x)`` for pre-LN (the module is named
-    "layer_norm"), ``(x, x)`` for post-LN. Call it inside the sublayer's compact ``__call__``."""
+    "layer_norm"; a deferred x is formed there), ``(x, x)`` for post-LN. Call it inside the sublayer's compact
+    ``__call__``."""
     if not config.pre_layer_norm:
+        x = x.resolve() if isinstance(x, DeferredResidual) else x.astype(config.dtype)
         return x, x
-    return LayerNorm(config.layer_norm_eps, name="layer_norm")(x, return_input=True)
+    if isinstance(x, DeferredResidual):
+        return LayerNorm(config.layer_norm_eps, name="layer_norm")(x)
+    return LayerNorm(config.layer_norm_eps, name="layer_norm")(x.astype(config.dtype), return_input=True)
+
+
+def sublayer_output(
+    config: LayerConfig,
+    module: nn.Module,
+    update: jax.Array,
+    bias: jax.Array,
+    residual: jax.Array,
+    *,
+    deterministic: bool,
+    defer_residual: bool,
+) -> jax.Array | DeferredResidual:
+    """A sublayer's ``residual + dropout(update + bias)`` (hidden dropout, seeded from ``module``): deferred for
+    the next LayerNorm when pre-LN and ``defer_residual``, else formed (and, post-LN, normalized by the
+    module's "layer_norm")."""
+    rate, seed = dropout_args(module, config.hidden_dropout_ratio, deterministic)
+    deferred = DeferredResidual(update, bias, residual, seed, rate)
+    if not config.pre_layer_norm:
+        return LayerNorm(config.layer_norm_eps, name="layer_norm")(deferred.resolve())
+    return deferred if defer_residual else deferred.resolve()
 
 
 def dropout_args(module: nn.Module, rate: float, deterministic: bool) -> tuple[float, jax.Array | None]:

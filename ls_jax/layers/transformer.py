@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax.layers.attention import MultiHeadAttention
-from ls_jax.layers.common import LayerNorm, dense
+from ls_jax.layers.common import DeferredResidual, LayerNorm, dense
 from ls_jax.layers.config import LayerConfig
 from ls_jax.layers.feed_forward import FeedForward
 
@@ -19,6 +19,8 @@ class TransformerEncoderLayer(nn.Module):
     """Self-attention then feed-forward, (B, S, H) -> (B, S, H).
 
     ``causal`` makes it a decoder-only (GPT) block: self-attention over earlier positions, no cross-attention.
+    Pre-LN, each sublayer's residual sum is formed by the next LayerNorm (``DeferredResidual``); x may be one,
+    and ``defer_residual=True`` returns the output as one, as the stacks chain their layers.
     """
 
     config: LayerConfig
@@ -27,42 +29,60 @@ class TransformerEncoderLayer(nn.Module):
     @nn.compact
     def __call__(
         self,
-        x: jax.Array,
+        x: jax.Array | DeferredResidual,
         key_mask: jax.Array | None = None,
         *,
         decode: bool = False,
         deterministic: bool = True,
-    ) -> jax.Array:
+        defer_residual: bool = False,
+    ) -> jax.Array | DeferredResidual:
         """x (B, S, H); key_mask (B, S) boolean, False at padding; decode: causal KV-cache step."""
         x = MultiHeadAttention(self.config, causal=self.causal, name="self_attention")(
-            x, key_mask=key_mask, decode=decode, deterministic=deterministic
+            x, key_mask=key_mask, decode=decode, deterministic=deterministic, defer_residual=True
         )
-        return FeedForward(self.config, name="feed_forward")(x, deterministic=deterministic)
+        return FeedForward(self.config, name="feed_forward")(
+            x, deterministic=deterministic, defer_residual=defer_residual
+        )
 
 
 class TransformerDecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention over precomputed encoder K/V, feed-forward: (B, T, H) -> (B, T, H)."""
+    """Causal self-attention, cross-attention over precomputed encoder K/V, feed-forward: (B, T, H) -> (B, T, H).
+
+    Residual sums are deferred to the next LayerNorm as in ``TransformerEncoderLayer``.
+    """
 
     config: LayerConfig
 
     @nn.compact
     def __call__(
         self,
-        x: jax.Array,
+        x: jax.Array | DeferredResidual,
         cross_key_value: jax.Array,
         src_mask: jax.Array | None = None,
         *,
         decode: bool = False,
         deterministic: bool = True,
-    ) -> jax.Array:
+        defer_residual: bool = False,
+    ) -> jax.Array | DeferredResidual:
         """x (B, T, H); cross_key_value (B, S, 2, heads, head_dim); src_mask (B, S) boolean, False at padding."""
         x = MultiHeadAttention(self.config, causal=True, name="self_attention")(
-            x, decode=decode, deterministic=deterministic
+            x, decode=decode, deterministic=deterministic, defer_residual=True
         )
         x = MultiHeadAttention(self.config, self_attention=False, name="cross_attention")(
-            x, cross_key_value, src_mask, deterministic=deterministic
+            x, cross_key_value, src_mask, deterministic=deterministic, defer_residual=True
         )
-        return FeedForward(self.config, name="feed_forward")(x, deterministic=deterministic)
+        return FeedForward(self.config, name="feed_forward")(
+            x, deterministic=deterministic, defer_residual=defer_residual
+        )
+
+
+def _final_layer_norm(config: LayerConfig, x: jax.Array | DeferredResidual) -> jax.Array:
+    """A stack's output: the last layer's, normalized by "final_layer_norm" when pre-LN (a deferred x is formed
+    in the same kernel and the sum dropped). Call it inside the stack's compact ``__call__``."""
+    if not config.pre_layer_norm:
+        return x
+    y = LayerNorm(config.layer_norm_eps, name="final_layer_norm")(x)
+    return y[0] if isinstance(x, DeferredResidual) else y
 
 
 class TransformerEncoder(nn.Module):
@@ -87,11 +107,9 @@ class TransformerEncoder(nn.Module):
         """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding. Returns (B, S, H)."""
         for index in range(self.num_layers):
             x = TransformerEncoderLayer(self.config, self.causal, name=f"layer_{index}")(
-                x, key_mask, decode=decode, deterministic=deterministic
+                x, key_mask, decode=decode, deterministic=deterministic, defer_residual=True
             )
-        if self.config.pre_layer_norm:
-            x = LayerNorm(self.config.layer_norm_eps, name="final_layer_norm")(x)
-        return x
+        return _final_layer_norm(self.config, x)
 
 
 class TransformerDecoder(nn.Module):
@@ -123,11 +141,14 @@ class TransformerDecoder(nn.Module):
         cross_key_value, src_mask = self._cross_key_values(encoded, src_mask, decode)
         for index in range(self.num_layers):
             x = TransformerDecoderLayer(self.config, name=f"layer_{index}")(
-                x, cross_key_value[:, :, index], src_mask, decode=decode, deterministic=deterministic
+                x,
+                cross_key_value[:, :, index],
+                src_mask,
+                decode=decode,
+                deterministic=deterministic,
+                defer_residual=True,
             )
-        if self.config.pre_layer_norm:
-            x = LayerNorm(self.config.layer_norm_eps, name="final_layer_norm")(x)
-        return x
+        return _final_layer_norm(self.config, x)
 
     def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:
         """All layers' cross-attention K/V (B, S, layers, 2, heads, d) and the source mask, cached when decoding."""

@@ -151,12 +151,12 @@ def dropout(x: jax.Array, *, rate: float, seed: jax.Array | None = None) -> jax.
 # ---- bias + dropout + residual ----------------------------------------------------------------------------
 
 
-def _bdr_forward_xla(x, bias, residual, seed, *, rate):
+def bdr_forward_xla(x, bias, residual, seed, *, rate):
     z = (x.astype(_f32) + bias.astype(_f32)) * random.dropout_multiplier(seed, x.shape, rate)
     return (residual.astype(_f32) + z).astype(x.dtype)
 
 
-def _bdr_backward_xla(dy, seed, *, rate, bias_dtype):
+def bdr_backward_xla(dy, seed, *, rate, bias_dtype):
     dx = dy.astype(_f32) * random.dropout_multiplier(seed, dy.shape, rate)
     return dx.astype(dy.dtype), _row_sum(dx).astype(bias_dtype)
 
@@ -182,14 +182,14 @@ def _bias_dropout_residual(x, bias, residual, seed, rate, bias_dtype):
 
 
 def _bias_dropout_residual_fwd(x, bias, residual, seed, rate, bias_dtype):
-    forward_xla = functools.partial(_bdr_forward_xla, rate=rate)
+    forward_xla = functools.partial(bdr_forward_xla, rate=rate)
     forward_ffi = functools.partial(_bdr_forward_ffi, rate=rate)
     y = _common.dispatch("bias_dropout_residual", forward_xla, forward_ffi, (x, bias, residual, seed))
     return y, seed
 
 
 def _bias_dropout_residual_bwd(rate, bias_dtype, seed, dy):
-    backward_xla = functools.partial(_bdr_backward_xla, rate=rate, bias_dtype=bias_dtype)
+    backward_xla = functools.partial(bdr_backward_xla, rate=rate, bias_dtype=bias_dtype)
     backward_ffi = functools.partial(_bdr_backward_ffi, rate=rate, bias_dtype=bias_dtype)
     dx, dbias = _common.dispatch("bias_dropout_residual", backward_xla, backward_ffi, (dy, seed))
     return dx, dbias, dy, None

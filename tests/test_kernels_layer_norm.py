@@ -54,6 +54,10 @@ def test_layer_norm_matches_xla(dtype, param_dtype, with_residual):
         assert_backends_agree(got_case, want_case, dtype, f"layer_norm{shape}")
 
 
+# dbias from f32 column sums added in another order than bias_dropout_residual's kernel adds them: a last-bit
+# difference of the f32 sums may round a 16-bit element one unit the other way.
+DBIAS_TOLERANCE = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 2.0**-7, jnp.dtype(F16): 2.0**-10}
+
 # Vector and scalar paths, one and many rows per backward block, 1024-thread row groups (4097, 8192).
 BDR_SHAPES = [(3, 33), (2, 1000), (4096, 1024), (2, 3, 512), (2, 4097), (3, 8192)]
 
@@ -70,7 +74,7 @@ def _bdr_case(index, shape, dtype, param_dtype):
 @pytest.mark.parametrize("dtype, param_dtype", DTYPES)
 def test_bias_dropout_residual_layer_norm_matches_xla_and_the_two_kernels(dtype, param_dtype, rate):
     """The fused kernels against XLA (tolerance), and against bias_dropout_residual's kernels then the
-    LayerNorm kernels: y, s, dx, dresidual, dgamma and dbeta to the bit; dbias sums in another order."""
+    LayerNorm kernels: y, s, dx, dresidual, dgamma and dbeta to the bit; dbias within one unit of its dtype."""
     seed = seed_array(7)
     fused = lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=rate, seed=seed)
 
@@ -90,7 +94,7 @@ def test_bias_dropout_residual_layer_norm_matches_xla_and_the_two_kernels(dtype,
         (y2, s2), (dx2, dbias2, dresidual2, dgamma2, dbeta2) = two_ops_case
         for a, b in [(y, y2), (s, s2), (dx, dx2), (dresidual, dresidual2), (dgamma, dgamma2), (dbeta, dbeta2)]:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{shape}")
-        assert relative_error(dbias, dbias2) <= 1e-5, shape
+        assert relative_error(dbias, dbias2) <= DBIAS_TOLERANCE[jnp.dtype(param_dtype)], shape
 
 
 def test_layer_norm_statistics_of_a_large_offset_row():

@@ -31,6 +31,10 @@ CASES = {
         lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r),
         (normal(0, (3, 8)), normal(3, (3, 8)), normal(1, (8,)), normal(2, (8,))),
     ),
+    "bias_dropout_residual_layer_norm": (
+        lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.3, seed=SEED),
+        (normal(0, (3, 8)), normal(15, (8,)), normal(3, (3, 8)), normal(1, (8,)), normal(2, (8,))),
+    ),
     "attn_softmax": (
         lambda s, m: ops.attn_softmax(s, m, scale=0.5, causal=True, dropout_rate=0.2, seed=SEED),
         (normal(4, (2, 3, 5)), normal(5, (1, 5))),

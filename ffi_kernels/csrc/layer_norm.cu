@@ -275,8 +275,8 @@ __global__ void __launch_bounds__(1024, 1)
         load_floats<W>(dy_row + vector * W, d);
         load_floats<W>(s_row + vector * W, xhat[k]);
         load_floats<W>(gamma + vector * W, g);
-        const T* dsum_vector = dsum + row * cols + vector * W;
-        if (dsum != nullptr && !kBiasDropout) incoming[k] = *reinterpret_cast<const Pack<T, W>*>(dsum_vector);
+        if (dsum != nullptr && !kBiasDropout)
+          incoming[k] = *reinterpret_cast<const Pack<T, W>*>(dsum + row * cols + vector * W);
 #pragma unroll
         for (int i = 0; i < W; ++i) {
           xhat[k][i] = (xhat[k][i] - row_mean) * row_rstd;

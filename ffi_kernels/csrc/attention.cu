@@ -733,11 +733,10 @@ ffi::Error describe_problem(const ffi::AnyBuffer& query_source, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The seed, for dropout over every (batch, head, query, key) element.
 ffi::Error check_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutParams& params, const Problem& p) {
-  if (!params.enabled()) return ffi::Error::Success();
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
-                             "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
-  return require_dropout_range(params, static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
+  return require_dropout_seed(seed, params,
+                              static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
 }
 
 ffi::Error check_aligned(std::initializer_list<const void*> buffers) {

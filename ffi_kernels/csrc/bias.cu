@@ -140,9 +140,7 @@ ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const
   LS_RETURN_IF_ERROR(require(bias.dimensions().size() == 1 && bias.dimensions()[0] == last_dim(dims),
                              "bias must have shape (" + std::to_string(last_dim(dims)) + ",), got " +
                                  shape_string(bias.dimensions())));
-  if (seed == nullptr) return ffi::Error::Success();
-  LS_RETURN_IF_ERROR(require(seed->element_count() == 2, "seed must have 2 uint32 words"));
-  return require_dropout_range(params, main.element_count());
+  return seed == nullptr ? ffi::Error::Success() : require_dropout_seed(*seed, params, main.element_count());
 }
 
 template <Activation A>

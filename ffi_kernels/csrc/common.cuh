@@ -345,6 +345,14 @@ inline ffi::Error require_dropout_range(const DropoutParams& params, uint64_t el
                  "dropout over " + std::to_string(elements) + " elements exceeds the 2**35-element Philox range");
 }
 
+// A dropout kernel's seed operand (two words) and its tensor of `elements` within the Philox range.
+inline ffi::Error require_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutParams& params,
+                                       uint64_t elements) {
+  LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
+                             "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
+  return require_dropout_range(params, elements);
+}
+
 // ---- launch sizing --------------------------------------------------------------------------------------
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -53,13 +53,11 @@ ffi::Error launch(cudaStream_t stream, const T* x, T* y, int64_t n, DropoutParam
 
 ffi::Error dropout(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed, ffi::Result<ffi::AnyBuffer> y,
                    uint32_t threshold, float scale) {
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words, got shape " +
-                                                            shape_string(seed.dimensions())));
   LS_RETURN_IF_ERROR(require_same_shape("y", *y, "x", x));
   LS_RETURN_IF_ERROR(require(y->element_type() == x.element_type(), "y must have x's dtype"));
   const int64_t n = static_cast<int64_t>(x.element_count());
   const DropoutParams params{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(require_dropout_range(params, n));
+  LS_RETURN_IF_ERROR(require_dropout_seed(seed, params, n));
   if (n == 0) return ffi::Error::Success();
   return dispatch_float(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);

@@ -134,9 +134,8 @@ ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& tokens, const ffi:
     LS_RETURN_IF_ERROR(require_ids("positions", *positions, n));
     LS_RETURN_IF_ERROR(require_table("pos_table", *pos_table, cols));
   }
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
   const DropoutParams params{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
+  LS_RETURN_IF_ERROR(require_dropout_seed(seed, params, n * cols));
   if (n == 0 || cols == 0) return ffi::Error::Success();
   const int64_t vocab = table.dimensions()[0];
   const int64_t max_positions = pos_table ? pos_table->dimensions()[0] : 1;
@@ -256,9 +255,8 @@ ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer sor
                                  sums->dimensions()[0] == n && sums->dimensions()[1] == cols,
                              "the run sums must be float32 (" + std::to_string(n) + ", " + std::to_string(cols) +
                                  "), got " + dtype_name(sums->element_type()) + shape_string(sums->dimensions())));
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2, "seed must have 2 uint32 words"));
   const DropoutParams params{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(require_dropout_range(params, n * cols));
+  LS_RETURN_IF_ERROR(require_dropout_seed(seed, params, n * cols));
   if (n == 0 || cols == 0) return ffi::Error::Success();
   const Padding padding{has_padding, padding_id};
   const int32_t* sorted_ptr = static_cast<const int32_t*>(sorted_tokens.untyped_data());

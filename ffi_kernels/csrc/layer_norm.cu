@@ -174,13 +174,6 @@ bool vectorizable(int64_t cols, std::initializer_list<const ffi::AnyBuffer*> buf
   return true;
 }
 
-// The dropout seed of the bias_dropout_residual targets: two words, and the tensor within the Philox range.
-ffi::Error check_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutParams& params, const ffi::AnyBuffer& x) {
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
-                             "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
-  return require_dropout_range(params, x.element_count());
-}
-
 ffi::Error forward(cudaStream_t stream, const ForwardArgs& a, float eps) {
   if (a.bias) {
     LS_RETURN_IF_ERROR(check_row_buffers(a.x, {a.residual, &a.y, a.sum}, {&a.gamma, &a.beta, a.bias},
@@ -223,7 +216,7 @@ ffi::Error bias_dropout_residual_layer_norm_fwd(cudaStream_t stream, ffi::AnyBuf
                                                 ffi::Result<ffi::AnyBuffer> rstd, float eps, uint32_t threshold,
                                                 float scale) {
   const DropoutParams dropout{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(check_seed(seed, dropout, x));
+  LS_RETURN_IF_ERROR(require_dropout_seed(seed, dropout, x.element_count()));
   return forward(stream, {x, &residual, &bias, gamma, beta, *y, &*sum, *mean, *rstd, dropout}, eps);
 }
 
@@ -349,8 +342,9 @@ ffi::Error launch_backward(cudaStream_t stream, const BackwardArgs& a, int64_t r
       static_cast<T*>(a.ds.untyped_data()), a.dx ? static_cast<T*>(a.dx->untyped_data()) : nullptr, partials, rows,
       cols, layout.vectors_per_thread, a.dropout);
   LS_RETURN_IF_ERROR(launch_error("layer_norm_bwd_kernel"));
-  PartialOutputs<P> outputs{{static_cast<P*>(a.dgamma.untyped_data()), static_cast<P*>(a.dbeta.untyped_data())}, 2};
-  if constexpr (kBiasDropout) outputs = {{outputs.out[0], outputs.out[1], static_cast<P*>(a.dbias->untyped_data())}, 3};
+  P* dbias = a.dbias ? static_cast<P*>(a.dbias->untyped_data()) : nullptr;
+  const PartialOutputs<P> outputs{
+      {static_cast<P*>(a.dgamma.untyped_data()), static_cast<P*>(a.dbeta.untyped_data()), dbias}, dbias ? 3 : 2};
   return sum_partials<P>(stream, partials, blocks, cols, outputs);
 }
 
@@ -408,7 +402,7 @@ ffi::Error bias_dropout_residual_layer_norm_bwd(cudaStream_t stream, ffi::AnyBuf
                                                 ffi::Result<ffi::AnyBuffer> partials, uint32_t threshold,
                                                 float scale) {
   const DropoutParams dropout{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(check_seed(seed, dropout, s));
+  LS_RETURN_IF_ERROR(require_dropout_seed(seed, dropout, s.element_count()));
   return backward(stream, {dy, &dsum, s, mean, rstd, gamma, *ds, *dgamma, *dbeta, *partials, &*dx, &*dbias, dropout});
 }
 

@@ -488,13 +488,6 @@ ffi::Error check_like(std::string_view name, const ffi::AnyBuffer& buffer, std::
                  std::string(name) + " must have the dtype of " + std::string(ref_name));
 }
 
-ffi::Error check_dropout(const ffi::Buffer<ffi::U32>& seed, int64_t elements) {
-  LS_RETURN_IF_ERROR(require(seed.element_count() == 2,
-                             "seed must have 2 uint32 words, got shape " + shape_string(seed.dimensions())));
-  return require(static_cast<uint64_t>(elements) < kMaxDropoutElements,
-                 "dropout over " + std::to_string(elements) + " elements exceeds the 2**34 Philox limit");
-}
-
 // Rows index the grid's x axis in the two-sweep layout, and rows and keys are 32-bit in the kernels.
 ffi::Error check_rows(int64_t rows) {
   return require(rows <= 0x7fffffff, "attention softmax takes at most 2**31 - 1 rows, got " + std::to_string(rows));
@@ -533,7 +526,8 @@ ffi::Error attn_softmax_fwd(cudaStream_t stream, ffi::AnyBuffer scores, ffi::Buf
   Mask view{nullptr, Mask::kNone, 0, 0, 0};
   if (mask) LS_RETURN_IF_ERROR(describe_mask(*mask, dims, view));
   const int64_t elements = static_cast<int64_t>(scores.element_count());
-  if (y) LS_RETURN_IF_ERROR(check_dropout(seed, elements));
+  const DropoutParams dropout{y ? seed.typed_data() : nullptr, threshold, scale};
+  if (y) LS_RETURN_IF_ERROR(require_dropout_seed(seed, dropout, elements));
   LS_RETURN_IF_ERROR(check_rows(leading_rows(dims)));
   LS_RETURN_IF_ERROR(check_keys(dims[3]));
   const Geometry geometry{leading_rows(dims), static_cast<int>(dims[3]), static_cast<int>(dims[2]),
@@ -541,8 +535,7 @@ ffi::Error attn_softmax_fwd(cudaStream_t stream, ffi::AnyBuffer scores, ffi::Buf
   if (elements == 0) return ffi::Error::Success();
 
   void* y_data = y ? (*y)->untyped_data() : nullptr;
-  const ForwardCall call{scores.untyped_data(), view, probs->untyped_data(), y_data, geometry, logit_scale,
-                         DropoutParams{y ? seed.typed_data() : nullptr, threshold, scale}};
+  const ForwardCall call{scores.untyped_data(), view, probs->untyped_data(), y_data, geometry, logit_scale, dropout};
   return dispatch_float(scores.element_type(), "scores", [&](auto tag) {
     using T = decltype(tag);
     if (vectorizable<T>(geometry.keys, {call.scores, view.data, call.probs, y_data}))
@@ -557,15 +550,15 @@ ffi::Error attn_softmax_bwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
   LS_RETURN_IF_ERROR(check_like("dy", dy, "probs", probs));
   LS_RETURN_IF_ERROR(check_like("dscores", *dscores, "probs", probs));
   const int64_t elements = static_cast<int64_t>(probs.element_count());
-  const bool dropout_on = !(threshold == 0 && scale == 1.0f);
-  if (dropout_on) LS_RETURN_IF_ERROR(check_dropout(seed, elements));
+  const DropoutParams requested{seed.typed_data(), threshold, scale};
+  if (requested.enabled()) LS_RETURN_IF_ERROR(require_dropout_seed(seed, requested, elements));
   const int64_t rows = leading_rows(probs.dimensions());
   LS_RETURN_IF_ERROR(check_rows(rows));
   LS_RETURN_IF_ERROR(check_keys(last_dim(probs.dimensions())));
   const int keys = static_cast<int>(last_dim(probs.dimensions()));
   if (elements == 0) return ffi::Error::Success();
 
-  const DropoutParams dropout{dropout_on ? seed.typed_data() : nullptr, threshold, scale};
+  const DropoutParams dropout{requested.enabled() ? seed.typed_data() : nullptr, threshold, scale};
   return dispatch_float(probs.element_type(), "probs", [&](auto tag) {
     using T = decltype(tag);
     const T* d = static_cast<const T*>(dy.untyped_data());

@@ -51,21 +51,21 @@ class LayerNorm(nn.Module):
     def __call__(
         self, x: jax.Array | DeferredResidual, *, return_input: bool = False
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        deferred = x if isinstance(x, DeferredResidual) else None
-        hidden = (deferred.update if deferred else x).shape[-1]
+        deferred = isinstance(x, DeferredResidual)
+        hidden = (x.update if deferred else x).shape[-1]
         scale = self.param("scale", nn.initializers.ones, (hidden,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (hidden,), jnp.float32)
-        if deferred is None:
+        if not deferred:
             return ops.layer_norm(x, scale, bias, eps=self.eps, return_input=return_input)
         return ops.layer_norm(
-            deferred.update,
+            x.update,
             scale,
             bias,
             eps=self.eps,
-            residual=deferred.residual,
-            bias=deferred.bias,
-            dropout_rate=deferred.dropout_rate,
-            seed=deferred.seed,
+            residual=x.residual,
+            bias=x.bias,
+            dropout_rate=x.dropout_rate,
+            seed=x.seed,
         )
 
 

@@ -143,8 +143,8 @@ def _bdr_forward_ffi(x, bias, residual, gamma, beta, seed, *, eps, rate):
     call = jax.ffi.ffi_call(
         "ls_bias_dropout_residual_layer_norm_fwd", (activation, activation, stats, stats), vmap_method="sequential"
     )
-    seed = kernel_seed(seed)
-    return call(x, bias, residual, gamma, beta, seed, eps=np.float32(eps), **dropout_attributes(rate))
+    operands = (x, bias, residual, gamma, beta, kernel_seed(seed))
+    return call(*operands, eps=np.float32(eps), **dropout_attributes(rate))
 
 
 def _bdr_backward_ffi(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
@@ -300,25 +300,25 @@ def layer_norm(
         raise ValueError(f"eps must be positive, got {eps}")
     _common.check_dropout(dropout_rate, seed)
     fused_tail = bias is not None or dropout_rate > 0.0
-    if fused_tail and residual is None:
-        raise ValueError("bias and dropout_rate need a residual: they normalize residual + dropout(x + bias)")
     if residual is None:
-        x, gamma, beta = _common.vary_together(x, gamma, beta)
+        if fused_tail:
+            raise ValueError("bias and dropout_rate need a residual: they normalize residual + dropout(x + bias)")
+    else:
+        if return_input:
+            raise ValueError("return_input applies without a residual; with one, the sum x + residual is returned")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {residual.shape} but x has {x.shape}; they must match")
+        _common.check_same_dtype("residual", residual, "x", x)
+    if fused_tail:
+        bias = jnp.zeros((hidden,), gamma.dtype) if bias is None else bias
+        _common.check_param("bias", bias, (hidden,), x.dtype)
+        _common.check_same_dtype("bias", bias, "gamma", gamma)
+    seed = seed if dropout_rate > 0.0 else None
+    x, gamma, beta, residual, bias, seed = _common.vary_together(x, gamma, beta, residual, bias, seed)
+    if residual is None:
         if return_input:
             return _layer_norm_and_input(x, gamma, beta, float(eps))
         return _layer_norm(x, gamma, beta, float(eps))
-    if return_input:
-        raise ValueError("return_input applies without a residual; with one, the sum x + residual is returned")
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {residual.shape} but x has {x.shape}; they must match")
-    _common.check_same_dtype("residual", residual, "x", x)
     if not fused_tail:
-        x, residual, gamma, beta = _common.vary_together(x, residual, gamma, beta)
         return _add_layer_norm(x, residual, gamma, beta, float(eps))
-    if bias is None:
-        bias = jnp.zeros((hidden,), gamma.dtype)
-    _common.check_param("bias", bias, (hidden,), x.dtype)
-    _common.check_same_dtype("bias", bias, "gamma", gamma)
-    seed = seed if dropout_rate > 0.0 else None
-    x, bias, residual, gamma, beta, seed = _common.vary_together(x, bias, residual, gamma, beta, seed)
     return _bias_dropout_residual_layer_norm(x, bias, residual, gamma, beta, seed, float(eps), float(dropout_rate))

@@ -11,7 +11,7 @@ AdamW, bf16 compute with f32 params):
              are the optimizer's master weights, and its step writes the bf16 copy the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples
-of 5 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak, against a
+of 20 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak, against a
 bf16 GEMM measured in the same run and, on an H100 or H200, against the 790 TFLOP/s the project's targets state
 MFU by) and the compiled step's memory (XLA memory analysis: arguments + outputs -
 aliased + temporaries); per (model, implementation) with two or more measured batch sizes, the largest trainable
@@ -45,7 +45,10 @@ LABEL_SMOOTHING = 0.1
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
 IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
-STEPS_PER_SAMPLE = 5  # consecutive steps per timed sample
+STEPS_PER_SAMPLE = 20
+"""Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
+dispatch of its first step (2-12 ms for these steps on an H100; in a training loop the host runs steps ahead and
+hides it): at 5 steps per sample that added 0.5-1 ms to every step of Transformer-big at 8192 tokens."""
 TARGET_BASIS_TFLOPS = 790.0
 """The bf16 rate the project's end-to-end targets state MFU against (issue 7: plain Flax "MFU 0.35 against 790
 TFLOP/s" at 37.5 ms, Transformer-big, one H100): about what a large bf16 GEMM sustains on an H100 or H200 (769-798
@@ -210,6 +213,7 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
             "p10_s": timing["p10_s"],
             "p90_s": timing["p90_s"],
             "steps_timed": steps * STEPS_PER_SAMPLE,
+            "steps_per_sample": STEPS_PER_SAMPLE,
             "init_compile_and_first_step_s": compile_s,
             "memory_bytes": train_step.memory_bytes(),
             "first_loss": first_loss,
@@ -443,7 +447,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(measured_models), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
-    parser.add_argument("--steps", type=int, default=20,
+    parser.add_argument("--steps", type=int, default=10,
                         help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)")
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)

@@ -218,7 +218,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="big-6e6d", choices=sorted(e2e.MODELS))
     parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
-    parser.add_argument("--steps", type=int, default=20,
+    parser.add_argument("--steps", type=int, default=10,
                         help=f"timed samples of {e2e.STEPS_PER_SAMPLE} steps (the e2e measurement)")
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
     parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")

@@ -65,6 +65,7 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     for record in report["results"].values():
         assert record["step_time_s"] > 0 and record["memory_bytes"] > 0
         assert record["steps_timed"] == 2 * record["steps_per_sample"] == 2 * e2e.STEPS_PER_SAMPLE
+        assert 0 < record["host_dispatch_s"] < record["init_compile_and_first_step_s"]
         assert math.isfinite(record["first_loss"]) and math.isfinite(record["loss_after_timing"])
         assert record["flops_per_step"] > 0
         assert record["commit"] and record["run"] == report["results"]["tiny-2e2d/1024/reference"]["run"]

@@ -10,14 +10,14 @@ AdamW, bf16 compute with f32 params):
   ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation; the f32 params
              are the optimizer's master weights, and its step writes the bf16 copy the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
-Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples
-of 20 consecutive steps after warm-up, tokens/s, model TFLOP/s and MFU (against the datasheet peak, against a
-bf16 GEMM measured in the same run and, on an H100 or H200, against the 790 TFLOP/s the project's targets state
-MFU by) and the compiled step's memory (XLA memory analysis: arguments + outputs -
+Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples of 20
+consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model TFLOP/s and MFU (against
+the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200, against the 790 TFLOP/s
+the project's targets state MFU by) and the compiled step's memory (XLA memory analysis: arguments + outputs -
 aliased + temporaries); per (model, implementation) with two or more measured batch sizes, the largest trainable
 batch predicted from their memory (``--fit`` also verifies it by running one step). Results merge into
-docs/results/e2e-<device>.json after every measurement (so runs split across several calls build one file), and
-a speedup plot is written next to it.
+docs/results/e2e-<device>.json after every measurement (so runs split across several calls build one file), and a
+speedup plot is written next to it.
 """
 
 from __future__ import annotations
@@ -101,6 +101,19 @@ class TrainStep:
             - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes
         )
+
+
+def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> float:
+    """Median host time of dispatching one step to an idle device: what a timed sample waits for before its first
+    kernel runs, and the host's share of the step when the device's work is shorter."""
+    elapsed = []
+    for _ in range(repeats):
+        jax.block_until_ready(train_step.state)
+        start = time.perf_counter()
+        loss = train_step.run(batch)
+        elapsed.append(time.perf_counter() - start)
+        jax.block_until_ready(loss)
+    return float(np.median(elapsed))
 
 
 def _compile(step: Callable[..., Any], state: Any, batch) -> TrainStep:
@@ -207,6 +220,7 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
         # Steps are dispatched back to back, as a training loop does, so the host's dispatch of a step overlaps the
         # device's work on the one before; blocking after every step would add a pytree-size-dependent host cost.
         timing = common.time_call(lambda: train_step.run(batch), warmup=3, samples=steps, inner=STEPS_PER_SAMPLE)
+        dispatch_s = host_dispatch_seconds(train_step, batch)
         last_loss = float(train_step.run(batch))
         record = {
             "step_time_s": timing["median_s"],
@@ -214,6 +228,7 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
             "p90_s": timing["p90_s"],
             "steps_timed": steps * STEPS_PER_SAMPLE,
             "steps_per_sample": STEPS_PER_SAMPLE,
+            "host_dispatch_s": dispatch_s,
             "init_compile_and_first_step_s": compile_s,
             "memory_bytes": train_step.memory_bytes(),
             "first_loss": first_loss,

@@ -47,8 +47,8 @@ WEIGHT_DECAY = 0.01
 IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
-dispatch of its first step (2-12 ms for these steps on an H100; in a training loop the host runs steps ahead and
-hides it): at 5 steps per sample that added 0.5-1 ms to every step of Transformer-big at 8192 tokens."""
+dispatch of its first step (Transformer-big on an H100: 5 ms for ls_jax, 12 ms for plain Flax; in a training loop
+the host runs steps ahead and hides it): at 5 steps per sample that added 0.5-1 ms to every step."""
 TARGET_BASIS_TFLOPS = 790.0
 """The bf16 rate the project's end-to-end targets state MFU against (issue 7: plain Flax "MFU 0.35 against 790
 TFLOP/s" at 37.5 ms, Transformer-big, one H100): about what a large bf16 GEMM sustains on an H100 or H200 (769-798
@@ -104,8 +104,8 @@ class TrainStep:
 
 
 def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> float:
-    """Median host time of dispatching one step to an idle device: what a timed sample waits for before its first
-    kernel runs, and the host's share of the step when the device's work is shorter."""
+    """Median host time of dispatching one step to an idle device: what each timed sample waits for before its
+    first kernel runs."""
     elapsed = []
     for _ in range(repeats):
         jax.block_until_ready(train_step.state)

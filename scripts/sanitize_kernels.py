@@ -74,8 +74,8 @@ def cases(dtype: Any) -> dict[str, Case]:
         "self_attention[7 positions, causal, padding, bias]": forward_backward(
             lambda qkv, b: ops.self_attention(qkv, key_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
             normal(14, (2, 7, 3, 2, 64), dtype), normal(18, (3, 2, 64), jnp.float32)),
-        "self_attention[100 positions]": forward_backward(
-            lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (1, 100, 3, 2, 64), dtype)),
+        "self_attention[100 positions, 192 heads: blocks loop over heads]": forward_backward(
+            lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (3, 100, 3, 64, 64), dtype)),
         "cross_attention[128 queries, 40 keys, bias]": forward_backward(
             lambda q, kv, b: ops.cross_attention(q, kv, bias=b, dropout_rate=0.1, seed=seed),
             normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype), normal(19, (2, 64), jnp.float32)),

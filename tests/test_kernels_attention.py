@@ -1,5 +1,6 @@
 """GPU: the fused attention kernels (ls_attention_fwd / _bwd) against the XLA backend (the unfused attention)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,23 +36,23 @@ CASES = [
 ]
 
 
-def _case(index, case, dtype, heads=4, head_dim=64):
+def _case(index, case, dtype, heads=4, head_dim=64, batch=2):
     """(op, primals, cotangent) of a case; the op closes over the mask, rate and seed. The primals end with the
     f32 projection bias of the query source (qkv's (3, heads, 64) or the query's (heads, 64))."""
     queries, keys, lengths, causal, rate = case
     seed = seed_array(index)
     if keys is None:
-        qkv = normal(index, (2, queries, 3, heads, head_dim), dtype)
+        qkv = normal(index, (batch, queries, 3, heads, head_dim), dtype)
         mask = None if lengths is None else _key_mask(lengths, queries)
         op = lambda qkv, bias: ops.self_attention(qkv, mask, bias=bias, causal=causal, dropout_rate=rate, seed=seed)
         primals = (qkv, normal(300 + index, (3, heads, head_dim), F32))
     else:
-        query = normal(index, (2, queries, heads, head_dim), dtype)
-        key_value = normal(100 + index, (2, keys, 2, heads, head_dim), dtype)
+        query = normal(index, (batch, queries, heads, head_dim), dtype)
+        key_value = normal(100 + index, (batch, keys, 2, heads, head_dim), dtype)
         mask = None if lengths is None else _key_mask(lengths, keys)
         op = lambda q, kv, bias: ops.cross_attention(q, kv, mask, bias=bias, dropout_rate=rate, seed=seed)
         primals = (query, key_value, normal(300 + index, (heads, head_dim), F32))
-    cotangent = normal(200 + index, (2, queries, heads, head_dim), dtype)
+    cotangent = normal(200 + index, (batch, queries, heads, head_dim), dtype)
     return op, primals, cotangent
 
 
@@ -63,6 +64,21 @@ def test_attention_matches_xla(dtype, index):
     assert kernel_targets(run, primals, cotangent) == TARGETS
     got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
     assert_backends_agree(got, _bias_grad_summed_in_f32(want), dtype, f"attention{CASES[index]}")
+
+
+@pytest.mark.parametrize("queries, keys", [(128, None), (64, 100)])
+def test_blocks_that_compute_several_heads_match_xla(queries, keys):
+    """Over 64 keys, with eight (batch, head) blocks per SM, more than fit at once: each GPU block computes several
+    in turn, copying the next one's tiles while it computes the current one. Key lengths differ per batch
+    element."""
+    heads = 16
+    batch = 8 * jax.devices()[0].core_count // heads
+    lengths = [1 + (7 * b) % (keys or queries) for b in range(batch)]
+    case = (queries, keys, lengths, keys is None, 0.1)
+    op, primals, cotangent = _case(40, case, BF16, heads=heads, batch=batch)
+    run = value_and_grads(op)
+    got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
+    assert_backends_agree(got, _bias_grad_summed_in_f32(want), BF16, f"{batch} x {heads} heads {case[:2]}")
 
 
 def _bias_grad_summed_in_f32(result):

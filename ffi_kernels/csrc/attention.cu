@@ -1,6 +1,6 @@
-// Fused attention for short sequences: softmax(q k^T * scale + masks) with Philox dropout, times v, for one
-// (batch, head) per block, all in registers and shared memory; its backward recomputes the probabilities from
-// the saved log-sum-exp (math: ls_jax/ops/attention.py).
+// Fused attention for short sequences: softmax(q k^T * scale + masks) with Philox dropout, times v, a (batch, head)
+// at a time per block, all in registers and shared memory; its backward recomputes the probabilities from the
+// saved log-sum-exp (math: ls_jax/ops/attention.py).
 //
 // Shapes: queries and keys 1..128, head_dim 64, bf16 or f16 (tensor cores: mma.sync m16n8k16, f32 accumulators).
 // Each warp owns 16 query rows and holds their whole score rows, so the softmax reductions are quad shuffles.
@@ -473,28 +473,71 @@ constexpr int kMaxThreads = kMaxLength / 16 * 32;  // a warp per 16 rows of the 
 
 __host__ __device__ inline int padded(int length) { return (length + 15) / 16 * 16; }
 
-inline size_t forward_shared_bytes(int queries, int keys) { return (padded(queries) + 2 * padded(keys)) * kRowBytes; }
+// Whether the kernels for up to kMaxKeys keys pipeline heads (pipelined_heads). At 64 keys 4 (backward) to 6
+// (forward) blocks share an SM and overlap one another's copies and math already; a second stage of tiles would
+// halve them (H100, per Transformer-big layer at 64 positions: backward 82 -> 102 us, forward 44 -> 46 us). At 128
+// keys one block fills an SM's registers, and copying its next head during the math gained forward 179 -> 154 us,
+// backward 287 -> 265 us per layer.
+template <int kMaxKeys>
+inline constexpr bool kPipelinesHeads = kMaxKeys == 128;
 
-// kMaxKeys (64 or 128, at least K) sizes the register arrays. Forward: a warp per 16 queries; backward: a warp
-// per 16 rows of the longer of queries and keys.
+// Computes head block blockIdx.x; with kPipelined, then blockIdx.x + gridDim.x, ... in turn, copying the next
+// one's tiles while the current one computes. start(bh, stage) issues head block bh's copies into stage `stage`
+// (0 or 1) of shared memory; finish(bh, stage) waits for them and ends in a block barrier, after which every warp
+// is also done with the other stage, so the next head's copies go there; compute(bh, stage) does the math. The
+// launcher makes the grid smaller than batch_heads only for a pipelined kernel with two stages of shared memory.
+template <bool kPipelined, typename Start, typename Finish, typename Compute>
+__device__ __forceinline__ void pipelined_heads(int batch_heads, Start start, Finish finish, Compute compute) {
+  start(blockIdx.x, 0);
+  if constexpr (kPipelined) {
+    int stage = 0;
+    for (int64_t bh = blockIdx.x; bh < batch_heads; bh += gridDim.x, stage ^= 1) {
+      finish(static_cast<int>(bh), stage);
+      const int64_t next = bh + gridDim.x;
+      if (next < batch_heads) start(static_cast<int>(next), stage ^ 1);
+      compute(static_cast<int>(bh), stage);
+    }
+  } else {
+    finish(blockIdx.x, 0);
+    compute(blockIdx.x, 0);
+  }
+}
+
+// One head's q, k and v tiles: stage `stage` of the block's shared memory.
+struct ForwardTiles {
+  Tile q, k, v;
+};
+
+__host__ __device__ inline size_t forward_shared_bytes(int queries, int keys, int stages) {
+  return stages * (padded(queries) + 2 * padded(keys)) * kRowBytes;
+}
+
+__device__ __forceinline__ ForwardTiles forward_tiles(uint4* shared, int stage, const Geometry& g) {
+  uint8_t* base = reinterpret_cast<uint8_t*>(shared) + stage * forward_shared_bytes(g.queries, g.keys, 1);
+  const Tile q{base, kRowBytes};
+  const Tile k{q.base + padded(g.queries) * kRowBytes, kRowBytes};
+  return {q, k, Tile{k.base + padded(g.keys) * kRowBytes, kRowBytes}};
+}
+
+template <typename T>
+__device__ __forceinline__ void start_forward_loads(const Tensors& x, const Geometry& g, int bh,
+                                                    const ForwardTiles& t) {
+  const int b = bh / g.heads, h = bh % g.heads;
+  load_rows(t.q, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, padded(g.queries));
+  load_rows(t.k, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, padded(g.keys));
+  load_rows(t.v, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, padded(g.keys));
+}
+
+// out and lse of head block bh from its loaded tiles.
 template <typename T, int kMaxKeys>
-__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
-    attention_fwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
+__device__ __forceinline__ void forward_head(const Tensors& x, const Geometry& g, const DropoutParams& dropout_params,
+                                             int bh, const ForwardTiles& t) {
   constexpr int kKeyTiles = kMaxKeys / 8;
-  extern __shared__ uint4 shared[];
-  const int bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
-  const int q_pad = padded(g.queries), k_pad = padded(g.keys);
-  const Tile q_tile{reinterpret_cast<uint8_t*>(shared), kRowBytes};
-  const Tile k_tile{q_tile.base + q_pad * kRowBytes, kRowBytes};
-  const Tile v_tile{k_tile.base + k_pad * kRowBytes, kRowBytes};
-  load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
-  load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
-  load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  finish_loads<T>(x, g, h, q_tile, k_tile, v_tile);
+  const int b = bh / g.heads, h = bh % g.heads, k_pad = padded(g.keys);
   const int lane = threadIdx.x % 32, row0 = 16 * (threadIdx.x / 32);
 
   float s[kKeyTiles][4];
-  row_products<T>(s, q_tile, row0, k_tile, k_pad / 16);
+  row_products<T>(s, t.q, row0, t.k, k_pad / 16);
   to_logits<T>(s, g, visible_keys<kMaxKeys>(g, b), row0);
   float lse[2];
 #pragma unroll
@@ -532,7 +575,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
   }
 
   float o[kHeadDim / 8][4];
-  register_products<T>(o, s, v_tile, k_pad / 16);
+  register_products<T>(o, s, t.v, k_pad / 16);
   T* out = x.out.rows<T>(b, h);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -546,8 +589,50 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
   }
 }
 
-inline size_t backward_shared_bytes(int queries, int keys, int max_keys) {
-  return (2 * padded(queries) + 2 * padded(keys)) * kRowBytes + 2 * padded(queries) * max_keys * 2;
+// kMaxKeys (64 or 128, at least K) sizes the register arrays. A warp per 16 queries; the block strides over the
+// head blocks (see pipelined_heads).
+template <typename T, int kMaxKeys>
+__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 3 : 1)
+    attention_fwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params, int batch_heads) {
+  extern __shared__ uint4 shared[];
+  pipelined_heads<kPipelinesHeads<kMaxKeys>>(
+      batch_heads, [&](int bh, int stage) { start_forward_loads<T>(x, g, bh, forward_tiles(shared, stage, g)); },
+      [&](int bh, int stage) {
+        const ForwardTiles t = forward_tiles(shared, stage, g);
+        finish_loads<T>(x, g, bh % g.heads, t.q, t.k, t.v);
+      },
+      [&](int bh, int stage) { forward_head<T, kMaxKeys>(x, g, dropout_params, bh, forward_tiles(shared, stage, g)); });
+}
+
+// The block's probability tiles, written by phase 1 and read by phase 2 of one head: kept and dscores (queries x
+// kMaxKeys each), then the stages of input tiles, one head's q, dout, k and v each.
+struct BackwardTiles {
+  Tile q, dout, k, v, kept, dscores;
+};
+
+inline size_t backward_shared_bytes(int queries, int keys, int max_keys, int stages) {
+  return 2 * padded(queries) * max_keys * 2 + stages * (2 * padded(queries) + 2 * padded(keys)) * kRowBytes;
+}
+
+template <int kMaxKeys>
+__device__ __forceinline__ BackwardTiles backward_tiles(uint4* shared, int stage, const Geometry& g) {
+  const int q_pad = padded(g.queries), k_pad = padded(g.keys);
+  const Tile kept{reinterpret_cast<uint8_t*>(shared), kMaxKeys * 2};
+  const Tile dscores{kept.base + q_pad * kMaxKeys * 2, kMaxKeys * 2};
+  const Tile q{dscores.base + q_pad * kMaxKeys * 2 + stage * (2 * q_pad + 2 * k_pad) * kRowBytes, kRowBytes};
+  const Tile dout{q.base + q_pad * kRowBytes, kRowBytes};
+  const Tile k{dout.base + q_pad * kRowBytes, kRowBytes};
+  return {q, dout, k, Tile{k.base + k_pad * kRowBytes, kRowBytes}, kept, dscores};
+}
+
+template <typename T>
+__device__ __forceinline__ void start_backward_loads(const Tensors& x, const Geometry& g, int bh,
+                                                     const BackwardTiles& t) {
+  const int b = bh / g.heads, h = bh % g.heads, q_pad = padded(g.queries), k_pad = padded(g.keys);
+  load_rows(t.q, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
+  load_rows(t.dout, x.out.rows<const T>(b, h), x.out.row_stride, g.queries, q_pad);
+  load_rows(t.k, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
+  load_rows(t.v, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
 }
 
 // acc += A^T B over the padded query rows, A = rows col0.. of `scores` (queries x keys), B = `rows` (queries x 64).
@@ -561,32 +646,21 @@ __device__ __forceinline__ void transposed_products(float (&acc)[kHeadDim / 8][4
   }
 }
 
+// dq, dk, dv and the bias-gradient partials of head block bh from its loaded tiles.
 template <typename T, int kMaxKeys>
-__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
-    attention_bwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params) {
+__device__ __forceinline__ void backward_head(const Tensors& x, const Geometry& g,
+                                              const DropoutParams& dropout_params, int bh, const BackwardTiles& t) {
   constexpr int kKeyTiles = kMaxKeys / 8;
-  extern __shared__ uint4 shared[];
-  const int bh = blockIdx.x, b = bh / g.heads, h = bh % g.heads;
+  const int b = bh / g.heads, h = bh % g.heads;
   const int q_pad = padded(g.queries), k_pad = padded(g.keys);
-  const Tile q_tile{reinterpret_cast<uint8_t*>(shared), kRowBytes};
-  const Tile dout_tile{q_tile.base + q_pad * kRowBytes, kRowBytes};
-  const Tile k_tile{dout_tile.base + q_pad * kRowBytes, kRowBytes};
-  const Tile v_tile{k_tile.base + k_pad * kRowBytes, kRowBytes};
-  const Tile kept_tile{v_tile.base + k_pad * kRowBytes, kMaxKeys * 2};    // kept probabilities, queries x keys
-  const Tile dscores_tile{kept_tile.base + q_pad * kMaxKeys * 2, kMaxKeys * 2};
-  load_rows(q_tile, x.query.rows<const T>(b, h), x.query.row_stride, g.queries, q_pad);
-  load_rows(dout_tile, x.out.rows<const T>(b, h), x.out.row_stride, g.queries, q_pad);
-  load_rows(k_tile, x.key.rows<const T>(b, h), x.key.row_stride, g.keys, k_pad);
-  load_rows(v_tile, x.value.rows<const T>(b, h), x.value.row_stride, g.keys, k_pad);
-  finish_loads<T>(x, g, h, q_tile, k_tile, v_tile);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row0 = 16 * warp;
 
   // Phase 1, a warp per 16 query rows: probabilities, dscores, dq; kept and dscores go to shared memory.
   if (row0 < q_pad) {
     float p[kKeyTiles][4], dp[kKeyTiles][4];
-    row_products<T>(p, q_tile, row0, k_tile, k_pad / 16);
+    row_products<T>(p, t.q, row0, t.k, k_pad / 16);
     to_logits<T>(p, g, visible_keys<kMaxKeys>(g, b), row0);
-    row_products<T>(dp, dout_tile, row0, v_tile, k_pad / 16);
+    row_products<T>(dp, t.dout, row0, t.v, k_pad / 16);
     float m[kKeyTiles][4];
     if (dropout_params.seed != nullptr) {
       dropout_multipliers(m, Dropout::load(dropout_params), g, bh, row0);
@@ -614,14 +688,14 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
       for (int j = 0; j < kKeyTiles; ++j) {
         if (j >= k_pad / 8) break;
         const int i = 2 * half;
-        store_pair<T>(kept_tile, row, j, p[j][i] * m[j][i], p[j][i + 1] * m[j][i + 1]);
+        store_pair<T>(t.kept, row, j, p[j][i] * m[j][i], p[j][i + 1] * m[j][i + 1]);
         dp[j][i] = g.logit_scale * p[j][i] * (dp[j][i] - dot);
         dp[j][i + 1] = g.logit_scale * p[j][i + 1] * (dp[j][i + 1] - dot);
-        store_pair<T>(dscores_tile, row, j, dp[j][i], dp[j][i + 1]);
+        store_pair<T>(t.dscores, row, j, dp[j][i], dp[j][i + 1]);
       }
     }
     float dq[kHeadDim / 8][4];
-    register_products<T>(dq, dp, k_tile, k_pad / 16);
+    register_products<T>(dq, dp, t.k, k_pad / 16);
     store_rows(x.dquery.rows<T>(b, h), x.dquery.row_stride, row0, g.queries, dq);
     store_column_sums(warp_sums(x.dquery_bias, b, h, warp), dq);
   }
@@ -630,15 +704,33 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
   // Phase 2, a warp per 16 key rows: dv = kept^T dout, dk = dscores^T q.
   if (row0 < k_pad) {
     float acc[kHeadDim / 8][4] = {};
-    transposed_products<T>(acc, kept_tile, row0, dout_tile, q_pad / 16);
+    transposed_products<T>(acc, t.kept, row0, t.dout, q_pad / 16);
     store_rows(x.dvalue.rows<T>(b, h), x.dvalue.row_stride, row0, g.keys, acc);
     store_column_sums(warp_sums(x.dvalue_bias, b, h, warp), acc);
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    transposed_products<T>(acc, dscores_tile, row0, q_tile, q_pad / 16);
+    transposed_products<T>(acc, t.dscores, row0, t.q, q_pad / 16);
     store_rows(x.dkey.rows<T>(b, h), x.dkey.row_stride, row0, g.keys, acc);
     store_column_sums(warp_sums(x.dkey_bias, b, h, warp), acc);
   }
+}
+
+// A warp per 16 rows of the longer of queries and keys; the block strides over the head blocks (see
+// pipelined_heads).
+template <typename T, int kMaxKeys>
+__global__ void __launch_bounds__(kMaxThreads, kMaxKeys == 64 ? 2 : 1)
+    attention_bwd_kernel(Tensors x, Geometry g, DropoutParams dropout_params, int batch_heads) {
+  extern __shared__ uint4 shared[];
+  pipelined_heads<kPipelinesHeads<kMaxKeys>>(
+      batch_heads,
+      [&](int bh, int stage) { start_backward_loads<T>(x, g, bh, backward_tiles<kMaxKeys>(shared, stage, g)); },
+      [&](int bh, int stage) {
+        const BackwardTiles t = backward_tiles<kMaxKeys>(shared, stage, g);
+        finish_loads<T>(x, g, bh % g.heads, t.q, t.k, t.v);
+      },
+      [&](int bh, int stage) {
+        backward_head<T, kMaxKeys>(x, g, dropout_params, bh, backward_tiles<kMaxKeys>(shared, stage, g));
+      });
 }
 
 // ---- handlers ---------------------------------------------------------------------------------------------
@@ -746,37 +838,56 @@ ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
   return ffi::Error::Success();
 }
 
-// Launches kernel<T, 64 or 128> with one block per (batch, head) and the shared memory it needs.
+// Launches kernel<T, 64 or 128>: the register arrays sized for the keys.
 template <typename T, template <typename, int> class Launch>
 ffi::Error launch_sized(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
   if (p.geometry.keys <= 64) return Launch<T, 64>::run(stream, p, x, dropout);
   return Launch<T, 128>::run(stream, p, x, dropout);
 }
 
-template <typename Kernel>
+// Launches `kernel` over the problem's head blocks, with shared_bytes(stages) of shared memory. A pipelined kernel
+// gets two stages of tiles where the device admits them, and a grid of what fits on the GPU at once, whose blocks
+// pipeline their heads (pipelined_heads); otherwise a block per head block.
+template <typename Kernel, typename SharedBytes>
 ffi::Error launch_kernel(Kernel kernel, const char* name, cudaStream_t stream, const Problem& p, const Tensors& x,
-                         const DropoutParams& dropout, int warps, size_t shared_bytes) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
-      cudaSuccess)
+                         const DropoutParams& dropout, int warps, bool pipelined, SharedBytes shared_bytes) {
+  int device = 0, shared_limit = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
     return launch_error(name);
-  kernel<<<static_cast<unsigned>(p.batch_heads), 32 * warps, shared_bytes, stream>>>(x, p.geometry, dropout);
+  const int stages = pipelined && shared_bytes(2) <= static_cast<size_t>(shared_limit) ? 2 : 1;
+  const size_t bytes = shared_bytes(stages);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) != cudaSuccess)
+    return launch_error(name);
+  int64_t blocks = p.batch_heads;
+  if (stages == 2) {
+    int resident = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, 32 * warps, bytes) != cudaSuccess)
+      return launch_error(name);
+    LS_RETURN_IF_ERROR(stride_grid(p.batch_heads, 1, std::max(resident, 1), blocks));
+  }
+  kernel<<<static_cast<unsigned>(blocks), 32 * warps, bytes, stream>>>(x, p.geometry, dropout,
+                                                                       static_cast<int>(p.batch_heads));
   return launch_error(name);
 }
 
 template <typename T, int kMaxKeys>
 struct LaunchForward {
   static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
+    const Geometry& g = p.geometry;
     return launch_kernel(attention_fwd_kernel<T, kMaxKeys>, "attention_fwd_kernel", stream, p, x, dropout,
-                         padded(p.geometry.queries) / 16, forward_shared_bytes(p.geometry.queries, p.geometry.keys));
+                         padded(g.queries) / 16, kPipelinesHeads<kMaxKeys>,
+                         [&](int stages) { return forward_shared_bytes(g.queries, g.keys, stages); });
   }
 };
 
 template <typename T, int kMaxKeys>
 struct LaunchBackward {
   static ffi::Error run(cudaStream_t stream, const Problem& p, const Tensors& x, const DropoutParams& dropout) {
-    const int longest = std::max(p.geometry.queries, p.geometry.keys);
+    const Geometry& g = p.geometry;
     return launch_kernel(attention_bwd_kernel<T, kMaxKeys>, "attention_bwd_kernel", stream, p, x, dropout,
-                         padded(longest) / 16, backward_shared_bytes(p.geometry.queries, p.geometry.keys, kMaxKeys));
+                         padded(std::max(g.queries, g.keys)) / 16, kPipelinesHeads<kMaxKeys>,
+                         [&](int stages) { return backward_shared_bytes(g.queries, g.keys, kMaxKeys, stages); });
   }
 };
 

@@ -851,11 +851,14 @@ ffi::Error launch_sized(cudaStream_t stream, const Problem& p, const Tensors& x,
 template <typename Kernel, typename SharedBytes>
 ffi::Error launch_kernel(Kernel kernel, const char* name, cudaStream_t stream, const Problem& p, const Tensors& x,
                          const DropoutParams& dropout, int warps, bool pipelined, SharedBytes shared_bytes) {
-  int device = 0, shared_limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return launch_error(name);
-  const int stages = pipelined && shared_bytes(2) <= static_cast<size_t>(shared_limit) ? 2 : 1;
+  int stages = 1;
+  if (pipelined) {
+    int device = 0, shared_limit = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+      return launch_error(name);
+    if (shared_bytes(2) <= static_cast<size_t>(shared_limit)) stages = 2;
+  }
   const size_t bytes = shared_bytes(stages);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) != cudaSuccess)
     return launch_error(name);

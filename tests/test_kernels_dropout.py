@@ -114,3 +114,19 @@ def test_bias_gradient_is_deterministic():
     second = on_backend("ffi", run, (x, bias), cotangent)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_xla_path_on_gpu_rounds_its_bf16_outputs_like_on_cpu():
+    """XLA on GPU may skip the rounding between an op's f32 arithmetic and an f32 consumer (excess precision);
+    the XLA implementations' 16-bit outputs are stored rounded, so a consumer sees the values a CPU computes."""
+    x, residual = normal(0, (512, 1024), BF16), normal(1, (512, 1024), BF16)
+    bias = normal(2, (1024,), F32)
+
+    def scaled_sum(x, bias, residual):
+        return ops.bias_dropout_residual(x, bias, residual).astype(F32) * 3.0
+
+    gpu = on_backend("xla", scaled_sum, x, bias, residual)
+    cpu = jax.jit(scaled_sum)(*jax.device_put((x, bias, residual), jax.devices("cpu")[0]))
+    unrounded = (x.astype(F32) + bias + residual.astype(F32)) * 3.0
+    assert np.mean(np.asarray(cpu) != np.asarray(unrounded)) > 0.5
+    np.testing.assert_array_equal(np.asarray(gpu), np.asarray(cpu))

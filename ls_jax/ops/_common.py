@@ -19,6 +19,7 @@ from ls_jax import backend
 logger = logging.getLogger("ls_jax.ops")
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOW_PRECISION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def check_activation(name: str, x: jax.Array, min_rank: int = 1) -> None:
@@ -102,6 +103,27 @@ def log_fallback_once(op: str, reason: str, instead: str = "the XLA implementati
     logger.warning("ls_jax.ops.%s: running %s on CUDA: %s", op, instead, reason)
 
 
+def _stored_in_dtype(xla_impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``xla_impl`` with its 16-bit outputs passed through an optimization barrier, so XLA stores them in their
+    dtype.
+
+    XLA on GPU allows excess precision: it drops a round trip f32 -> bf16 -> f32 between an op's arithmetic and
+    its consumer's, and then stores the f32 value, so activations (the residual stream, LayerNorm's saved input,
+    the FFN's hidden layer) take twice their bytes and skip the rounding the CUDA kernels do. Transformer-big 6e6d
+    at 8192 target tokens on an H100: 33.0-33.3 ms and 8.5 GiB per step without the barrier, 32.7 ms and 7.8 GiB
+    with it.
+    """
+
+    def impl(*args):
+        leaves, tree = jax.tree.flatten(xla_impl(*args))
+        low = [i for i, x in enumerate(leaves) if jnp.dtype(x.dtype) in LOW_PRECISION_DTYPES]
+        for i, x in zip(low, jax.lax.optimization_barrier([leaves[i] for i in low])):
+            leaves[i] = x
+        return jax.tree.unflatten(tree, leaves)
+
+    return impl
+
+
 def dispatch(
     op: str,
     xla_impl: Callable[..., Any],
@@ -113,13 +135,14 @@ def dispatch(
 
     Both implementations take the same arguments and return the same pytree of shapes and dtypes, so one
     ``jax.custom_vjp`` serves both. ``unsupported`` is a reason the kernels cannot take these shapes; the
-    op then runs XLA everywhere and logs the reason once. The op's name becomes a named scope, so profiles and
-    HLO metadata attribute the work to it.
+    op then runs XLA everywhere and logs the reason once. On CUDA the XLA implementation's 16-bit outputs are
+    stored in their dtype (``_stored_in_dtype``). The op's name becomes a named scope, so profiles and HLO
+    metadata attribute the work to it.
     """
     with jax.named_scope(op):
-        if not backend.kernels_enabled() or ffi_impl is None:
-            return xla_impl(*args)
-        if unsupported is not None:
+        on_cuda = ffi_impl if backend.kernels_enabled() and ffi_impl is not None else None
+        if on_cuda is not None and unsupported is not None:
             log_fallback_once(op, unsupported)
-            return xla_impl(*args)
-        return jax.lax.platform_dependent(*args, cuda=ffi_impl, default=xla_impl)
+            on_cuda = None
+        cuda = _stored_in_dtype(xla_impl) if on_cuda is None else on_cuda
+        return jax.lax.platform_dependent(*args, cuda=cuda, default=xla_impl)

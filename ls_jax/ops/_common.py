@@ -140,9 +140,9 @@ def dispatch(
     metadata attribute the work to it.
     """
     with jax.named_scope(op):
-        on_cuda = ffi_impl if backend.kernels_enabled() and ffi_impl is not None else None
-        if on_cuda is not None and unsupported is not None:
+        kernels = backend.kernels_enabled() and ffi_impl is not None
+        if kernels and unsupported is not None:
             log_fallback_once(op, unsupported)
-            on_cuda = None
-        cuda = _stored_in_dtype(xla_impl) if on_cuda is None else on_cuda
+            kernels = False
+        cuda = ffi_impl if kernels else _stored_in_dtype(xla_impl)
         return jax.lax.platform_dependent(*args, cuda=cuda, default=xla_impl)

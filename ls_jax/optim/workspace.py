@@ -70,18 +70,17 @@ class WorkspaceLayout:
     def zeros(self) -> jax.Array:
         return jnp.zeros((self.total,), jnp.float32)
 
-    def flatten(self, leaves: Sequence[jax.Array], dtype: Any = jnp.float32) -> jax.Array:
-        """Concatenates ``leaves`` (any float dtype) into one buffer of this layout in ``dtype``, zeros in the
-        padding."""
+    def flatten(self, leaves: Sequence[jax.Array]) -> jax.Array:
+        """Concatenates ``leaves`` (any float dtype) into one f32 buffer of this layout, zeros in the padding."""
         if len(leaves) != len(self.shapes):
             raise ValueError(f"expected {len(self.shapes)} leaves for this workspace, got {len(leaves)}")
         pieces = []
         for leaf, size, offset, end in zip(leaves, self.sizes, self.offsets, (*self.offsets[1:], self.total)):
-            pieces.append(leaf.reshape(-1).astype(dtype))
+            pieces.append(leaf.reshape(-1).astype(jnp.float32))
             if end - offset > size:
-                pieces.append(jnp.zeros((end - offset - size,), dtype))
+                pieces.append(jnp.zeros((end - offset - size,), jnp.float32))
         if not pieces:
-            return self.zeros().astype(dtype)
+            return self.zeros()
         return jnp.concatenate(pieces)
 
     def views(self, buffer: jax.Array) -> list[jax.Array]:

@@ -170,6 +170,32 @@ def test_train_step_with_dropout_is_finite_and_depends_on_the_rng():
         np.testing.assert_array_equal(leaf, again)
 
 
+def _output_shapes(jaxpr, primitive: str) -> list[tuple[int, ...]]:
+    """Output shapes of every ``primitive`` equation in ``jaxpr`` and in the jaxprs nested in its equations."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            shapes += [tuple(var.aval.shape) for var in eqn.outvars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes += _output_shapes(inner, primitive)
+    return shapes
+
+
+def test_cross_attention_key_value_gradient_is_one_concatenation_not_a_sum_of_padded_slices():
+    layers = 3
+    model = Transformer(tiny_config(num_decoder_layers=layers))
+    src, tgt_in, labels = reversal_batch()
+    params = random_params(model, src, tgt_in)
+    jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss_fn, model)))(params, src, tgt_in, labels).jaxpr
+    nhead = model.config.layer.nhead
+    key_value_shape = (*src.shape, layers, 2, nhead, model.config.layer.hidden_size // nhead)
+    assert key_value_shape not in _output_shapes(jaxpr, "pad")
+    assert key_value_shape in _output_shapes(jaxpr, "concatenate")
+
+
 def test_default_dtype_is_bfloat16_with_float32_params():
     config = TransformerConfig.preset("transformer-tiny", VOCAB, hidden_size=32, num_encoder_layers=1)
     assert config.layer.dtype == jnp.bfloat16

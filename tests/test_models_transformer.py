@@ -190,8 +190,7 @@ def test_cross_attention_key_value_gradient_is_one_concatenation_not_a_sum_of_pa
     src, tgt_in, labels = reversal_batch()
     params = random_params(model, src, tgt_in)
     jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss_fn, model)))(params, src, tgt_in, labels).jaxpr
-    nhead = model.config.layer.nhead
-    key_value_shape = (*src.shape, layers, 2, nhead, model.config.layer.hidden_size // nhead)
+    key_value_shape = (*src.shape, layers, 2, model.config.layer.nhead, model.config.layer.head_dim)
     assert key_value_shape not in _output_shapes(jaxpr, "pad")
     assert key_value_shape in _output_shapes(jaxpr, "concatenate")
 

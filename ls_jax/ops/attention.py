@@ -163,7 +163,7 @@ def _backward_ffi(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_r
 
 def _unsupported(sources: Sources) -> str | None:
     q_source, kv_source = sources[0], sources[-1]
-    if q_source.dtype not in (jnp.bfloat16, jnp.float16):
+    if q_source.dtype not in _common.LOW_PRECISION_DTYPES:
         return f"the fused attention kernels take bfloat16 or float16, got {q_source.dtype}"
     if q_source.shape[-1] != KERNEL_HEAD_DIM:
         return f"the fused attention kernels take head_dim {KERNEL_HEAD_DIM}, got {q_source.shape[-1]}"

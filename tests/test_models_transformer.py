@@ -14,6 +14,7 @@ from ls_jax.layers import CrossEntropyCriterion
 from ls_jax.models import BOS_ID, EOS_ID, PAD_ID, PRESETS, Transformer, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
 from test_layers_support import random_params
+from test_ops_support import jaxpr_output_shapes
 
 VOCAB = 16
 MAX_LEN = 8
@@ -170,20 +171,6 @@ def test_train_step_with_dropout_is_finite_and_depends_on_the_rng():
         np.testing.assert_array_equal(leaf, again)
 
 
-def _output_shapes(jaxpr, primitive: str) -> list[tuple[int, ...]]:
-    """Output shapes of every ``primitive`` equation in ``jaxpr`` and in the jaxprs nested in its equations."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == primitive:
-            shapes += [tuple(var.aval.shape) for var in eqn.outvars]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    shapes += _output_shapes(inner, primitive)
-    return shapes
-
-
 def test_cross_attention_key_value_gradient_is_one_concatenation_not_a_sum_of_padded_slices():
     layers = 3
     model = Transformer(tiny_config(num_decoder_layers=layers))
@@ -191,8 +178,8 @@ def test_cross_attention_key_value_gradient_is_one_concatenation_not_a_sum_of_pa
     params = random_params(model, src, tgt_in)
     jaxpr = jax.make_jaxpr(jax.grad(functools.partial(loss_fn, model)))(params, src, tgt_in, labels).jaxpr
     key_value_shape = (*src.shape, layers, 2, model.config.layer.nhead, model.config.layer.head_dim)
-    assert key_value_shape not in _output_shapes(jaxpr, "pad")
-    assert key_value_shape in _output_shapes(jaxpr, "concatenate")
+    assert key_value_shape not in jaxpr_output_shapes(jaxpr, "pad")
+    assert key_value_shape in jaxpr_output_shapes(jaxpr, "concatenate")
 
 
 def test_default_dtype_is_bfloat16_with_float32_params():

@@ -91,3 +91,17 @@ def check_vjp(
         assert grad.dtype == primal.dtype, f"gradient dtype {grad.dtype} != primal dtype {primal.dtype}"
     assert_close(grads, expected_grads, dtype)
     return outputs, grads
+
+
+def jaxpr_output_shapes(jaxpr: Any, primitive: str) -> list[tuple[int, ...]]:
+    """Output shapes of every ``primitive`` equation in ``jaxpr`` and in the jaxprs nested in its equations."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            shapes += [tuple(var.aval.shape) for var in eqn.outvars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes += jaxpr_output_shapes(inner, primitive)
+    return shapes

@@ -8,6 +8,8 @@ import pytest
 
 import ls_jax.optim as lo
 from ls_jax import backend
+from ls_jax.optim import _engine
+from test_ops_support import jaxpr_output_shapes
 from test_optim_support import (
     assert_trajectories_close,
     assert_trees_close,
@@ -204,6 +206,35 @@ def _check_tree(name, params, *, steps, jit_reference=True):
 @pytest.mark.parametrize("name", sorted(TREE_OPTIMIZERS))
 def test_odd_leaf_sizes_match_optax(name):
     _check_tree(name, ODD_SIZES, steps=5)
+
+
+def _mixed_sizes():
+    """Leaves on both sides of the XLA step's small-leaf threshold, odd sizes among them (padded workspaces)."""
+    small = _engine.SMALL_LEAF_ELEMENTS
+    shapes = {"a_large_odd": (small + 1,), "b_small": (3,), "c_threshold": (small // 256, 256), "d_below": (small - 1,),
+              "e_large": (2, small // 2 + 2), "f_scalar": ()}
+    keys = jax.random.split(jax.random.PRNGKey(3), len(shapes))
+    return {name: jax.random.normal(key, shape) for (name, shape), key in zip(shapes.items(), keys)}
+
+
+@pytest.mark.parametrize("name", sorted(TREE_OPTIMIZERS))
+def test_small_and_large_leaves_match_optax(name):
+    with backend.use("xla"):
+        _check_tree(name, _mixed_sizes(), steps=3)
+
+
+def test_xla_step_updates_large_leaves_in_place_without_a_workspace_concatenation():
+    """Each large leaf's moments are written into the workspaces with dynamic_update_slice (in place under
+    donation), the small leaves' with one scatter; nothing concatenates a workspace-sized gradient."""
+    params = _mixed_sizes()
+    layout = lo.WorkspaceLayout.of(params)
+    large = sum(size >= _engine.SMALL_LEAF_ELEMENTS for size in layout.sizes)
+    tx = lo.adamw(1e-2, max_grad_norm=1.0)
+    with backend.use("xla"):
+        jaxpr = jax.make_jaxpr(lambda g, s, p: lo.fused_apply(tx, g, s, p))(params, tx.init(params), params).jaxpr
+    assert jaxpr_output_shapes(jaxpr, "dynamic_update_slice") == [(layout.total,)] * (2 * large)
+    assert jaxpr_output_shapes(jaxpr, "scatter") == [(layout.total,)] * 2
+    assert (layout.total,) not in jaxpr_output_shapes(jaxpr, "concatenate")
 
 
 def test_520_leaves_match_optax():

@@ -45,6 +45,7 @@ logger = logging.getLogger("ls_jax.optim")
 
 COMMON_SCALARS = ("lr", "weight_decay", "max_norm")
 STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMALL_LEAF_ELEMENTS = 65536
 Moments = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], tuple[jax.Array, ...]]
 Direction = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], jax.Array]
 
@@ -156,9 +157,9 @@ class MasterWeightsState(NamedTuple):
     master: Any
 
 
-def _clip_by_global_norm(g: jax.Array, max_norm: jax.Array) -> jax.Array:
-    norm = jnp.sqrt(jnp.sum(g * g))
-    return jnp.where(norm < max_norm, g, (g / norm) * max_norm)
+def _clip_by_global_norm(leaves: list[jax.Array], max_norm: jax.Array) -> list[jax.Array]:
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in leaves))
+    return [jnp.where(norm < max_norm, g, (g / norm) * max_norm) for g in leaves]
 
 
 def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool, s: dict[str, jax.Array]):
@@ -174,26 +175,58 @@ def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool
     return p + update if config.output == "params" else update
 
 
+def _update_moments(config: StepConfig, rule: Rule, g: list[jax.Array], moments, s) -> tuple[jax.Array, ...]:
+    """The new moment workspaces from each leaf's gradient ``g[i]`` (flat f32), written over the old ones in place.
+
+    Not over one flat gradient: concatenating hundreds of gradient leaves into a workspace-shaped buffer is a loop
+    over its operands that XLA on an H100 ran at a sixth of copy bandwidth (2.9 ms of Transformer-big 12e12d's
+    step, 509 leaves). Instead each leaf of at least ``SMALL_LEAF_ELEMENTS`` updates its slices in place, and the
+    small leaves (biases, LayerNorm) go together through one gather and one scatter, since on their own each would
+    cost a kernel launch for a few kilobytes. The large leaves' offsets are traced values because XLA updates a
+    buffer in place only where the update reads it through a dynamic slice at the same offsets; constant offsets
+    become static slices, and each update a copy of the whole workspace.
+    """
+    layout = config.layout
+    small = [i for i, size in enumerate(layout.sizes) if size < SMALL_LEAF_ELEMENTS]
+    large = [i for i, size in enumerate(layout.sizes) if size >= SMALL_LEAF_ELEMENTS]
+    offsets = jax.lax.optimization_barrier(jnp.asarray(layout.offsets, jnp.int32))
+    moments = list(moments)
+    for i in large:
+        start = (offsets[i],)
+        old = [jax.lax.dynamic_slice(m, start, g[i].shape) for m in moments]
+        new = rule.moments(g[i], old, s)
+        moments = [jax.lax.dynamic_update_slice(m, n, start) for m, n in zip(moments, new)]
+    if small:
+        index = np.concatenate([np.arange(layout.offsets[i], layout.offsets[i] + layout.sizes[i]) for i in small])
+        index = index.astype(np.int32)
+        where = dict(indices_are_sorted=True, unique_indices=True)
+        old = [m.at[index].get(**where) for m in moments]
+        new = rule.moments(jnp.concatenate([g[i] for i in small]), old, s)
+        moments = [m.at[index].set(n, **where) for m, n in zip(moments, new)]
+    return tuple(moments)
+
+
 def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
-    """The step in jax.numpy: the new moments over the flat workspace, then each leaf's direction and update from
-    its slices.
+    """The step in jax.numpy: the new moments in the workspaces, then each leaf's direction and update from its
+    gradient and its slices of the new workspaces.
 
     The new moments pass an optimization barrier before the directions are computed from them, so each leaf's
-    update reads its slice back from the new workspace. Without the barrier XLA recomputes the moments inside the
-    leaves' updates, and that fusion slows down with the number of leaves: on an H100 the step took 21.6 ms for
-    Transformer-big 12e12d (367 leaves, 386M parameters) and 10.9 ms with it (4.7 and 4.9 ms for 6e6d, 187 leaves).
+    update reads its slices back from the new workspaces. Without the barrier XLA recomputes the moments inside
+    the leaves' updates, and that fusion slows down with the number of leaves: on an H100 the step took 21.6 ms
+    for Transformer-big 12e12d (367 leaves, 386M parameters) and 10.9 ms with it (4.7 and 4.9 ms for 6e6d, 187
+    leaves).
     """
     s = {name: scalars[i] for i, name in enumerate(config.scalar_names)}
-    g = config.layout.flatten(grads)
+    g = [leaf.reshape(-1).astype(jnp.float32) for leaf in grads]
     if config.clip:
         g = _clip_by_global_norm(g, s["max_norm"])
-    new_moments = jax.lax.optimization_barrier(tuple(rule.moments(g, moments, s)))
+    new_moments = jax.lax.optimization_barrier(_update_moments(config, rule, g, moments, s))
     leaf_moments = zip(*(config.layout.views(m) for m in new_moments))
     leaf_params = [None] * len(grads) if params is None else params
     outputs = [
-        _finish(config, rule.direction(g_leaf, m_leaf, s), p, decayed, s).astype(dtype)
-        for g_leaf, m_leaf, p, decayed, dtype in zip(
-            config.layout.views(g), leaf_moments, leaf_params, config.decay, config.out_dtypes
+        _finish(config, rule.direction(g_leaf.reshape(shape), m_leaf, s), p, decayed, s).astype(dtype)
+        for g_leaf, shape, m_leaf, p, decayed, dtype in zip(
+            g, config.layout.shapes, leaf_moments, leaf_params, config.decay, config.out_dtypes
         )
     ]
     copies = [out.astype(dtype) for out, dtype in zip(outputs, config.copy_dtypes)] if config.copy_dtypes else None

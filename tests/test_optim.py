@@ -237,6 +237,35 @@ def test_xla_step_updates_large_leaves_in_place_without_a_workspace_concatenatio
     assert (layout.total,) not in jaxpr_output_shapes(jaxpr, "concatenate")
 
 
+def _abstract_step_jaxpr(shapes):
+    """The XLA step's jaxpr for f32 leaves of ``shapes``, traced on abstract values (no memory allocated)."""
+    params = {f"leaf{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i, shape in enumerate(shapes)}
+    tx = lo.adamw(1e-2)
+    with backend.use("xla"):
+        return jax.make_jaxpr(lambda g, s, p: lo.fused_apply(tx, g, s, p))(params, jax.eval_shape(tx.init, params), params)
+
+
+def test_xla_step_offsets_past_int32_keep_their_value():
+    """A workspace of more than 2**31 elements: the offsets and indices the step writes through are unsigned
+    32-bit and exact (int32 would wrap them negative)."""
+    shapes = [(2**31 + 8,), (3,), (_engine.SMALL_LEAF_ELEMENTS + 4,)]
+    layout = lo.WorkspaceLayout.from_shapes(shapes)
+    assert layout.offsets[2] > 2**31
+    closed = _abstract_step_jaxpr(shapes)
+    constants = [np.asarray(c) for c in closed.consts]
+    assert any(c.dtype == np.uint32 and list(c) == list(layout.offsets) for c in constants)
+    assert any(c.dtype == np.uint32 and list(c) == list(range(layout.offsets[1], layout.offsets[1] + 3)) for c in constants)
+    index_dtypes = {eqn.primitive.name: eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice"
+                    else eqn.invars[1].aval.dtype
+                    for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
+    assert index_dtypes == {name: np.uint32 for name in ("dynamic_update_slice", "scatter", "gather")}
+
+
+def test_xla_step_names_its_workspace_limit():
+    with pytest.raises(ValueError, match="32-bit unsigned offsets .* these parameters need 4294967300"):
+        _abstract_step_jaxpr([(2**32 - 4,), (8,)])
+
+
 def test_520_leaves_match_optax():
     """The reference runs op by op: compiling optax for 520 distinct leaves takes XLA on CPU ~20 s."""
     _check_tree("adan", _many_leaves(520), steps=3, jit_reference=False)

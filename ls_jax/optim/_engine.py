@@ -46,6 +46,7 @@ logger = logging.getLogger("ls_jax.optim")
 COMMON_SCALARS = ("lr", "weight_decay", "max_norm")
 STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMALL_LEAF_ELEMENTS = 65536
+MAX_XLA_WORKSPACE_ELEMENTS = 2**32 - 1
 Moments = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], tuple[jax.Array, ...]]
 Direction = Callable[[jax.Array, Sequence[jax.Array], dict[str, jax.Array]], jax.Array]
 
@@ -175,6 +176,29 @@ def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool
     return p + update if config.output == "params" else update
 
 
+def _check_offsets_fit(layout: WorkspaceLayout) -> None:
+    if layout.total > MAX_XLA_WORKSPACE_ELEMENTS:
+        raise ValueError(
+            f"the XLA optimizer step indexes its workspaces with 32-bit unsigned offsets (at most "
+            f"{MAX_XLA_WORKSPACE_ELEMENTS} elements); these parameters need {layout.total}"
+        )
+
+
+def _gather(buffer: jax.Array, index: jax.Array) -> jax.Array:
+    """``buffer[index]`` for a sorted, unique u32 ``index`` (jnp indexing would narrow it to int32)."""
+    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
+    return jax.lax.gather(buffer, index[:, None], numbers, (1,), indices_are_sorted=True, unique_indices=True,
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _scatter(buffer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """``buffer`` with ``buffer[index] = values`` for a sorted, unique u32 ``index``."""
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                              scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter(buffer, index[:, None], values, numbers, indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def _update_moments(config: StepConfig, rule: Rule, g: list[jax.Array], moments, s) -> tuple[jax.Array, ...]:
     """The new moment workspaces from each leaf's gradient ``g[i]`` (flat f32), written over the old ones in place.
 
@@ -187,9 +211,10 @@ def _update_moments(config: StepConfig, rule: Rule, g: list[jax.Array], moments,
     become static slices, and each update a copy of the whole workspace.
     """
     layout = config.layout
+    _check_offsets_fit(layout)
     small = [i for i, size in enumerate(layout.sizes) if size < SMALL_LEAF_ELEMENTS]
     large = [i for i, size in enumerate(layout.sizes) if size >= SMALL_LEAF_ELEMENTS]
-    offsets = jax.lax.optimization_barrier(jnp.asarray(layout.offsets, jnp.int32))
+    offsets = jax.lax.optimization_barrier(jnp.asarray(layout.offsets, jnp.uint32))
     moments = list(moments)
     for i in large:
         start = (offsets[i],)
@@ -197,12 +222,10 @@ def _update_moments(config: StepConfig, rule: Rule, g: list[jax.Array], moments,
         new = rule.moments(g[i], old, s)
         moments = [jax.lax.dynamic_update_slice(m, n, start) for m, n in zip(moments, new)]
     if small:
-        index = np.concatenate([np.arange(layout.offsets[i], layout.offsets[i] + layout.sizes[i]) for i in small])
-        index = index.astype(np.int32)
-        where = dict(indices_are_sorted=True, unique_indices=True)
-        old = [m.at[index].get(**where) for m in moments]
-        new = rule.moments(jnp.concatenate([g[i] for i in small]), old, s)
-        moments = [m.at[index].set(n, **where) for m, n in zip(moments, new)]
+        index = [np.arange(layout.offsets[i], layout.offsets[i] + layout.sizes[i], dtype=np.uint32) for i in small]
+        index = jnp.asarray(np.concatenate(index))
+        new = rule.moments(jnp.concatenate([g[i] for i in small]), [_gather(m, index) for m in moments], s)
+        moments = [_scatter(m, index, n) for m, n in zip(moments, new)]
     return tuple(moments)
 
 

@@ -85,7 +85,7 @@ def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():
     assert e2e.target_basis_tflops(None) is None
 
 
-def test_ls_jax_steps_train_bf16_params_from_f32_master_weights():
+def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     from ls_jax import optim
 
     batch = e2e._batch(4, seed=0)
@@ -97,6 +97,7 @@ def test_ls_jax_steps_train_bf16_params_from_f32_master_weights():
     assert isinstance(opt_state, optim.MasterWeightsState)
     leaves = jax.tree.leaves(params)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
-    for leaf, master_leaf in zip(leaves, jax.tree.leaves(opt_state.master)):
-        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(master_leaf.astype(jnp.bfloat16)))
+    assert all(leaf.dtype == jnp.int16 for leaf in jax.tree.leaves(opt_state.master))  # the f32 masters' low halves
+    for leaf, master_leaf in zip(leaves, jax.tree.leaves(optim.master_params(opt_state, params))):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(optim.master.round_to_bf16(master_leaf)))
     assert any(np.any(np.asarray(a) != b) for a, b in zip(leaves, jax.tree.leaves(initial_params)))

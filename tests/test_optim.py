@@ -8,7 +8,7 @@ import pytest
 
 import ls_jax.optim as lo
 from ls_jax import backend
-from ls_jax.optim import _engine
+from ls_jax.optim import _engine, master
 from test_ops_support import jaxpr_output_shapes
 from test_optim_support import (
     assert_trajectories_close,
@@ -18,6 +18,7 @@ from test_optim_support import (
     mlp_grad,
     mlp_loss,
     mlp_params,
+    tied_params,
     trajectory,
     warmup_cosine,
 )
@@ -357,26 +358,77 @@ def _bf16_grads(params, step):
     return jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
 
 
-def _master_adamw():
-    return lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM,
-                    storage_dtype=jnp.bfloat16, master_weights=True)
-
-
+@pytest.mark.parametrize("storage", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "fused_apply"])
-def test_master_weights_follow_the_f32_run(fused):
-    """The master copy is the f32 run's params (same gradients); the bf16 params are the master rounded."""
+def test_master_weights_follow_the_f32_run(fused, storage):
+    """The master is the f32 run's params, bit for bit (same gradients, 20 steps); the 16-bit params are the master
+    rounded to nearest. bf16 params carry the master's high halves and the state its int16 low halves; f16 params
+    keep an f32 master."""
     f32_params = mlp_params()
-    bf16_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), f32_params)
-    tx = _master_adamw()
-    as_f32 = lambda params, step: jax.tree.map(lambda g: g.astype(jnp.float32), _bf16_grads(params, step))  # noqa: E731
+    tx = lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM,
+                  storage_dtype=storage, master_weights=True)
+    grads = lambda params, step: jax.tree.map(lambda g: g.astype(storage), _bf16_grads(params, step))  # noqa: E731
+    as_f32 = lambda params, step: jax.tree.map(lambda g: g.astype(jnp.float32), grads(params, step))  # noqa: E731
     exact, _ = trajectory(
         lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM),
         f32_params, steps=20, fused=True, grad_fn=as_f32,
     )
-    ours, state = trajectory(tx, bf16_params, steps=20, fused=fused, grad_fn=_bf16_grads, state=tx.init(f32_params))
+    start = jax.tree.map(lambda p: p.astype(storage), f32_params)
+    ours, state = trajectory(tx, start, steps=20, fused=fused, grad_fn=grads, state=tx.init(f32_params))
     assert isinstance(state, lo.MasterWeightsState)
-    assert_trees_close(state.master, exact[-1], rtol=0, atol=0)
-    assert_trees_close(ours[-1], jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.master), rtol=0, atol=0)
+    expected_master_dtype = jnp.int16 if storage == jnp.bfloat16 else jnp.float32
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.master)} == {jnp.dtype(expected_master_dtype)}
+    assert_trees_close(lo.master_params(state, ours[-1]), exact[-1], rtol=0, atol=0)
+    rounded = master.round_to_bf16 if storage == jnp.bfloat16 else (lambda p: p.astype(storage))
+    assert_trees_close(ours[-1], jax.tree.map(rounded, exact[-1]), rtol=0, atol=0)
+
+
+def test_bf16_master_halves_are_exact_through_ties():
+    """A step keeps every master value exact, ties included: its bf16 params round them to nearest with ties away
+    from zero, which differs from astype's ties to even exactly where the low half is 0x8000 and the high half
+    even. ``init`` splits against astype (how users cast their params) and saturates at those ties, one f32 unit
+    in the last place below the value."""
+    params = tied_params()
+    tx = lo.adam(0.0, storage_dtype=jnp.bfloat16, master_weights=True)  # lr 0: the master keeps its values
+    state = tx.init(params)
+    start = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    for p, p16, low in zip(jax.tree.leaves(params), jax.tree.leaves(start), jax.tree.leaves(state.master)):
+        bits = np.asarray(jax.lax.bitcast_convert_type(p, jnp.uint32)).reshape(-1)
+        joined = np.asarray(jax.lax.bitcast_convert_type(master.join_halves(p16, low), jnp.uint32)).reshape(-1)
+        np.testing.assert_array_equal(joined[1:], bits[1:])
+        assert joined[0] == bits[0] - 1, "init saturates at astype's tie"
+    exact_state = lo.MasterWeightsState(
+        state.inner, jax.tree.map(lambda p: master.low_half(p, master.round_to_bf16(p)), params))
+    exact_start = jax.tree.map(master.round_to_bf16, params)
+    new_params, new_state = lo.fused_apply(tx, _bf16_grads(start, 0), exact_state, exact_start)
+    assert_trees_close(lo.master_params(new_state, new_params), params, rtol=0, atol=0)
+    for new, p in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+        differs = np.asarray(new != p.astype(jnp.bfloat16)).reshape(-1)
+        assert differs[0] and not differs[1:].any(), "only the ties round away from astype's even neighbour"
+        assert np.asarray(jnp.abs(new.astype(jnp.float32) - p) == jnp.abs(p.astype(jnp.bfloat16) - p)).all()
+
+
+def test_bf16_master_halves_of_special_values():
+    """Splitting and joining is the identity on every f32 bit pattern class: signed zeros, subnormals, halfway
+    cases both ways, the largest finite values (whose high half rounds to infinity), infinities; NaN stays NaN."""
+    patterns = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F808000, 0x3F818000, 0xBF808000,
+                         0x3F807FFF, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000], np.uint32)
+    x = jax.lax.bitcast_convert_type(jnp.asarray(patterns), jnp.float32)
+    high = master.round_to_bf16(x)
+    joined = master.join_halves(high, master.low_half(x, high))
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(joined, jnp.uint32)), patterns)
+    np.testing.assert_array_equal(  # nearest, ties away from zero: 1.00390625 (0x3F808000) rounds up, not to even
+        np.asarray(high[4:9], np.float32), np.array([1.0078125, 1.015625, -1.0078125, 1.0, 1.0078125], np.float32))
+    assert np.isinf(np.asarray(high[9], np.float32)) and np.isinf(np.asarray(high[10], np.float32))
+    stale = master.join_halves(jnp.asarray([0.0, -0.0, np.inf, -np.inf, 1.0], jnp.bfloat16),
+                               jnp.asarray([-5, -5, 5, 5, -5], jnp.int16))
+    np.testing.assert_array_equal(  # a low half from other params: never across zero, never NaN
+        np.asarray(jax.lax.bitcast_convert_type(stale, jnp.uint32)),
+        np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x3F800000 - 5], np.uint32))
+    nans = jax.lax.bitcast_convert_type(jnp.asarray([0x7F800001, 0xFFFFFFFF, 0x7FC00000], jnp.uint32), jnp.float32)
+    nan_high = master.round_to_bf16(nans)
+    assert np.isnan(np.asarray(nan_high, np.float32)).all()
+    assert np.isnan(np.asarray(master.join_halves(nan_high, master.low_half(nans, nan_high)))).all()
 
 
 def test_master_weights_keep_updates_bf16_storage_loses():
@@ -404,6 +456,11 @@ def test_master_weights_bad_use_raises():
         tx.update(grads, lo.adan(1e-3).init(params), params)
     with pytest.raises(ValueError, match="storage_dtype=bfloat16 needs every gradient leaf in bfloat16"):
         tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), tx.init(params), params)
+    f32_master = lo.MasterWeightsState(tx.init(params).inner, jax.tree.map(lambda p: p.astype(jnp.float32), params))
+    with pytest.raises(ValueError, match=r"with bfloat16 params the master weights are int16 leaves .* found float32"):
+        tx.update(grads, f32_master, params)
+    with pytest.raises(ValueError, match=r"low halves int16\[16\] need bfloat16 params of their shape, got float32"):
+        lo.master_params(tx.init(params), jax.tree.map(lambda p: p.astype(jnp.float32), params))
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
@@ -483,15 +540,15 @@ def test_fused_apply_lowers_to_one_in_place_kernel_call_for_cuda(monkeypatch):
 
 
 def test_master_weights_lower_to_one_kernel_call_updating_master_and_moments_in_place(monkeypatch):
-    """The master leaves go in as the params, aliased to their new values; the bf16 params are extra results."""
+    """The bf16 params and the master's low halves go in aliased to their new values (the copies and the outputs)."""
     monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
     tx = lo.adan(1e-3, weight_decay=0.1, max_grad_norm=1.0, storage_dtype=jnp.bfloat16, master_weights=True)
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
     text = _cuda_lowering(tx, _bf16_grads(params, 0), params)
     assert text.count("stablehlo.custom_call @ls_optim_step") == 1
-    assert "write_copies = true" in text
+    assert "write_copies = true" in text and "split_master = true" in text
     num_leaves = len(jax.tree.leaves(params))
-    assert text.count("#stablehlo.output_operand_alias") == num_leaves + 4  # the master leaves, Adan's moments
+    assert text.count("#stablehlo.output_operand_alias") == 2 * num_leaves + 4  # params, low halves, Adan's moments
 
 
 def test_kernel_declines_leaves_beyond_its_limit():

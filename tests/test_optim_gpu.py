@@ -11,7 +11,8 @@ import pytest
 
 import ls_jax.optim as lo
 from ls_jax import backend
-from test_optim_support import decay_matrices, mlp_grad, mlp_params, warmup_cosine
+from ls_jax.optim import master
+from test_optim_support import decay_matrices, mlp_grad, mlp_params, tied_params, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 
@@ -115,10 +116,40 @@ def test_kernel_matches_xla_with_master_weights(name, fused):
     params = _odd_tree(jnp.bfloat16)
     ffi_params, ffi_state = _run("ffi", tx, params, _tree_grad, fused=fused, steps=4)
     xla_params, xla_state = _run("xla", tx, params, _tree_grad, fused=fused, steps=4)
-    _assert_agree(ffi_state, xla_state, F32_TOLERANCE)
+    assert {leaf.dtype for leaf in jax.tree.leaves(ffi_state.master)} == {jnp.dtype(jnp.int16)}
+    ffi_master, xla_master = lo.master_params(ffi_state, ffi_params), lo.master_params(xla_state, xla_params)
+    _assert_agree(ffi_state.inner, xla_state.inner, F32_TOLERANCE)
+    _assert_agree(ffi_master, xla_master, F32_TOLERANCE)
     _assert_agree(ffi_params, xla_params, BF16_ULP)
-    for param, master_leaf in zip(jax.tree.leaves(ffi_params), jax.tree.leaves(ffi_state.master)):
-        np.testing.assert_array_equal(np.asarray(param), np.asarray(master_leaf.astype(jnp.bfloat16)))
+    for param, master_leaf in zip(jax.tree.leaves(ffi_params), jax.tree.leaves(ffi_master)):
+        np.testing.assert_array_equal(np.asarray(param), np.asarray(master.round_to_bf16(master_leaf)))
+
+
+def test_kernel_keeps_the_split_master_exact():
+    """At lr 0 a step rewrites every bf16 master value unchanged: the kernel joins and splits the halves bit for
+    bit as ls_jax.optim.master does (ties rounded away from zero, the largest finite values, infinities, signed
+    zeros), and a low half from other params (zero params, a negative low half) neither crosses zero nor makes NaN."""
+    special = np.array([0x3F808000, 0xBF808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
+                        0x00000000, 0x80000000, 0x3F807FFF], np.uint32)
+    values = {**tied_params(), "special": jax.lax.bitcast_convert_type(jnp.asarray(special), jnp.float32)}
+    params = jax.tree.map(master.round_to_bf16, values)
+    lows = jax.tree.map(lambda v, p: master.low_half(v, p), values, params)
+    params["stale"], lows["stale"] = jnp.zeros((16,), jnp.bfloat16), jnp.full((16,), -5, jnp.int16)
+    tx = lo.adam(0.0, storage_dtype=jnp.bfloat16, master_weights=True)
+    state = lo.MasterWeightsState(tx.init(params).inner, lows)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+    expected = {**values, "stale": jnp.zeros((16,), jnp.float32)}
+    for mode in ("ffi", "xla"):
+        with backend.use(mode):
+            new_params, new_state = jax.jit(functools.partial(lo.fused_apply, tx))(grads, state, params)
+        new_master = jax.tree.leaves(lo.master_params(new_state, new_params))
+        for index, (got, got_param, want) in enumerate(zip(new_master, jax.tree.leaves(new_params),
+                                                           jax.tree.leaves(expected))):
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32),
+                                          err_msg=f"{mode}: master leaf {index}")
+            np.testing.assert_array_equal(np.asarray(got_param).view(np.uint16),
+                                          np.asarray(master.round_to_bf16(want)).view(np.uint16),
+                                          err_msg=f"{mode}: params leaf {index}")
 
 
 def test_mixed_dtypes_f32_params_with_bf16_grads():
@@ -130,7 +161,7 @@ def test_mixed_dtypes_f32_params_with_bf16_grads():
 
 
 def test_more_leaves_than_one_launch_takes():
-    """600 leaves: two launches of the 512-leaf table, with the clipping norm shared across them."""
+    """600 leaves: two launches of the 448-leaf table, with the clipping norm shared across them."""
     keys = jax.random.split(jax.random.PRNGKey(5), 600)
     params = {f"leaf{i:04d}": jax.random.normal(k, (1 + i % 37,)) for i, k in enumerate(keys)}
     tx = lo.adan(1e-2, weight_decay=0.05, max_grad_norm=2.0)

@@ -21,6 +21,7 @@ import pytest
 from test_data_text import write_corpus
 import test_train_runlog
 from ls_jax import backend
+from ls_jax.optim import master
 from train import runlog, tokenizer, wmt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,16 +184,24 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
     assert wmt.main(small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
     assert wmt.main(["--resume", str(split), "--steps", "4"]) == 0
 
-    straight, resumed = state_arrays(tmp_path / "straight", 4), state_arrays(split, 4)
+    def with_f32_master(arrays):
+        """The state's arrays with the master's int16 low halves joined to the bf16 params they extend."""
+        params = {name[len("['params']"):]: value for name, value in arrays.items() if name.startswith("['params']")}
+        lows = {name.split("['master']", 1)[1]: name for name in arrays if "['master']" in name}
+        assert params and params.keys() == lows.keys()
+        for path, name in lows.items():
+            assert params[path].dtype == jnp.bfloat16 and arrays[name].dtype == np.int16, name
+            arrays = {**arrays, name: np.asarray(master.join_halves(params[path], arrays[name]))}
+        return arrays
+
+    straight, resumed = with_f32_master(state_arrays(tmp_path / "straight", 4)), with_f32_master(state_arrays(split, 4))
     assert straight.keys() == resumed.keys()
     for name in straight:
         np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
-    params = {name[len("['params']"):]: value for name, value in straight.items() if name.startswith("['params']")}
-    master = {name.split("['master']", 1)[1]: value for name, value in straight.items() if "['master']" in name}
-    assert params and params.keys() == master.keys()
-    for name, value in params.items():
-        assert value.dtype == jnp.bfloat16 and master[name].dtype == np.float32, name
-        np.testing.assert_array_equal(value, master[name].astype(jnp.bfloat16), err_msg=name)
+    for name, value in straight.items():
+        if "['master']" in name:
+            params_name = "['params']" + name.split("['master']", 1)[1]
+            np.testing.assert_array_equal(straight[params_name], master.round_to_bf16(value), err_msg=name)
     intervals = [r for r in runlog.read(split / "run.jsonl") if r["type"] == "interval"]
     assert all(np.isfinite(r["loss"]) for r in intervals) and intervals[-1]["loss"] < intervals[0]["loss"]
 

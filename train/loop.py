@@ -711,11 +711,17 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
-def precision_signature(config: Mapping[str, Any], precision: str) -> dict[str, bool]:
+def precision_signature(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
     """The entries of a checkpoint's model signature that change the train state's structure with the precision.
 
-    ``master_weights`` appears only when set, so checkpoints written before the flag existed still resume."""
-    return {"fp16_loss_scaling": precision == "fp16", **({"master_weights": True} if config["master_weights"] else {})}
+    ``master_weights`` appears only when set, so checkpoints written before the flag existed still resume; for
+    bf16 params it names the master's form, int16 low halves (``ls_jax.optim.master``), which the f32 masters of
+    checkpoints written before that form do not restore into."""
+    signature: dict[str, Any] = {"fp16_loss_scaling": precision == "fp16"}
+    if config["master_weights"]:
+        split = ls_jax.optim.master.is_split(master_dtype(config, precision))
+        signature["master_weights"] = "int16 low halves" if split else True
+    return signature
 
 
 def master_dtype(config: Mapping[str, Any], precision: str) -> Any:

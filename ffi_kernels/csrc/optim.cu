@@ -1,13 +1,16 @@
 // Multi-tensor optimizer step (Adam, NAdam, Adan): every parameter leaf updated by one kernel launch.
 //
-// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), moments f32[W] x K)
+// Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), low halves s16[N] (when
+//                       split_master), moments f32[W] x K)
 //          -> outputs[N], moments f32[W] x K, copies[N] (when write_copies), and with clip a f32[P] scratch of
 //             norm partials.
 // Attributes: algorithm (0 adam, 1 adam_nesterov, 2 adan), num_leaves N, has_params, write_params (outputs
 // are the new params, else the updates), proximal, clip, write_copies (the new params are also written in
-// the copies' dtype: the 16-bit params of master weights), decay (int32[N], 1 where weight decay applies).
-// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments, and the params when write_params, to
-// their outputs, so the step is in place.
+// the copies' dtype: the 16-bit params of master weights), split_master (the f32 master of bf16 params is
+// the params as high halves and the s16 low halves; the outputs are the new low halves, the copies the new
+// params: ls_jax/optim/master.py), decay (int32[N], 1 where weight decay applies).
+// The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments, and the params when write_params (with
+// split_master the low halves to the outputs and the params to the copies), so the step is in place.
 //
 // The math is the XLA implementation's (ls_jax/optim/_engine.py, adam.py, adan.py) element for element; the
 // scalar vector holds lr, weight_decay, max_norm and then the algorithm's SCALARS in that module's order.
@@ -27,7 +30,8 @@
 //
 // Bytes per parameter with f32 params and grads: adam reads p, g, mu, nu and writes p, mu, nu (28); adan
 // reads p, g, m, v, n, g' and writes p, m, v, n, g' (44); clipping reads g once more (+4). Master weights
-// (f32 params, 16-bit grads and copies): adam reads p, g, mu, nu and writes p, mu, nu and the copy (28).
+// (f32 params, 16-bit grads and copies): adam reads p, g, mu, nu and writes p, mu, nu and the copy (28); split
+// over bf16 params and s16 low halves it reads and writes both halves instead (26).
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -44,7 +48,7 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;                                  // 16 bytes of a 16-bit stream, 32 of an f32 one
 constexpr int64_t kChunk = int64_t{kThreads} * kVec * 2;  // two sweeps of the block per chunk
 constexpr int kMinBlocksPerSm = 2;
-constexpr int kMaxLeaves = 512;                          // the table stays under the 32 KiB parameter limit
+constexpr int kMaxLeaves = 448;                          // the table stays under the 32 KiB parameter limit
 constexpr int kMaxMoments = 4;
 constexpr int64_t kWorkspaceAlign = 4;                   // WorkspaceLayout.ALIGN_ELEMENTS
 
@@ -61,6 +65,7 @@ enum LeafFlags : uint8_t { kDecay = 1, kAligned = 2 };
 struct Leaf {
   const void* grad;
   const void* param;
+  const void* param_low;  // the master's low halves with split_master, else null
   void* out;
   void* copy;      // the new params again, in copy_type; null without write_copies
   int64_t offset;  // of the leaf in every workspace
@@ -78,7 +83,7 @@ struct LeafTable {
 static_assert(sizeof(LeafTable) + 64 <= 32764, "the leaf table must fit in the kernel parameter space");
 
 struct StepFlags {
-  bool has_params, write_params, proximal, clip;
+  bool has_params, write_params, proximal, clip, split_master;
 };
 
 template <Algorithm A>
@@ -131,6 +136,72 @@ __device__ __forceinline__ void store_any(void* base, uint8_t type, int64_t inde
     case kBF16: store_vector<N>(static_cast<__nv_bfloat16*>(base) + index, v); break;
     default: store_vector<N>(static_cast<__half*>(base) + index, v); break;
   }
+}
+
+// ---- master weights split into bf16 params and s16 low halves (ls_jax/optim/master.py) ----------------
+
+// N 16-bit words at ptr: N = kVec (16-byte aligned) as one 16-byte access, N = 1 as a scalar.
+template <int N>
+__device__ __forceinline__ void load_words(const uint16_t* ptr, uint32_t (&w)[N]) {
+  if constexpr (N == 1) {
+    w[0] = *ptr;
+  } else {
+    static_assert(N == 8, "16-bit vectors are one uint4");
+    const uint4 v = *reinterpret_cast<const uint4*>(ptr);
+    const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[2 * i] = pairs[i] & 0xFFFFu;
+      w[2 * i + 1] = pairs[i] >> 16;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_words(uint16_t* ptr, const uint32_t (&w)[N]) {
+  if constexpr (N == 1) {
+    *ptr = static_cast<uint16_t>(w[0]);
+  } else {
+    static_assert(N == 8, "16-bit vectors are one uint4");
+    __stwb(reinterpret_cast<uint4*>(ptr), make_uint4(w[0] | (w[1] << 16), w[2] | (w[3] << 16),
+                                                     w[4] | (w[5] << 16), w[6] | (w[7] << 16)));
+  }
+}
+
+__device__ __forceinline__ bool nan_bits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+
+// master.join_halves: bits(high) * 2^16 + low, or high itself where that would cross zero or make NaN of inf.
+__device__ __forceinline__ float join_halves(uint32_t high, uint32_t low) {
+  const uint32_t high_bits = high << 16;
+  const uint32_t bits = high_bits + static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(low)));
+  const bool crossed = ((bits ^ high_bits) >> 31) != 0 || (nan_bits(bits) && !nan_bits(high_bits));
+  return __uint_as_float(crossed ? high_bits : bits);
+}
+
+// master.round_to_bf16 (nearest, ties away from zero) and master.low_half of x: high and low halves.
+__device__ __forceinline__ void split_halves(float x, uint32_t& high, uint32_t& low) {
+  const uint32_t bits = __float_as_uint(x);
+  high = nan_bits(bits) ? ((bits >> 16) | 0x40u) : ((bits + 0x8000u) >> 16);
+  const int32_t difference = static_cast<int32_t>(bits - (high << 16));
+  low = static_cast<uint16_t>(static_cast<int16_t>(min(max(difference, -32768), 32767)));
+}
+
+template <int N>
+__device__ __forceinline__ void load_master(const Leaf& leaf, int64_t index, float (&p)[N]) {
+  uint32_t high[N], low[N];
+  load_words<N>(static_cast<const uint16_t*>(leaf.param) + index, high);
+  load_words<N>(static_cast<const uint16_t*>(leaf.param_low) + index, low);
+#pragma unroll
+  for (int i = 0; i < N; ++i) p[i] = join_halves(high[i], low[i]);
+}
+
+template <int N>
+__device__ __forceinline__ void store_master(const Leaf& leaf, int64_t index, const float (&p)[N]) {
+  uint32_t high[N], low[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) split_halves(p[i], high[i], low[i]);
+  store_words<N>(static_cast<uint16_t*>(leaf.copy) + index, high);
+  store_words<N>(static_cast<uint16_t*>(leaf.out) + index, low);
 }
 
 // ---- the math (one element; `s` is the scalar vector) ---------------------------------------------------
@@ -200,7 +271,8 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
   constexpr int K = kMoments<A>;
   float g[N], p[N], m[K][N];
   load_any<N>(leaf.grad, leaf.grad_type, index, g);
-  if (flags.has_params) load_any<N>(leaf.param, leaf.param_type, index, p);
+  if (flags.split_master) load_master<N>(leaf, index, p);
+  else if (flags.has_params) load_any<N>(leaf.param, leaf.param_type, index, p);
 #pragma unroll
   for (int k = 0; k < K; ++k) load_floats<N>(table.moments_in[k] + leaf.offset + index, m[k]);
   const bool decayed = leaf.flags & kDecay;
@@ -218,8 +290,12 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) store_vector<N>(table.moments_out[k] + leaf.offset + index, m[k]);
-  store_any<N>(leaf.out, leaf.out_type, index, out);
-  if (leaf.copy != nullptr) store_any<N>(leaf.copy, leaf.copy_type, index, out);
+  if (flags.split_master) {
+    store_master<N>(leaf, index, out);
+  } else {
+    store_any<N>(leaf.out, leaf.out_type, index, out);
+    if (leaf.copy != nullptr) store_any<N>(leaf.copy, leaf.copy_type, index, out);
+  }
 }
 
 // The leaf that owns `chunk`: the first i with chunk < chunk_end[i].
@@ -316,12 +392,14 @@ int scalar_count(Algorithm algorithm) {
   return algorithm == Algorithm::kAdan ? kScalarCount<Algorithm::kAdan> : kScalarCount<Algorithm::kAdam>;
 }
 
-// Leaf i's table entry from its buffers; `offset` is its workspace offset.
-ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBuffer* param,
+// Leaf i's table entry from its buffers; `offset` is its workspace offset, `low` the master's low halves with
+// split_master (then `param` and `copy` are the bf16 params and their new values, `out` the new low halves).
+ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBuffer* param, const ffi::AnyBuffer* low,
                          const ffi::AnyBuffer& out, const ffi::AnyBuffer* copy, bool write_params, bool decayed,
                          int64_t offset, Leaf& leaf) {
   const std::string name = "leaf " + std::to_string(i);
   LS_RETURN_IF_ERROR(require_same_shape(name + " output", out, name + " gradient", grad));
+  LS_RETURN_IF_ERROR(storage_type(grad.element_type(), name + " gradient", leaf.grad_type));
   leaf.copy = nullptr;
   leaf.copy_type = kF32;
   if (copy != nullptr) {
@@ -329,13 +407,23 @@ ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBu
     LS_RETURN_IF_ERROR(storage_type(copy->element_type(), name + " copy", leaf.copy_type));
     leaf.copy = copy->untyped_data();
   }
-  LS_RETURN_IF_ERROR(storage_type(grad.element_type(), name + " gradient", leaf.grad_type));
-  LS_RETURN_IF_ERROR(storage_type(out.element_type(), name + " output", leaf.out_type));
-  leaf.param_type = leaf.out_type;
   if (param != nullptr) {
     LS_RETURN_IF_ERROR(require_same_shape(name + " param", *param, name + " gradient", grad));
     LS_RETURN_IF_ERROR(storage_type(param->element_type(), name + " param", leaf.param_type));
-    LS_RETURN_IF_ERROR(require(!write_params || param->element_type() == out.element_type(),
+  }
+  leaf.param_low = nullptr;
+  if (low != nullptr) {
+    LS_RETURN_IF_ERROR(require_same_shape(name + " low halves", *low, name + " gradient", grad));
+    LS_RETURN_IF_ERROR(require(param != nullptr && copy != nullptr && leaf.param_type == kBF16 &&
+                                   leaf.copy_type == kBF16,
+                               name + ": split master weights need bfloat16 params and copies"));
+    LS_RETURN_IF_ERROR(require(low->element_type() == ffi::DataType::S16 && out.element_type() == ffi::DataType::S16,
+                               name + ": the master's low halves and their new values must be int16"));
+    leaf.param_low = low->untyped_data();
+  } else {
+    LS_RETURN_IF_ERROR(storage_type(out.element_type(), name + " output", leaf.out_type));
+    if (param == nullptr) leaf.param_type = leaf.out_type;
+    LS_RETURN_IF_ERROR(require(param == nullptr || !write_params || param->element_type() == out.element_type(),
                                name + ": the new params must have the params' dtype"));
   }
   leaf.grad = grad.untyped_data();
@@ -345,6 +433,7 @@ ffi::Error describe_leaf(int64_t i, const ffi::AnyBuffer& grad, const ffi::AnyBu
   leaf.size = static_cast<int64_t>(grad.element_count());
   const bool aligned = is_aligned(leaf.grad, 16) && is_aligned(leaf.out, 16) &&
                        (leaf.param == nullptr || is_aligned(leaf.param, 16)) &&
+                       (leaf.param_low == nullptr || is_aligned(leaf.param_low, 16)) &&
                        (leaf.copy == nullptr || is_aligned(leaf.copy, 16));
   leaf.flags = static_cast<uint8_t>((decayed ? kDecay : 0) | (aligned ? kAligned : 0));
   return ffi::Error::Success();
@@ -380,7 +469,7 @@ ffi::Error launch_step(cudaStream_t stream, const LeafTable& table, const float*
 
 ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                       ffi::RemainingRets rets, int32_t algorithm_id, int64_t num_leaves, bool has_params,
-                      bool write_params, bool proximal, bool clip, bool write_copies,
+                      bool write_params, bool proximal, bool clip, bool write_copies, bool split_master,
                       ffi::Span<const int32_t> decay) {
   LS_RETURN_IF_ERROR(require(algorithm_id >= 0 && algorithm_id <= 2, "unknown optimizer algorithm " +
                                                                          std::to_string(algorithm_id)));
@@ -390,10 +479,13 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
   LS_RETURN_IF_ERROR(require(n >= 1, "the optimizer step needs at least one leaf"));
   LS_RETURN_IF_ERROR(require(!write_params || has_params, "writing new params needs the params"));
   LS_RETURN_IF_ERROR(require(!write_copies || write_params, "copies are of the new params: write_params is off"));
+  LS_RETURN_IF_ERROR(require(!split_master || write_copies, "split master weights write the params as copies"));
   LS_RETURN_IF_ERROR(require(static_cast<int64_t>(decay.size()) == n, "decay must have one flag per leaf"));
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == n * (has_params ? 2 : 1) + k,
+  const int64_t first_moment = n * (1 + (has_params ? 1 : 0) + (split_master ? 1 : 0));
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(args.size()) == first_moment + k,
                              "expected " + std::to_string(n) + " grads, " + (has_params ? "as many params, " : "") +
-                                 "and " + std::to_string(k) + " moments after the scalars"));
+                                 (split_master ? "as many low halves, " : "") + "and " + std::to_string(k) +
+                                 " moments after the scalars"));
   const int64_t copies = write_copies ? n : 0;
   LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + k + copies + (clip ? 1 : 0),
                              "expected " + std::to_string(n) + " outputs, " + std::to_string(k) + " moments" +
@@ -415,6 +507,12 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
       if (p.has_error()) return p.error();
       param = *p;
     }
+    std::optional<ffi::AnyBuffer> low;
+    if (split_master) {
+      auto l = args.get<ffi::AnyBuffer>(2 * n + i);
+      if (l.has_error()) return l.error();
+      low = *l;
+    }
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (out.has_error()) return out.error();
     std::optional<ffi::AnyBuffer> copy;
@@ -425,13 +523,12 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
     }
     const bool decayed = decay[i] != 0;
     LS_RETURN_IF_ERROR(require(!decayed || has_params, "weight decay needs the params"));
-    LS_RETURN_IF_ERROR(describe_leaf(i, *grad, param ? &*param : nullptr, **out, copy ? &*copy : nullptr,
-                                     write_params, decayed, workspace, leaves[i]));
+    LS_RETURN_IF_ERROR(describe_leaf(i, *grad, param ? &*param : nullptr, low ? &*low : nullptr, **out,
+                                     copy ? &*copy : nullptr, write_params, decayed, workspace, leaves[i]));
     workspace += round_up(leaves[i].size, kWorkspaceAlign);
   }
 
   LeafTable table;
-  const int64_t first_moment = n * (has_params ? 2 : 1);
   for (int j = 0; j < k; ++j) {
     auto in = args.get<ffi::AnyBuffer>(first_moment + j);
     if (in.has_error()) return in.error();
@@ -452,7 +549,7 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
     for (Leaf& leaf : leaves) leaf.flags &= static_cast<uint8_t>(~kAligned);
   }
 
-  const StepFlags flags{has_params, write_params, proximal, clip};
+  const StepFlags flags{has_params, write_params, proximal, clip, split_master};
   const int64_t groups = ceil_div(n, kMaxLeaves);
   float* partials = nullptr;
   int num_partials = 0;
@@ -512,6 +609,7 @@ LS_FFI_TARGET(ls_optim_step, optim_step,
                   .Attr<bool>("proximal")
                   .Attr<bool>("clip")
                   .Attr<bool>("write_copies")
+                  .Attr<bool>("split_master")
                   .Attr<ffi::Span<const int32_t>>("decay"));
 
 }  // namespace ls

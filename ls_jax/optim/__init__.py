@@ -38,25 +38,28 @@ decaying schedule: most updates vanish). Keep f32 params there (``storage_dtype=
 accepts any mix of dtypes), or add master weights.
 
 Master weights (``storage_dtype=jnp.bfloat16, master_weights=True``; mixed-precision training as in Apex's O2
-and LightSeq2's trainer). The state (``MasterWeightsState``) adds an f32 master copy of the parameters (a pytree
-like the params). The step updates the master in f32 and writes the 16-bit params from it in the same pass, so
-nothing is lost to rounding, and the model computes with the 16-bit params directly: no per-step cast of every
-f32 weight, and 16-bit gradients. ``init`` takes the f32 params (the master starts exact); train with them cast
-to the storage dtype::
+and LightSeq2's trainer). The state (``MasterWeightsState``) adds f32 master weights. The step updates the master
+in f32 and writes the 16-bit params from it in the same pass, so nothing is lost to rounding, and the model
+computes with the 16-bit params directly: no per-step cast of every f32 weight, and 16-bit gradients. For bf16
+params the state keeps only the low 16 bits of each master value, as the bf16 params are its high halves
+(``ls_jax.optim.master``): 2 + 2 bytes per parameter for the params and master instead of 2 + 4, the master
+exact all the same; ``master_params(state, params)`` gives the f32 values. ``init`` takes the f32 params (the
+master starts exact); train with them cast to the storage dtype::
 
     tx = ls_jax.optim.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True)
     opt_state = tx.init(params)
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
-AdamW then moves 28 bytes per parameter per step, as with f32 params (f32 master read and written, 16-bit
-gradient read and parameter written). ``update`` returns the f32 updates that ``optax.apply_updates`` turns into
+AdamW then moves 26 bytes per parameter per step with bf16 params (params and low halves, 2 + 2 read and
+written, moments 8 + 8, 16-bit gradient 2) and 28 with f16 ones (f32 master read and written, gradient read and
+params written), as with f32 params. ``update`` returns the f32 updates that ``optax.apply_updates`` turns into
 the same 16-bit params ``apply`` writes.
 """
 
 from ls_jax.optim.adam import AdamState, adam, adamw
-from ls_jax.optim._engine import MasterWeightsState
 from ls_jax.optim.adan import AdanState, adan
 from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
+from ls_jax.optim.master import MasterWeightsState, master_params
 from ls_jax.optim.workspace import WorkspaceLayout
 
 __all__ = [
@@ -70,4 +73,5 @@ __all__ = [
     "adan",
     "chain",
     "fused_apply",
+    "master_params",
 ]

@@ -19,9 +19,11 @@ grads: list of leaves; params: list of leaves, or None when no leaf decays and u
 tuple of f32 workspace buffers; scalars: f32[len(config.scalar_names)]; outputs: the new parameters
 (``config.output == "params"``) or the updates (``"updates"``), in ``config.out_dtypes``.
 
-With master weights, params are the f32 master leaves, the outputs their new values, and the step also returns
+With master weights, params are the master leaves, the outputs their new values, and the step also returns
 ``copies``: the new params rounded to ``config.copy_dtypes`` (the model's 16-bit params), written in the same pass.
-``step(...) -> (outputs, new_moments, copies)``, copies None without master weights.
+``step(...) -> (outputs, new_moments, copies)``, copies None without master weights. With ``config.split_master``
+(bf16 params, see ``master.py``) each param is a pair (bf16 params, int16 low halves of the master), the outputs
+are the new low halves and the copies the new params, rounded to nearest with ties away from zero.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 import optax
 
 from ls_jax import backend
-from ls_jax.optim import _kernel
+from ls_jax.optim import _kernel, master as master_lib
 from ls_jax.optim.base import FusedGradientTransformation
 from ls_jax.optim.workspace import WorkspaceLayout, check_leaves
 
@@ -144,18 +146,7 @@ class StepConfig:
     output: Literal["params", "updates"]
     out_dtypes: tuple[np.dtype, ...]
     copy_dtypes: tuple[np.dtype, ...] = ()
-
-
-class MasterWeightsState(NamedTuple):
-    """A workspace optimizer's state with master weights: the algorithm's state (``AdamState``, ``AdanState``)
-    and the f32 master copy of the parameters, a pytree of the params' structure.
-
-    The master is per leaf rather than one flat workspace so that the XLA step writes each leaf's new master and
-    16-bit copy from one fusion: concatenating 187 leaves' results into a workspace cost the Transformer-big step
-    2.3 ms on an H100."""
-
-    inner: NamedTuple
-    master: Any
+    split_master: bool = False
 
 
 def _clip_by_global_norm(leaves: list[jax.Array], max_norm: jax.Array) -> list[jax.Array]:
@@ -197,6 +188,16 @@ def _scatter(buffer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Arra
                                               scatter_dims_to_operand_dims=(0,))
     return jax.lax.scatter(buffer, index[:, None], values, numbers, indices_are_sorted=True, unique_indices=True,
                            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _master_outputs(config: StepConfig, new: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array] | None]:
+    """(outputs, copies) of the step from each leaf's new f32 params or updates ``new``."""
+    if config.split_master:
+        copies = [master_lib.round_to_bf16(x) for x in new]
+        return [master_lib.low_half(x, high) for x, high in zip(new, copies)], copies
+    outputs = [x.astype(dtype) for x, dtype in zip(new, config.out_dtypes)]
+    copies = [x.astype(dtype) for x, dtype in zip(new, config.copy_dtypes)] if config.copy_dtypes else None
+    return outputs, copies
 
 
 def _update_moments(config: StepConfig, rule: Rule, g: list[jax.Array], moments, s) -> tuple[jax.Array, ...]:
@@ -245,14 +246,15 @@ def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
         g = _clip_by_global_norm(g, s["max_norm"])
     new_moments = jax.lax.optimization_barrier(_update_moments(config, rule, g, moments, s))
     leaf_moments = zip(*(config.layout.views(m) for m in new_moments))
-    leaf_params = [None] * len(grads) if params is None else params
-    outputs = [
-        _finish(config, rule.direction(g_leaf.reshape(shape), m_leaf, s), p, decayed, s).astype(dtype)
-        for g_leaf, shape, m_leaf, p, decayed, dtype in zip(
-            g, config.layout.shapes, leaf_moments, leaf_params, config.decay, config.out_dtypes
-        )
+    if params is None:
+        params = [None] * len(grads)
+    elif config.split_master:
+        params = [master_lib.join_halves(high, low) for high, low in params]
+    new = [
+        _finish(config, rule.direction(g_leaf.reshape(shape), m_leaf, s), p, decayed, s)
+        for g_leaf, shape, m_leaf, p, decayed in zip(g, config.layout.shapes, leaf_moments, params, config.decay)
     ]
-    copies = [out.astype(dtype) for out, dtype in zip(outputs, config.copy_dtypes)] if config.copy_dtypes else None
+    outputs, copies = _master_outputs(config, new)
     return outputs, tuple(new_moments), copies
 
 
@@ -307,6 +309,15 @@ def _check_storage(kind: str, leaves: Sequence[jax.Array], dtype: jnp.dtype | No
             raise ValueError(f"storage_dtype={dtype} needs every {kind} leaf in {dtype}, found {found}")
 
 
+def _check_master(leaves: Sequence[jax.Array], storage_dtype: jnp.dtype) -> None:
+    expected = master_lib.master_dtype(storage_dtype)
+    for leaf in leaves:
+        if leaf.dtype != expected:
+            found = f"{leaf.dtype}{list(leaf.shape)}"
+            raise ValueError(f"with {storage_dtype} params the master weights are {expected} leaves (see "
+                             f"ls_jax.optim.master), found {found}: was the state made by this optimizer's init?")
+
+
 def _check_params_match(grads: Any, params: Any, layout: WorkspaceLayout) -> None:
     if jax.tree.structure(grads) != jax.tree.structure(params):
         structures = f"{jax.tree.structure(grads)}\n{jax.tree.structure(params)}"
@@ -342,7 +353,7 @@ def workspace_transformation(
         layout = WorkspaceLayout.of(params)
         state = rule.state_type(jnp.zeros([], jnp.int32), *(layout.zeros() for _ in moment_names))
         if master_weights:
-            return MasterWeightsState(state, jax.tree.map(lambda p: p.astype(jnp.float32), params))
+            return master_lib.MasterWeightsState(state, master_lib.initial_master(params, storage_dtype))
         return state
 
     def step(grads, state, params, output):
@@ -350,7 +361,7 @@ def workspace_transformation(
         new 16-bit params (the copies of the new master)."""
         master = None
         if master_weights:
-            if not isinstance(state, MasterWeightsState):
+            if not isinstance(state, master_lib.MasterWeightsState):
                 raise TypeError(f"expected a MasterWeightsState from this optimizer's init, got {type(state).__name__}")
             state, master = state
         if not isinstance(state, rule.state_type):
@@ -372,17 +383,20 @@ def workspace_transformation(
             _check_params_match(grads, params, layout)
             param_leaves = check_leaves("param", params)
             _check_storage("param", param_leaves, storage_dtype)
-        copy_dtypes = ()
+        copy_dtypes, split_master = (), False
         if master_weights:
             _check_params_match(grads, master, layout)
-            master_leaves = check_leaves("master", master)
-            _check_storage("master", master_leaves, jnp.dtype(jnp.float32))
-            copy_dtypes = tuple(leaf.dtype for leaf in param_leaves)
-            param_leaves, output = master_leaves, "params"
-        out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
+            master_leaves = jax.tree.leaves(master)
+            _check_master(master_leaves, storage_dtype)
+            copy_dtypes, split_master = tuple(leaf.dtype for leaf in param_leaves), master_lib.is_split(storage_dtype)
+            param_leaves = list(zip(param_leaves, master_leaves)) if split_master else master_leaves
+            output = "params"
+            out_dtypes = tuple(leaf.dtype for leaf in master_leaves)
+        else:
+            out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
         clip = max_grad_norm is not None
         config = StepConfig(
-            rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes, copy_dtypes
+            rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes, copy_dtypes, split_master
         )
         count = state.count
         values = {
@@ -398,7 +412,7 @@ def workspace_transformation(
         new_state = rule.state_type(optax.safe_increment(count), *new_moments)
         if master_weights:
             new_master = jax.tree.unflatten(jax.tree.structure(master), outputs)
-            return copies, MasterWeightsState(new_state, new_master)
+            return copies, master_lib.MasterWeightsState(new_state, new_master)
         return outputs, new_state
 
     def update(updates, state, params=None, **extra_args):

@@ -2,13 +2,16 @@
 
 The FFI target ``ls_optim_step`` (ffi_kernels/csrc/optim.cu) takes
 
-    operands: scalars f32[S], grads[N], params[N] (when has_params), moments f32[workspace] x K
-    results:  outputs[N] (new params or updates), new moments x K, copies[N] (the new params in
-              ``config.copy_dtypes``, with master weights), and with clipping f32[NORM_PARTIALS] scratch
+    operands: scalars f32[S], grads[N], params[N] (when has_params), low halves int16[N] (with
+              ``config.split_master``), moments f32[workspace] x K
+    results:  outputs[N] (new params or updates; the new low halves with split_master), new moments x K,
+              copies[N] (the new params in ``config.copy_dtypes``, with master weights), and with clipping
+              f32[NORM_PARTIALS] scratch
 
 and finds each leaf's workspace offset from the leaf sizes with the rule of ``WorkspaceLayout``. Moments are
-aliased to their results, and so are the params when the results are the new params, so under ``jax.jit``
-with donated arguments the update is in place. Global-norm clipping adds one reduction launch that writes
+aliased to their results, and so are the params when the results are the new params (with split_master the
+low halves to the outputs and the bf16 params to the copies), so under ``jax.jit`` with donated arguments the
+update is in place. Global-norm clipping adds one reduction launch that writes
 per-block partial sums into the scratch result; the update launch reduces them in a fixed order, so the
 result is deterministic.
 """
@@ -40,15 +43,23 @@ def step(config, grads, params, moments, scalars):
     num_leaves, num_moments = len(grads), len(moments)
     has_params = params is not None
     write_params = config.output == "params"
-    operands = [scalars, *grads, *(params if has_params else ()), *moments]
+    if config.split_master:
+        highs, lows = zip(*params)
+        param_operands = [*highs, *lows]
+    else:
+        param_operands = list(params) if has_params else []
+    operands = [scalars, *grads, *param_operands, *moments]
     result_types = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(config.layout.shapes, config.out_dtypes)]
     result_types += [jax.ShapeDtypeStruct(moment.shape, jnp.float32) for moment in moments]
     result_types += [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)]
     if config.clip:
         result_types.append(jax.ShapeDtypeStruct((NORM_PARTIALS,), jnp.float32))
-    first_moment = 1 + num_leaves * (2 if has_params else 1)
+    first_moment = 1 + num_leaves + len(param_operands)
     aliases = {first_moment + k: num_leaves + k for k in range(num_moments)}
-    if write_params:
+    if config.split_master:
+        aliases.update({1 + 2 * num_leaves + i: i for i in range(num_leaves)})
+        aliases.update({1 + num_leaves + i: num_leaves + num_moments + i for i in range(num_leaves)})
+    elif write_params:
         aliases.update({1 + num_leaves + i: i for i in range(num_leaves)})
     call = jax.ffi.ffi_call(TARGET, result_types, input_output_aliases=aliases, vmap_method="sequential")
     results = call(
@@ -60,6 +71,7 @@ def step(config, grads, params, moments, scalars):
         proximal=config.proximal,
         clip=config.clip,
         write_copies=bool(config.copy_dtypes),
+        split_master=config.split_master,
         decay=np.asarray(config.decay, np.int32),
     )
     copies = list(results[num_leaves + num_moments : 2 * num_leaves + num_moments]) if config.copy_dtypes else None

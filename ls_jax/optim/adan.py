@@ -126,8 +126,9 @@ def adan(
         folded into the same pass; None does not clip.
       storage_dtype: None, or bfloat16/float16 to require every parameter and gradient in that dtype
         (LightSeq's memory-saving mode); the moments and the arithmetic stay f32. See ``ls_jax.optim``.
-      master_weights: with ``storage_dtype``, keep an f32 master copy of the parameters in the state: the step
-        updates it and writes the 16-bit parameters from it (mixed-precision training). See ``ls_jax.optim``.
+      master_weights: with ``storage_dtype``, keep f32 master weights in the state (for bf16 params only their
+        low halves): the step updates them and writes the 16-bit parameters from them (mixed-precision
+        training). See ``ls_jax.optim``.
 
     Raises:
       ValueError: a hyperparameter out of range (naming it).

@@ -8,7 +8,8 @@ AdamW, bf16 compute with f32 params):
   reference  train/reference_model.py, plain Flax linen + optax, all XLA; the f32 params are cast to bf16 for
              every use;
   ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation; the f32 params
-             are the optimizer's master weights, and its step writes the bf16 copy the model computes with;
+             are the optimizer's master weights (the bf16 params their high halves, the optimizer state their
+             low halves), and its step writes the bf16 params the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples of 20
 consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model TFLOP/s and MFU (against
@@ -411,7 +412,7 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
         "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,
         "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
                   "optimizer": "adamw", "precision": "bf16 compute, f32 params",
-                  "ls_jax_params": "f32 master weights in the optimizer, bf16 copies written by its step",
+                  "ls_jax_params": "f32 master weights split into the bf16 params and int16 low halves in the optimizer state",
                   "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
                   "ls_jax_attention_dropout": "per element (fairseq / LightSeq)"},
     }

@@ -262,6 +262,15 @@ def test_xla_step_offsets_past_int32_keep_their_value():
     assert index_dtypes == {name: np.uint32 for name in ("dynamic_update_slice", "scatter", "gather")}
 
 
+def test_xla_step_offsets_are_int32_where_they_fit():
+    """Below 2**31 elements the offsets are int32, with which XLA on GPU updates every leaf in place."""
+    shapes = [(3,), (_engine.SMALL_LEAF_ELEMENTS + 4,)]
+    closed = _abstract_step_jaxpr(shapes)
+    index_dtypes = {eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice" else eqn.invars[1].aval.dtype
+                    for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
+    assert index_dtypes == {np.dtype(np.int32)}
+
+
 def test_xla_step_names_its_workspace_limit():
     with pytest.raises(ValueError, match="32-bit unsigned offsets .* these parameters need 4294967300"):
         _abstract_step_jaxpr([(2**32 - 4,), (8,)])

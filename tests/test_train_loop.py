@@ -226,3 +226,13 @@ def test_precision_choice_follows_the_device():
     assert loop.parse_precision("fp16", "gpu", h100) == "fp16"
     with pytest.raises(ValueError, match="V100-SXM2 has no bf16 support"):
         loop.parse_precision("bf16", "gpu", v100)
+
+
+def test_checkpoint_signature_names_the_master_weights_form():
+    """bf16 master weights are stored as int16 low halves: their checkpoints must not resume as (or from) the f32
+    masters of earlier checkpoints, which were signed ``True``; f16 ones keep the f32 master and that signature."""
+    with_master = {"master_weights": True}
+    assert loop.precision_signature(with_master, "bf16") == {"fp16_loss_scaling": False,
+                                                             "master_weights": "int16 low halves"}
+    assert loop.precision_signature(with_master, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
+    assert loop.precision_signature({"master_weights": False}, "bf16") == {"fp16_loss_scaling": False}

@@ -246,6 +246,13 @@ def _abstract_step_jaxpr(shapes):
         return jax.make_jaxpr(lambda g, s, p: lo.fused_apply(tx, g, s, p))(params, jax.eval_shape(tx.init, params), params)
 
 
+def _index_dtypes(closed) -> set[tuple[str, np.dtype]]:
+    """(primitive, dtype of its offsets or indices) of every dynamic_update_slice, scatter and gather of ``closed``."""
+    return {(eqn.primitive.name, eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice"
+             else eqn.invars[1].aval.dtype)
+            for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
+
+
 def test_xla_step_offsets_past_int32_keep_their_value():
     """A workspace of more than 2**31 elements: the offsets and indices the step writes through are unsigned
     32-bit and exact (int32 would wrap them negative)."""
@@ -256,19 +263,14 @@ def test_xla_step_offsets_past_int32_keep_their_value():
     constants = [np.asarray(c) for c in closed.consts]
     assert any(c.dtype == np.uint32 and list(c) == list(layout.offsets) for c in constants)
     assert any(c.dtype == np.uint32 and list(c) == list(range(layout.offsets[1], layout.offsets[1] + 3)) for c in constants)
-    index_dtypes = {eqn.primitive.name: eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice"
-                    else eqn.invars[1].aval.dtype
-                    for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
-    assert index_dtypes == {name: np.uint32 for name in ("dynamic_update_slice", "scatter", "gather")}
+    assert _index_dtypes(closed) == {(name, np.dtype(np.uint32)) for name in ("dynamic_update_slice", "scatter", "gather")}
 
 
 def test_xla_step_offsets_are_int32_where_they_fit():
     """Below 2**31 elements the offsets are int32, with which XLA on GPU updates every leaf in place."""
     shapes = [(3,), (_engine.SMALL_LEAF_ELEMENTS + 4,)]
     closed = _abstract_step_jaxpr(shapes)
-    index_dtypes = {eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice" else eqn.invars[1].aval.dtype
-                    for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
-    assert index_dtypes == {np.dtype(np.int32)}
+    assert {dtype for _, dtype in _index_dtypes(closed)} == {np.dtype(np.int32)}
 
 
 def test_xla_step_names_its_workspace_limit():

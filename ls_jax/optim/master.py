@@ -62,6 +62,11 @@ def round_to_bf16(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.bfloat16)
 
 
+def _high_bits(high: jax.Array) -> jax.Array:
+    """bits(high) * 2^16 as u32: the bits of the f32 whose high half is bf16 ``high`` and low half zero."""
+    return jax.lax.bitcast_convert_type(high, jnp.uint16).astype(jnp.uint32) << 16
+
+
 def low_half(x: jax.Array, high: jax.Array) -> jax.Array:
     """The int16 ``low`` with bits(x) = bits(high) * 2^16 + low, saturated where that needs more than 16 bits.
 
@@ -70,7 +75,7 @@ def low_half(x: jax.Array, high: jax.Array) -> jax.Array:
       high: bf16, ``x`` rounded to nearest (``round_to_bf16``, or ``astype`` whose ties saturate).
     """
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    high_bits = jax.lax.bitcast_convert_type(high, jnp.uint16).astype(jnp.uint32) << 16
+    high_bits = _high_bits(high)
     difference = jax.lax.bitcast_convert_type(bits - high_bits, jnp.int32)
     return jnp.clip(difference, _LOW_HALF_MIN, _LOW_HALF_MAX).astype(LOW_HALF_DTYPE)
 
@@ -85,7 +90,7 @@ def join_halves(high: jax.Array, low: jax.Array) -> jax.Array:
     A low half that ``high`` did not come from (params changed outside the optimizer) moves it by at most half a
     bf16 spacing, except where that would cross zero (a zero ``high``, a negative ``low``) or turn infinity into
     NaN: there the master is ``high`` itself."""
-    high_bits = jax.lax.bitcast_convert_type(high, jnp.uint16).astype(jnp.uint32) << 16
+    high_bits = _high_bits(high)
     bits = high_bits + jax.lax.bitcast_convert_type(low.astype(jnp.int32), jnp.uint32)
     crossed = ((bits ^ high_bits) >> 31 == 1) | (_is_nan(bits) & ~_is_nan(high_bits))
     return jax.lax.bitcast_convert_type(jnp.where(crossed, high_bits, bits), jnp.float32)

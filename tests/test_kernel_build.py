@@ -263,3 +263,12 @@ def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enable
     assert _targets(_cuda_module(cross, query, key_value)) == {"ls_attention_fwd", "ls_attention_bwd"}
     too_long = normal(3, (2, 129, 2, 4, 64), jnp.float16)
     assert _targets(_cuda_module(cross, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
+
+
+def test_cross_entropy_backward_lowers_in_place_over_the_logits(kernels_enabled):
+    logits, labels = normal(0, (6, 1001), jnp.bfloat16), jnp.array([3, 1, 0, 1000, 1, 7], jnp.int32)
+    criterion = lambda z: ops.label_smoothed_cross_entropy(z, labels, epsilon=0.1, pad_id=1)[:2]
+    text = _cuda_module(lambda z: _forward_and_backward(criterion, z), logits)
+    assert _targets(text) == {"ls_cross_entropy_fwd", "ls_cross_entropy_bwd"}
+    [backward] = [line for line in text.splitlines() if "custom_call @ls_cross_entropy_bwd" in line]
+    assert "output_operand_alias<output_tuple_indices = [], operand_index = 2," in backward, backward

@@ -1,11 +1,13 @@
 """GPU: the label-smoothed cross-entropy kernels (ls_cross_entropy_fwd / _bwd) against the XLA implementation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax import ops
+from ls_jax import backend, ops
 from test_kernels_support import assert_backends_agree, kernel_targets, on_backend
 from test_ops_support import normal
 
@@ -103,3 +105,38 @@ def test_vmap_matches_xla():
     np.testing.assert_array_equal(np.asarray(got[0][2]), np.asarray(want[0][2]))
     assert_backends_agree(got[0][:2], want[0][:2], BF16, "vmap sums")
     assert_backends_agree(got[1], want[1], BF16, "vmap dlogits")
+
+
+def _projected_loss(hidden, weight, labels):
+    """The criterion over logits made in the step, as a model's output projection makes them."""
+    logits = hidden @ weight
+    loss_sum, _, _ = ops.label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=PAD)
+    return loss_sum, logits
+
+
+def test_backward_overwrites_the_logits_in_place():
+    """dlogits take the logits' buffer, uncopied: the compiled step's temporaries hold one (rows, V) buffer, not
+    two (besides them only GEMM workspace and per-row values)."""
+    rows, width, vocab = 4096, 64, 32768
+    hidden, weight = normal(50, (rows, width), BF16), normal(51, (width, vocab), BF16, scale=0.1)
+    labels = _labels(50, (rows,), vocab)
+    step = jax.grad(lambda h, w: _projected_loss(h, w, labels)[0], argnums=(0, 1))
+    with backend.use("ffi"):
+        compiled = jax.jit(step).lower(hidden, weight).compile()
+    [backward] = [line for line in compiled.as_text().splitlines() if '"ls_cross_entropy_bwd"' in line]
+    assert "output_to_operand_aliasing={{}: (2, {})}" in backward, backward
+    assert f"bf16[{rows},{vocab}]{{1,0}} copy(" not in compiled.as_text()
+    logits_bytes, temp_bytes = rows * vocab * 2, compiled.memory_analysis().temp_size_in_bytes
+    assert temp_bytes < 1.5 * logits_bytes, f"{temp_bytes} bytes of temporaries for {logits_bytes} of logits"
+    assert_backends_agree(on_backend("ffi", step, hidden, weight), on_backend("xla", step, hidden, weight), BF16)
+
+
+def test_logits_read_after_the_backward_are_intact():
+    """Where the logits outlive the backward (here a step output), XLA copies them before the kernel overwrites."""
+    hidden, weight = normal(60, (96, 32), BF16), normal(61, (32, 1001), BF16)
+    labels = _labels(60, (96,), 1001)
+    step = jax.value_and_grad(lambda h, w: _projected_loss(h, w, labels), argnums=(0, 1), has_aux=True)
+    (_, got_logits), got_grads = on_backend("ffi", step, hidden, weight)
+    (_, want_logits), want_grads = on_backend("xla", step, hidden, weight)
+    np.testing.assert_array_equal(np.asarray(got_logits, np.float32), np.asarray(want_logits, np.float32))
+    assert_backends_agree(got_grads, want_grads, BF16, "grads")

@@ -4,7 +4,9 @@
 // of z over its elements; the block combines them into lse = m + log(sum exp(z - m)) and sum(z), and
 //   nll  = lse - z[clip(label, 0, V - 1)]
 //   loss = on_label * nll + off_label * (V * lse - sum(z))
-// Backward, one read and one write of the row:
+// Backward, one read and one write of the row, in place: dlogits may be the logits' buffer (the Python wrapper
+// aliases them), which is safe because the thread that writes an element is the one that read it, and reads it
+// first. The logits and dlogits pointers are therefore not __restrict__.
 //   dz_j = (g_loss + g_nll) * exp(z_j - lse) - g_loss * target_j - g_nll * [j == label]
 //   target_j = on_label * [j == label] + off_label
 // with on_label = 1 - eps - eps / (V - 1) and off_label = eps / (V - 1) rounded to f32 by the Python wrapper
@@ -17,7 +19,8 @@
 //
 // Targets
 //   ls_cross_entropy_fwd(logits (..., V), labels int32 (...)) -> (loss, nll, lse) f32 (...)
-//   ls_cross_entropy_bwd(g_loss f32 (), g_nll f32 (), logits, labels, lse) -> dlogits (logits' shape and dtype)
+//   ls_cross_entropy_bwd(g_loss f32 (), g_nll f32 (), logits, labels, lse) -> dlogits (logits' shape and dtype,
+//     may alias logits)
 //   attributes on_label: f32, off_label: f32, pad_id: i64, ignore_pad: bool
 #include "common.cuh"
 
@@ -81,7 +84,7 @@ __device__ __forceinline__ void store_vector(T* __restrict__ ptr, const float (&
 // threadIdx.x + blockDim.x, ... (kUnroll loads issued before any body runs), then one head and one tail
 // scalar for the first threads.
 template <typename T, int W, typename Body>
-__device__ __forceinline__ void for_each_owned(const T* __restrict__ row, int64_t vocab, Body&& body) {
+__device__ __forceinline__ void for_each_owned(const T* row, int64_t vocab, Body&& body) {
   const RowSplit split = split_row<T, W>(row, vocab);
   const int64_t step = static_cast<int64_t>(kUnroll) * blockDim.x;
   for (int64_t first = threadIdx.x; first < split.vectors; first += step) {
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Writes the gradient of the elements a thread owns.
 template <typename T>
 struct RowGradient {
-  T* __restrict__ out;
+  T* out;
   float lse;
   float g_total;     // g_loss + g_nll
   float g_loss;
@@ -203,8 +206,8 @@ struct RowGradient {
 template <typename T, int W>
 __global__ void __launch_bounds__(kMaxThreads)
     cross_entropy_bwd_kernel(const float* __restrict__ g_loss, const float* __restrict__ g_nll,
-                             const T* __restrict__ logits, const int32_t* __restrict__ labels,
-                             const float* __restrict__ lse, T* __restrict__ dlogits, int64_t vocab,
+                             const T* logits, const int32_t* __restrict__ labels,
+                             const float* __restrict__ lse, T* dlogits, int64_t vocab,
                              Smoothing smoothing) {
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];

@@ -13,6 +13,8 @@ two sums, the backward for a non-pad row is
     dz = (gl + gn) * softmax(z) - gl * target - gn * onehot(y)
 
 Residuals: the logits (kept in their dtype, never copied to f32), the labels, and logsumexp per row (f32).
+The kernel backward writes dlogits over the logits, whose last reader it is in a training step: the step then
+holds one (tokens, V) buffer instead of two.
 
 Implementations share:
   forward(logits, labels) -> (loss_rows, nll_rows, lse_rows)   f32 of labels' shape, zero at pad rows
@@ -88,9 +90,10 @@ def _forward_ffi(logits, labels, *, epsilon, pad_id):
 
 
 def _backward_ffi(g_loss, g_nll, logits, labels, lse, *, epsilon, pad_id):
-    """The ls_cross_entropy_bwd kernel: reads each row and lse once, writes dlogits once (zeros at pad rows)."""
+    """The ls_cross_entropy_bwd kernel: reads each row and lse once, writes dlogits once (zeros at pad rows),
+    in place over the logits (XLA copies them first where they are still read afterwards)."""
     out = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
-    call = jax.ffi.ffi_call("ls_cross_entropy_bwd", out, vmap_method="sequential")
+    call = jax.ffi.ffi_call("ls_cross_entropy_bwd", out, input_output_aliases={2: 0}, vmap_method="sequential")
     return call(g_loss, g_nll, logits, labels, lse, **_smoothing_attributes(logits.shape[-1], epsilon, pad_id))
 
 

@@ -55,8 +55,14 @@ def _gemm_bwd(transposed, dtype, param_dtypes, residuals, dy):
         d_kernel = jax.lax.dot_general(dy, x, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
     else:
         d_kernel = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
+    d_kernel = d_kernel.astype(kernel_dtype)
+    if transposed:
+        # A tied table's dy is the (tokens, V) logits gradient, the step's largest buffer. XLA schedules d_kernel
+        # next to the table's other gradient, after the whole decoder backward, and keeps dy alive until then;
+        # dx waiting for d_kernel frees dy before the decoder backward starts.
+        dx, d_kernel = jax.lax.optimization_barrier((dx, d_kernel))
     d_bias = None if bias_dtype is None else jnp.sum(dy, axis=0, dtype=_f32).astype(bias_dtype)
-    return dx, d_kernel.astype(kernel_dtype), d_bias
+    return dx, d_kernel, d_bias
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)

@@ -1,7 +1,5 @@
 """GPU: the label-smoothed cross-entropy kernels (ls_cross_entropy_fwd / _bwd) against the XLA implementation."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -28,6 +28,23 @@ def test_transposed_kernel_equals_the_kernel_transposed():
     np.testing.assert_array_equal(np.asarray(tied_vjp(cotangent)[0]), np.asarray(plain_vjp(cotangent)[0]).T)
 
 
+def _backward_jaxpr(transposed: bool) -> jax.extend.core.ClosedJaxpr:
+    x, cotangent = normal(0, (4, 8), BF16), normal(1, (4, 16), BF16)
+    kernel = normal(2, (16, 8) if transposed else (8, 16), F32)
+    backward = lambda x, k, g: jax.vjp(lambda x, k: ops.dense(x, k, transposed_kernel=transposed), x, k)[1](g)
+    return jax.make_jaxpr(backward)(x, kernel, cotangent)
+
+
+def test_tied_projection_releases_dx_together_with_the_table_gradient():
+    """Both gradients of a tied output projection leave its backward through one barrier, so XLA cannot hold
+    dy, the (tokens, V) logits gradient, until the table's other gradient is ready; other kernels need none."""
+    tied = _backward_jaxpr(transposed=True).jaxpr
+    [barrier] = [eqn for eqn in tied.eqns if eqn.primitive.name == "optimization_barrier"]
+    assert list(barrier.outvars) == list(tied.outvars)
+    plain = _backward_jaxpr(transposed=False).jaxpr
+    assert all(eqn.primitive.name != "optimization_barrier" for eqn in plain.eqns)
+
+
 def test_the_kernel_gradient_is_accumulated_in_f32_not_rounded_to_bf16():
     """dW of bf16 activations in f32: the exact sum of bf16 products to f32 precision, where autodiff of the
     bf16 einsum rounds it to bf16 (relative error ~2**-9)."""

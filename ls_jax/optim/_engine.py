@@ -197,7 +197,7 @@ def _scatter(buffer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Arra
                            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
-def _master_outputs(config: StepConfig, new: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array] | None]:
+def _outputs_and_copies(config: StepConfig, new: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array] | None]:
     """(outputs, copies) of the step from each leaf's new f32 params or updates ``new``."""
     if config.split_master:
         copies = [master_lib.round_to_bf16(x) for x in new]
@@ -261,7 +261,7 @@ def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
         _finish(config, rule.direction(g_leaf.reshape(shape), m_leaf, s), p, decayed, s)
         for g_leaf, shape, m_leaf, p, decayed in zip(g, config.layout.shapes, leaf_moments, params, config.decay)
     ]
-    outputs, copies = _master_outputs(config, new)
+    outputs, copies = _outputs_and_copies(config, new)
     return outputs, tuple(new_moments), copies
 
 

@@ -30,6 +30,7 @@ EXPECTED_TARGETS = {
     "ls_bias_dropout_residual_bwd",
     "ls_bias_act_dropout_fwd",
     "ls_bias_act_dropout_bwd",
+    "ls_bias_relu_dropout_fwd",
     "ls_bias_relu_dropout_bwd",
     "ls_layer_norm_fwd",
     "ls_layer_norm_add_fwd",
@@ -210,9 +211,13 @@ def test_dropout_ops_lower_to_their_kernels_with_the_xla_mask_attributes(kernels
     for index, activation in enumerate(ops.ACTIVATIONS):
         bad = lambda x, b: ops.bias_act_dropout(x, b, activation=activation)
         text = _cuda_module(lambda *p: _forward_and_backward(bad, *p), x, bias)
-        backward = "ls_bias_relu_dropout_bwd" if activation == "relu" else "ls_bias_act_dropout_bwd"
-        assert _targets(text) == {"ls_bias_act_dropout_fwd", backward}
-        assert f"activation = {index} : i32" in text and "threshold = 0 : ui32" in text
+        if activation == "relu":
+            assert _targets(text) == {"ls_bias_relu_dropout_fwd", "ls_bias_relu_dropout_bwd"}
+            assert "tensor<4x1xui8>" in text, "the forward returns one bit per element, 8 to a byte"
+            assert "threshold = 0 : ui32" in text
+        else:
+            assert _targets(text) == {"ls_bias_act_dropout_fwd", "ls_bias_act_dropout_bwd"}
+            assert f"activation = {index} : i32" in text and "threshold = 0 : ui32" in text
 
 
 def test_layer_norm_lowers_to_its_kernels_below_the_hidden_limit(kernels_enabled):

@@ -98,10 +98,52 @@ def test_bias_act_dropout_matches_xla(activation, dtype, param_dtype, rate):
         _inputs(ROW_SHAPES, dtype, 300),
         seed_array(4),
     )
-    backward = "ls_bias_relu_dropout_bwd" if activation == "relu" else "ls_bias_act_dropout_bwd"
-    assert kernel_targets(run, *args) == {"ls_bias_act_dropout_fwd", backward}
+    kind = "relu" if activation == "relu" else "act"
+    assert kernel_targets(run, *args) == {f"ls_bias_{kind}_dropout_fwd", f"ls_bias_{kind}_dropout_bwd"}
     got, want = on_backend("ffi", run, *args), on_backend("xla", run, *args)
     assert_backends_agree(got, want, dtype, f"bias_act_dropout[{activation}]")
+
+
+# Per dtype, an f32 x + b that is positive but rounds to zero when y is stored (below half the smallest subnormal).
+_ROUNDS_TO_ZERO = {F32: None, BF16: 2.0**-136, F16: 2.0**-27}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_relu_saves_the_packed_sign_of_its_output(dtype):
+    """The relu forward kernel's residual is one bit per element, y > 0 packed as numpy's packbits (bitorder
+    little, zero padding bits): written by the forward kernel's threads for 16-bit rows of whole vectors, by a
+    packing kernel otherwise (f32, odd widths). Every fifth column's x + b is positive in f32 but rounds to zero in
+    the 16-bit dtypes: its bit is 0 there, like y."""
+
+    def saved_mask(x, bias, seed):
+        y, vjp = jax.vjp(lambda x: ops.bias_act_dropout(x, bias, activation="relu", dropout_rate=0.1, seed=seed), x)
+        (mask,) = [leaf for leaf in jax.tree.leaves(vjp) if leaf.dtype == jnp.uint8]
+        return y, mask
+
+    for index, shape in enumerate(ROW_SHAPES):
+        x = normal(index, shape, dtype)
+        bias = normal(100 + index, shape[-1:], F32)
+        if _ROUNDS_TO_ZERO[dtype] is not None:
+            x = x.at[..., ::5].set(0)
+            bias = bias.at[::5].set(_ROUNDS_TO_ZERO[dtype])
+        args = (x, bias, seed_array(index))
+        assert kernel_targets(saved_mask, *args) == {"ls_bias_relu_dropout_fwd"}
+        y, mask = on_backend("ffi", saved_mask, *args)
+        expected = np.packbits(np.asarray(y.astype(F32)) > 0, axis=-1, bitorder="little")
+        assert mask.shape == expected.shape, shape
+        np.testing.assert_array_equal(np.asarray(mask), expected, err_msg=str(shape))
+        if _ROUNDS_TO_ZERO[dtype] is not None:
+            assert not np.any(np.asarray(y)[..., ::5]), shape
+
+
+def test_relu_backward_rejects_a_mask_of_the_wrong_shape():
+    dy = normal(0, (4, 64), BF16)
+    outputs = (jax.ShapeDtypeStruct(dy.shape, BF16), jax.ShapeDtypeStruct((64,), F32),
+               jax.ShapeDtypeStruct((8, 1, 64), F32))
+    backward = jax.jit(lambda dy, mask: jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", outputs)(dy, mask, scale=1.0))
+    message = r"relu mask of an activation of shape \(4, 64\) must have shape \(4, 8\) .* got \(4, 64\)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        jax.block_until_ready(backward(dy, jnp.zeros((4, 64), jnp.uint8)))
 
 
 def test_bias_gradient_is_deterministic():

@@ -74,14 +74,22 @@ def test_bias_act_dropout_matches_reference(shape, dtype, bias_dtype, rate, acti
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_relu_backward_keeps_only_the_output(activation):
-    """relu's VJP closes over y alone (x can be freed after the forward); the other activations keep x."""
-    x, bias, seed = normal(0, (4, 16), BF16), normal(1, (16,), F32), seed_array(6)
+def test_relu_backward_keeps_only_a_bit_mask_of_the_output(activation):
+    """relu's VJP closes over one bit per element, the packed mask of y > 0 (neither x nor y); the other
+    activations keep x."""
+    x, bias, seed = normal(0, (4, 21), BF16), normal(1, (21,), F32), seed_array(6)
     y, vjp = jax.vjp(lambda x: bias_act_dropout(x, bias, activation=activation, dropout_rate=0.2, seed=seed), x)
-    saved = [leaf for leaf in jax.tree.leaves(vjp) if getattr(leaf, "shape", None) == x.shape]
-    matches = lambda a: [bool(jnp.array_equal(leaf, a)) for leaf in saved]
-    assert any(matches(y)) == (activation == "relu")
-    assert any(matches(x)) == (activation != "relu")
+    leaves = [leaf for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape")]
+    activations = [leaf for leaf in leaves if leaf.shape == x.shape]
+    masks = [leaf for leaf in leaves if leaf.dtype == jnp.uint8]
+    assert any(jnp.array_equal(leaf, x) for leaf in activations) == (activation != "relu")
+    assert not any(jnp.array_equal(leaf, y) for leaf in activations)
+    if activation == "relu":
+        (mask,) = masks
+        assert mask.shape == (4, 3)
+        np.testing.assert_array_equal(mask, np.packbits(np.asarray(y) > 0, axis=-1, bitorder="little"))
+    else:
+        assert masks == []
 
 
 def test_zero_rate_is_identity():

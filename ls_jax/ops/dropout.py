@@ -5,23 +5,24 @@
     bias_act_dropout(x, b)              = act(x + b) * keep / (1 - p),   act in relu | gelu | gelu_tanh
 
 Shapes: x, r (..., H); b (H,). ``keep`` comes from the Philox seed (``ls_jax.ops.random``) and is regenerated
-in the backward, so only the seed (and for bias_act_dropout x and b; for relu, y) is saved. Backward with
-m = keep / (1 - p):
+in the backward, so only the seed (and for bias_act_dropout x and b; for relu, a bit mask) is saved. Backward
+with m = keep / (1 - p):
 
     dropout:               dx = dy * m
     bias_dropout_residual: dx = dy * m,  db = sum_rows(dx),  dr = dy
     bias_act_dropout:      dx = dy * m * act'(x + b),  db = sum_rows(dx)
     relu:                  dx = dy * [y > 0] / (1 - p)
 
-relu's backward reads the output y, which is positive exactly where x + b > 0 and the element was kept; y is kept
-for the next GEMM's backward anyway, so relu saves no x (one (..., H) activation less per feed-forward layer)
-and regenerates no mask. (In f16, an x + b below f16's smallest subnormal rounds y to 0 and gets gradient 0.)
+relu's backward needs only where y > 0, which holds exactly where x + b > 0 and the element was kept: the forward
+saves that as a bit mask, uint8 (..., ceil(H / 8)) as ``jnp.packbits(y > 0, axis=-1, bitorder="little")``. The
+backward reads dy and one bit per element (not x, nor y, which the next GEMM keeps for its own backward), and
+regenerates no mask. (In f16, an x + b below f16's smallest subnormal rounds y to 0 and gets gradient 0.)
 
 Implementations share:
   dropout_forward(x, seed) -> y;                dropout_backward(dy, seed) -> dx
   bdr_forward(x, bias, residual, seed) -> y;    bdr_backward(dy, seed) -> (dx, dbias)
   bad_forward(x, bias, seed) -> y;              bad_backward(dy, x, bias, seed) -> (dx, dbias)
-                                                relu_backward(dy, y) -> (dx, dbias)
+  relu_forward(x, bias, seed) -> (y, positive); relu_backward(dy, positive) -> (dx, dbias)
 with dx in the activation dtype and dbias in the bias dtype; seed is None when the rate is 0.
 """
 
@@ -240,14 +241,28 @@ def _bad_backward_xla(dy, x, bias, seed, *, activation, rate):
     return dz.astype(x.dtype), _row_sum(dz).astype(bias.dtype)
 
 
-def _relu_backward_xla(dy, y, *, rate, bias_dtype):
-    dz = jnp.where(y > 0, dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
+def _relu_forward_xla(x, bias, seed, *, rate):
+    y = _bad_forward_xla(x, bias, seed, activation="relu", rate=rate)
+    return y, jnp.packbits(y > 0, axis=-1, bitorder="little")
+
+
+def _relu_backward_xla(dy, positive, *, rate, bias_dtype):
+    kept = jnp.unpackbits(positive, axis=-1, count=dy.shape[-1], bitorder="little").astype(bool)
+    dz = jnp.where(kept, dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
     return dz.astype(dy.dtype), _row_sum(dz).astype(bias_dtype)
 
 
-def _relu_backward_ffi(dy, y, *, rate, bias_dtype):
+def _relu_forward_ffi(x, bias, seed, *, rate):
+    mask = jax.ShapeDtypeStruct((*x.shape[:-1], (x.shape[-1] + 7) // 8), jnp.uint8)
+    call = jax.ffi.ffi_call(
+        "ls_bias_relu_dropout_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype), mask), vmap_method="sequential"
+    )
+    return tuple(call(x, bias, kernel_seed(seed), **dropout_attributes(rate)))
+
+
+def _relu_backward_ffi(dy, positive, *, rate, bias_dtype):
     call = jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", _bias_grad_outputs(dy, bias_dtype), vmap_method="sequential")
-    dx, dbias, _ = call(dy, y, scale=dropout_attributes(rate)["scale"])
+    dx, dbias, _ = call(dy, positive, scale=dropout_attributes(rate)["scale"])
     return dx, dbias
 
 
@@ -275,10 +290,15 @@ def _bias_act_dropout(x, bias, seed, activation, rate, bias_dtype):
 
 
 def _bias_act_dropout_fwd(x, bias, seed, activation, rate, bias_dtype):
+    if activation == "relu":
+        forward_xla = functools.partial(_relu_forward_xla, rate=rate)
+        forward_ffi = functools.partial(_relu_forward_ffi, rate=rate)
+        y, positive = _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
+        return y, (positive,)
     forward_xla = functools.partial(_bad_forward_xla, activation=activation, rate=rate)
     forward_ffi = functools.partial(_bad_forward_ffi, activation=activation, rate=rate)
     y = _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
-    return y, (y,) if activation == "relu" else (x, bias, seed)
+    return y, (x, bias, seed)
 
 
 def _bias_act_dropout_bwd(activation, rate, bias_dtype, res, dy):

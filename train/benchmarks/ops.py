@@ -116,11 +116,14 @@ def bias_dropout_residual_workload(rows: int, hidden: int) -> Workload:
 
 
 def bias_act_dropout_workload(rows: int, hidden: int, activation: ops.Activation) -> Workload:
-    """Forward reads x, writes y; backward reads dy and x, writes dx and the bias gradient."""
+    """Forward reads x, writes y; backward reads dy and x, writes dx and the bias gradient. relu's backward reads
+    the forward's bit mask of y > 0 instead of x (written and read once: one bit per element)."""
     seed = _seed()
     op = lambda x, b: ops.bias_act_dropout(x, b, activation=activation, dropout_rate=DROPOUT, seed=seed)
     x, bias = _normal(0, (rows, hidden), ACTIVATION), _normal(1, (hidden,), PARAM)
-    moved = 5 * rows * hidden * _itemsize(ACTIVATION) + 3 * hidden * _itemsize(PARAM)
+    activations = 4 if activation == "relu" else 5
+    mask = 2 * rows * ((hidden + 7) // 8) if activation == "relu" else 0
+    moved = activations * rows * hidden * _itemsize(ACTIVATION) + mask + 3 * hidden * _itemsize(PARAM)
     return Workload(op, (x, bias), f"{rows}x{hidden}", moved)
 
 

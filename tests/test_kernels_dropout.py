@@ -140,7 +140,8 @@ def test_relu_backward_rejects_a_mask_of_the_wrong_shape():
     dy = normal(0, (4, 64), BF16)
     outputs = (jax.ShapeDtypeStruct(dy.shape, BF16), jax.ShapeDtypeStruct((64,), F32),
                jax.ShapeDtypeStruct((8, 1, 64), F32))
-    backward = jax.jit(lambda dy, mask: jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", outputs)(dy, mask, scale=1.0))
+    call = jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", outputs)
+    backward = jax.jit(lambda dy, mask: call(dy, mask, scale=np.float32(1.0)))
     message = r"relu mask of an activation of shape \(4, 64\) must have shape \(4, 8\) .* got \(4, 64\)"
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         jax.block_until_ready(backward(dy, jnp.zeros((4, 64), jnp.uint8)))

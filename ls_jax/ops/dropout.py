@@ -16,7 +16,7 @@ with m = keep / (1 - p):
 relu's backward needs only where y > 0, which holds exactly where x + b > 0 and the element was kept: the forward
 saves that as a bit mask, uint8 (..., ceil(H / 8)) as ``jnp.packbits(y > 0, axis=-1, bitorder="little")``. The
 backward reads dy and one bit per element (not x, nor y, which the next GEMM keeps for its own backward), and
-regenerates no mask. (In f16, an x + b below f16's smallest subnormal rounds y to 0 and gets gradient 0.)
+regenerates no mask. (An x + b that y's dtype rounds to 0 gets gradient 0: in f16, below 2**-25.)
 
 Implementations share:
   dropout_forward(x, seed) -> y;                dropout_backward(dy, seed) -> dx

@@ -20,6 +20,8 @@
 //   ls_bias_act_dropout_bwd(dy, x, bias, seed) -> (dx, dbias, partials)   attribute activation: i32
 //   ls_bias_relu_dropout_fwd(x, bias, seed) -> (y, positive)              positive: the mask of y > 0
 //   ls_bias_relu_dropout_bwd(dy, positive) -> (dx, dbias, partials)       attribute scale only (no seed)
+#include <vector>
+
 #include "rows.cuh"
 
 namespace ls {
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(kBlockThreads, kForwardMinBlocks)
           for (int i = 0; i < W; ++i) v[u][i] += r[u][i];
         }
         if constexpr (A == Activation::kRelu && W == kMaskBits) {
-          if (positive != nullptr) positive[(first + u * step) * (cols / W) + vector] = positive_bits<T, W>(v[u]);
+          if (positive != nullptr) positive[(first + u * step) * vectors + vector] = positive_bits<T, W>(v[u]);
         }
         store_floats<W>(y + index, v[u]);
       }
@@ -148,9 +150,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t bytes_per_row = mask_columns(cols);
   for (int64_t byte = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; byte < rows * bytes_per_row;
        byte += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t first = (byte / bytes_per_row) * cols + (byte % bytes_per_row) * kMaskBits;
-    const int64_t left = cols - (byte % bytes_per_row) * kMaskBits;
-    const int valid = left < kMaskBits ? static_cast<int>(left) : kMaskBits;
+    const int64_t column = (byte % bytes_per_row) * kMaskBits;
+    const int64_t first = (byte / bytes_per_row) * cols + column;
+    const int valid = cols - column < kMaskBits ? static_cast<int>(cols - column) : kMaskBits;
     uint32_t bits = 0;
     for (int i = 0; i < valid; ++i) bits |= (to_float(y[first + i]) > 0.0f ? 1u : 0u) << i;
     positive[byte] = static_cast<uint8_t>(bits);
@@ -192,17 +194,13 @@ ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const
   return seed == nullptr ? ffi::Error::Success() : require_dropout_seed(*seed, params, main.element_count());
 }
 
-// relu's mask of an (..., H) activation is (..., ceil(H / 8)).
+// relu's mask of an (..., H) activation (rank >= 1, checked first) is (..., ceil(H / 8)).
 ffi::Error check_mask(const ffi::Buffer<ffi::U8>& positive, const ffi::AnyBuffer& main) {
-  const auto dims = main.dimensions();
-  const auto mask_dims = positive.dimensions();
-  bool ok = mask_dims.size() == dims.size() && last_dim(mask_dims) == mask_columns(last_dim(dims));
-  for (size_t i = 0; ok && i + 1 < dims.size(); ++i) ok = mask_dims[i] == dims[i];
-  std::string expected = "(";
-  for (size_t i = 0; i + 1 < dims.size(); ++i) expected += std::to_string(dims[i]) + ", ";
-  expected += std::to_string(mask_columns(last_dim(dims))) + (dims.size() == 1 ? ",)" : ")");
-  return require(ok, "the relu mask of an activation of shape " + shape_string(dims) + " must have shape " +
-                         expected + " (one bit per element), got " + shape_string(mask_dims));
+  std::vector<int64_t> expected(main.dimensions().begin(), main.dimensions().end());
+  expected.back() = mask_columns(expected.back());
+  return require(same_dims(positive.dimensions(), expected),
+                 "the relu mask of an activation of shape " + shape_string(main.dimensions()) + " must have shape " +
+                     shape_string(expected) + " (one bit per element), got " + shape_string(positive.dimensions()));
 }
 
 template <Activation A>
@@ -253,6 +251,7 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
   const bool drop = !kFromMask && params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
   // W divides kMaskBits and the vector starts at a multiple of W, so its bits lie in one byte.
+  const int64_t mask_row = mask_columns(cols);
   const int64_t mask_byte = vector * W / kMaskBits;
   const int mask_shift = static_cast<int>(vector * W % kMaskBits);
   float b[W], sum[1][W];
@@ -271,7 +270,7 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
       if (first + u * step < rows) {
         load_floats<W>(dy + index, d[u]);
         if constexpr (kReadsX) load_floats<W>(x + index, z[u]);
-        if constexpr (kFromMask) kept[u] = positive[(first + u * step) * mask_columns(cols) + mask_byte] >> mask_shift;
+        if constexpr (kFromMask) kept[u] = positive[(first + u * step) * mask_row + mask_byte] >> mask_shift;
       }
     }
 #pragma unroll

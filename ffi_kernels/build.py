@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -99,42 +98,8 @@ def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cu")) + [CSRC / "module.cc"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CublasLt:
-    """Where cuBLASLt is: the directory holding ``cublasLt.h`` and the shared library to link."""
-
-    include_dir: Path
-    library: Path
-
-
-def _cublaslt_roots() -> list[Path]:
-    """Directories that may hold ``include/cublasLt.h`` and ``lib*/libcublasLt.so*``: the nvidia-cublas wheel's
-    (``nvidia/cu13``, the one JAX's CUDA plugin loads), then the CUDA toolkit's."""
-    roots: list[Path] = []
-    spec = importlib.util.find_spec("nvidia")
-    for package in (spec.submodule_search_locations or []) if spec else []:
-        roots += [Path(package) / "cu13", Path(package) / "cublas"]
-    toolkit = [Path(os.environ[var]) for var in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(var)]
-    return roots + toolkit + [_DEFAULT_CUDA_HOME]
-
-
-def find_cublaslt() -> CublasLt:
-    """cuBLASLt's header and library (the feed-forward backward GEMM's epilogue runs in it)."""
-    searched = _cublaslt_roots()
-    for root in searched:
-        header = root / "include" / "cublasLt.h"
-        libraries = sorted(path for lib in ("lib", "lib64") for path in (root / lib).glob("libcublasLt.so*"))
-        if header.is_file() and libraries:
-            return CublasLt(header.parent, libraries[0])
-    raise KernelBuildError(
-        "cuBLASLt not found (include/cublasLt.h with lib/libcublasLt.so* under "
-        f"{', '.join(str(root) for root in searched)}): pip install nvidia-cublas (ls-jax[gpu]; JAX's CUDA 13 "
-        "wheels install it too) or the CUDA toolkit's cuBLAS"
-    )
-
-
 def include_dirs() -> list[str]:
-    """XLA's FFI headers (from the installed jaxlib), pybind11's, Python's and cuBLASLt's."""
+    """XLA's FFI headers (from the installed jaxlib), pybind11's and Python's."""
     import jax.ffi
 
     try:
@@ -145,7 +110,7 @@ def include_dirs() -> list[str]:
     if not (Path(python) / "Python.h").is_file():
         raise KernelBuildError(f"Python headers not found in {python}: install the python{sys.version_info.major}."
                                f"{sys.version_info.minor} development package to build the kernels")
-    return [jax.ffi.include_dir(), pybind11.get_include(), python, str(find_cublaslt().include_dir)]
+    return [jax.ffi.include_dir(), pybind11.get_include(), python]
 
 
 def compile_flags(archs: Sequence[str]) -> list[str]:
@@ -153,15 +118,8 @@ def compile_flags(archs: Sequence[str]) -> list[str]:
     gencode = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in archs]
     newest = max(archs, key=_arch_number)
     gencode.append(f"-gencode=arch=compute_{newest[3:]},code=compute_{newest[3:]}")
-    # -isystem, after the -I of nvcc's own headers: a wheel's include directory may also hold CUDA runtime headers.
     headers = [flag for path in include_dirs() for flag in ("-isystem", path)]
     return ["-std=c++17", "-O3", "-lineinfo", "-Xcompiler=-fPIC", *gencode, *headers]
-
-
-def link_flags() -> list[str]:
-    """cuBLASLt by its file name, found at run time through the library's rpath."""
-    library = find_cublaslt().library
-    return [f"-L{library.parent}", f"-l:{library.name}", f"-Xlinker=-rpath={library.parent}"]
 
 
 def _nvcc_version(nvcc: Path) -> str:
@@ -175,8 +133,7 @@ def cache_key(nvcc: Path, archs: Sequence[str]) -> str:
         sys.version,
         sysconfig.get_config_var("EXT_SUFFIX") or "",
         _nvcc_version(nvcc),
-        " ".join(compile_flags(archs) + link_flags()),
-        (find_cublaslt().include_dir / "cublasLt.h").read_text(),
+        " ".join(compile_flags(archs)),
     ]
     for part in parts:
         digest.update(part.encode() + b"\0")
@@ -212,7 +169,7 @@ def _compile_and_link(nvcc: Path, archs: Sequence[str], work: Path, output: Path
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for future in [pool.submit(_run, *job) for job in jobs]:
             future.result()
-    _run([str(nvcc), "-shared", "-o", str(output), *map(str, objects), *link_flags()], "linking the kernel library")
+    _run([str(nvcc), "-shared", "-o", str(output), *map(str, objects)], "linking the kernel library")
 
 
 def build(

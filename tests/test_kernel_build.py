@@ -41,7 +41,6 @@ EXPECTED_TARGETS = {
     "ls_embed_fwd",
     "ls_embed_pos_fwd",
     "ls_embed_grad",
-    "ls_dense_relu_grad",
 }
 
 
@@ -219,21 +218,6 @@ def test_dropout_ops_lower_to_their_kernels_with_the_xla_mask_attributes(kernels
         else:
             assert _targets(text) == {"ls_bias_act_dropout_fwd", "ls_bias_act_dropout_bwd"}
             assert f"activation = {index} : i32" in text and "threshold = 0 : ui32" in text
-
-
-def test_relu_dropout_dense_backward_lowers_to_the_epilogue_gemm_where_cublaslt_takes_it(kernels_enabled):
-    """bf16/f16 with F a multiple of 128: one cuBLASLt GEMM applies relu's mask and sums the bias gradient; other
-    shapes and f32 run XLA's GEMM and relu's backward kernel."""
-    seed = seed_array(0)
-    op = lambda x, c, k: ops.relu_dropout_dense(x, c, k, dropout_rate=0.1, seed=seed)
-    lowered = lambda x, c, k: _cuda_module(lambda *p: _forward_and_backward(op, *p), x, c, k)
-    text = lowered(normal(0, (2, 3, 256), jnp.bfloat16), normal(1, (256,), jnp.float32), normal(2, (256, 64)))
-    assert _targets(text) == {"ls_bias_relu_dropout_fwd", "ls_dense_relu_grad"}
-    assert "tensor<6x32xui8>" in text, "the mask the epilogue reads: 8 columns to a byte"
-    assert re.search(r"scale = 1.1111111\d* : f32", text)
-    for x, width in ((normal(0, (6, 96), jnp.bfloat16), 96), (normal(0, (6, 256), jnp.float32), 256)):
-        text = lowered(x, normal(1, (width,), jnp.float32), normal(2, (width, 64)))
-        assert _targets(text) == {"ls_bias_relu_dropout_fwd", "ls_bias_relu_dropout_bwd"}
 
 
 def test_layer_norm_lowers_to_its_kernels_below_the_hidden_limit(kernels_enabled):

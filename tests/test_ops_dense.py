@@ -1,5 +1,4 @@
-"""ls_jax.ops.dense and ls_jax.layers.Dense: the GEMM, its f32 weight gradient, layouts and parameters; and
-ls_jax.ops.relu_dropout_dense, the feed-forward block's relu, dropout and second GEMM as one op."""
+"""ls_jax.ops.dense and ls_jax.layers.Dense: the GEMM, its f32 weight gradient, layouts and parameters."""
 
 import flax.linen as nn
 import jax
@@ -8,9 +7,8 @@ import numpy as np
 import pytest
 
 from ls_jax import ops
-from ls_jax.layers import DeferredReluDropout, Dense
-from ls_jax.ops.random import keep_mask
-from test_ops_support import BF16, F32, assert_close, check_vjp, normal, seed_array, value_and_vjp
+from ls_jax.layers import Dense
+from test_ops_support import BF16, F32, check_vjp, normal
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -89,73 +87,3 @@ def test_bad_inputs_raise_value_error(kwargs, message):
     x, kernel, bias = args.pop("x"), args.pop("kernel"), args.pop("bias")
     with pytest.raises(ValueError, match=message):
         ops.dense(x, kernel, bias, **args)
-
-
-# ---- relu_dropout_dense ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype, param_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)])
-@pytest.mark.parametrize("rate", [0.0, 0.25])
-def test_relu_dropout_dense_matches_the_reference(dtype, param_dtype, rate):
-    seed = seed_array(3)
-    x, act_bias, kernel = normal(0, (2, 5, 16), dtype), normal(1, (16,), param_dtype), normal(2, (16, 8), param_dtype)
-    op = lambda x, c, k: ops.relu_dropout_dense(x, c, k, dropout_rate=rate, seed=seed if rate else None)
-
-    def reference(x, c, k):
-        hidden = jnp.maximum(x + c, 0.0)
-        if rate:
-            hidden = hidden * keep_mask(seed, hidden.shape, rate) / (1.0 - rate)
-        # The op's GEMM reads the hidden layer in x's dtype, as the layers' Dense does.
-        return hidden.astype(dtype).astype(F32) @ k
-
-    check_vjp(op, reference, (x, act_bias, kernel), dtype)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_relu_dropout_dense_equals_bias_act_dropout_then_dense(dtype):
-    """The fused op is the two ops it replaces, forward and backward (the XLA path): bit for bit in f32; in bf16
-    XLA may keep the relu gradient's GEMM output in f32 (excess precision) in one and not the other."""
-    seed = seed_array(4)
-    x, act_bias, kernel = normal(5, (4, 3, 32), dtype), normal(6, (32,), F32), normal(7, (32, 24), F32)
-    cotangent = normal(8, (4, 3, 24), dtype)
-    fused = lambda x, c, k: ops.relu_dropout_dense(x, c, k, dropout_rate=0.1, seed=seed)
-    apart = lambda x, c, k: ops.dense(ops.bias_act_dropout(x, c, activation="relu", dropout_rate=0.1, seed=seed), k)
-    got = value_and_vjp(fused, (x, act_bias, kernel), cotangent)
-    want = value_and_vjp(apart, (x, act_bias, kernel), cotangent)
-    assert [leaf.dtype for leaf in jax.tree.leaves(got)] == [leaf.dtype for leaf in jax.tree.leaves(want)]
-    if dtype == F32:
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    else:
-        assert_close(got, want, dtype)
-
-
-def test_feed_forward_with_relu_hands_fc2_its_hidden_layer_unformed():
-    """The relu feed-forward's fc2 forms dropout(relu(.)) in its own op; gelu's keeps bias_act_dropout. The
-    parameter tree is the same either way (fc2 has a kernel, no bias)."""
-    from ls_jax.layers import FeedForward, LayerConfig
-
-    x = normal(9, (2, 4, 32), F32)
-    for activation, fused in (("relu", True), ("gelu", False)):
-        cfg = LayerConfig(hidden_size=32, intermediate_size=64, nhead=4, max_seq_len=8, activation_fn=activation,
-                          dtype=F32)
-        layer = FeedForward(cfg)
-        params = layer.init(jax.random.key(0), x)["params"]
-        assert set(params["fc2"]) == {"kernel"}
-        text = str(jax.make_jaxpr(lambda p: layer.apply({"params": p}, x))(params))
-        assert ("_relu_dropout_gemm" in text) == fused, activation
-
-
-def test_relu_dropout_dense_bad_inputs():
-    x, act_bias, kernel = normal(0, (4, 16), BF16), normal(1, (16,), F32), normal(2, (16, 8), F32)
-    with pytest.raises(ValueError, match=r"kernel must have shape \(16, N\) for x of shape \(4, 16\), got \(8, 16\)"):
-        ops.relu_dropout_dense(x, act_bias, kernel.T)
-    with pytest.raises(ValueError, match="act_bias must have shape"):
-        ops.relu_dropout_dense(x, act_bias[:8], kernel)
-    with pytest.raises(ValueError, match="kernel must be float32 or bfloat16, got float16"):
-        ops.relu_dropout_dense(x, act_bias, kernel.astype(jnp.float16))
-    with pytest.raises(ValueError, match="needs a seed"):
-        ops.relu_dropout_dense(x, act_bias, kernel, dropout_rate=0.1)
-    deferred = DeferredReluDropout(x, act_bias, None, 0.0)
-    with pytest.raises(ValueError, match="no bias"):
-        Dense(8).init(jax.random.key(0), deferred)

@@ -15,7 +15,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -81,12 +80,6 @@ inline ffi::Error require_same_shape(std::string_view name, const ffi::AnyBuffer
   return require(same_dims(buffer.dimensions(), ref.dimensions()),
                  std::string(name) + " has shape " + shape_string(buffer.dimensions()) + " but " +
                      std::string(ref_name) + " has " + shape_string(ref.dimensions()));
-}
-
-inline ffi::Error require_shape(std::string_view name, ffi::AnyBuffer::Dimensions dims,
-                                const std::vector<int64_t>& expected) {
-  return require(same_dims(dims, expected), std::string(name) + " must have shape " + shape_string(expected) +
-                                                ", got " + shape_string(dims));
 }
 
 // ---- dtypes ---------------------------------------------------------------------------------------------

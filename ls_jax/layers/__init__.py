@@ -24,7 +24,7 @@ it. ``ls_jax.models.Transformer.init_cache`` / ``decode`` wrap this.
 """
 
 from ls_jax.layers.attention import MultiHeadAttention
-from ls_jax.layers.common import DeferredReluDropout, DeferredResidual, Dense, LayerNorm
+from ls_jax.layers.common import DeferredResidual, Dense, LayerNorm
 from ls_jax.layers.config import PRESETS, LayerConfig
 from ls_jax.layers.criterion import CrossEntropyCriterion
 from ls_jax.layers.embedding import TransformerEmbedding, sinusoidal_positions
@@ -39,7 +39,6 @@ from ls_jax.layers.transformer import (
 __all__ = [
     "PRESETS",
     "CrossEntropyCriterion",
-    "DeferredReluDropout",
     "DeferredResidual",
     "Dense",
     "FeedForward",

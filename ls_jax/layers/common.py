@@ -37,21 +37,6 @@ class DeferredResidual:
         )
 
 
-@flax.struct.dataclass
-class DeferredReluDropout:
-    """``dropout(relu(pre_activation + bias))``: a feed-forward hidden layer, not yet formed.
-
-    ``Dense`` forms it inside the op of its own GEMM (``ops.relu_dropout_dense``), whose backward GEMM applies
-    relu's mask and the bias gradient in its epilogue on CUDA. pre_activation (..., F) in the compute dtype;
-    bias (F,) f32; seed None when dropout_rate is 0.
-    """
-
-    pre_activation: jax.Array
-    bias: jax.Array
-    seed: jax.Array | None
-    dropout_rate: float = flax.struct.field(pytree_node=False)
-
-
 class LayerNorm(nn.Module):
     """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis; params f32 (H,), y in x's dtype.
 
@@ -131,7 +116,6 @@ class Dense(nn.Module):
 
     The parameters are ``nn.DenseGeneral``'s ("kernel" (*in, *features), ``kernel_init`` over the flattened
     (prod(in), prod(features)); "bias" (*features), zeros), so checkpoints of either load into the other.
-    A ``DeferredReluDropout`` x (one input axis, no bias) is formed by ``ops.relu_dropout_dense``.
     """
 
     features: int | tuple[int, ...]
@@ -141,23 +125,15 @@ class Dense(nn.Module):
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
 
     @nn.compact
-    def __call__(self, x: jax.Array | DeferredReluDropout) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-        deferred = isinstance(x, DeferredReluDropout)
-        if deferred and (self.input_axes != 1 or len(features) != 1 or self.use_bias):
-            raise ValueError("a DeferredReluDropout input needs a Dense with one input axis, one output axis and "
-                             "no bias (the bias goes to the next fused op)")
-        in_shape = (x.pre_activation if deferred else x).shape[-self.input_axes :]
+        in_shape = x.shape[x.ndim - self.input_axes :]
 
         def kernel_init(key, shape, dtype):
             flat = self.kernel_init(key, (math.prod(in_shape), math.prod(features)), dtype)
             return flat.reshape(shape)
 
         kernel = self.param("kernel", kernel_init, (*in_shape, *features), jnp.float32)
-        if deferred:
-            return ops.relu_dropout_dense(
-                x.pre_activation.astype(self.dtype), x.bias, kernel, dropout_rate=x.dropout_rate, seed=x.seed
-            )
         bias = self.param("bias", nn.initializers.zeros, features, jnp.float32) if self.use_bias else None
         return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
 

@@ -1,7 +1,4 @@
-"""Feed-forward sublayer: LayerNorm, GEMM, fused bias + activation + dropout, GEMM, fused bias + dropout + residual.
-
-With relu the second GEMM forms its input itself (``DeferredReluDropout``, ``ops.relu_dropout_dense``), so that
-on CUDA its backward GEMM applies relu's mask and the bias gradient in its epilogue."""
+"""Feed-forward sublayer: LayerNorm, GEMM, fused bias + activation + dropout, GEMM, fused bias + dropout + residual."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax import ops
-from ls_jax.layers.common import DeferredReluDropout, DeferredResidual, dense, dropout_args, pre_norm, sublayer_output
+from ls_jax.layers.common import DeferredResidual, dense, dropout_args, pre_norm, sublayer_output
 from ls_jax.layers.config import LayerConfig
 
 
@@ -37,10 +34,7 @@ class FeedForward(nn.Module):
         h = dense(cfg, cfg.intermediate_size, use_bias=False, name="fc1")(h)
         fc1_bias = self.param("fc1_bias", nn.initializers.zeros, (cfg.intermediate_size,), jnp.float32)
         rate, seed = dropout_args(self, cfg.activation_dropout_ratio, deterministic)
-        if cfg.activation_fn == "relu":
-            h = DeferredReluDropout(h, fc1_bias, seed, rate)
-        else:
-            h = ops.bias_act_dropout(h, fc1_bias, activation=cfg.activation_fn, dropout_rate=rate, seed=seed)
+        h = ops.bias_act_dropout(h, fc1_bias, activation=cfg.activation_fn, dropout_rate=rate, seed=seed)
         h = dense(cfg, cfg.hidden_size, use_bias=False, name="fc2")(h)
         fc2_bias = self.param("fc2_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
         return sublayer_output(

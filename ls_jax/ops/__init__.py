@@ -1,10 +1,9 @@
 """Fused Transformer operators: one public function per op, each a ``jax.custom_vjp`` whose forward and
 backward run CUDA kernels (ffi_kernels) on NVIDIA GPUs and plain XLA elsewhere (``dense``, the layers' GEMM,
-is XLA everywhere; ``relu_dropout_dense`` applies relu's backward in its backward GEMM's epilogue on CUDA). See
-``ls_jax.backend``."""
+is XLA everywhere). See ``ls_jax.backend``."""
 
 from ls_jax.ops.attention import cross_attention, self_attention
-from ls_jax.ops.dense import dense, relu_dropout_dense
+from ls_jax.ops.dense import dense
 from ls_jax.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_jax.ops.dropout import ACTIVATIONS, Activation, bias_act_dropout, bias_dropout_residual, dropout
 from ls_jax.ops.embedding import embed
@@ -25,6 +24,5 @@ __all__ = [
     "embed",
     "label_smoothed_cross_entropy",
     "layer_norm",
-    "relu_dropout_dense",
     "self_attention",
 ]

@@ -10,17 +10,6 @@ the output projection), b (*out), y (..., *out). The GEMM runs on x flattened to
 Autodiff of ``x @ W.astype(dtype)`` would write dW in ``dtype`` and convert it to f32 in a separate pass over
 every weight (the f32 parameters' gradients), rounding it to bf16 on the way. Here the GEMM's f32 accumulator is
 the gradient: no convert pass and no rounding. The op is plain XLA on every platform.
-
-``relu_dropout_dense`` is the feed-forward block's middle and second GEMM as one op:
-
-    y  = dropout(relu(x + c)) W             x (rows, F) the first GEMM's output, c (F), W (F, N)
-    dh = dy W^T * [y > 0] / (1 - p)         dc = sum_rows(dh),   dW = relu_out^T dy in f32
-
-The forward is ``bias_act_dropout``'s relu kernel, which saves the bit mask of relu_out > 0, and an XLA GEMM.
-On CUDA the backward's first GEMM applies the mask, the dropout scale and the bias gradient in its epilogue
-(cuBLASLt DRELU_BGRAD, ``ls_dense_relu_grad``), so relu's backward reads and writes nothing of its own; dc is
-then rounded to x's dtype before it takes c's, as cuBLASLt writes it in the GEMM's output type. F must be a
-multiple of 128 and x bf16 or f16 for that; otherwise the GEMM and relu's backward kernel run apart.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ls_jax.ops import _common, dropout
+from ls_jax.ops import _common
 
 _f32 = jnp.float32
 
@@ -128,105 +117,3 @@ def dense(
     param_dtypes = (jnp.dtype(kernel.dtype), None if bias is None else jnp.dtype(bias.dtype))
     y = _gemm(x.reshape(-1, fan_in).astype(dtype), kernel_2d, bias, bool(transposed_kernel), dtype, param_dtypes)
     return y.reshape(*batch_shape, *out_shape)
-
-
-# ---- dropout(relu(x + c)) W --------------------------------------------------------------------------------
-
-# cuBLASLt's scratch for one fused backward GEMM (NVIDIA's recommendation for Hopper).
-_LT_WORKSPACE_BYTES = 32 * 2**20
-_LT_MASK_COLUMNS = 128  # cuBLASLt: a ReLU bit-mask's leading dimension, in bits
-
-
-def _relu_input_grad(d_out, kernel):
-    """dy W^T: the (rows, F) gradient of the relu output."""
-    return jax.lax.dot_general(d_out, kernel, (((1,), (1,)), ((), ())))
-
-
-def _relu_grad_xla(d_out, kernel, positive, *, rate, bias_dtype):
-    return dropout.relu_backward_xla(_relu_input_grad(d_out, kernel), positive, rate=rate, bias_dtype=bias_dtype)
-
-
-def fused_relu_grad_unsupported(dtype: Any, hidden: int) -> str | None:
-    """Why the backward GEMM cannot apply relu's mask in its epilogue for this dtype and F, or None."""
-    if jnp.dtype(dtype) not in _common.LOW_PRECISION_DTYPES:
-        return f"the epilogue GEMM takes bfloat16 or float16, got {jnp.dtype(dtype)}"
-    if hidden % _LT_MASK_COLUMNS:
-        return f"the epilogue GEMM takes F a multiple of {_LT_MASK_COLUMNS} (cuBLASLt's bit-mask), got {hidden}"
-    return None
-
-
-def _relu_grad_ffi(d_out, kernel, positive, *, rate, bias_dtype):
-    hidden = kernel.shape[0]
-    reason = fused_relu_grad_unsupported(d_out.dtype, hidden)
-    if reason is not None:
-        _common.log_fallback_once("relu_dropout_dense", reason, "the GEMM and relu's backward kernel apart")
-        return dropout.relu_backward_ffi(_relu_input_grad(d_out, kernel), positive, rate=rate, bias_dtype=bias_dtype)
-    outputs = (
-        jax.ShapeDtypeStruct((d_out.shape[0], hidden), d_out.dtype),
-        jax.ShapeDtypeStruct((hidden,), d_out.dtype),
-        jax.ShapeDtypeStruct((_LT_WORKSPACE_BYTES,), jnp.uint8),
-    )
-    call = jax.ffi.ffi_call("ls_dense_relu_grad", outputs, vmap_method="sequential")
-    dh, d_bias, _ = call(d_out, kernel, positive, scale=dropout.dropout_attributes(rate)["scale"])
-    return dh, d_bias.astype(bias_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _relu_dropout_gemm(x, act_bias, kernel, seed, rate, param_dtypes):
-    return _relu_dropout_gemm_fwd(x, act_bias, kernel, seed, rate, param_dtypes)[0]
-
-
-def _relu_dropout_gemm_fwd(x, act_bias, kernel, seed, rate, param_dtypes):
-    del param_dtypes
-    hidden, positive = dropout.relu_forward(x, act_bias, seed, rate=rate)
-    compute_kernel = kernel.astype(x.dtype)
-    y = jax.lax.dot_general(hidden, compute_kernel, (((1,), (0,)), ((), ())))
-    return y, (hidden, positive, compute_kernel)
-
-
-def _relu_dropout_gemm_bwd(rate, param_dtypes, residuals, d_out):
-    hidden, positive, kernel = residuals
-    kernel_dtype, act_bias_dtype = param_dtypes
-    grad_xla = functools.partial(_relu_grad_xla, rate=rate, bias_dtype=act_bias_dtype)
-    grad_ffi = functools.partial(_relu_grad_ffi, rate=rate, bias_dtype=act_bias_dtype)
-    dx, d_act_bias = _common.dispatch("relu_dropout_dense", grad_xla, grad_ffi, (d_out, kernel, positive))
-    d_kernel = jax.lax.dot_general(hidden, d_out, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
-    return dx, d_act_bias, d_kernel.astype(kernel_dtype), None
-
-
-_relu_dropout_gemm.defvjp(_relu_dropout_gemm_fwd, _relu_dropout_gemm_bwd)
-
-
-def relu_dropout_dense(
-    x: jax.Array,
-    act_bias: jax.Array,
-    kernel: jax.Array,
-    *,
-    dropout_rate: float = 0.0,
-    seed: jax.Array | None = None,
-) -> jax.Array:
-    """``dropout(relu(x + act_bias)) @ kernel`` in x's dtype (see the module docstring).
-
-    Args:
-      x: (..., F) the first GEMM's output (no bias), f32, bf16 or f16.
-      act_bias: (F,), f32 or x's dtype.
-      kernel: (F, N), f32 or x's dtype.
-      dropout_rate, seed: as in ``ls_jax.ops.dropout``.
-
-    Returns:
-      (..., N) in x's dtype.
-    """
-    _common.check_activation("x", x)
-    hidden = x.shape[-1]
-    _common.check_param("act_bias", act_bias, (hidden,), x.dtype)
-    _common.check_activation("kernel", kernel)
-    if kernel.ndim != 2 or kernel.shape[0] != hidden:
-        raise ValueError(f"kernel must have shape ({hidden}, N) for x of shape {x.shape}, got {kernel.shape}")
-    _common.check_param("kernel", kernel, kernel.shape, x.dtype)
-    _common.check_dropout(dropout_rate, seed)
-    if dropout_rate == 0.0:
-        seed = None
-    x, act_bias, kernel, seed = _common.vary_together(x, act_bias, kernel, seed)
-    param_dtypes = (jnp.dtype(kernel.dtype), jnp.dtype(act_bias.dtype))
-    y = _relu_dropout_gemm(x.reshape(-1, hidden), act_bias, kernel, seed, float(dropout_rate), param_dtypes)
-    return y.reshape(*x.shape[:-1], kernel.shape[1])

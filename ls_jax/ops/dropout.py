@@ -246,7 +246,7 @@ def _relu_forward_xla(x, bias, seed, *, rate):
     return y, jnp.packbits(y > 0, axis=-1, bitorder="little")
 
 
-def relu_backward_xla(dy, positive, *, rate, bias_dtype):
+def _relu_backward_xla(dy, positive, *, rate, bias_dtype):
     kept = jnp.unpackbits(positive, axis=-1, count=dy.shape[-1], bitorder="little").astype(bool)
     dz = jnp.where(kept, dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
     return dz.astype(dy.dtype), _row_sum(dz).astype(bias_dtype)
@@ -260,17 +260,10 @@ def _relu_forward_ffi(x, bias, seed, *, rate):
     return tuple(call(x, bias, kernel_seed(seed), **dropout_attributes(rate)))
 
 
-def relu_backward_ffi(dy, positive, *, rate, bias_dtype):
+def _relu_backward_ffi(dy, positive, *, rate, bias_dtype):
     call = jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", _bias_grad_outputs(dy, bias_dtype), vmap_method="sequential")
     dx, dbias, _ = call(dy, positive, scale=dropout_attributes(rate)["scale"])
     return dx, dbias
-
-
-def relu_forward(x, bias, seed, *, rate):
-    """``(dropout(relu(x + bias)), positive)``, the mask of y > 0, by the kernel on CUDA and XLA elsewhere."""
-    forward_xla = functools.partial(_relu_forward_xla, rate=rate)
-    forward_ffi = functools.partial(_relu_forward_ffi, rate=rate)
-    return _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
 
 
 def _activation_attributes(activation: Activation, rate: float) -> dict[str, np.generic]:
@@ -298,7 +291,9 @@ def _bias_act_dropout(x, bias, seed, activation, rate, bias_dtype):
 
 def _bias_act_dropout_fwd(x, bias, seed, activation, rate, bias_dtype):
     if activation == "relu":
-        y, positive = relu_forward(x, bias, seed, rate=rate)
+        forward_xla = functools.partial(_relu_forward_xla, rate=rate)
+        forward_ffi = functools.partial(_relu_forward_ffi, rate=rate)
+        y, positive = _common.dispatch("bias_act_dropout", forward_xla, forward_ffi, (x, bias, seed))
         return y, (positive,)
     forward_xla = functools.partial(_bad_forward_xla, activation=activation, rate=rate)
     forward_ffi = functools.partial(_bad_forward_ffi, activation=activation, rate=rate)
@@ -308,8 +303,8 @@ def _bias_act_dropout_fwd(x, bias, seed, activation, rate, bias_dtype):
 
 def _bias_act_dropout_bwd(activation, rate, bias_dtype, res, dy):
     if activation == "relu":
-        backward_xla = functools.partial(relu_backward_xla, rate=rate, bias_dtype=bias_dtype)
-        backward_ffi = functools.partial(relu_backward_ffi, rate=rate, bias_dtype=bias_dtype)
+        backward_xla = functools.partial(_relu_backward_xla, rate=rate, bias_dtype=bias_dtype)
+        backward_ffi = functools.partial(_relu_backward_ffi, rate=rate, bias_dtype=bias_dtype)
         dx, dbias = _common.dispatch("bias_act_dropout", backward_xla, backward_ffi, (dy, *res))
         return dx, dbias, None
     x, bias, seed = res

@@ -263,9 +263,12 @@ def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enable
     assert _targets(text) == {"ls_attention_fwd", "ls_attention_bwd"}
     assert "causal = true" in text and f"threshold = {random.keep_threshold(0.1)} : ui32" in text
     assert re.search(r"logit_scale = 1.250000e-01 : f32", text)
+    assert "tensor<2x4x64x8xui8>" in text, "the forward hands the backward its keep mask, 8 keys to a byte"
     query, key_value = normal(1, (2, 5, 4, 64), jnp.float16), normal(2, (2, 128, 2, 4, 64), jnp.float16)
     cross = lambda q, kv: _forward_and_backward(lambda q, kv: ops.cross_attention(q, kv), q, kv)
-    assert _targets(_cuda_module(cross, query, key_value)) == {"ls_attention_fwd", "ls_attention_bwd"}
+    text = _cuda_module(cross, query, key_value)
+    assert _targets(text) == {"ls_attention_fwd", "ls_attention_bwd"}
+    assert "tensor<0xui8>" in text, "without dropout there is no keep mask"
     too_long = normal(3, (2, 129, 2, 4, 64), jnp.float16)
     assert _targets(_cuda_module(cross, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
 

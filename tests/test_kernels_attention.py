@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ls_jax import ops
-from ls_jax.ops import _common
+from ls_jax.ops import _common, random
+from ls_jax.ops.dropout import dropout_attributes
 from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, value_and_grads
 from test_ops_support import normal, seed_array
 
@@ -79,6 +80,35 @@ def test_blocks_that_compute_several_heads_match_xla(queries, keys):
     run = value_and_grads(op)
     got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
     assert_backends_agree(got, _bias_grad_summed_in_f32(want), BF16, f"{batch} x {heads} heads {case[:2]}")
+
+
+@pytest.mark.parametrize("index", [i for i, case in enumerate(CASES) if case[-1] > 0])
+def test_the_backward_reads_the_keep_mask_the_forward_stored(index):
+    """The forward saves its dropout keep mask for the backward, bit for bit numpy's packbits of the Philox keep
+    mask (bitorder little, zero padding bits), for key counts a multiple of 8 (one Philox call per 8 keys) and not
+    (a call per element), and for query counts that leave a warp's rows unused; no seed is saved."""
+    queries, keys, _, _, rate = CASES[index]
+    op, primals, _ = _case(index, CASES[index], BF16)
+
+    def saved(*primals):
+        return [leaf for leaf in jax.tree.leaves(jax.vjp(op, *primals)[1]) if leaf.dtype in (jnp.uint8, jnp.uint32)]
+
+    [keep_bits] = on_backend("ffi", saved, *primals)
+    batch, heads = primals[0].shape[0], primals[-1].shape[-2]
+    keep = random.keep_mask(seed_array(index), (batch, heads, queries, keys or queries), rate)
+    np.testing.assert_array_equal(np.asarray(keep_bits), np.packbits(np.asarray(keep), axis=-1, bitorder="little"))
+
+
+def test_the_backward_rejects_a_keep_mask_of_the_wrong_shape():
+    qkv, dout = normal(0, (1, 16, 3, 2, 64), BF16), normal(1, (1, 16, 2, 64), BF16)
+    lse, bias = jnp.zeros((1, 2, 16), F32), jnp.zeros((3, 2, 64), BF16)
+    outputs = (jax.ShapeDtypeStruct(qkv.shape, BF16), jax.ShapeDtypeStruct((1, 1, 3, 2, 64), F32))
+    call = jax.ffi.ffi_call("ls_attention_bwd", outputs)
+    backward = jax.jit(lambda keep_bits: call(dout, qkv, qkv, bias, lse, keep_bits, causal=False,
+                                              logit_scale=np.float32(0.125), **dropout_attributes(0.1)))
+    message = r"keep_bits must have shape \(1, 2, 16, 2\), got \(1, 2, 16, 16\)"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        jax.block_until_ready(backward(jnp.zeros((1, 2, 16, 16), jnp.uint8)))
 
 
 def _bias_grad_summed_in_f32(result):

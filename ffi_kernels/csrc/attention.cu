@@ -25,16 +25,19 @@
 //
 // Targets
 //   ls_attention_fwd(query_source, key_value_source, query_bias, seed u32[2] [, key_mask bool (B, K)])
-//       -> (out (B, Q, H, 64), lse f32 (B, H, Q)); attributes causal: bool, logit_scale: f32, threshold: u32,
-//       scale: f32 (as ls_dropout)
-//   ls_attention_bwd(dout, query_source, key_value_source, query_bias, lse, seed [, key_mask]) -> (d_query_source,
-//       d_query_bias_partials [, d_key_value_source]); without d_key_value_source the sources are one packed qkv
-//       (P = 3) and d_query_source receives dq, dk and dv. Same attributes.
+//       -> (out (B, Q, H, 64), lse f32 (B, H, Q), keep_bits u8 (B, H, Q, ceil(K / 8))); attributes causal: bool,
+//       logit_scale: f32, threshold: u32, scale: f32 (as ls_dropout). keep_bits is the dropout keep mask, 8 keys
+//       to a byte as numpy's packbits(bitorder="little") writes it; shape (0,) without dropout.
+//   ls_attention_bwd(dout, query_source, key_value_source, query_bias, lse, keep_bits [, key_mask])
+//       -> (d_query_source, d_query_bias_partials [, d_key_value_source]); without d_key_value_source the sources
+//       are one packed qkv (P = 3) and d_query_source receives dq, dk and dv. Same attributes. The backward reads
+//       the forward's keep mask instead of drawing the Philox words again (about a fifth of its instructions).
 #include "common.cuh"
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace ls {
 namespace {
@@ -394,16 +397,20 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Dropout multipliers (0 or scale) of this thread's elements: m[j][i] for s[j][i]. Element (row, col) of head
-// block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 8 the four lanes of a quad draw the
-// four Philox calls of a row's 32 columns, one each (8 columns), and exchange keep flags by shuffle; otherwise
-// each element draws its own call. Every lane of the warp must call it.
+// Bytes per row of the keep mask the forward stores for the backward: one bit per key, 8 keys to a byte.
+__host__ __device__ constexpr int keep_row_bytes(int keys) { return (keys + 7) / 8; }
+
+// Drops this thread's probabilities s[j][i] (times 0 or scale) and stores their keep flags. Element (row, col) of
+// head block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 8 the four lanes of a quad draw
+// the four Philox calls of a row's 32 columns, one each (8 columns), and exchange keep flags by shuffle; otherwise
+// each element draws its own call and the quad gathers each 8 columns' flags by shuffle. keep_bits is the head
+// block's (Q, keep_row_bytes(K)) mask: bit c % 8 of byte c / 8 of a row is column c's (numpy's packbits, bitorder
+// little; bits past K are 0). Every lane of the warp must call it.
 template <int kKeyTiles>
-__device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], const Dropout& dropout,
-                                                    const Geometry& g, int64_t bh, int row0) {
+__device__ __forceinline__ void apply_dropout(float (&s)[kKeyTiles][4], const Dropout& dropout, const Geometry& g,
+                                              int64_t bh, int row0, uint8_t* keep_bits) {
   const int lane = threadIdx.x % 32, t = lane % 4, quad = lane & ~3;
-#pragma unroll
-  for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 0.0f;
+  const int row_bytes = keep_row_bytes(g.keys);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + lane / 4 + 8 * half;
@@ -417,21 +424,55 @@ __device__ __forceinline__ void dropout_multipliers(float (&m)[kKeyTiles][4], co
           const uint4 words = dropout_words(dropout.key, row_start / kDrawsPerCall + 4 * block + t);
 #pragma unroll
           for (int e = 0; e < kDrawsPerCall; ++e) flags |= uint32_t{draw_of(words, e) >= dropout.threshold} << e;
+          if (row < g.queries) keep_bits[row * row_bytes + 4 * block + t] = static_cast<uint8_t>(flags);
         }
 #pragma unroll
         for (int tile = 0; tile < 4; ++tile) {
           const uint32_t bits = __shfl_sync(0xffffffffu, flags, quad + tile) >> (2 * t);
-          m[4 * block + tile][2 * half] = (bits & 1u) ? dropout.scale : 0.0f;
-          m[4 * block + tile][2 * half + 1] = (bits & 2u) ? dropout.scale : 0.0f;
+          s[4 * block + tile][2 * half] *= (bits & 1u) ? dropout.scale : 0.0f;
+          s[4 * block + tile][2 * half + 1] *= (bits & 2u) ? dropout.scale : 0.0f;
         }
       }
     } else {
 #pragma unroll
       for (int j = 0; j < kKeyTiles; ++j) {
         if (8 * j >= g.keys) break;
+        uint32_t flags = 0;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) m[j][2 * half + e] = dropout.multiplier(row_start + 8 * j + 2 * t + e);
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + 2 * t + e;
+          const float multiplier = dropout.multiplier(row_start + col);
+          s[j][2 * half + e] *= multiplier;
+          if (col < g.keys && multiplier != 0.0f) flags |= 1u << (2 * t + e);
+        }
+        flags |= __shfl_xor_sync(0xffffffffu, flags, 1);
+        flags |= __shfl_xor_sync(0xffffffffu, flags, 2);
+        if (t == 0 && row < g.queries) keep_bits[row * row_bytes + j] = static_cast<uint8_t>(flags);
       }
+    }
+  }
+}
+
+// Dropout multipliers (0 or scale) of this thread's elements, m[j][i] for s[j][i], from the keep mask
+// apply_dropout stored.
+template <int kKeyTiles>
+__device__ __forceinline__ void stored_multipliers(float (&m)[kKeyTiles][4], const uint8_t* keep_bits, float scale,
+                                                   const Geometry& g, int row0) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int row_bytes = keep_row_bytes(g.keys);
+#pragma unroll
+  for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 0.0f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + 8 * half;
+    if (row >= g.queries) continue;
+    const uint8_t* row_bits = keep_bits + static_cast<int64_t>(row) * row_bytes;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+      if (8 * j >= g.keys) break;
+      const uint32_t bits = row_bits[j] >> (2 * t);
+      m[j][2 * half] = (bits & 1u) ? scale : 0.0f;
+      m[j][2 * half + 1] = (bits & 2u) ? scale : 0.0f;
     }
   }
 }
@@ -445,6 +486,13 @@ struct Tensors {
   float* lse;                                // (B, H, Q)
   Strided dquery, dkey, dvalue;
   Strided dquery_bias, dkey_bias, dvalue_bias;  // f32 partials, a "row" per warp; key and value ones as above
+  uint8_t* keep_bits;  // (B, H, Q, keep_row_bytes(K)): the forward's dropout keep mask, the backward's input; or
+                       // null without dropout
+
+  // Head block bh's (Q, keep_row_bytes(K)) rows of keep_bits.
+  __device__ uint8_t* head_keep_bits(const Geometry& g, int bh) const {
+    return keep_bits + static_cast<int64_t>(bh) * g.queries * keep_row_bytes(g.keys);
+  }
 };
 
 // Waits for this thread's load_rows copies of the q, k and v tiles of head h, adds the projection biases to them
@@ -564,15 +612,8 @@ __device__ __forceinline__ void forward_head(const Tensors& x, const Geometry& g
       s[j][2 * half + 1] *= inverse;
     }
   }
-  if (dropout_params.seed != nullptr) {
-    float m[kKeyTiles][4];
-    dropout_multipliers(m, Dropout::load(dropout_params), g, bh, row0);
-#pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] *= m[j][i];
-    }
-  }
+  if (dropout_params.seed != nullptr)
+    apply_dropout(s, Dropout::load(dropout_params), g, bh, row0, x.head_keep_bits(g, bh));
 
   float o[kHeadDim / 8][4];
   register_products<T>(o, s, t.v, k_pad / 16);
@@ -662,8 +703,8 @@ __device__ __forceinline__ void backward_head(const Tensors& x, const Geometry& 
     to_logits<T>(p, g, visible_keys<kMaxKeys>(g, b), row0);
     row_products<T>(dp, t.dout, row0, t.v, k_pad / 16);
     float m[kKeyTiles][4];
-    if (dropout_params.seed != nullptr) {
-      dropout_multipliers(m, Dropout::load(dropout_params), g, bh, row0);
+    if (x.keep_bits != nullptr) {
+      stored_multipliers(m, x.head_keep_bits(g, bh), dropout_params.scale, g, row0);
     } else {
 #pragma unroll
       for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 1.0f;
@@ -831,6 +872,17 @@ ffi::Error check_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutPa
                               static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
 }
 
+// The dropout keep mask the forward writes and the backward reads: (B, H, Q, keep_row_bytes(K)) with dropout,
+// empty without.
+ffi::Error check_keep_bits(const ffi::Buffer<ffi::U8>& keep_bits, bool dropout, const Problem& p) {
+  const std::vector<int64_t> expected =
+      dropout ? std::vector<int64_t>{p.query.batch, p.query.heads, p.query.length, keep_row_bytes(p.geometry.keys)}
+              : std::vector<int64_t>{0};
+  return require(dropout ? same_dims(keep_bits.dimensions(), expected) : keep_bits.element_count() == 0,
+                 "keep_bits must have shape " + shape_string(expected) + (dropout ? "" : " (no dropout)") + ", got " +
+                     shape_string(keep_bits.dimensions()));
+}
+
 ffi::Error check_aligned(std::initializer_list<const void*> buffers) {
   for (const void* buffer : buffers)
     LS_RETURN_IF_ERROR(
@@ -904,12 +956,14 @@ ffi::Error dispatch_half(ffi::DataType dtype, cudaStream_t stream, const Problem
 
 ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
                          ffi::AnyBuffer query_bias, ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, bool causal,
-                         float logit_scale, uint32_t threshold, float scale) {
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                         ffi::Result<ffi::Buffer<ffi::U8>> keep_bits, bool causal, float logit_scale,
+                         uint32_t threshold, float scale) {
   Problem p;
   LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, query_bias, key_mask, causal, logit_scale, p));
   const DropoutParams dropout{seed.typed_data(), threshold, scale};
   LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
+  LS_RETURN_IF_ERROR(check_keep_bits(*keep_bits, dropout.enabled(), p));
   const ffi::DataType dtype = query_source.element_type();
   LS_RETURN_IF_ERROR(check_tensor("out", *out, dtype, {p.query.batch, p.query.length, p.query.heads, kHeadDim}));
   LS_RETURN_IF_ERROR(check_tensor("lse", *lse, ffi::DataType::F32, {p.query.batch, p.query.heads, p.query.length}));
@@ -933,21 +987,23 @@ ffi::Error attention_fwd(cudaStream_t stream, ffi::AnyBuffer query_source, ffi::
             {},
             {},
             {},
-            {}};
+            {},
+            dropout.enabled() ? keep_bits->typed_data() : nullptr};
   const DropoutParams kernel_dropout{dropout.enabled() ? dropout.seed : nullptr, threshold, scale};
   return dispatch_half<LaunchForward>(dtype, stream, p, x, kernel_dropout);
 }
 
 ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffer query_source,
                          ffi::AnyBuffer key_value_source, ffi::AnyBuffer query_bias, ffi::AnyBuffer lse,
-                         ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> key_mask,
+                         ffi::Buffer<ffi::U8> keep_bits, std::optional<ffi::AnyBuffer> key_mask,
                          ffi::Result<ffi::AnyBuffer> d_query_source, ffi::Result<ffi::AnyBuffer> d_query_bias_partials,
                          std::optional<ffi::Result<ffi::AnyBuffer>> d_key_value_source, bool causal,
                          float logit_scale, uint32_t threshold, float scale) {
   Problem p;
   LS_RETURN_IF_ERROR(describe_problem(query_source, key_value_source, query_bias, key_mask, causal, logit_scale, p));
-  const DropoutParams dropout{seed.typed_data(), threshold, scale};
-  LS_RETURN_IF_ERROR(check_dropout_seed(seed, dropout, p));
+  // The backward draws nothing: the keep mask comes from the forward; the dropout attributes say whether there is one.
+  const DropoutParams dropout{nullptr, threshold, scale};
+  LS_RETURN_IF_ERROR(check_keep_bits(keep_bits, dropout.enabled(), p));
   const ffi::DataType dtype = query_source.element_type();
   const Source& q = p.query;
   LS_RETURN_IF_ERROR(check_tensor("dout", dout, dtype, {q.batch, q.length, q.heads, kHeadDim}));
@@ -982,9 +1038,9 @@ ffi::Error attention_bwd(cudaStream_t stream, ffi::AnyBuffer dout, ffi::AnyBuffe
             part_of(dkv_data, kv, kv.parts - 1),
             partials_part(bias_sums, q, 0),
             packed ? partials_part(bias_sums, q, 1) : Strided{},
-            packed ? partials_part(bias_sums, q, 2) : Strided{}};
-  const DropoutParams kernel_dropout{dropout.enabled() ? dropout.seed : nullptr, threshold, scale};
-  return dispatch_half<LaunchBackward>(dtype, stream, p, x, kernel_dropout);
+            packed ? partials_part(bias_sums, q, 2) : Strided{},
+            dropout.enabled() ? keep_bits.typed_data() : nullptr};
+  return dispatch_half<LaunchBackward>(dtype, stream, p, x, dropout);
 }
 
 }  // namespace
@@ -999,6 +1055,7 @@ LS_FFI_TARGET(ls_attention_fwd, attention_fwd,
                   .OptionalArg<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()
+                  .Ret<ffi::Buffer<ffi::U8>>()
                   .Attr<bool>("causal")
                   .Attr<float>("logit_scale")
                   .Attr<uint32_t>("threshold")
@@ -1012,7 +1069,7 @@ LS_FFI_TARGET(ls_attention_bwd, attention_bwd,
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
                   .Arg<ffi::AnyBuffer>()
-                  .Arg<ffi::Buffer<ffi::U32>>()
+                  .Arg<ffi::Buffer<ffi::U8>>()
                   .OptionalArg<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()
                   .Ret<ffi::AnyBuffer>()

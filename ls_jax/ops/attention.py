@@ -8,8 +8,9 @@
 Shapes: q (B, Q, H, D), k and v (B, K, H, D), key_mask (B, K), out (B, Q, H, D). ``keep`` is the Philox mask of
 ``attn_softmax`` over the (B, H, Q, K) probabilities, so both ops drop the same elements for the same seed.
 Scores and ``dout v^T`` are rounded to the activation dtype before the f32 softmax math, as the GEMMs of the
-unfused composition round them. Residuals: the inputs, ``lse`` (B, H, Q) f32 and the seed; the backward
-recomputes the probabilities instead of storing them:
+unfused composition round them. Residuals: the inputs, ``lse`` (B, H, Q) f32 and ``keep`` packed 8 to a byte
+(``keep_bits``, uint8 (B, H, Q, ceil(K / 8)) as ``jnp.packbits(keep, axis=-1, bitorder="little")``; none without
+dropout); the backward recomputes the probabilities instead of storing them, and reads keep instead of drawing it:
 
     dp      = (dout v^T) * keep / (1 - dropout_rate)
     dscores = probs * (dp - sum_k(dp * probs)) / sqrt(d)
@@ -24,8 +25,8 @@ load the tiles and return its gradient as partial sums, which saves a pass over 
 Two formulations:
   fused (CUDA kernels, bf16/f16, head_dim 64, at most 128 queries and keys): one block per (batch, head) keeps
     the scores on chip; implementations share
-      forward(sources, bias, key_mask, seed) -> (out, lse)
-      backward(dout, sources, bias, key_mask, seed, lse) -> (d_sources, d_bias)
+      forward(sources, bias, key_mask, seed) -> (out, lse, keep_bits)
+      backward(dout, sources, bias, key_mask, keep_bits, lse) -> (d_sources, d_bias)
     and the XLA one (for a computation lowered for another platform) recomputes the probabilities from lse.
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
     backend for shapes the fused kernels do not take (then ``attn_softmax`` runs its kernels). On XLA it is
@@ -96,6 +97,30 @@ def _logits(q, k, key_mask, causal):
     return logits
 
 
+def _keep_bits_shape(sources: Sources, dropout_rate: float) -> tuple[int, ...]:
+    """(B, H, Q, ceil(K / 8)), or (0,) without dropout."""
+    if dropout_rate == 0.0:
+        return (0,)
+    batch, queries, _, heads, _ = sources[0].shape
+    return batch, heads, queries, -(-sources[-1].shape[1] // 8)
+
+
+def _drawn_keep(seed, shape, dropout_rate):
+    """The dropout multiplier of the (B, H, Q, K) probabilities and its keep mask packed for the backward."""
+    if dropout_rate == 0.0:
+        return 1.0, jnp.zeros((0,), jnp.uint8)
+    keep = random.keep_mask(seed, shape, dropout_rate)
+    return keep.astype(_f32) * (1.0 / (1.0 - dropout_rate)), jnp.packbits(keep, axis=-1, bitorder="little")
+
+
+def _stored_keep(keep_bits, keys, dropout_rate):
+    """The dropout multiplier from the forward's packed keep mask."""
+    if dropout_rate == 0.0:
+        return 1.0
+    keep = jnp.unpackbits(keep_bits, axis=-1, count=keys, bitorder="little")
+    return keep.astype(_f32) * (1.0 / (1.0 - dropout_rate))
+
+
 def _forward_xla(sources, bias, key_mask, seed, *, causal, dropout_rate):
     q, k, v = _split(sources, bias)
     logits = _logits(q, k, key_mask, causal)
@@ -105,16 +130,16 @@ def _forward_xla(sources, bias, key_mask, seed, *, causal, dropout_rate):
     total = jnp.sum(exp, axis=-1, keepdims=True)
     probs = jnp.where(total > 0, exp / jnp.where(total > 0, total, 1.0), 0.0)
     lse = jnp.where(total > 0, row_max + jnp.log(total), jnp.inf)
-    kept = probs * random.dropout_multiplier(seed, logits.shape, dropout_rate)
-    out = jnp.einsum("bhqk,bkhd->bqhd", kept.astype(q.dtype), v)
-    return out, lse[..., 0]
+    multiplier, keep_bits = _drawn_keep(seed, logits.shape, dropout_rate)
+    out = jnp.einsum("bhqk,bkhd->bqhd", (probs * multiplier).astype(q.dtype), v)
+    return out, lse[..., 0], keep_bits
 
 
-def _backward_xla(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_rate):
+def _backward_xla(dout, sources, bias, key_mask, keep_bits, lse, *, causal, dropout_rate):
     q, k, v = _split(sources, bias)
     logits = _logits(q, k, key_mask, causal)
     probs = jnp.exp(logits - lse[..., None])
-    multiplier = random.dropout_multiplier(seed, logits.shape, dropout_rate)
+    multiplier = _stored_keep(keep_bits, k.shape[1], dropout_rate)
     dp = jnp.einsum("bqhd,bkhd->bhqk", dout, v).astype(_f32) * multiplier
     dscores = probs * (dp - jnp.sum(dp * probs, axis=-1, keepdims=True)) * (q.shape[-1] ** -0.5)
     dscores, kept = dscores.astype(q.dtype), (probs * multiplier).astype(q.dtype)
@@ -140,13 +165,14 @@ def _forward_ffi(sources, bias, key_mask, seed, *, causal, dropout_rate):
     batch, queries, _, heads, head_dim = sources[0].shape
     out = jax.ShapeDtypeStruct((batch, queries, heads, head_dim), sources[0].dtype)
     lse = jax.ShapeDtypeStruct((batch, heads, queries), _f32)
-    call = jax.ffi.ffi_call("ls_attention_fwd", (out, lse), vmap_method="sequential")
+    keep_bits = jax.ShapeDtypeStruct(_keep_bits_shape(sources, dropout_rate), jnp.uint8)
+    call = jax.ffi.ffi_call("ls_attention_fwd", (out, lse, keep_bits), vmap_method="sequential")
     # A packed qkv is passed as both sources.
     return call(sources[0], sources[-1], _bias_operand(sources, bias), kernel_seed(seed), *_mask_operand(key_mask),
                 **_kernel_attributes(sources[0], causal, dropout_rate))
 
 
-def _backward_ffi(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_rate):
+def _backward_ffi(dout, sources, bias, key_mask, keep_bits, lse, *, causal, dropout_rate):
     batch, queries, parts, heads, head_dim = sources[0].shape
     d_query_source = jax.ShapeDtypeStruct(sources[0].shape, sources[0].dtype)
     bias_partials = jax.ShapeDtypeStruct((batch, -(-queries // 16), parts, heads, head_dim), _f32)
@@ -155,7 +181,7 @@ def _backward_ffi(dout, sources, bias, key_mask, seed, lse, *, causal, dropout_r
         "ls_attention_bwd", (d_query_source, bias_partials, *d_key_value_source), vmap_method="sequential"
     )
     d_query_source, bias_partials, *d_key_value_source = call(
-        dout, sources[0], sources[-1], _bias_operand(sources, bias), lse, kernel_seed(seed),
+        dout, sources[0], sources[-1], _bias_operand(sources, bias), lse, keep_bits,
         *_mask_operand(key_mask), **_kernel_attributes(sources[0], causal, dropout_rate)
     )
     return (d_query_source, *d_key_value_source), _bias_grad(bias_partials, bias)
@@ -180,23 +206,23 @@ def _attention(sources, bias, key_mask, seed, causal, dropout_rate):
 
 def _attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate):
     options = dict(causal=causal, dropout_rate=dropout_rate)
-    out, lse = _common.dispatch(
+    out, lse, keep_bits = _common.dispatch(
         "attention",
         functools.partial(_forward_xla, **options),
         functools.partial(_forward_ffi, **options),
         (sources, bias, key_mask, seed),
     )
-    return out, (sources, bias, key_mask, seed, lse)
+    return out, (sources, bias, key_mask, keep_bits, lse)
 
 
 def _attention_bwd(causal, dropout_rate, residuals, dout):
-    sources, bias, key_mask, seed, lse = residuals
+    sources, bias, key_mask, keep_bits, lse = residuals
     options = dict(causal=causal, dropout_rate=dropout_rate)
     d_sources, d_bias = _common.dispatch(
         "attention",
         functools.partial(_backward_xla, **options),
         functools.partial(_backward_ffi, **options),
-        (dout, sources, bias, key_mask, seed, lse),
+        (dout, sources, bias, key_mask, keep_bits, lse),
     )
     return d_sources, d_bias, None, None
 

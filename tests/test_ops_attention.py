@@ -117,11 +117,10 @@ def test_dropout_drops_the_probabilities_attn_softmax_drops():
     assert 0.2 < float(jnp.mean(out == 0)) < 0.6
 
 
-def test_the_fused_backward_keeps_the_packed_keep_mask_not_the_seed(formulation):
+@pytest.mark.parametrize("formulation", ["fused"], indirect=True)
+def test_the_fused_backward_keeps_the_packed_keep_mask_not_the_seed():
     """The fused formulation's residuals hold the dropout keep mask packed 8 keys to a byte, which its backward
-    reads, and no seed; the unfused one keeps attn_softmax's residuals."""
-    if formulation == "unfused":
-        pytest.skip("the unfused attention saves attn_softmax's residuals")
+    reads, and no seed."""
     qkv, rate, seed = normal(12, (2, 11, 3, 2, 8), F32), 0.3, seed_array(13)
     _, vjp = jax.vjp(lambda x: ops.self_attention(x, dropout_rate=rate, seed=seed), qkv)
     [keep_bits] = [leaf for leaf in jax.tree.leaves(vjp) if leaf.dtype in (jnp.uint8, jnp.uint32)]

@@ -397,20 +397,16 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Bytes per row of the keep mask the forward stores for the backward: one bit per key, 8 keys to a byte.
-__host__ __device__ constexpr int keep_row_bytes(int keys) { return (keys + 7) / 8; }
-
 // Drops this thread's probabilities s[j][i] (times 0 or scale) and stores their keep flags. Element (row, col) of
 // head block bh has flat index (bh * Q + row) * K + col. When K is a multiple of 8 the four lanes of a quad draw
 // the four Philox calls of a row's 32 columns, one each (8 columns), and exchange keep flags by shuffle; otherwise
 // each element draws its own call and the quad gathers each 8 columns' flags by shuffle. keep_bits is the head
-// block's (Q, keep_row_bytes(K)) mask: bit c % 8 of byte c / 8 of a row is column c's (numpy's packbits, bitorder
-// little; bits past K are 0). Every lane of the warp must call it.
+// block's (Q, mask_bytes(K)) mask (common.cuh's bit order). Every lane of the warp must call it.
 template <int kKeyTiles>
 __device__ __forceinline__ void apply_dropout(float (&s)[kKeyTiles][4], const Dropout& dropout, const Geometry& g,
                                               int64_t bh, int row0, uint8_t* keep_bits) {
   const int lane = threadIdx.x % 32, t = lane % 4, quad = lane & ~3;
-  const int row_bytes = keep_row_bytes(g.keys);
+  const int row_bytes = static_cast<int>(mask_bytes(g.keys));
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + lane / 4 + 8 * half;
@@ -459,7 +455,7 @@ template <int kKeyTiles>
 __device__ __forceinline__ void stored_multipliers(float (&m)[kKeyTiles][4], const uint8_t* keep_bits, float scale,
                                                    const Geometry& g, int row0) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  const int row_bytes = keep_row_bytes(g.keys);
+  const int row_bytes = static_cast<int>(mask_bytes(g.keys));
 #pragma unroll
   for (int j = 0; j < kKeyTiles; ++j) m[j][0] = m[j][1] = m[j][2] = m[j][3] = 0.0f;
 #pragma unroll
@@ -486,12 +482,12 @@ struct Tensors {
   float* lse;                                // (B, H, Q)
   Strided dquery, dkey, dvalue;
   Strided dquery_bias, dkey_bias, dvalue_bias;  // f32 partials, a "row" per warp; key and value ones as above
-  uint8_t* keep_bits;  // (B, H, Q, keep_row_bytes(K)): the forward's dropout keep mask, the backward's input; or
+  uint8_t* keep_bits;  // (B, H, Q, mask_bytes(K)): the forward's dropout keep mask, the backward's input; or
                        // null without dropout
 
-  // Head block bh's (Q, keep_row_bytes(K)) rows of keep_bits.
+  // Head block bh's (Q, mask_bytes(K)) rows of keep_bits.
   __device__ uint8_t* head_keep_bits(const Geometry& g, int bh) const {
-    return keep_bits + static_cast<int64_t>(bh) * g.queries * keep_row_bytes(g.keys);
+    return keep_bits + static_cast<int64_t>(bh) * g.queries * mask_bytes(g.keys);
   }
 };
 
@@ -872,11 +868,11 @@ ffi::Error check_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const DropoutPa
                               static_cast<uint64_t>(p.batch_heads) * p.geometry.queries * p.geometry.keys);
 }
 
-// The dropout keep mask the forward writes and the backward reads: (B, H, Q, keep_row_bytes(K)) with dropout,
+// The dropout keep mask the forward writes and the backward reads: (B, H, Q, mask_bytes(K)) with dropout,
 // empty without.
 ffi::Error check_keep_bits(const ffi::Buffer<ffi::U8>& keep_bits, bool dropout, const Problem& p) {
   const std::vector<int64_t> expected =
-      dropout ? std::vector<int64_t>{p.query.batch, p.query.heads, p.query.length, keep_row_bytes(p.geometry.keys)}
+      dropout ? std::vector<int64_t>{p.query.batch, p.query.heads, p.query.length, mask_bytes(p.geometry.keys)}
               : std::vector<int64_t>{0};
   return require(dropout ? same_dims(keep_bits.dimensions(), expected) : keep_bits.element_count() == 0,
                  "keep_bits must have shape " + shape_string(expected) + (dropout ? "" : " (no dropout)") + ", got " +

@@ -39,11 +39,6 @@ constexpr int kBackwardMinBlocks = 3;
 // relu backward that reads the forward's mask of y > 0 (never sent from Python as an activation code).
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3, kReluMask = 4 };
 
-// Columns per byte of the relu mask; a thread of the 16-bit kernels owns exactly one byte's columns.
-constexpr int kMaskBits = 8;
-
-__host__ __device__ inline int64_t mask_columns(int64_t cols) { return (cols + kMaskBits - 1) / kMaskBits; }
-
 // The largest f32 that rounds to zero in T: half of T's smallest subnormal (the halfway point rounds to the even
 // neighbour, zero).
 template <typename T>
@@ -88,8 +83,8 @@ __device__ __forceinline__ float activation_derivative(float z) {
 
 // ---- forward --------------------------------------------------------------------------------------------
 
-// y = act(x + bias) * m (+ residual when given); with `positive`, relu's mask of y > 0 (W = kMaskBits only:
-// one byte per thread and row).
+// y = act(x + bias) * m (+ residual when given); with `positive`, relu's mask of y > 0 (W = kMaskBits only: a
+// thread of the 16-bit kernels owns exactly one byte's columns).
 template <typename T, typename P, int W, Activation A>
 __global__ void __launch_bounds__(kBlockThreads, kForwardMinBlocks)
     bias_fwd_kernel(const T* __restrict__ x, const P* __restrict__ bias, const T* __restrict__ residual,
@@ -147,7 +142,7 @@ bool vectorizable(int64_t cols, std::initializer_list<const void*> pointers) {
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
     pack_positive_kernel(const T* __restrict__ y, uint8_t* __restrict__ positive, int64_t rows, int64_t cols) {
-  const int64_t bytes_per_row = mask_columns(cols);
+  const int64_t bytes_per_row = mask_bytes(cols);
   for (int64_t byte = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; byte < rows * bytes_per_row;
        byte += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t column = (byte % bytes_per_row) * kMaskBits;
@@ -172,7 +167,7 @@ ffi::Error launch_forward(cudaStream_t stream, const T* x, const P* bias, const 
   LS_RETURN_IF_ERROR(launch_error("bias_fwd_kernel"));
   if (positive == nullptr || W == kMaskBits) return ffi::Error::Success();
   int64_t blocks = 0;
-  LS_RETURN_IF_ERROR(stride_grid(rows * mask_columns(cols), kBlockThreads, kForwardBlocksPerSm, blocks));
+  LS_RETURN_IF_ERROR(stride_grid(rows * mask_bytes(cols), kBlockThreads, kForwardBlocksPerSm, blocks));
   pack_positive_kernel<T><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(y, positive, rows, cols);
   return launch_error("pack_positive_kernel");
 }
@@ -197,7 +192,7 @@ ffi::Error check_buffers(const ffi::AnyBuffer& main, std::initializer_list<const
 // relu's mask of an (..., H) activation (rank >= 1, checked first) is (..., ceil(H / 8)).
 ffi::Error check_mask(const ffi::Buffer<ffi::U8>& positive, const ffi::AnyBuffer& main) {
   std::vector<int64_t> expected(main.dimensions().begin(), main.dimensions().end());
-  expected.back() = mask_columns(expected.back());
+  expected.back() = mask_bytes(expected.back());
   return require(same_dims(positive.dimensions(), expected),
                  "the relu mask of an activation of shape " + shape_string(main.dimensions()) + " must have shape " +
                      shape_string(expected) + " (one bit per element), got " + shape_string(positive.dimensions()));
@@ -251,7 +246,7 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
   const bool drop = !kFromMask && params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
   // W divides kMaskBits and the vector starts at a multiple of W, so its bits lie in one byte.
-  const int64_t mask_row = mask_columns(cols);
+  const int64_t mask_row = mask_bytes(cols);
   const int64_t mask_byte = vector * W / kMaskBits;
   const int mask_shift = static_cast<int>(vector * W % kMaskBits);
   float b[W], sum[1][W];

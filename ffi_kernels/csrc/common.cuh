@@ -353,6 +353,15 @@ inline ffi::Error require_dropout_seed(const ffi::Buffer<ffi::U32>& seed, const 
   return require_dropout_range(params, elements);
 }
 
+// ---- bit masks ------------------------------------------------------------------------------------------
+
+// Masks the kernels save for their backward hold one bit per element, 8 to a byte: bit i of byte j of a row is
+// column 8 j + i (numpy's packbits, bitorder little), padding bits zero.
+constexpr int kMaskBits = 8;
+
+// Bytes per row of such a mask over `cols` columns.
+__host__ __device__ constexpr int64_t mask_bytes(int64_t cols) { return (cols + kMaskBits - 1) / kMaskBits; }
+
 // ---- launch sizing --------------------------------------------------------------------------------------
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -89,6 +89,22 @@ def vary_together(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
     return tuple(vary(x) for x in arrays)
 
 
+def packed_width(n: int) -> int:
+    """Bytes of a row of ``n`` mask bits, 8 to a byte."""
+    return -(-n // 8)
+
+
+def pack_mask(mask: jax.Array) -> jax.Array:
+    """A boolean (..., n) mask as uint8 (..., packed_width(n)), in the bit order the CUDA kernels save their masks
+    in: bit i of byte j is element 8 j + i (numpy's packbits, bitorder little), padding bits zero."""
+    return jnp.packbits(mask, axis=-1, bitorder="little")
+
+
+def unpack_mask(bits: jax.Array, n: int) -> jax.Array:
+    """The boolean (..., n) mask of ``pack_mask``."""
+    return jnp.unpackbits(bits, axis=-1, count=n, bitorder="little").astype(bool)
+
+
 def rows(x: jax.Array) -> int:
     """Number of rows when every axis but the last is flattened."""
     count = 1

@@ -102,7 +102,7 @@ def _keep_bits_shape(sources: Sources, dropout_rate: float) -> tuple[int, ...]:
     if dropout_rate == 0.0:
         return (0,)
     batch, queries, _, heads, _ = sources[0].shape
-    return batch, heads, queries, -(-sources[-1].shape[1] // 8)
+    return batch, heads, queries, _common.packed_width(sources[-1].shape[1])
 
 
 def _drawn_keep(seed, shape, dropout_rate):
@@ -110,15 +110,14 @@ def _drawn_keep(seed, shape, dropout_rate):
     if dropout_rate == 0.0:
         return 1.0, jnp.zeros((0,), jnp.uint8)
     keep = random.keep_mask(seed, shape, dropout_rate)
-    return keep.astype(_f32) * (1.0 / (1.0 - dropout_rate)), jnp.packbits(keep, axis=-1, bitorder="little")
+    return random.keep_multiplier(keep, dropout_rate), _common.pack_mask(keep)
 
 
 def _stored_keep(keep_bits, keys, dropout_rate):
     """The dropout multiplier from the forward's packed keep mask."""
     if dropout_rate == 0.0:
         return 1.0
-    keep = jnp.unpackbits(keep_bits, axis=-1, count=keys, bitorder="little")
-    return keep.astype(_f32) * (1.0 / (1.0 - dropout_rate))
+    return random.keep_multiplier(_common.unpack_mask(keep_bits, keys), dropout_rate)
 
 
 def _forward_xla(sources, bias, key_mask, seed, *, causal, dropout_rate):

@@ -243,17 +243,16 @@ def _bad_backward_xla(dy, x, bias, seed, *, activation, rate):
 
 def _relu_forward_xla(x, bias, seed, *, rate):
     y = _bad_forward_xla(x, bias, seed, activation="relu", rate=rate)
-    return y, jnp.packbits(y > 0, axis=-1, bitorder="little")
+    return y, _common.pack_mask(y > 0)
 
 
 def _relu_backward_xla(dy, positive, *, rate, bias_dtype):
-    kept = jnp.unpackbits(positive, axis=-1, count=dy.shape[-1], bitorder="little").astype(bool)
-    dz = jnp.where(kept, dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
+    dz = jnp.where(_common.unpack_mask(positive, dy.shape[-1]), dy.astype(_f32) * dropout_attributes(rate)["scale"], 0.0)
     return dz.astype(dy.dtype), _row_sum(dz).astype(bias_dtype)
 
 
 def _relu_forward_ffi(x, bias, seed, *, rate):
-    mask = jax.ShapeDtypeStruct((*x.shape[:-1], (x.shape[-1] + 7) // 8), jnp.uint8)
+    mask = jax.ShapeDtypeStruct((*x.shape[:-1], _common.packed_width(x.shape[-1])), jnp.uint8)
     call = jax.ffi.ffi_call(
         "ls_bias_relu_dropout_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype), mask), vmap_method="sequential"
     )

@@ -108,9 +108,14 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
     return _interleave(kept, size, shape)
 
 
+def keep_multiplier(keep: jax.Array, rate: float) -> jax.Array:
+    """``keep / (1 - rate)`` as fp32 for a boolean keep mask."""
+    return keep.astype(jnp.float32) * (1.0 / (1.0 - rate))
+
+
 def dropout_multiplier(seed: jax.Array | None, shape: tuple[int, ...], rate: float) -> jax.Array | float:
     """``keep / (1 - rate)`` as fp32 of ``shape``, or the scalar 1.0 when ``rate == 0``."""
     if rate == 0.0:
         return 1.0
     assert seed is not None
-    return keep_mask(seed, shape, rate).astype(jnp.float32) * (1.0 / (1.0 - rate))
+    return keep_multiplier(keep_mask(seed, shape, rate), rate)

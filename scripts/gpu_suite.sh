@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# A training step of the big models compiles for minutes, much of it GEMM autotuning; the stages (and calls on a
+# A training step of the big models compiles for minutes, much of it GEMM autotuning; the stages (and later runs on a
 # still-warm machine) reuse compiled steps and autotuning results instead. Every implementation gets the same
 # flags, and benchmark JSON records them.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.xla_cache/jax}

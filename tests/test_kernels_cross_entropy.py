@@ -15,7 +15,7 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 TARGETS = {"ls_cross_entropy_fwd", "ls_cross_entropy_bwd"}
 PAD = 1
 
-# (rows shape, vocabulary): tiny and odd vocabularies (rows start off 16-byte boundaries), the issue's 32768,
+# (rows shape, vocabulary): tiny and odd vocabularies (rows start off 16-byte boundaries), Transformer-big's 32768,
 # GPT-2's 50257, 256k + 7 streamed through registers, and rows with two leading axes.
 CASES = [((5,), 2), ((3, 4), 11), ((6,), 32768), ((2, 3), 50257), ((3,), 262151)]
 

@@ -38,8 +38,8 @@ class MasterWeightsState(NamedTuple):
     values either way.
 
     The master is per leaf rather than one flat workspace so that the XLA step writes each leaf's new master and
-    16-bit params from one fusion: concatenating 187 leaves' results into a workspace cost the Transformer-big step
-    2.3 ms on an H100."""
+    16-bit params from one fusion: concatenating 187 leaves' results into a workspace slowed the Transformer-big
+    step (ffi_kernels/NOTES.md, optimizer)."""
 
     inner: NamedTuple
     master: Any

@@ -96,30 +96,38 @@ class RecordError(ValueError):
     def record_type(self) -> Any:
         return self.record.get("type")
 
-    def __str__(self) -> str:
-        kind = self.record_type
+    @property
+    def problem(self) -> str:
+        """``type`` (not a record type), ``missing`` (the key), ``null`` or ``kind`` (a value of another type)."""
         if self.key is None:
-            return f"run-log record type must be one of {sorted(SCHEMA)}, got {kind!r}"
+            return "type"
         if self.key not in self.record:
-            return f"{kind} record lacks {self.key!r}"
-        value = self.record[self.key]
+            return "missing"
+        return "null" if self.record[self.key] is None else "kind"
+
+    def __str__(self) -> str:
+        kind, key = self.record_type, self.key
+        if self.problem == "type":
+            return f"run-log record type must be one of {sorted(SCHEMA)}, got {kind!r}"
+        if self.problem == "missing":
+            return f"{kind} record lacks {key!r}"
+        value = self.record[key]
         got = "a bool" if isinstance(value, bool) else type(value).__name__
-        return f"{kind}.{self.key} must be {_names(self.expected)}, got {got}"
+        return f"{kind}.{key} must be {_names(self.expected)}, got {got}"
 
     def at(self, where: str) -> str:
         """The problem as a reader of ``where`` (file:line) reports it."""
-        kind = self.record_type
-        if self.key is None:
-            return f"{where}: {self}"
-        if self.key not in self.record:
-            return f"{where}: the {kind!r} record has no key {self.key!r} (see docs/run-log.md)"
-        value = self.record[self.key]
-        if value is None:
-            return f"{where}: {self.key} is null in the {kind!r} record"
-        names = [name for t, name in _JSON_TYPE_NAMES.items() if t in self.expected]
-        if "number" in names:
-            names.remove("integer")
-        return f"{where}: {self.key}={value!r} in the {kind!r} record is not a JSON {' or '.join(names)}"
+        kind, key = self.record_type, self.key
+        json_types = [name for t, name in _JSON_TYPE_NAMES.items() if t in self.expected]
+        if "number" in json_types:
+            json_types.remove("integer")
+        reason = {
+            "type": str(self),
+            "missing": f"the {kind!r} record has no key {key!r} (see docs/run-log.md)",
+            "null": f"{key} is null in the {kind!r} record",
+            "kind": f"{key}={self.record.get(key)!r} in the {kind!r} record is not a JSON {' or '.join(json_types)}",
+        }[self.problem]
+        return f"{where}: {reason}"
 
 
 def validate(record: Mapping[str, Any], counted: Iterable[str] = ()) -> None:

@@ -11,7 +11,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train import compare, report, report_plots
+from train import compare
+from train.report import plots, scoring
+from train.report import runs as run_logs
+from train.report.tables import runs_table
 
 DATA = Path(__file__).parent / "data" / "compare"
 RESULTS = Path(__file__).parents[1] / "docs" / "results"
@@ -36,7 +39,7 @@ def hand_scores(runs, w_t, w_c, w_e, w_u):
 
 @pytest.fixture(scope="module")
 def runs():
-    loaded, notes = report.load_runs([DATA])
+    loaded, notes = run_logs.load_runs([DATA])
     assert notes == []
     return loaded
 
@@ -50,7 +53,7 @@ def test_fixture_logs_load_in_directory_order(runs):
 
 
 def test_ratios_against_chosen_baseline(runs):
-    comparison = report.compare(runs, baseline=report.find_baseline(runs, "h100-xla"))
+    comparison = scoring.compare(runs, baseline=run_logs.find_baseline(runs, "h100-xla"))
     assert comparison.baseline == 2
     for entry, ratios in zip(ORDER, comparison.ratios):
         assert ratios.speedup == pytest.approx(H100_XLA["time"] / entry["time"], rel=1e-12)
@@ -63,7 +66,7 @@ def test_ratios_against_chosen_baseline(runs):
 
 
 def test_balance_scores_rank_runs_and_leave_out_the_cpu_run(runs):
-    comparison = report.compare(runs, weights_name="balance")
+    comparison = scoring.compare(runs, weights_name="balance")
     expected = hand_scores([H100_FFI, H100_XLA, TPU_V3], 0.3, 0.3, 0.3, 0.1)
     assert comparison.scores[0] is None
     assert [score.value for score in comparison.scores[1:]] == pytest.approx(expected, rel=1e-12)
@@ -86,21 +89,21 @@ def test_balance_scores_rank_runs_and_leave_out_the_cpu_run(runs):
     ("energy_cost", (0.1, 0.3, 0.5, 0.1)),
 ])
 def test_study_presets(runs, preset, weights):
-    comparison = report.compare(runs[1:], weights_name=preset)
+    comparison = scoring.compare(runs[1:], weights_name=preset)
     assert [score.value for score in comparison.scores] == pytest.approx(
         hand_scores([H100_FFI, H100_XLA, TPU_V3], *weights), rel=1e-12)
 
 
 def test_custom_weights_score_runs_that_lack_only_unweighted_terms(runs):
-    name, weights = report.parse_weights("0.6,0.4,0,0")
-    comparison = report.compare(runs, weights_name=name, weights=weights)
+    name, weights = scoring.parse_weights("0.6,0.4,0,0")
+    comparison = scoring.compare(runs, weights_name=name, weights=weights)
     assert comparison.scores[0] is None  # the CPU run has no cost
     max_t = max(entry["time"] for entry in ORDER[1:])
     max_c = max(entry["cost"] for entry in ORDER[1:])
     assert [score.value for score in comparison.scores[1:]] == pytest.approx(
         [0.6 * e["time"] / max_t + 0.4 * e["cost"] / max_c for e in ORDER[1:]], rel=1e-12)
 
-    time_only = report.compare(runs, weights_name="custom", weights=report.Weights(1, 0, 0, 0))
+    time_only = scoring.compare(runs, weights_name="custom", weights=scoring.Weights(1, 0, 0, 0))
     max_t = max(entry["time"] for entry in ORDER)
     assert [score.value for score in time_only.scores] == pytest.approx([e["time"] / max_t for e in ORDER])
     assert time_only.scores[0].energy is None and time_only.scores[0].utilization is None
@@ -137,7 +140,7 @@ def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs
     repeat = dataclasses.replace(xla, run_id="xla-repeat", train_time_s=320.0)
     bigger = [dataclasses.replace(run, run_id=run.run_id + "-big", model="transformer-big", params=209_000_000,
                                   train_time_s=3 * run.train_time_s) for run in (ffi, xla)]
-    groups = report.speedups_by_model_and_batch([cpu, ffi, xla, tpu, repeat, *bigger], baseline=2)
+    groups = scoring.speedups_by_model_and_batch([cpu, ffi, xla, tpu, repeat, *bigger], baseline=2)
     reference = (H100_XLA["time"] + 320.0) / 2
     assert [(g.model, g.configuration_label) for g in groups] == [
         ("transformer-base", "NVIDIA H100 80GB HBM3 x1 ffi bf16"),
@@ -146,7 +149,7 @@ def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs
     ]
     assert [g.speedup for g in groups] == pytest.approx(
         [reference / H100_FFI["time"], reference / TPU_V3["time"], H100_XLA["time"] / H100_FFI["time"]])
-    assert report.speedups_by_model_and_batch(runs, baseline=0) == []
+    assert scoring.speedups_by_model_and_batch(runs, baseline=0) == []
 
 
 def test_speedup_plot_not_drawn_without_groups_says_why(tmp_path, capsys):
@@ -176,7 +179,7 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
     path = _write(tmp_path / "bad" / "run.jsonl", records)
     line = 1 if record_type == "run" else len(records)
     with pytest.raises(ValueError, match=re.escape(f"{path}:{line}: the '{record_type}' record has no key '{key}'")):
-        report.load_runs([path])
+        run_logs.load_runs([path])
     assert compare.main([str(path), "--out", str(tmp_path / "out")]) == 2
     assert f"no key '{key}'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -196,7 +199,7 @@ def test_malformed_values_are_named(tmp_path, change, message):
     change(records)
     path = _write(tmp_path / "run.jsonl", records)
     with pytest.raises(ValueError, match=message):
-        report.load_runs([path])
+        run_logs.load_runs([path])
 
 
 def test_invalid_json_inside_a_log_names_the_line(tmp_path):
@@ -205,7 +208,7 @@ def test_invalid_json_inside_a_log_names_the_line(tmp_path):
     lines[2] = lines[2][:40]
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=re.escape(f"{path}:3: not valid JSON")):
-        report.load_runs([path])
+        run_logs.load_runs([path])
 
 
 def test_runs_without_summary_are_skipped_with_a_note(tmp_path, capsys):
@@ -215,7 +218,7 @@ def test_runs_without_summary_are_skipped_with_a_note(tmp_path, capsys):
     text = (DATA / "h100-xla" / "run.jsonl").read_text()
     killed.write_text(text[: text.rindex('"type": "summary"') + 30])
     _write(tmp_path / "logs" / "done" / "run.jsonl", _lines("h100-ffi"))
-    runs, notes = report.load_runs([tmp_path / "logs"])
+    runs, notes = run_logs.load_runs([tmp_path / "logs"])
     assert [run.run_id for run in runs] == ["20260105T101500Z-f3e9a1"]
     assert any(str(unfinished) in note and "no summary record" in note for note in notes)
     assert any(str(killed) in note and "last line is cut short" in note for note in notes)
@@ -226,8 +229,8 @@ def test_runs_without_summary_are_skipped_with_a_note(tmp_path, capsys):
 def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
     records = _lines("tpu-v3-8")
     records[-1].update(completed=False, stop_reason="signal", steps=1200)
-    runs, _ = report.load_runs([_write(tmp_path / "run.jsonl", records)])
-    notes = report.compare(runs).notes
+    runs, _ = run_logs.load_runs([_write(tmp_path / "run.jsonl", records)])
+    notes = scoring.compare(runs).notes
     assert notes == ["#1 20260106T080000Z-e5d6f7 stopped early (signal) after 1200 steps: its totals cover only "
                      "that part"]
 
@@ -235,14 +238,14 @@ def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
 def test_only_unfinished_runs_is_an_error(tmp_path):
     path = _write(tmp_path / "run.jsonl", _lines("tpu-v3-8")[:-1])
     with pytest.raises(ValueError, match="no run to compare: skipped run"):
-        report.load_runs([path])
+        run_logs.load_runs([path])
 
 
 def test_directory_search_passes_over_other_jsonl_and_deduplicates(tmp_path):
     _write(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 2.0}])
     _write(tmp_path / "a" / "run.jsonl", _lines("h100-ffi"))
     _write(tmp_path / "b" / "copy.jsonl", _lines("h100-ffi"))
-    runs, notes = report.load_runs([tmp_path, tmp_path / "a" / "run.jsonl"])
+    runs, notes = run_logs.load_runs([tmp_path, tmp_path / "a" / "run.jsonl"])
     assert len(runs) == 1
     assert any("metrics.jsonl: not a run log" in note for note in notes)
     assert any("same run id" in note for note in notes)
@@ -250,25 +253,25 @@ def test_directory_search_passes_over_other_jsonl_and_deduplicates(tmp_path):
 
 def test_missing_paths_are_clear_errors(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
-        report.load_runs([tmp_path / "absent"])
+        run_logs.load_runs([tmp_path / "absent"])
     with pytest.raises(FileNotFoundError, match="no run logs"):
-        report.load_runs([tmp_path])
+        run_logs.load_runs([tmp_path])
     assert compare.main([str(tmp_path / "absent")]) == 2
     assert "error:" in capsys.readouterr().err
 
 
 def test_baseline_selection(runs):
-    assert report.find_baseline(runs, None) == 0
-    assert report.find_baseline(runs, "20260106T080000Z-e5d6f7") == 3
-    assert report.find_baseline(runs, "2") == 1
-    assert report.find_baseline(runs, "7b4c2d") == 2
-    assert report.find_baseline(runs, "tpu-v3") == 3
+    assert run_logs.find_baseline(runs, None) == 0
+    assert run_logs.find_baseline(runs, "20260106T080000Z-e5d6f7") == 3
+    assert run_logs.find_baseline(runs, "2") == 1
+    assert run_logs.find_baseline(runs, "7b4c2d") == 2
+    assert run_logs.find_baseline(runs, "tpu-v3") == 3
     with pytest.raises(ValueError, match="matches 2 runs"):
-        report.find_baseline(runs, "h100")
+        run_logs.find_baseline(runs, "h100")
     with pytest.raises(ValueError, match="matches no run id"):
-        report.find_baseline(runs, "a100")
+        run_logs.find_baseline(runs, "a100")
     with pytest.raises(ValueError, match="numbered #1 to #4"):
-        report.find_baseline(runs, "5")
+        run_logs.find_baseline(runs, "5")
 
 
 def test_several_tasks_need_a_choice(tmp_path, runs):
@@ -279,26 +282,26 @@ def test_several_tasks_need_a_choice(tmp_path, runs):
     records[-1].update(examples=75_000, examples_per_s=412.5, accuracy=0.9312, bleu=None)
     imdb = _write(tmp_path / "imdb" / "run.jsonl", records)
     with pytest.raises(ValueError, match=r"several tasks \(wmt: 4 runs, imdb: 1 run\); choose one with --task"):
-        report.select_task(report.load_runs([DATA, imdb])[0], None)
-    chosen = report.select_task(report.load_runs([DATA, imdb])[0], "imdb")
+        run_logs.select_task(run_logs.load_runs([DATA, imdb])[0], None)
+    chosen = run_logs.select_task(run_logs.load_runs([DATA, imdb])[0], "imdb")
     assert [run.run_id for run in chosen] == ["imdb-run"]
     assert (chosen[0].trained, chosen[0].throughput, chosen[0].batch_label) == (75_000, 412.5, "32 examples")
-    header, rows = report.runs_table(report.compare(chosen))
+    header, rows = runs_table(scoring.compare(chosen))
     assert "accuracy" in header and "BLEU" not in header and rows[0][-1] == "0.9312"
     assert rows[0][header.index("throughput")] == "412 examples/s"
     with pytest.raises(ValueError, match="no run of task 'gpt'"):
-        report.select_task(chosen, "gpt")
+        run_logs.select_task(chosen, "gpt")
 
 
 def test_equal_work_has_no_unequal_work_note(runs):
-    assert not any("different amounts of data" in note for note in report.compare(runs[1:]).notes)
-    assert any("different amounts of data" in note for note in report.compare(runs).notes)
+    assert not any("different amounts of data" in note for note in scoring.compare(runs[1:]).notes)
+    assert any("different amounts of data" in note for note in scoring.compare(runs).notes)
 
 
 def test_zero_cost_runs_normalize_to_zero(runs, tmp_path):
-    free = report.compare([dataclasses.replace(run, cost_usd=0.0) for run in runs[1:]])
+    free = scoring.compare([dataclasses.replace(run, cost_usd=0.0) for run in runs[1:]])
     assert [score.cost for score in free.scores] == [0.0, 0.0, 0.0]
-    plot = report_plots.plot_time_vs_cost(free, tmp_path / "cost.png")
+    plot = plots.plot_time_vs_cost(free, tmp_path / "cost.png")
     assert plot.file_name == "cost.png" and (tmp_path / "cost.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
@@ -310,23 +313,23 @@ def test_zero_cost_runs_normalize_to_zero(runs, tmp_path):
 ])
 def test_bad_weights(text, message, capsys):
     with pytest.raises(ValueError, match=message):
-        report.parse_weights(text)
+        scoring.parse_weights(text)
     assert compare.main([str(DATA), "--weights", text]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_help_documents_every_preset_and_its_weights():
     text = compare.build_parser().format_help()
-    for name, weights in report.WEIGHT_PRESETS.items():
+    for name, weights in scoring.WEIGHT_PRESETS.items():
         assert f"{name:<12} {weights.describe()}" in text
     assert "never counted as zero" in text
 
 
 @pytest.mark.parametrize("log", sorted(RESULTS.rglob("run.jsonl")), ids=lambda path: str(path.relative_to(RESULTS)))
 def test_logs_under_docs_results_compare_with_the_fixtures(log, tmp_path):
-    runs, _ = report.load_runs([log, DATA])
+    runs, _ = run_logs.load_runs([log, DATA])
     assert runs[0].source == log.resolve()
-    comparison = report.compare(report.select_task(runs, runs[0].task))
+    comparison = scoring.compare(run_logs.select_task(runs, runs[0].task))
     assert compare.write_report(comparison, tmp_path, "pytest").read_text().count(runs[0].run_id) >= 3
 
 

@@ -4,14 +4,15 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from train import input_pipeline, synthetic
+from train import wmt_data, wmt_synthetic
+from train.errors import DataError
 from train import tokenizer as tokenizer_lib
 
 
 def write_corpus(directory, sizes=None, src="de", tgt="en"):
     """Writes {split}.{src}/{tgt} from the synthetic task; returns the pairs written per split."""
     sizes = sizes or {"train": 300, "valid": 20, "test": 20}
-    corpus = synthetic.synthetic_corpus(*(sizes.get(s, 1) for s in ("train", "valid", "test")), seed=1)
+    corpus = wmt_synthetic.synthetic_corpus(*(sizes.get(s, 1) for s in ("train", "valid", "test")), seed=1)
     directory.mkdir(parents=True, exist_ok=True)
     for split in sizes:
         (directory / f"{split}.{src}").write_text("".join(s + "\n" for s, _ in corpus[split]))
@@ -21,7 +22,7 @@ def write_corpus(directory, sizes=None, src="de", tgt="en"):
 
 def test_reads_every_split_line_aligned(tmp_path):
     written = write_corpus(tmp_path)
-    corpus = input_pipeline.read_text_corpus(tmp_path, "de", "en")
+    corpus = wmt_data.read_text_corpus(tmp_path, "de", "en")
     assert set(corpus) == {"train", "valid", "test"}
     for split, pairs in written.items():
         assert list(zip(*corpus[split])) == pairs
@@ -29,23 +30,23 @@ def test_reads_every_split_line_aligned(tmp_path):
 
 def test_test_split_is_optional(tmp_path):
     write_corpus(tmp_path, {"train": 50, "valid": 5})
-    assert set(input_pipeline.read_text_corpus(tmp_path, "de", "en")) == {"train", "valid"}
+    assert set(wmt_data.read_text_corpus(tmp_path, "de", "en")) == {"train", "valid"}
 
 
 def test_read_corpus_dispatches_on_the_data_spec(tmp_path):
     write_corpus(tmp_path, {"train": 30, "valid": 5})
-    assert len(input_pipeline.read_corpus(f"text:{tmp_path}", src_lang="de", tgt_lang="en")["train"][0]) == 30
-    assert len(input_pipeline.read_corpus("synthetic", src_lang="de", tgt_lang="en")["valid"][0]) == 500
-    with pytest.raises(input_pipeline.DataError, match="not one of"):
-        input_pipeline.read_corpus("csv:x", src_lang="de", tgt_lang="en")
+    assert len(wmt_data.read_corpus(f"text:{tmp_path}", src_lang="de", tgt_lang="en")["train"][0]) == 30
+    assert len(wmt_data.read_corpus("synthetic", src_lang="de", tgt_lang="en")["valid"][0]) == 500
+    with pytest.raises(DataError, match="not one of"):
+        wmt_data.read_corpus("csv:x", src_lang="de", tgt_lang="en")
 
 
 @pytest.mark.parametrize(
     "breakage, error, message",
     [
         (lambda d: (d / "valid.en").unlink(), FileNotFoundError, "valid.en"),
-        (lambda d: (d / "train.de").write_text(""), input_pipeline.DataError, "empty: .*train.de"),
-        (lambda d: (d / "train.en").write_text("one line\n"), input_pipeline.DataError, "300 lines but .*1"),
+        (lambda d: (d / "train.de").write_text(""), DataError, "empty: .*train.de"),
+        (lambda d: (d / "train.en").write_text("one line\n"), DataError, "300 lines but .*1"),
     ],
     ids=["missing-file", "empty-file", "unaligned"],
 )
@@ -53,17 +54,17 @@ def test_bad_files_are_named(tmp_path, breakage, error, message):
     write_corpus(tmp_path, {"train": 300, "valid": 5})
     breakage(tmp_path)
     with pytest.raises(error, match=message):
-        input_pipeline.read_text_corpus(tmp_path, "de", "en")
+        wmt_data.read_text_corpus(tmp_path, "de", "en")
 
 
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        input_pipeline.read_text_corpus(tmp_path / "nowhere", "de", "en")
+        wmt_data.read_text_corpus(tmp_path / "nowhere", "de", "en")
 
 
 @pytest.fixture(scope="module")
 def trained_vocab(tmp_path_factory):
-    pairs = synthetic.synthetic_corpus(2000, 1, 1, seed=0)["train"]
+    pairs = wmt_synthetic.synthetic_corpus(2000, 1, 1, seed=0)["train"]
     path = tmp_path_factory.mktemp("spm") / "spm.model"
     processor = tokenizer_lib.train([s for s, _ in pairs] + [t for _, t in pairs], path, vocab_size=300, model_type="bpe")
     return path, processor, pairs
@@ -111,10 +112,10 @@ def test_encode_and_length_filter_count_what_they_drop(trained_vocab):
     _, processor, pairs = trained_vocab
     src = [s for s, _ in pairs[:50]] + ["", "the cat sees a dog"]
     tgt = [t for _, t in pairs[:50]] + ["keva", ""]
-    data = input_pipeline.encode(processor, src, tgt)
+    data = wmt_data.encode(processor, src, tgt)
     lengths = data.example_lengths
     limit = int(np.median(lengths[:50]))
-    keep, stats = input_pipeline.length_filter(data, limit)
+    keep, stats = wmt_data.length_filter(data, limit)
     assert stats.empty == 2
     assert stats.too_long == int((lengths[:50] > limit).sum()) > 0
     assert stats.kept == len(keep) == 50 - stats.too_long

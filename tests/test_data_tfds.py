@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from train import input_pipeline
+from train import wmt_data
+from train.errors import DataError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 
@@ -15,7 +16,7 @@ def test_reads_wmt14_splits_from_mock_data():
     import tensorflow_datasets as tfds
 
     with tfds.testing.mock_data(num_examples=12):
-        corpus = input_pipeline.read_tfds_corpus("wmt14_translate/de-en", "de", "en")
+        corpus = wmt_data.read_tfds_corpus("wmt14_translate/de-en", "de", "en")
     assert set(corpus) == {"train", "valid", "test"}
     for src, tgt in corpus.values():
         assert len(src) == len(tgt) == 12
@@ -27,11 +28,11 @@ def test_unknown_language_is_named():
     import tensorflow_datasets as tfds
 
     with tfds.testing.mock_data(num_examples=3):
-        with pytest.raises(input_pipeline.DataError, match="no 'fr'"):
-            input_pipeline.read_tfds_corpus("wmt14_translate/de-en", "fr", "en")
+        with pytest.raises(DataError, match="no 'fr'"):
+            wmt_data.read_tfds_corpus("wmt14_translate/de-en", "fr", "en")
 
 
 def test_missing_package_gives_install_instructions(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
-    with pytest.raises(input_pipeline.DataError, match="pip install"):
-        input_pipeline.read_tfds_corpus("wmt14_translate/de-en", "de", "en")
+    with pytest.raises(DataError, match="pip install"):
+        wmt_data.read_tfds_corpus("wmt14_translate/de-en", "de", "en")

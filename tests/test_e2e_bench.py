@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from train import metrics
-from train.benchmarks import e2e, profile
+from train.benchmarks import e2e, kernel_trace, transformer_steps
 
 
 def _linear_memory(base: float, per_token: float, tokens: list[int]) -> dict[int, int]:
@@ -53,8 +53,8 @@ def test_speedups_pair_records_of_one_run_only():
 def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
     """The ops benchmark traces without keeping the trace; on CPU there are no GPU kernels to report."""
     x = jnp.ones((8, 8))
-    assert profile.trace_gpu_kernels(lambda: x @ x, 2) == []
-    assert profile.trace_gpu_kernels(lambda: x @ x, 2, tmp_path / "kept") == []
+    assert kernel_trace.trace_gpu_kernels(lambda: x @ x, 2) == []
+    assert kernel_trace.trace_gpu_kernels(lambda: x @ x, 2, tmp_path / "kept") == []
     assert any((tmp_path / "kept").rglob("*.trace.json.gz"))
 
 
@@ -88,8 +88,8 @@ def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():
 def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     from ls_jax import optim
 
-    batch = e2e._batch(4, seed=0)
-    train_step = e2e._ls_jax_step("tiny-2e2d", batch)
+    batch = transformer_steps.make_batch(4, seed=0)
+    train_step = transformer_steps.ls_jax_step("tiny-2e2d", batch)
     initial_params = jax.tree.map(np.asarray, train_step.state[0])  # the steps donate the state's buffers
     for _ in range(2):
         assert math.isfinite(float(train_step.run(batch)))

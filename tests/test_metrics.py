@@ -8,7 +8,11 @@ import pytest
 
 from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
-from train import loop, metrics, wmt
+from train import metrics, wmt_model
+from train.optimizer import inverse_sqrt_schedule, make_optimizer
+from train.parallel import DataParallel
+from train.step import TrainState, make_train_step
+from train.step_compiler import StepCompiler
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
 
@@ -29,18 +33,18 @@ def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
     model_cfg = TransformerConfig.preset("transformer-tiny", 256, dtype=jnp.float32, hidden_dropout_ratio=0.0,
                                          attn_prob_dropout_ratio=0.0, activation_dropout_ratio=0.0)
     model = Transformer(model_cfg)
-    tx = loop.make_optimizer("adamw", loop.inverse_sqrt_schedule(1e-3, 10), weight_decay=0.0, clip_norm=None)
+    tx = make_optimizer("adamw", inverse_sqrt_schedule(1e-3, 10), weight_decay=0.0, clip_norm=None)
     tokens = jnp.ones((1, 8), jnp.int32)
-    state = loop.TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
+    state = TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
                                    jax.random.PRNGKey(1), fp16=False)
-    parallel = loop.DataParallel.over_all_devices()
-    compiler = loop.StepCompiler(loop.make_train_step(wmt.make_loss_fn(model, 0.1), tx), parallel)
+    parallel = DataParallel.over_all_devices()
+    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, 0.1), tx), parallel)
     shape = (1, 32, 24)
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}
     with backend.use("xla"):  # fused CUDA kernels are custom calls that XLA counts as 0 FLOPs
         compiler.compiled(state, batch)
-    xla = compiler.xla_flops[loop.StepCompiler.key(batch)]
-    analytic = wmt.make_flops_fn(model_cfg)({name: shape for name in batch})
+    xla = compiler.xla_flops[StepCompiler.key(batch)]
+    analytic = wmt_model.make_flops_fn(model_cfg)({name: shape for name in batch})
     assert xla is not None
     print(f"analytic {analytic:.4g} vs XLA {xla:.4g} FLOPs: {analytic / xla - 1:+.2%}")
     assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)

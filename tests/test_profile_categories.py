@@ -1,8 +1,8 @@
-"""train.benchmarks.profile: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
+"""train.benchmarks.kernel_trace: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
 
 import pytest
 
-from train.benchmarks import profile
+from train.benchmarks import kernel_trace
 
 HLO = """
 HloModule jit_step
@@ -30,18 +30,18 @@ ROOT %input_reduce_fusion = f32[] fusion(%c), kind=kInput, metadata={op_name="ji
     ("loop_add_fusion_50", "jit(step)/decoder/mlp/add", "other"),
 ])
 def test_categorize(kernel, op_name, category):
-    assert profile.categorize(kernel, op_name) == category
+    assert kernel_trace.categorize(kernel, op_name) == category
 
 
 def test_kernels_without_hlo_op_are_found_by_their_fusion_name():
-    op_names = profile.hlo_op_names(HLO)
+    op_names = kernel_trace.hlo_op_names(HLO)
     kernels = [
         {"name": "loop_add_fusion_49", "ts": 0.0, "dur": 1000.0, "args": {}},  # "." of the HLO name became "_"
         {"name": "input_reduce_fusion", "ts": 1000.0, "dur": 500.0, "args": {}},
         {"name": "gemm_fusion_dot_3", "ts": 2000.0, "dur": 2000.0, "args": {}},  # 500 us idle before it
         {"name": "anything", "ts": 4000.0, "dur": 250.0, "args": {"hlo_op": "input_reduce_fusion"}},
     ]
-    ms = profile.breakdown(kernels, op_names, steps=1)
+    ms = kernel_trace.breakdown(kernels, op_names, steps=1)
     assert ms["LayerNorm"] == pytest.approx(1.0)
     assert ms["criterion"] == pytest.approx(0.75)
     assert ms["GEMM"] == pytest.approx(2.0)
@@ -63,12 +63,12 @@ def test_reanalyze_recomputes_a_result_file_from_kept_traces(tmp_path):
     ]
     with gzip.open(trace_dir / "host.trace.json.gz", "wt") as handle:
         json.dump({"traceEvents": events}, handle)
-    (tmp_path / "traces" / "ls_jax_xla" / profile.HLO_FILENAME).write_text(HLO)
+    (tmp_path / "traces" / "ls_jax_xla" / kernel_trace.HLO_FILENAME).write_text(HLO)
     result_path = tmp_path / "profile-h100.json"
     result_path.write_text(json.dumps({"environment": {"device_kind": "H100"}, "steps": 3,
                                        "results": {"ls_jax_xla": {"stale": True}}}))
 
-    result = profile.reanalyze(result_path, tmp_path / "traces")
+    result = kernel_trace.reanalyze(result_path, tmp_path / "traces")
     assert result["environment"] == {"device_kind": "H100"}
     summary = result["results"]["ls_jax_xla"]
     assert summary["ms_per_step"]["LayerNorm"] == pytest.approx(1.0)
@@ -77,6 +77,6 @@ def test_reanalyze_recomputes_a_result_file_from_kept_traces(tmp_path):
 
 
 def test_a_kernel_inside_a_cuda_graph_is_found_by_its_name_not_the_command_buffer():
-    op_names = profile.hlo_op_names(HLO + '%command_buffer.1 = () call(), metadata={op_name="jit(step)/graph"}\n')
+    op_names = kernel_trace.hlo_op_names(HLO + '%command_buffer.1 = () call(), metadata={op_name="jit(step)/graph"}\n')
     event = {"name": "loop_add_fusion_49", "ts": 0.0, "dur": 1.0, "args": {"hlo_op": "command_buffer_1"}}
-    assert profile.event_op_name(event, op_names) == "jit(step)/decoder/layer_norm/add"
+    assert kernel_trace.event_op_name(event, op_names) == "jit(step)/decoder/layer_norm/add"

@@ -14,7 +14,8 @@ from test_train_imdb_data import write_csv, write_jsonl
 import test_train_runlog
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
-from train import compare, imdb, report, runlog
+from train import compare, imdb, runlog
+from train.report import runs as run_logs
 
 FLOP_TOLERANCE = 0.05
 TOKEN_COUNTS = {"tokens", "target_tokens", "tokens_per_s", "target_tokens_per_s"}  # wmt's; imdb counts examples
@@ -94,7 +95,7 @@ def test_default_job_end_to_end(default_run):
 @pytest.mark.slow
 def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
     _, run_dir, _ = default_run
-    runs, notes = report.load_runs([run_dir])
+    runs, notes = run_logs.load_runs([run_dir])
     assert notes == [] and len(runs) == 1
     run = runs[0]
     summary = runlog.read(run_dir / "run.jsonl")[-1]

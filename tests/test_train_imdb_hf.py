@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_train_imdb import QUIET, WORDS, check_log_schema, csv_data  # noqa: E402,F401 - csv_data is a fixture
 from ls_jax.models import BertForSequenceClassification  # noqa: E402
-from train import imdb, runlog, sentiment  # noqa: E402
+from train import imdb, imdb_data, imdb_model, runlog  # noqa: E402
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS)), "##s", "##ly"]
 
@@ -46,9 +46,9 @@ def test_init_from_gives_transformers_logits_on_the_same_text(bert_dir):
     directory, reference = bert_dir
     texts = ["The movie was NOT very good", "a truly awful films", "fun", " ".join(WORDS)]  # the last one is cut
     config = imdb.resolve_config({"init_from": str(directory)})
-    vocabulary = sentiment.HuggingFaceVocabulary.load(directory)
-    model_cfg, params = imdb.build_model(config, vocabulary.size, "fp32", jax.random.PRNGKey(0))
-    encoded = sentiment.encode_split(vocabulary, sentiment.Split(texts, np.zeros(4, np.int64), "t"), max_len=16)
+    vocabulary = imdb_data.HuggingFaceVocabulary.load(directory)
+    model_cfg, params = imdb_model.build_model(config, vocabulary.size, "fp32", jax.random.PRNGKey(0))
+    encoded = imdb_data.encode_split(vocabulary, imdb_data.Split(texts, np.zeros(4, np.int64), "t"), max_len=16)
     expected_ids, expected = transformers_logits(reference, directory, texts, 16)
     np.testing.assert_array_equal(encoded.input_ids, expected_ids)
     assert encoded.truncated == 1
@@ -71,7 +71,7 @@ def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, c
     check_log_schema(records)
     assert records[0]["model"] == directory.name and not (run_dir / "spm.model").exists()
     test_eval = next(r for r in records if r["type"] == "eval" and r["split"] == "test")
-    split = sentiment.read_csv(test, "text", "label")
+    split = imdb_data.read_csv(test, "text", "label")
     _, logits = transformers_logits(reference, directory, split.texts, 16)
     losses = torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(split.labels), reduction="none")
     assert test_eval["loss"] == pytest.approx(float(losses.mean()), abs=1e-5)

@@ -11,6 +11,12 @@ import pytest
 
 from train import loop, runlog
 from train.checkpoints import Checkpoints
+from train.hardware import Hardware
+from train.optimizer import inverse_sqrt_schedule
+from train.parallel import DataParallel
+from train.precision import parse_precision, precision_signature
+from train.step import DynamicLossScale, TrainState, make_train_step
+from train.step_compiler import StepCompiler
 
 FEATURES = 4
 TRUE_W = np.arange(1.0, FEATURES + 1, dtype=np.float32)
@@ -64,25 +70,25 @@ class ToyStream:
 
 def new_state(tx, fp16=False):
     params = {"w": jnp.zeros((FEATURES,)), "b": jnp.zeros(())}
-    return loop.TrainState.create(params, tx, jax.random.PRNGKey(0), fp16=fp16)
+    return TrainState.create(params, tx, jax.random.PRNGKey(0), fp16=fp16)
 
 
 def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1):
     tx = tx or optax.sgd(0.05)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    parallel = loop.DataParallel.over_all_devices()
+    parallel = DataParallel.over_all_devices()
     state = state if state is not None else parallel.replicate(new_state(tx))
     run_log = runlog.RunLog(tmp_path, ("examples",), tensorboard=False)
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=10)
     result = loop.train(
         state,
-        compiler=loop.StepCompiler(loop.make_train_step(toy_loss, tx), parallel),
+        compiler=StepCompiler(make_train_step(toy_loss, tx), parallel),
         parallel=parallel,
         stream=stream,
         flops_fn=lambda shapes: 2.0 * np.prod(shapes["x"]),
         lr_fn=lambda step: 0.05,
         evaluate=lambda state, final: [{"split": "valid", "loss": 1.0, "nll": 1.0}],
-        hardware=loop.Hardware.detect("fp32"),
+        hardware=Hardware.detect("fp32"),
         run_log=run_log,
         checkpoints=checkpoints,
         model_signature={"toy": 1},
@@ -97,7 +103,7 @@ def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, che
 def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step():
     tx = optax.sgd(1.0)
     exact_loss = make_toy_loss(noise=0.0)
-    step = jax.jit(loop.make_train_step(exact_loss, tx))
+    step = jax.jit(make_train_step(exact_loss, tx))
     batch = toy_batch(0, 0, grad_accum=3)
     accumulated, _ = step(new_state(tx), batch)
     whole = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
@@ -111,7 +117,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step():
 
 
 def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_the_interval():
-    scale = loop.DynamicLossScale.create(initial_scale=8.0, growth_interval=2)
+    scale = DynamicLossScale.create(initial_scale=8.0, growth_interval=2)
     scale = scale.update(jnp.bool_(False))
     assert float(scale.scale) == 4.0
     scale = scale.update(jnp.bool_(True))
@@ -122,7 +128,7 @@ def test_dynamic_loss_scale_halves_on_overflow_and_grows_after_the_interval():
 
 def test_fp16_step_with_non_finite_gradients_is_skipped():
     tx = optax.sgd(0.1)
-    step = jax.jit(loop.make_train_step(toy_loss, tx))
+    step = jax.jit(make_train_step(toy_loss, tx))
     state = new_state(tx, fp16=True)
     skipped, metrics = step(state, toy_batch(0, 0, poison=True))
     assert not bool(metrics["finite"])
@@ -154,7 +160,7 @@ def test_resume_continues_exactly(tmp_path):
     checkpoints = Checkpoints(tmp_path / "split" / "checkpoints")
     template = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        loop.DataParallel.over_all_devices().replicate(new_state(optax.sgd(0.05))),
+        DataParallel.over_all_devices().replicate(new_state(optax.sgd(0.05))),
     )
     state, progress = checkpoints.restore(checkpoints.latest_step(), template, {"toy": 1})
     assert progress["step"] == 4 and int(state.step) == 4
@@ -196,7 +202,7 @@ def test_restore_refuses_another_model(tmp_path):
 
 
 def test_inverse_sqrt_schedule():
-    schedule = loop.inverse_sqrt_schedule(1.0, 100)
+    schedule = inverse_sqrt_schedule(1.0, 100)
     assert float(schedule(0)) == 0.0
     assert float(schedule(50)) == pytest.approx(0.5)
     assert float(schedule(100)) == pytest.approx(1.0)
@@ -205,34 +211,34 @@ def test_inverse_sqrt_schedule():
 
 def test_xla_flops_are_known_only_without_accumulation():
     tx = optax.sgd(0.1)
-    parallel = loop.DataParallel.over_all_devices()
-    compiler = loop.StepCompiler(loop.make_train_step(toy_loss, tx), parallel)
+    parallel = DataParallel.over_all_devices()
+    compiler = StepCompiler(make_train_step(toy_loss, tx), parallel)
     state = parallel.replicate(new_state(tx))
     single, accumulated = toy_batch(0, 0, grad_accum=1), toy_batch(0, 0, grad_accum=2)
     compiler.compiled(state, single)
     compiler.compiled(state, accumulated)
-    assert compiler.xla_flops[loop.StepCompiler.key(single)] > 0
-    assert compiler.xla_flops[loop.StepCompiler.key(accumulated)] is None  # XLA counts a loop body once
+    assert compiler.xla_flops[StepCompiler.key(single)] > 0
+    assert compiler.xla_flops[StepCompiler.key(accumulated)] is None  # XLA counts a loop body once
 
 
 def test_precision_choice_follows_the_device():
     from train import metrics
 
     v100, h100 = metrics.find_device("Tesla V100-SXM2-16GB"), metrics.find_device("NVIDIA H100 80GB HBM3")
-    assert loop.parse_precision("auto", "cpu", None) == "fp32"
-    assert loop.parse_precision("auto", "gpu", h100) == "bf16"
-    assert loop.parse_precision("auto", "gpu", v100) == "fp16"
-    assert loop.parse_precision("auto", "tpu", metrics.find_device("TPU v3")) == "bf16"
-    assert loop.parse_precision("fp16", "gpu", h100) == "fp16"
+    assert parse_precision("auto", "cpu", None) == "fp32"
+    assert parse_precision("auto", "gpu", h100) == "bf16"
+    assert parse_precision("auto", "gpu", v100) == "fp16"
+    assert parse_precision("auto", "tpu", metrics.find_device("TPU v3")) == "bf16"
+    assert parse_precision("fp16", "gpu", h100) == "fp16"
     with pytest.raises(ValueError, match="V100-SXM2 has no bf16 support"):
-        loop.parse_precision("bf16", "gpu", v100)
+        parse_precision("bf16", "gpu", v100)
 
 
 def test_checkpoint_signature_names_the_master_weights_form():
     """bf16 master weights are stored as int16 low halves: their checkpoints must not resume as (or from) the f32
     masters of earlier checkpoints, which were signed ``True``; f16 ones keep the f32 master and that signature."""
     with_master = {"master_weights": True}
-    assert loop.precision_signature(with_master, "bf16") == {"fp16_loss_scaling": False,
+    assert precision_signature(with_master, "bf16") == {"fp16_loss_scaling": False,
                                                              "master_weights": "int16 low halves"}
-    assert loop.precision_signature(with_master, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
-    assert loop.precision_signature({"master_weights": False}, "bf16") == {"fp16_loss_scaling": False}
+    assert precision_signature(with_master, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
+    assert precision_signature({"master_weights": False}, "bf16") == {"fp16_loss_scaling": False}

@@ -5,7 +5,7 @@
 
 Reads run logs (docs/run-log.md; a directory is searched recursively for *.jsonl run logs), prints the tables
 and writes report.md with the tables and PNG plots to --out (default reports/<UTC time>/). The arithmetic lives
-in train.report, the figures in train.report_plots; docs/compare.md explains the score.
+in train.report (reading, scoring, tables, plots); docs/compare.md explains the score.
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from train import report, report_plots
+from train import runlog
+from train.report import plots, scoring, tables
+from train.report import runs as run_logs
 
 EXIT_USAGE = 2
 
 
 def _presets_help() -> str:
-    lines = [f"  {name:<12} {weights.describe()}" for name, weights in report.WEIGHT_PRESETS.items()]
+    lines = [f"  {name:<12} {weights.describe()}" for name, weights in scoring.WEIGHT_PRESETS.items()]
     return "weight presets (time, cost, energy, utilization):\n" + "\n".join(lines)
 
 
@@ -45,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", metavar="RUN",
                         help="baseline run: run id, row number (#1 is the first run) or a unique substring of a "
                              "run id or log path (default: the first run)")
-    parser.add_argument("--weights", default=report.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
-                        help=f"score weights: a preset ({', '.join(report.WEIGHT_PRESETS)}) or four "
-                             f"comma-separated numbers (default: {report.DEFAULT_PRESET})")
+    parser.add_argument("--weights", default=scoring.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
+                        help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
+                             f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")
     parser.add_argument("--out", type=Path, metavar="DIR", help="report directory (default: reports/<UTC time>/)")
     return parser
 
@@ -56,31 +58,30 @@ def _default_out_dir() -> Path:
     return Path("reports") / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def _load(args: argparse.Namespace) -> report.Comparison:
-    weights_name, weights = report.parse_weights(args.weights)
-    runs, notes = report.load_runs(args.logs)
-    runs = report.select_task(runs, args.task)
-    baseline = report.find_baseline(runs, args.baseline)
-    return report.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes)
+def _load(args: argparse.Namespace) -> scoring.Comparison:
+    weights_name, weights = scoring.parse_weights(args.weights)
+    runs, notes = run_logs.load_runs(args.logs)
+    runs = run_logs.select_task(runs, args.task)
+    baseline = run_logs.find_baseline(runs, args.baseline)
+    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes)
 
 
-def write_report(comparison: report.Comparison, out_dir: Path, command: str) -> Path:
+def write_report(comparison: scoring.Comparison, out_dir: Path, command: str) -> Path:
     """Writes the plots and report.md into ``out_dir``; returns the path of report.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = report_plots.write_plots(comparison, out_dir)
-    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    figures = plots.write_plots(comparison, out_dir)
     path = out_dir / "report.md"
-    path.write_text(report.markdown_report(comparison, plots=plots, command=command, created=created))
+    path.write_text(tables.markdown_report(comparison, plots=figures, command=command, created=runlog.utc_now()))
     return path
 
 
-def print_summary(comparison: report.Comparison) -> None:
+def print_summary(comparison: scoring.Comparison) -> None:
     baseline = comparison.runs[comparison.baseline]
-    print(report.markdown_table(*report.runs_table(comparison)))
+    print(tables.markdown_table(*tables.runs_table(comparison)))
     print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label}):")
-    print(report.markdown_table(*report.ratios_table(comparison)))
-    print("\n" + report.score_explanation(comparison))
-    print(report.markdown_table(*report.score_table(comparison)) if comparison.ranking else "No run could be scored.")
+    print(tables.markdown_table(*tables.ratios_table(comparison)))
+    print("\n" + tables.score_explanation(comparison))
+    print(tables.markdown_table(*tables.score_table(comparison)) if comparison.ranking else "No run could be scored.")
     for note in comparison.notes:
         print(f"note: {note}", file=sys.stderr)
 

@@ -1,7 +1,7 @@
 """Fine-tune BERT for sentiment classification: ``python -m train.imdb [--data ...] [--init-from DIR] [options]``.
 
 With no arguments it trains a small BERT (``bert-tiny``: 2 layers, hidden 128) from scratch on the embedded
-synthetic review task (`train.sentiment`) for 3 epochs, a few minutes on any machine, and reports accuracy on
+synthetic review task (`train.imdb_synthetic`) for 3 epochs, a few minutes on any machine, and reports accuracy on
 its held-out sets. ``--data tfds:imdb_reviews`` (or ``csv:PATH`` / ``jsonl:PATH``) trains on real reviews;
 ``--init-from DIR`` starts from a local Hugging Face BERT checkpoint and its tokenizer.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -29,26 +28,21 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from ls_jax.layers import LayerConfig
-from ls_jax.models import BertConfig, BertForSequenceClassification, hf
-from train import loop, metrics, runlog, sentiment
+from ls_jax.models import BertConfig, BertForSequenceClassification
+from train import cli, harness, imdb_data
 from train import tokenizer as tokenizer_lib
-from train.checkpoints import CHECKPOINT_DIR, Checkpoints
-from train.input_pipeline import host_rows
-from train.loop import UsageError
+from train.data import host_rows
+from train.errors import UsageError
+from train.harness import format_value
+from train.imdb_model import (
+    PRESETS, build_model, classification_sums, make_flops_fn, make_loss_fn, model_name, model_signature,
+)
+from train.optimizer import linear_warmup_decay
+from train.parallel import DataParallel
+from train.rundir import Run
+from train.step import TrainState
 
-# bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU.
-PRESETS: dict[str, dict[str, Any]] = {
-    "bert-tiny": dict(
-        base="bert-base",
-        layer=dict(hidden_size=128, intermediate_size=512, nhead=2, max_seq_len=128),
-        num_layers=2,
-    ),
-    "bert-base": dict(base="bert-base", layer={}),
-    "bert-large": dict(base="bert-large", layer={}),
-}
 WARMUP_FRACTION = 0.1  # of the training steps, when --warmup-steps is not given
 
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
@@ -67,7 +61,7 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
     "log_every": 100,
 }
 IMDB_DEFAULTS: dict[str, Any] = {
-    **loop.TRAINING_DEFAULTS,
+    **cli.TRAINING_DEFAULTS,
     "data": "synthetic",
     "test_data": None,
     "valid_fraction": 0.1,
@@ -97,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune BERT for sentiment classification; with no arguments, a few minutes on the embedded "
                     "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "
                     "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
-        epilog=loop.defaults_epilog(
+        epilog=cli.defaults_epilog(
             IMDB_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS,
             notes=f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear "
                   "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch\n",
@@ -133,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "initialized when it has none) and its tokenizer; needs transformers")
     group.add_argument("--num-labels", type=int, help="classes (default 2; with --init-from the checkpoint's)")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the model")
-    loop.add_training_arguments(parser)
+    cli.add_training_arguments(parser)
     return parser
 
 
@@ -150,7 +144,7 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 
 
 def _check_config(config: Mapping[str, Any]) -> None:
-    loop.check_ranges(
+    cli.check_ranges(
         config,
         at_least_one=("steps", "epochs", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every",
                       "keep_checkpoints", "vocab_size", "num_labels"),
@@ -184,14 +178,6 @@ class Schedule:
                    config["checkpoint_every"] or steps_per_epoch)
 
 
-def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """``peak_lr * n / W`` for the first W = ``warmup_steps`` steps, then linear decay to 0 at ``total_steps``."""
-    decay = optax.linear_schedule(peak_lr, 0.0, total_steps - warmup_steps)
-    if warmup_steps == 0:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup_steps), decay], [warmup_steps])
-
-
 # ------------------------------------------------------------------------------------------------ data
 
 
@@ -199,31 +185,31 @@ def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> 
 class Data:
     """The encoded splits, the vocabulary that encoded them and the facts logged in the run record."""
 
-    vocabulary: sentiment.Vocabulary
-    splits: dict[str, sentiment.Encoded]  # train, valid and/or test
+    vocabulary: imdb_data.Vocabulary
+    splits: dict[str, imdb_data.Encoded]  # train, valid and/or test
     stats: dict[str, Any]
 
 
-def _vocabulary(config: Mapping[str, Any], run_dir: Path, train: sentiment.Split) -> sentiment.Vocabulary:
+def _vocabulary(config: Mapping[str, Any], run_dir: Path, train: imdb_data.Split) -> imdb_data.Vocabulary:
     """The checkpoint's tokenizer (--init-from), the run directory's (--resume), or one trained on ``train``."""
     if config["init_from"]:
-        return sentiment.HuggingFaceVocabulary.load(config["init_from"])
+        return imdb_data.HuggingFaceVocabulary.load(config["init_from"])
     own_copy = run_dir / tokenizer_lib.MODEL_FILENAME
     if config["resume"]:
-        return sentiment.SentencePieceVocabulary(tokenizer_lib.load(own_copy))
+        return imdb_data.SentencePieceVocabulary(tokenizer_lib.load(own_copy))
     # Every host trains the same (deterministic) vocabulary; only process 0 keeps its file.
     with tempfile.TemporaryDirectory() as scratch:
         path = own_copy if jax.process_index() == 0 else Path(scratch) / tokenizer_lib.MODEL_FILENAME
-        return sentiment.train_vocabulary(train.texts, path, vocab_size=config["vocab_size"], seed=config["seed"])
+        return imdb_data.train_vocabulary(train.texts, path, vocab_size=config["vocab_size"], seed=config["seed"])
 
 
 def load_data(config: Mapping[str, Any], run_dir: Path) -> Data:
-    splits = sentiment.read_dataset(
+    splits = imdb_data.read_dataset(
         config["data"], test_data=config["test_data"], valid_fraction=config["valid_fraction"], seed=config["seed"],
         text_field=config["text_field"], label_field=config["label_field"], tfds_data_dir=config["tfds_data_dir"],
     )
     vocabulary = _vocabulary(config, run_dir, splits["train"])
-    encoded = {name: sentiment.encode_split(vocabulary, split, config["max_seq_len"]) for name, split in splits.items()}
+    encoded = {name: imdb_data.encode_split(vocabulary, split, config["max_seq_len"]) for name, split in splits.items()}
     stats: dict[str, Any] = {"vocab_size": vocabulary.size, "max_seq_len": config["max_seq_len"]}
     for name, split in splits.items():
         stats[name] = {
@@ -244,105 +230,6 @@ def check_labels(data: Data, num_labels: int, fix: str) -> None:
                              f"labels (0 .. {num_labels - 1}); {fix}")
 
 
-# ----------------------------------------------------------------------------------------------- model
-
-
-def _layer_overrides(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": loop.PRECISION_DTYPES[precision]}
-    if config["dropout"] is not None:
-        overrides.update(hidden_dropout_ratio=config["dropout"], attn_prob_dropout_ratio=config["dropout"])
-    return overrides
-
-
-def preset_config(name: str, *, vocab_size: int, num_labels: int, **layer_overrides: Any) -> BertConfig:
-    """A BertConfig of ``PRESETS[name]`` with the vocabulary, labels and LayerConfig fields given."""
-    preset = PRESETS[name]
-    layer = LayerConfig.preset(preset["base"], **preset["layer"], **layer_overrides)
-    depth = {"num_layers": preset["num_layers"]} if "num_layers" in preset else {}
-    return BertConfig.preset(preset["base"], layer=layer, vocab_size=vocab_size, num_labels=num_labels, **depth)
-
-
-def build_model(config: Mapping[str, Any], vocab_size: int, precision: str, rng: jax.Array
-                ) -> tuple[BertConfig, dict[str, Any] | None]:
-    """(model config, pretrained params or None for a random initialization)."""
-    overrides = _layer_overrides(config, precision)
-    if not config["init_from"]:
-        return preset_config(config["preset"], vocab_size=vocab_size, num_labels=config["num_labels"] or 2,
-                             **overrides), None
-    try:
-        model_cfg, params = hf.load_pretrained(config["init_from"], rng=rng, **overrides)
-    except ValueError as err:
-        raise UsageError(f"--init-from {config['init_from']}: {err}") from err
-    if not isinstance(model_cfg, BertConfig):
-        raise UsageError(f"--init-from {config['init_from']} holds a {type(model_cfg).__name__}, not a BERT model")
-    if vocab_size > model_cfg.vocab_size:
-        raise UsageError(f"--init-from {config['init_from']}: the tokenizer has {vocab_size} tokens but the model "
-                         f"only {model_cfg.vocab_size} embeddings")
-    return model_cfg, params
-
-
-def model_name(config: Mapping[str, Any]) -> str:
-    return config["preset"] or Path(config["init_from"]).name
-
-
-def model_signature(config: Mapping[str, Any], model_cfg: BertConfig, precision: str) -> dict[str, Any]:
-    """What a checkpoint must agree on with the run restoring it."""
-    layer = model_cfg.layer
-    return {
-        "model": model_name(config),
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "nhead": layer.nhead,
-        "num_layers": model_cfg.num_layers,
-        "positions": layer.max_seq_len,
-        "num_labels": model_cfg.num_labels,
-        "optimizer": config["optimizer"],
-        **loop.precision_signature(config, precision),
-    }
-
-
-def classification_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(summed cross entropy, examples, correct predictions) over the rows whose label is >= 0.
-
-    logits (B, num_labels), labels (B,) int with -1 for empty rows; the loss is computed in float32.
-    """
-    real = labels >= 0
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.maximum(labels, 0))
-    correct = real & (jnp.argmax(logits, axis=-1) == labels)
-    return jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(real), jnp.sum(correct)
-
-
-def make_loss_fn(model: BertForSequenceClassification, pad_id: int):
-    """The loop's loss: summed cross entropy per example, with the training accuracy as a reported sum."""
-
-    def loss_fn(params, batch, rng):
-        input_ids = batch["input_ids"]
-        logits = model.apply(
-            {"params": params}, input_ids, input_ids != pad_id, deterministic=False, rngs={"dropout": rng}
-        )
-        loss_sum, examples, correct = classification_sums(logits, batch["labels"])
-        return loss_sum, examples, {"nll": loss_sum, "accuracy": correct}
-
-    return loss_fn
-
-
-def make_flops_fn(model_cfg: BertConfig):
-    """Matmul FLOPs of a step: the encoder as in docs/flops.md, plus the pooler and classifier on [CLS]."""
-    layer = model_cfg.layer
-
-    def flops(shapes: Mapping[str, tuple[int, ...]]) -> float:
-        grad_accum, rows, length = shapes["input_ids"]
-        encoder = metrics.transformer_train_flops(
-            batch=rows, src_len=length, tgt_len=0, hidden=layer.hidden_size, ffn=layer.intermediate_size,
-            encoder_layers=model_cfg.num_layers, decoder_layers=0, vocab=0,
-        )
-        head = 3 * 2 * rows * layer.hidden_size * (layer.hidden_size + model_cfg.num_labels)
-        return grad_accum * (encoder + head)
-
-    return flops
-
-
 # -------------------------------------------------------------------------------------------- evaluation
 
 
@@ -354,9 +241,9 @@ class Evaluator:
     """
 
     def __init__(self, model: BertForSequenceClassification, data: Data, batch_size: int,
-                 parallel: loop.DataParallel):
+                 parallel: DataParallel):
         self.data, self.batch_size, self.parallel = data, batch_size, parallel
-        self.splits = [name for name in sentiment.SPLITS if name != "train" and name in data.splits]
+        self.splits = [name for name in imdb_data.SPLITS if name != "train" and name in data.splits]
         pad_id = data.vocabulary.pad_id
 
         def sums(params, batch):
@@ -369,15 +256,15 @@ class Evaluator:
     def evaluate_split(self, params, name: str) -> dict[str, Any]:
         data = self.data.splits[name]
         totals = None
-        for indices in sentiment.eval_plan(len(data), self.batch_size):
+        for indices in imdb_data.eval_plan(len(data), self.batch_size):
             local = host_rows(indices, jax.process_index(), jax.process_count())
-            batch = self.parallel.put_batch(sentiment.make_batch(data, local), row_axis=0)
+            batch = self.parallel.put_batch(imdb_data.make_batch(data, local), row_axis=0)
             sums = self._sums(params, batch)
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         loss, examples, correct = (float(value) for value in jax.device_get(totals))
         return {"split": name, "loss": loss / examples, "nll": loss / examples, "accuracy": correct / examples}
 
-    def __call__(self, state: loop.TrainState, final: bool) -> list[dict[str, Any]]:
+    def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         splits = self.splits if final else self.splits[:1]
         return [self.evaluate_split(state.params, name) for name in splits]
 
@@ -385,20 +272,7 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _initial_state(model: BertForSequenceClassification, params: Any, tx, rng: jax.Array, seq_len: int, fp16: bool,
-                   param_dtype: Any, parallel: loop.DataParallel) -> loop.TrainState:
-    """The step-0 state: ``params`` (pretrained) or a random initialization from ``rng``."""
-    init_key, train_key = jax.random.split(rng)
-
-    def create(params):
-        if params is None:
-            params = model.init(init_key, jnp.ones((1, seq_len), jnp.int32))["params"]
-        return loop.TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
-
-    return jax.jit(create, out_shardings=parallel.replicated)(params)
-
-
-def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: loop.DataParallel) -> None:
+def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: DataParallel) -> None:
     positions = model_cfg.layer.max_seq_len
     if config["max_seq_len"] > positions:
         raise UsageError(f"--max-seq-len {config['max_seq_len']} exceeds the model's {positions} positions "
@@ -407,85 +281,65 @@ def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: lo
         raise UsageError(f"--batch-size {config['batch_size']} is not a multiple of the {parallel.num_shards} devices")
 
 
-def _train(run: loop.Run) -> int:
-    config, run_dir = run.config, run.run_dir
-    is_main = jax.process_index() == 0
-    hardware = loop.detect_hardware(config)
-    precision = hardware.precision
-    parallel = loop.DataParallel.over_all_devices()
-
-    data = load_data(config, run_dir)
+def setup(run: Run, precision: str, parallel: DataParallel) -> harness.TaskSetup:
+    """The vocabulary, data, model (random or pretrained) and epoch-based schedule of one run."""
+    config = run.config
+    data = load_data(config, run.run_dir)
     model_key, head_key = jax.random.split(jax.random.PRNGKey(config["seed"]))
     model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
     _check_shapes(config, model_cfg, parallel)
     check_labels(data, model_cfg.num_labels,
                  "the checkpoint's config.json sets them" if config["init_from"] else "set --num-labels")
     model = BertForSequenceClassification(model_cfg)
-    signature = model_signature(config, model_cfg, precision)
-
-    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
-    stream = sentiment.BatchStream(
+    stream = imdb_data.BatchStream(
         data.splits["train"], batch_size=config["batch_size"], grad_accum=config["grad_accum"], seed=config["seed"],
         process_index=jax.process_index(), process_count=jax.process_count(),
     )
     schedule = Schedule.resolve(config, stream.steps_per_epoch)
-    learning_rate = linear_warmup_decay(config["lr"], schedule.warmup_steps, schedule.steps)
-    master_dtype = loop.master_dtype(config, precision)
-    tx = loop.make_optimizer(config["optimizer"], learning_rate, weight_decay=config["weight_decay"],
-                             clip_norm=config["clip_norm"], master_dtype=master_dtype)
-    state = _initial_state(model, pretrained, tx, model_key, config["max_seq_len"], precision == "fp16", master_dtype,
-                           parallel)
-    counters = None
-    if config["resume"]:
-        state, position, counters = loop.restore_latest(checkpoints, state, signature, run_dir)
-        stream = dataclasses.replace(stream, **position)
+    rows, seq_len = config["batch_size"], config["max_seq_len"]
 
-    compiler = loop.StepCompiler(loop.make_train_step(make_loss_fn(model, data.vocabulary.pad_id), tx), parallel)
-    if is_main:
-        print("compiling the training step", file=sys.stderr)
-    rows = config["batch_size"]
-    compiler.precompile(state, [{
-        "input_ids": ((config["grad_accum"], rows, config["max_seq_len"]), jnp.int32),
-        "labels": ((config["grad_accum"], rows), jnp.int32),
-    }])
+    def init_params(key: jax.Array) -> Any:
+        return model.init(key, jnp.ones((1, seq_len), jnp.int32))["params"]
 
-    run_log = runlog.RunLog(run_dir, ("examples",), enabled=is_main, tensorboard=config["tensorboard"])
-    loop.save_config(run_dir, {**config, "run_id": run.run_id})
-    if not config["resume"]:
-        run_log.write(loop.run_record(
-            "imdb", run, hardware, state, model=model_name(config),
-            batch={"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
-            data={"source": config["data"], **data.stats}, config={**config, **dataclasses.asdict(schedule)},
-        ))
-    result = loop.train(
-        state,
-        compiler=compiler,
-        parallel=parallel,
+    return harness.TaskSetup(
+        init_params=init_params,
+        init_rng=model_key,
+        pretrained_params=pretrained,
+        loss_fn=make_loss_fn(model, data.vocabulary.pad_id),
         stream=stream,
+        batch_shapes=[{
+            "input_ids": ((config["grad_accum"], rows, seq_len), jnp.int32),
+            "labels": ((config["grad_accum"], rows), jnp.int32),
+        }],
         flops_fn=make_flops_fn(model_cfg),
-        lr_fn=lambda step: float(learning_rate(step)),
         evaluate=Evaluator(model, data, config["batch_size"], parallel),
-        hardware=hardware,
-        run_log=run_log,
-        checkpoints=checkpoints,
-        model_signature=signature,
-        config=loop.LoopConfig(
-            num_steps=schedule.steps, log_every=config["log_every"], eval_every=schedule.eval_every,
-            checkpoint_every=schedule.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
-        ),
-        counters=counters,
+        learning_rate=linear_warmup_decay(config["lr"], schedule.warmup_steps, schedule.steps),
+        steps=schedule.steps,
+        eval_every=schedule.eval_every,
+        checkpoint_every=schedule.checkpoint_every,
+        model_signature=model_signature(config, model_cfg),
+        model_name=model_name(config),
+        batch_record={"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
+        data_record={"source": config["data"], **data.stats},
+        config_record={**config, **dataclasses.asdict(schedule)},
     )
-    return loop.finish(
-        result, run_dir, run_log, checkpoints, hardware,
-        throughput=lambda s: f"{loop.format_value(s['examples_per_s'], '.1f')} examples/s",
-        metric="accuracy", score=lambda record: loop.format_value(record["accuracy"], ".2%"),
-    )
+
+
+TASK = harness.Task(
+    name="imdb",
+    counted=("examples",),
+    metric="accuracy",
+    build_parser=build_parser,
+    resolve_config=resolve_config,
+    check_config=_check_config,
+    setup=setup,
+    throughput=lambda s: f"{format_value(s['examples_per_s'], '.1f')} examples/s",
+    score=lambda record: format_value(record["accuracy"], ".2%"),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return loop.main(
-        lambda args: loop.run_entry_point("imdb", args, build_parser(), resolve_config, _check_config, _train), argv
-    )
+    return harness.run_training(TASK, argv)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""The run log of docs/run-log.md: ``run.jsonl`` (one validated JSON object per line) and TensorBoard events.
+"""The run log of docs/run-log.md: its schema, the records a run writes, and ``run.jsonl`` (one validated JSON
+object per line) with TensorBoard events.
 
-`SCHEMA` is the doc's tables as code: every record is checked against it before it is written, so a log that
-`train.compare` reads always has every key with the right type. Throughput keys depend on what a task counts:
-a task counting ``tokens`` and ``target_tokens`` logs ``tokens_per_s`` and ``target_tokens_per_s`` in
-intervals, and ``tokens``, ``target_tokens`` and both rates in the summary.
+`SCHEMA` is the doc's tables as code and `validate` its one check: the writer checks every record before it is
+written and `train.compare` checks every record it reads, so a log it accepts has every key with the right type.
+Throughput keys depend on what a task counts: a task counting ``tokens`` and ``target_tokens`` logs
+``tokens_per_s`` and ``target_tokens_per_s`` in intervals, and ``tokens``, ``target_tokens`` and both rates in the
+summary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -15,10 +18,19 @@ import os
 import platform
 import secrets
 import socket
+import statistics
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from ls_jax import backend as backend_lib
+from train import metrics as metrics_lib
+
+if TYPE_CHECKING:  # annotations only: the loop and the run directory import this module
+    from train.hardware import Hardware
+    from train.loop import Counters, Interval
+    from train.rundir import Run
 
 SCHEMA_VERSION = 1
 LOG_FILENAME = "run.jsonl"
@@ -67,20 +79,69 @@ def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple
     return keys
 
 
+_JSON_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object"}
+
+
+@dataclasses.dataclass(eq=False)
+class RecordError(ValueError):
+    """A record that breaks `SCHEMA`: an unknown ``type`` (``key`` None), a missing key, or a value of another type.
+
+    ``str()`` words it for the writer; `at` words it for a reader, at a place in a file."""
+
+    record: Mapping[str, Any]
+    key: str | None = None
+    expected: tuple[type, ...] = ()
+
+    @property
+    def record_type(self) -> Any:
+        return self.record.get("type")
+
+    @property
+    def problem(self) -> str:
+        """``type`` (not a record type), ``missing`` (the key), ``null`` or ``kind`` (a value of another type)."""
+        if self.key is None:
+            return "type"
+        if self.key not in self.record:
+            return "missing"
+        return "null" if self.record[self.key] is None else "kind"
+
+    def __str__(self) -> str:
+        kind, key = self.record_type, self.key
+        if self.problem == "type":
+            return f"run-log record type must be one of {sorted(SCHEMA)}, got {kind!r}"
+        if self.problem == "missing":
+            return f"{kind} record lacks {key!r}"
+        value = self.record[key]
+        got = "a bool" if isinstance(value, bool) else type(value).__name__
+        return f"{kind}.{key} must be {_names(self.expected)}, got {got}"
+
+    def at(self, where: str) -> str:
+        """The problem as a reader of ``where`` (file:line) reports it."""
+        kind, key = self.record_type, self.key
+        json_types = [name for t, name in _JSON_TYPE_NAMES.items() if t in self.expected]
+        if "number" in json_types:
+            json_types.remove("integer")
+        reason = {
+            "type": str(self),
+            "missing": f"the {kind!r} record has no key {key!r} (see docs/run-log.md)",
+            "null": f"{key} is null in the {kind!r} record",
+            "kind": f"{key}={self.record.get(key)!r} in the {kind!r} record is not a JSON {' or '.join(json_types)}",
+        }[self.problem]
+        return f"{where}: {reason}"
+
+
 def validate(record: Mapping[str, Any], counted: Iterable[str] = ()) -> None:
-    """Raises ValueError naming the first missing key or wrongly typed value of a run-log record."""
+    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record."""
     record_type = record.get("type")
     if record_type not in SCHEMA:
-        raise ValueError(f"run-log record type must be one of {sorted(SCHEMA)}, got {record_type!r}")
+        raise RecordError(record)
     expected = {**SCHEMA[record_type], **throughput_keys(record_type, counted)}
     for key, types in expected.items():
         if key not in record:
-            raise ValueError(f"{record_type} record lacks {key!r}")
+            raise RecordError(record, key, types)
         value = record[key]
-        if isinstance(value, bool) and bool not in types:
-            raise ValueError(f"{record_type}.{key} must be {_names(types)}, got a bool")
-        if not isinstance(value, types):
-            raise ValueError(f"{record_type}.{key} must be {_names(types)}, got {type(value).__name__}")
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise RecordError(record, key, types)
 
 
 def _names(types: tuple[type, ...]) -> str:
@@ -215,4 +276,92 @@ def identity(task: str, run_id: str, command: str, started_at: str) -> dict[str,
         "git_commit": git_commit(),
         "versions": versions(),
         "host": socket.gethostname(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+def energy_fields(joules: float | None, source: str | None) -> dict[str, Any]:
+    """``energy_j`` and ``energy_source``, both null when the energy is not known (e.g. a segment without it)."""
+    return {"energy_j": joules, "energy_source": source if joules is not None else None}
+
+
+def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: str, model: str, params: int,
+               batch: Mapping[str, Any], data: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``run`` record that opens a run log."""
+    return {
+        **identity(task, run.run_id, run.command, run.started_utc),
+        **hardware.record_fields(),
+        "backend": backend_lib.active_backend(),
+        "precision": hardware.precision,
+        "optimizer": optimizer,
+        "model": model,
+        "params": params,
+        "batch": dict(batch),
+        "data": dict(data),
+        "config": dict(config),
+    }
+
+
+def interval_record(step: int, interval: Interval, *, elapsed_s: float, lr: float, grad_norm: float,
+                    loss_scale: float | None, hardware: Hardware, energy_j: float | None) -> dict[str, Any]:
+    """The ``interval`` record of the steps summed in ``interval``, the last of them ``step``; ``elapsed_s`` is the
+    run's training time so far. Loss and nll stay null when every step of the interval was skipped (fp16 overflow).
+    """
+    weight = max(interval.totals.get("weight", 0.0), 1.0)
+    tflops = interval.flops / interval.time_s / 1e12 if interval.time_s > 0 else None
+    return {
+        "type": "interval",
+        "step": step,
+        "elapsed_s": elapsed_s,
+        "step_time_s": interval.time_s / interval.steps,
+        **{f"{name}_per_s": count / interval.time_s for name, count in interval.counts.items()},
+        "tflops_per_s": tflops,
+        "mfu": metrics_lib.mfu(tflops, hardware.peak_tflops_per_device, hardware.device_count),
+        "loss": None,
+        "nll": None,
+        **{key: value / weight for key, value in interval.totals.items() if key != "weight"},
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "loss_scale": loss_scale,
+        "peak_memory_bytes": metrics_lib.peak_memory_bytes(hardware.local_devices),
+        **energy_fields(energy_j, hardware.energy.source),
+        "cost_usd": metrics_lib.cost_usd(elapsed_s, hardware.device_count, hardware.price_per_device_hour),
+    }
+
+
+def eval_record(step: int, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``eval`` record: the task's ``fields`` (split and scores); the scores it does not give are null."""
+    return {"type": "eval", "step": step, "loss": None, "nll": None, "bleu": None, "accuracy": None, **fields}
+
+
+def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, steps: int) -> dict[str, Any]:
+    """The ``summary`` record from the run's totals."""
+    train_time = counters.train_time_s
+    measured_steps = len(counters.step_times)
+    tflops = counters.flops / train_time / 1e12 if train_time > 0 else None
+    return {
+        "type": "summary",
+        "completed": stop_reason == "finished",
+        "stop_reason": stop_reason,
+        "steps": steps,
+        "train_time_s": train_time,
+        "wall_time_s": counters.wall_time_s,
+        "step_time_s": statistics.median(counters.step_times) if counters.step_times else None,
+        **{name: count for name, count in counters.counts.items()},
+        **{f"{name}_per_s": (count / train_time if train_time > 0 else 0.0) for name, count in counters.counts.items()},
+        "flops_per_step": counters.flops / measured_steps if measured_steps else None,
+        "xla_flops_per_step": (
+            counters.xla_flops / measured_steps if measured_steps and counters.xla_flops_known else None
+        ),
+        "tflops_per_s": tflops,
+        "mfu": metrics_lib.mfu(tflops, hardware.peak_tflops_per_device, hardware.device_count),
+        "peak_memory_bytes": metrics_lib.peak_memory_bytes(hardware.local_devices),
+        **energy_fields(counters.energy_j, hardware.energy.source),
+        "energy_estimated": counters.energy_j is not None and hardware.energy.source == "estimated",
+        "cost_usd": metrics_lib.cost_usd(train_time, hardware.device_count, hardware.price_per_device_hour),
+        "final_loss": counters.last_loss,
+        "bleu": counters.last_eval.get("bleu"),
+        "accuracy": counters.last_eval.get("accuracy"),
     }

@@ -1,6 +1,6 @@
 """Train the ls-jax Transformer for translation: ``python -m train.wmt [--data ...] [options]``.
 
-With no arguments it trains ``transformer-tiny`` on the embedded synthetic translation task (`train.synthetic`)
+With no arguments it trains ``transformer-tiny`` on the embedded synthetic translation task (`train.wmt_synthetic`)
 for a few minutes on any machine and reports BLEU on its held-out test set. With ``--data text:DIR`` or
 ``--data tfds:wmt14_translate/de-en`` it trains on real parallel text with a shared sentencepiece vocabulary.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -30,13 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 
-from ls_jax.models import PAD_ID, PRESETS, Transformer, TransformerConfig
+from ls_jax.models import PAD_ID, PRESETS, Transformer
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.ops import label_smoothed_cross_entropy
-from train import input_pipeline, loop, metrics, runlog
+from train import cli, harness, wmt_data
 from train import tokenizer as tokenizer_lib
-from train.checkpoints import CHECKPOINT_DIR, Checkpoints
-from train.loop import UsageError
+from train.errors import UsageError
+from train.harness import format_value
+from train.optimizer import inverse_sqrt_schedule
+from train.parallel import DataParallel
+from train.rundir import Run
+from train.step import TrainState
+from train.wmt_model import make_flops_fn, make_loss_fn, model_config, model_signature
 
 # Defaults by data source: the synthetic task is sized to finish in minutes on a 2-core CPU.
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
@@ -67,7 +71,7 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
     "decode": "beam",
 }
 WMT_DEFAULTS: dict[str, Any] = {
-    **loop.TRAINING_DEFAULTS,
+    **cli.TRAINING_DEFAULTS,
     "data": "synthetic",
     "src_lang": "de",
     "tgt_lang": "en",
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the ls-jax Transformer for translation; with no arguments, a few minutes on the "
                     "embedded synthetic task. Every run writes config.json, spm.model, run.jsonl "
                     "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
-        epilog=loop.defaults_epilog(WMT_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS),
+        epilog=cli.defaults_epilog(WMT_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
@@ -120,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha of --decode beam")
     group.add_argument("--bleu-sentences", type=int, help="sentences per split decoded for BLEU at each "
                                                            "evaluation (default all; 0: loss only)")
-    loop.add_training_arguments(parser)
+    cli.add_training_arguments(parser)
     return parser
 
 
@@ -132,7 +136,7 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 
 
 def _check_config(config: Mapping[str, Any]) -> None:
-    loop.check_ranges(
+    cli.check_ranges(
         config,
         at_least_one=("steps", "max_tokens", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
                       "warmup_steps", "beam_size", "spm_vocab_size"),
@@ -147,13 +151,13 @@ def _check_config(config: Mapping[str, Any]) -> None:
 @dataclasses.dataclass
 class Data:
     processor: Any  # sentencepiece
-    train: input_pipeline.ParallelData
-    eval_sets: dict[str, input_pipeline.ParallelData]  # valid, test
+    train: wmt_data.ParallelData
+    eval_sets: dict[str, wmt_data.ParallelData]  # valid, test
     references: dict[str, list[str]]  # the raw target sentences kept, per split (BLEU references)
     stats: dict[str, Any]
 
 
-def _vocabulary(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, corpus: input_pipeline.Corpus):
+def _vocabulary(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, corpus: wmt_data.Corpus):
     """The run's sentencepiece model.
 
     On --resume: ``spm_given`` (a --spm passed now, which the checkpoint check then compares) or the run
@@ -182,7 +186,7 @@ def _vocabulary(config: Mapping[str, Any], spm_given: str | None, run_dir: Path,
 
 
 def load_data(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, max_len: int) -> Data:
-    corpus = input_pipeline.read_corpus(
+    corpus = wmt_data.read_corpus(
         config["data"], src_lang=config["src_lang"], tgt_lang=config["tgt_lang"], seed=config["seed"],
         tfds_data_dir=config["tfds_data_dir"],
     )
@@ -190,8 +194,8 @@ def load_data(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, m
     stats: dict[str, Any] = {"vocab_size": processor.GetPieceSize(), "max_len": max_len}
     splits, references = {}, {}
     for split, (src, tgt) in corpus.items():
-        encoded = input_pipeline.encode(processor, src, tgt)
-        keep, kept = input_pipeline.length_filter(encoded, max_len)
+        encoded = wmt_data.encode(processor, src, tgt)
+        keep, kept = wmt_data.length_filter(encoded, max_len)
         if kept.kept == 0:
             raise UsageError(f"no {split} pair is at most {max_len} tokens long; raise --max-len")
         splits[split] = encoded.take(keep)
@@ -199,64 +203,6 @@ def load_data(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, m
         stats[split] = dataclasses.asdict(kept)
     eval_sets = {split: data for split, data in splits.items() if split != "train"}
     return Data(processor, splits.pop("train"), eval_sets, references, stats)
-
-
-# ----------------------------------------------------------------------------------------------- model
-
-
-def model_config(config: Mapping[str, Any], vocab_size: int, precision: str) -> TransformerConfig:
-    overrides: dict[str, Any] = {"dtype": loop.PRECISION_DTYPES[precision]}
-    if config["dropout"] is not None:
-        overrides.update(
-            hidden_dropout_ratio=config["dropout"],
-            attn_prob_dropout_ratio=config["dropout"],
-            activation_dropout_ratio=config["dropout"],
-        )
-    return TransformerConfig.preset(config["preset"], vocab_size, **overrides)
-
-
-def model_signature(config: Mapping[str, Any], model_cfg: TransformerConfig, precision: str) -> dict[str, Any]:
-    """What a checkpoint must agree on with the run restoring it."""
-    layer = model_cfg.layer
-    return {
-        "preset": config["preset"],
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "nhead": layer.nhead,
-        "encoder_layers": model_cfg.num_encoder_layers,
-        "decoder_layers": model_cfg.num_decoder_layers,
-        "optimizer": config["optimizer"],
-        **loop.precision_signature(config, precision),
-    }
-
-
-def make_loss_fn(model: Transformer, epsilon: float):
-    def loss_fn(params, batch, rng):
-        logits = model.apply(
-            {"params": params}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": rng}
-        )
-        loss_sum, nll_sum, num_tokens = label_smoothed_cross_entropy(
-            logits, batch["labels"], epsilon=epsilon, pad_id=PAD_ID
-        )
-        return loss_sum, num_tokens, {"nll": nll_sum}
-
-    return loss_fn
-
-
-def make_flops_fn(model_cfg: TransformerConfig):
-    layer = model_cfg.layer
-
-    def flops(shapes: Mapping[str, tuple[int, ...]]) -> float:
-        grad_accum, rows, src_len = shapes["src"]
-        tgt_len = shapes["tgt_in"][2]
-        return grad_accum * metrics.transformer_train_flops(
-            batch=rows, src_len=src_len, tgt_len=tgt_len, hidden=layer.hidden_size, ffn=layer.intermediate_size,
-            encoder_layers=model_cfg.num_encoder_layers, decoder_layers=model_cfg.num_decoder_layers,
-            vocab=model_cfg.vocab_size,
-        )
-
-    return flops
 
 
 # -------------------------------------------------------------------------------------------- evaluation
@@ -279,7 +225,7 @@ class Evaluator:
     stops early.
     """
 
-    def __init__(self, model: Transformer, data: Data, config: Mapping[str, Any], parallel: loop.DataParallel):
+    def __init__(self, model: Transformer, data: Data, config: Mapping[str, Any], parallel: DataParallel):
         self.model, self.data, self.config, self.parallel = model, data, config, parallel
         self.epsilon = config["label_smoothing"]
         self.decode_len = model.config.layer.max_seq_len
@@ -289,15 +235,15 @@ class Evaluator:
         logits = self.model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=True)
         return label_smoothed_cross_entropy(logits, batch["labels"], epsilon=self.epsilon, pad_id=PAD_ID)
 
-    def _batches(self, data: input_pipeline.ParallelData, limit: int | None):
+    def _batches(self, data: wmt_data.ParallelData, limit: int | None):
         """(global indices (rows,), device batch) over the first ``limit`` examples (all for None)."""
         count = len(data) if limit is None else min(limit, len(data))
-        length, plan = input_pipeline.eval_plan(
+        length, plan = wmt_data.eval_plan(
             data.example_lengths[:count], max_tokens=self.config["max_tokens"], num_shards=self.parallel.num_shards
         )
         for indices in plan:
-            local = input_pipeline.host_rows(indices, jax.process_index(), jax.process_count())
-            yield indices, self.parallel.put_batch(input_pipeline.make_batch(data, local, length), row_axis=0)
+            local = wmt_data.host_rows(indices, jax.process_index(), jax.process_count())
+            yield indices, self.parallel.put_batch(wmt_data.make_batch(data, local, length), row_axis=0)
 
     def _decode(self, params, src: jax.Array) -> jax.Array:
         if self.config["decode"] == "beam":
@@ -325,7 +271,7 @@ class Evaluator:
             result["bleu"] = sacrebleu.corpus_bleu([hypotheses[i] for i in order], [references]).score
         return result
 
-    def __call__(self, state: loop.TrainState, final: bool) -> list[dict[str, Any]]:
+    def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         """During training the validation split; at the end every evaluation split (valid, test)."""
         splits = list(self.data.eval_sets) if final else ["valid"]
         return [self.evaluate_split(state.params, split, self.config["bleu_sentences"]) for split in splits]
@@ -334,92 +280,62 @@ class Evaluator:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def _initial_state(model: Transformer, tx, seed: int, fp16: bool, param_dtype: Any, parallel: loop.DataParallel
-                   ) -> loop.TrainState:
-    init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
-
-    def create():
-        dummy = jnp.ones((1, 8), jnp.int32)
-        params = model.init(init_key, dummy, dummy)["params"]
-        return loop.TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
-
-    return jax.jit(create, out_shardings=parallel.replicated)()
-
-
-def _train(run: loop.Run) -> int:
-    config, run_dir = run.config, run.run_dir
-    is_main = jax.process_index() == 0
-    hardware = loop.detect_hardware(config)
-    precision = hardware.precision
-    parallel = loop.DataParallel.over_all_devices()
-
+def setup(run: Run, precision: str, parallel: DataParallel) -> harness.TaskSetup:
+    """The vocabulary, data, model and schedule of one run."""
+    config = run.config
     # The positions limit the data filter, which runs before the vocabulary size is known.
     max_seq_len = model_config(config, len(tokenizer_lib.SPECIAL_IDS), precision).layer.max_seq_len
     max_len = config["max_len"] or max_seq_len
     if max_len > max_seq_len:
         raise UsageError(f"--max-len {max_len} exceeds the model's max_seq_len {max_seq_len} ({config['preset']})")
-    data = load_data(config, run.given.get("spm"), run_dir, max_len)
+    data = load_data(config, run.given.get("spm"), run.run_dir, max_len)
     model_cfg = model_config(config, data.stats["vocab_size"], precision)
     model = Transformer(model_cfg)
-    signature = model_signature(config, model_cfg, precision)
-    schedule = loop.inverse_sqrt_schedule(config["lr"], config["warmup_steps"])
-    master_dtype = loop.master_dtype(config, precision)
-    tx = loop.make_optimizer(config["optimizer"], schedule, weight_decay=config["weight_decay"],
-                             clip_norm=config["clip_norm"], master_dtype=master_dtype)
-    state = _initial_state(model, tx, config["seed"], precision == "fp16", master_dtype, parallel)
-    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
-    counters, position = None, {"epoch": 0, "index": 0}
-    if config["resume"]:
-        state, position, counters = loop.restore_latest(checkpoints, state, signature, run_dir)
-
-    stream = input_pipeline.BatchStream(
+    stream = wmt_data.BatchStream(
         data.train, max_tokens=config["max_tokens"], num_shards=parallel.num_shards, grad_accum=config["grad_accum"],
-        seed=config["seed"], process_index=jax.process_index(), process_count=jax.process_count(), **position,
+        seed=config["seed"], process_index=jax.process_index(), process_count=jax.process_count(),
     )
-    compiler = loop.StepCompiler(loop.make_train_step(make_loss_fn(model, config["label_smoothing"]), tx), parallel)
-    shapes = stream.shapes()
-    if is_main:
-        print(f"compiling the training step for {len(shapes)} batch shapes", file=sys.stderr)
-    compiler.precompile(state, [{name: (shape, jnp.int32) for name in ("src", "tgt_in", "labels")} for shape in shapes])
 
-    run_log = runlog.RunLog(run_dir, ("tokens", "target_tokens"), enabled=is_main, tensorboard=config["tensorboard"])
-    loop.save_config(run_dir, {**config, "run_id": run.run_id})
-    if not config["resume"]:
-        run_log.write(loop.run_record(
-            "wmt", run, hardware, state, model=config["preset"],
-            batch={"max_tokens": config["max_tokens"], "grad_accum": config["grad_accum"]},
-            data={"source": config["data"], **data.stats}, config=config,
-        ))
-    result = loop.train(
-        state,
-        compiler=compiler,
-        parallel=parallel,
+    def init_params(key: jax.Array) -> Any:
+        dummy = jnp.ones((1, 8), jnp.int32)
+        return model.init(key, dummy, dummy)["params"]
+
+    return harness.TaskSetup(
+        init_params=init_params,
+        init_rng=jax.random.PRNGKey(config["seed"]),
+        loss_fn=make_loss_fn(model, config["label_smoothing"]),
         stream=stream,
+        batch_shapes=[{name: (shape, jnp.int32) for name in ("src", "tgt_in", "labels")} for shape in stream.shapes()],
         flops_fn=make_flops_fn(model_cfg),
-        lr_fn=lambda step: float(schedule(step)),
         evaluate=Evaluator(model, data, config, parallel),
-        hardware=hardware,
-        run_log=run_log,
-        checkpoints=checkpoints,
-        model_signature=signature,
-        config=loop.LoopConfig(
-            num_steps=config["steps"], log_every=config["log_every"], eval_every=config["eval_every"],
-            checkpoint_every=config["checkpoint_every"], progress_bar=config["progress"], started_at=run.started_at,
-        ),
-        counters=counters,
+        learning_rate=inverse_sqrt_schedule(config["lr"], config["warmup_steps"]),
+        steps=config["steps"],
+        eval_every=config["eval_every"],
+        checkpoint_every=config["checkpoint_every"],
+        model_signature=model_signature(config, model_cfg),
+        model_name=config["preset"],
+        batch_record={"max_tokens": config["max_tokens"], "grad_accum": config["grad_accum"]},
+        data_record={"source": config["data"], **data.stats},
+        config_record=config,
     )
-    return loop.finish(
-        result, run_dir, run_log, checkpoints, hardware,
-        throughput=lambda s: (f"{loop.format_value(s['tokens_per_s'], '.0f')} tokens/s, "
-                              f"{loop.format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
-        metric="BLEU", score=lambda record: loop.format_value(record["bleu"], ".2f"),
-    )
+
+
+TASK = harness.Task(
+    name="wmt",
+    counted=("tokens", "target_tokens"),
+    metric="BLEU",
+    build_parser=build_parser,
+    resolve_config=resolve_config,
+    check_config=_check_config,
+    setup=setup,
+    throughput=lambda s: (f"{format_value(s['tokens_per_s'], '.0f')} tokens/s, "
+                          f"{format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
+    score=lambda record: format_value(record["bleu"], ".2f"),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return loop.main(
-        lambda args: loop.run_entry_point("wmt", args, build_parser(), resolve_config, _check_config, _train), argv
-    )
+    return harness.run_training(TASK, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ overlaps device work as it does in a training loop.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -43,15 +42,11 @@ def git_state() -> dict[str, Any]:
     return {"commit": runlog.git_commit(), "dirty": dirty}
 
 
-def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def environment() -> dict[str, Any]:
     """Device, software versions, commit and time: the header of every result file."""
     devices = jax.devices()
     return {
-        "date": utc_now(),
+        "date": runlog.utc_now(),
         "host": socket.gethostname(),
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,

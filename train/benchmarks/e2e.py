@@ -2,23 +2,16 @@
 
 ``python -m train.bench e2e [--models big-6e6d,...] [--tokens 1024,8192] [--steps 20] [--fit] [--quick]``
 
-One process builds the same Transformer three ways and trains it on the same random batches (fixed-length
-64-token source and target sentences, shared 32768 vocabulary, dropout 0.1 everywhere, label smoothing 0.1,
-AdamW, bf16 compute with f32 params):
-  reference  train/reference_model.py, plain Flax linen + optax, all XLA; the f32 params are cast to bf16 for
-             every use;
-  ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation; the f32 params
-             are the optimizer's master weights (the bf16 params their high halves, the optimizer state their
-             low halves), and its step writes the bf16 params the model computes with;
-  ls_jax_ffi the same with the CUDA kernels.
+One process builds the same Transformer three ways (`train.benchmarks.transformer_steps`: plain Flax reference,
+ls_jax on XLA, ls_jax with the CUDA kernels) and trains each on the same random batches.
 Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples of 20
 consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model TFLOP/s and MFU (against
 the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200, against the 790 TFLOP/s
 the project's targets state MFU by) and the compiled step's memory (XLA memory analysis: arguments + outputs -
 aliased + temporaries); per (model, implementation) with two or more measured batch sizes, the largest trainable
 batch predicted from their memory (``--fit`` also verifies it by running one step). Results merge into
-docs/results/e2e-<device>.json after every measurement (so runs split across several calls build one file), and a
-speedup plot is written next to it.
+docs/results/e2e-<device>.json after every measurement (so runs split over several invocations build one file),
+and a speedup plot is written next to it.
 """
 
 from __future__ import annotations
@@ -28,80 +21,27 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ls_jax import backend
 from train import metrics, runlog
-from train.benchmarks import common
-from train.reference_model import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
+from train.benchmarks import common, kernel_trace
+from train.benchmarks.transformer_steps import (
+    IMPLEMENTATIONS, LABEL_SMOOTHING, MODELS, QUICK_MODEL, SEQ_LEN, VOCAB, TrainStep, build_step, kernel_mode,
+    make_batch,
+)
 
-VOCAB = 32768
-SEQ_LEN = 64
-LABEL_SMOOTHING = 0.1
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.01
-IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
-dispatch of its first step (Transformer-big on an H100: 5 ms for ls_jax, 12 ms for plain Flax; in a training loop
-the host runs steps ahead and hides it): at 5 steps per sample that added 0.5-1 ms to every step."""
+dispatch of its first step (`host_dispatch_seconds`, recorded with every measurement), which a training loop hides
+by running steps ahead: 20 steps spread that cost thinly over the sample."""
 TARGET_BASIS_TFLOPS = 790.0
-"""The bf16 rate the project's end-to-end targets state MFU against (issue 7: plain Flax "MFU 0.35 against 790
-TFLOP/s" at 37.5 ms, Transformer-big, one H100): about what a large bf16 GEMM sustains on an H100 or H200 (769-798
-TFLOP/s for 8192^3 on the lent machines), where the datasheet's dense peak is 989.4."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    intermediate: int
-    heads: int
-    encoder_layers: int
-    decoder_layers: int
-
-
-MODELS = {
-    "tiny-2e2d": ModelShape(128, 256, 4, 2, 2),  # --quick only: a CPU smoke run of the whole benchmark
-    "base-6e6d": ModelShape(512, 2048, 8, 6, 6),
-    "big-6e6d": ModelShape(1024, 4096, 16, 6, 6),
-    "big-12e12d": ModelShape(1024, 4096, 16, 12, 12),
-    "big-24e24d": ModelShape(1024, 4096, 16, 24, 24),
-}
-QUICK_MODEL = "tiny-2e2d"
-LS_JAX_PRESETS = {
-    "tiny-2e2d": "transformer-tiny",
-    "base-6e6d": "transformer-base",
-    "big-6e6d": "transformer-big",
-    "big-12e12d": "transformer-big-12e12d",
-    "big-24e24d": "transformer-big-24e24d",
-}
-
-
-@dataclasses.dataclass
-class TrainStep:
-    """A train step compiled once for one batch shape, donating its state; ``run()`` advances the state."""
-
-    compiled: Any
-    state: Any
-
-    def run(self, batch) -> jax.Array:
-        self.state, loss = self.compiled(self.state, batch)
-        return loss
-
-    def memory_bytes(self) -> int:
-        """Device memory the step needs: arguments + outputs - donated aliases + temporaries (XLA's analysis)."""
-        analysis = self.compiled.memory_analysis()
-        return int(
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
+"""The bf16 rate the project's end-to-end targets state MFU against: about what a large bf16 GEMM sustains on an
+H100 or H200 SXM (docs/results has the measured rates), where the datasheet's dense peak is 989.4."""
 
 
 def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> float:
@@ -117,105 +57,15 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
-def _compile(step: Callable[..., Any], state: Any, batch) -> TrainStep:
-    return TrainStep(jax.jit(step, donate_argnums=0).lower(state, batch).compile(), state)
-
-
-def _batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
-    rng = np.random.default_rng(seed)
-    tokens = lambda: jnp.asarray(rng.integers(4, VOCAB, (num_sentences, SEQ_LEN), dtype=np.int32))
-    target = tokens()
-    bos = jnp.ones((num_sentences, 1), jnp.int32)
-    return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}
-
-
-def _reference_step(shape: ModelShape, batch) -> TrainStep:
-    cfg = ReferenceConfig(
-        vocab_size=VOCAB,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_heads=shape.heads,
-        num_encoder_layers=shape.encoder_layers,
-        num_decoder_layers=shape.decoder_layers,
-    )
-    model = ReferenceTransformer(cfg)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
-    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-
-    def step(state, batch):
-        params, opt_state, rng = state
-        rng, dropout_rng = jax.random.split(rng)
-
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
-            with jax.named_scope("criterion"):
-                loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
-            return loss_sum / count
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return (params, opt_state, rng), loss
-
-    return _compile(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
-
-
-def _ls_jax_step(name: str, batch) -> TrainStep:
-    from ls_jax import ops
-    from ls_jax import optim
-    from ls_jax.models import PAD_ID, Transformer, TransformerConfig
-
-    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
-    model = Transformer(config)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
-    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
-    opt_state = tx.init(params)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-
-    def step(state, batch):
-        params, opt_state, rng = state
-        rng, dropout_rng = jax.random.split(rng)
-
-        def loss_fn(p):
-            logits = model.apply(
-                {"params": p}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
-            )
-            with jax.named_scope("criterion"):
-                loss_sum, _, count = ops.label_smoothed_cross_entropy(
-                    logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
-                )
-            return loss_sum / count
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        with jax.named_scope("optimizer"):
-            params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
-        return (params, opt_state, rng), loss
-
-    return _compile(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
-
-
-def _build(implementation: str, name: str, batch) -> TrainStep:
-    if implementation == "reference":
-        return _reference_step(MODELS[name], batch)
-    return _ls_jax_step(name, batch)
-
-
-def _mode(implementation: str) -> str:
-    return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]
-
-
 def measure(implementation: str, name: str, target_tokens: int, steps: int, profile_steps: int = 0,
             trace_dir: Path | None = None) -> dict[str, Any]:
     """Median step time and memory of one implementation at one batch size; with ``profile_steps``, also the
-    per-category breakdown of that many traced steps (``train.benchmarks.profile``), whose trace stays in
+    per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
     ``trace_dir/<implementation>`` when given."""
-    from train.benchmarks import profile
-
-    batch = _batch(target_tokens // SEQ_LEN, seed=target_tokens)
-    with backend.use(_mode(implementation)):
+    batch = make_batch(target_tokens // SEQ_LEN, seed=target_tokens)
+    with backend.use(kernel_mode(implementation)):
         start = time.perf_counter()
-        train_step = _build(implementation, name, batch)
+        train_step = build_step(implementation, name, batch)
         first_loss = float(train_step.run(batch))
         compile_s = time.perf_counter() - start
         # Steps are dispatched back to back, as a training loop does, so the host's dispatch of a step overlaps the
@@ -236,7 +86,7 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
             "loss_after_timing": last_loss,
         }
         if profile_steps:
-            record["profile"] = profile.step_breakdown(
+            record["profile"] = kernel_trace.step_breakdown(
                 train_step, batch, profile_steps, None if trace_dir is None else trace_dir / implementation)
     return record
 
@@ -281,9 +131,9 @@ def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, in
     candidate = predicted
     for _ in range(3):
         try:
-            batch = _batch(candidate // SEQ_LEN, seed=0)
-            with backend.use(_mode(implementation)):
-                train_step = _build(implementation, name, batch)
+            batch = make_batch(candidate // SEQ_LEN, seed=0)
+            with backend.use(kernel_mode(implementation)):
+                train_step = build_step(implementation, name, batch)
                 jax.block_until_ready(train_step.run(batch))
             return {"predicted_tokens": predicted, "verified_tokens": candidate}
         except Exception as err:  # noqa: BLE001 - out-of-memory surfaces as several exception types
@@ -333,7 +183,7 @@ class ResultFile:
     def open(cls, out_dir: Path, header: dict[str, Any], fresh: bool) -> "ResultFile":
         path = out_dir / f"e2e-{common.device_slug()}.json"
         results = {} if fresh or not path.exists() else json.loads(path.read_text())["results"]
-        return cls(path, header, results, common.utc_now(), runlog.git_commit())
+        return cls(path, header, results, runlog.utc_now(), runlog.git_commit())
 
     def add(self, key: str, record: dict[str, Any]) -> None:
         self.results[key] = {**record, "run": self.run, "commit": self.commit}

@@ -32,7 +32,7 @@ import numpy as np
 
 from ls_jax import backend, ops
 from train.benchmarks import common
-from train.benchmarks import profile
+from train.benchmarks import kernel_trace
 
 ACTIVATION = jnp.bfloat16
 PARAM = jnp.float32
@@ -233,8 +233,8 @@ def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float,
         kernel_ms = {}
         if jax.default_backend() == "gpu":
             calls = 10
-            kernel_ms = profile.kernel_time_by_name(
-                profile.trace_gpu_kernels(lambda: fn(workload.primals, cotangent), calls), calls
+            kernel_ms = kernel_trace.kernel_time_by_name(
+                kernel_trace.trace_gpu_kernels(lambda: fn(workload.primals, cotangent), calls), calls
             )
     seconds = timing["median_s"]
     bandwidth = workload.bytes_moved / seconds

@@ -1,4 +1,5 @@
-"""Figures of a `train.report.Comparison`, as PNG files drawn with matplotlib's Agg canvas (no display needed).
+"""Figures of a `Comparison` (`train.report.scoring`), as PNG files drawn with matplotlib's Agg canvas (no display
+needed).
 
 * time vs cost and time vs energy: one point per run, marker and colour by device kind, labelled with the run's
   row number; estimated energy is drawn hollow, measured energy filled;
@@ -15,7 +16,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from train.report import Comparison, Plot, Run, si_scale, speedups_by_model_and_batch, time_scale
+from train.report.runs import Run
+from train.report.scoring import Comparison, speedups_by_model_and_batch
+from train.report.tables import Plot, si_scale, time_scale
 
 MARKERS = "osD^vP*Xh<>p"
 TIME_VS_COST = "time_vs_cost.png"

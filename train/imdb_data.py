@@ -1,7 +1,7 @@
 """Sentiment classification data for ``python -m train.imdb``: sources, vocabularies, fixed-shape batches.
 
 Sources (``--data``, and ``--test-data`` for a separate test set):
-  ``synthetic``       movie reviews generated from code (`synthetic_review`), with a test set of their own;
+  ``synthetic``       movie reviews generated from code (`train.imdb_synthetic`), with a test set of their own;
   ``csv:PATH``        a CSV file with a header row;
   ``jsonl:PATH``      one JSON object per line;
   ``tfds:NAME``       a TensorFlow Datasets set such as ``imdb_reviews`` (its ``train`` and ``test`` splits;
@@ -16,7 +16,7 @@ shape and the training step compiles once.
 Batches. An epoch is a permutation of the training examples drawn from ``(seed, epoch)``, cut into steps of
 ``grad_accum`` micro-batches of ``batch_size`` rows (over all devices); the last step is filled up with empty
 rows (all pad ids, label -1), which carry no weight. Every host computes the same plan and builds only its own
-rows of each step (`train.input_pipeline.host_rows`).
+rows of each step (`train.data.host_rows`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from train import imdb_synthetic
 from train import tokenizer as tokenizer_lib
-from train.input_pipeline import DataError, EpochStream, host_rows, import_tfds
+from train.data import EpochStream, host_rows, import_tfds
+from train.errors import DataError
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -57,97 +59,11 @@ class Split:
 
 # ------------------------------------------------------------------------------------- the synthetic task
 
-# The score of a review is the sum of its clauses' scores; its label is 1 when the score is positive.
-#   opinion clause   polarity (+1 / -1), doubled by an intensifier ("very", "extremely", ...; a downtoner
-#                    such as "somewhat" leaves it as it is), with the opposite sign when negated ("not",
-#                    "never", "did not");
-#   "but"            the clause after it counts twice (the contrast is the reviewer's conclusion);
-#   neutral clause   (a neutral adjective, or a remark about the viewing) counts 0.
-# A review has one or two opinion clauses and up to two neutral ones; one whose score is 0 is drawn again.
-# Counting sentiment words cannot solve it: negation flips them, intensifiers and contrast change their weight.
-SUBJECTS = (
-    "the movie", "the film", "the plot", "the acting", "the script", "the ending", "the soundtrack", "the cast",
-    "the dialogue", "the story", "the camera work", "the villain", "the pacing", "the lead actress", "the sequel",
-)
-LINKING_VERBS = ("was", "is", "felt", "seemed")
-POSITIVE_ADJECTIVES = (
-    "good", "great", "wonderful", "brilliant", "moving", "funny", "clever", "beautiful", "charming", "gripping",
-    "superb", "delightful", "fresh", "smart", "entertaining",
-)
-NEGATIVE_ADJECTIVES = (
-    "bad", "awful", "boring", "dull", "terrible", "weak", "silly", "clumsy", "tedious", "lame", "messy", "bland",
-    "painful", "stupid", "forgettable",
-)
-NEUTRAL_ADJECTIVES = ("long", "short", "loud", "old", "new", "dark", "colorful", "foreign", "familiar", "unusual")
-# (base form, past tense): "i loved the plot", "i did not love the plot".
-POSITIVE_VERBS = (("like", "liked"), ("love", "loved"), ("enjoy", "enjoyed"), ("admire", "admired"))
-NEGATIVE_VERBS = (("hate", "hated"), ("dislike", "disliked"), ("regret", "regretted"), ("resent", "resented"))
-INTENSIFIERS = ("very", "really", "extremely", "truly", "incredibly")
-DOWNTONERS = ("somewhat", "slightly", "a bit", "fairly", "mildly")
-REMARKS = (
-    "i saw it last week", "my friend recommended it", "it is about two brothers", "it runs about two hours",
-    "i watched it on a sunday", "it was shot in canada", "the theater was half empty", "i went with my sister",
-    "it came out in the nineties", "it is based on a novel",
-)
-CONNECTIVES = ("and", ".", ";", ", and")
-MODIFIERS = ("", *INTENSIFIERS, *DOWNTONERS)
-STRENGTH = {"": 1, **{word: 2 for word in INTENSIFIERS}, **{word: 1 for word in DOWNTONERS}}
-# No modifier half of the time, else any intensifier or downtoner with equal odds.
-MODIFIER_ODDS = (0.5, *[0.5 / (len(MODIFIERS) - 1)] * (len(MODIFIERS) - 1))
-
-
-def _choice(rng: np.random.Generator, options: Sequence[Any]) -> Any:
-    return options[rng.integers(len(options))]
-
-
-def _opinion_clause(rng: np.random.Generator) -> tuple[list[str], int]:
-    """The words of a clause expressing an opinion, and its score."""
-    polarity = 1 if rng.random() < 0.5 else -1
-    negated = rng.random() < 0.35
-    modifier = MODIFIERS[rng.choice(len(MODIFIERS), p=MODIFIER_ODDS)]
-    score = polarity * STRENGTH[modifier] * (-1 if negated else 1)
-    modifiers = modifier.split()
-    if rng.random() < 0.25:
-        base, past = _choice(rng, POSITIVE_VERBS if polarity > 0 else NEGATIVE_VERBS)
-        verb = ["did", "not", *modifiers, base] if negated else [*modifiers, past]
-        return ["i", *verb, *_choice(rng, SUBJECTS).split()], score
-    adjective = _choice(rng, POSITIVE_ADJECTIVES if polarity > 0 else NEGATIVE_ADJECTIVES)
-    negation = [_choice(rng, ("not", "never"))] if negated else []
-    return [*_choice(rng, SUBJECTS).split(), _choice(rng, LINKING_VERBS), *negation, *modifiers, adjective], score
-
-
-def _neutral_clause(rng: np.random.Generator) -> list[str]:
-    if rng.random() < 0.5:
-        return _choice(rng, REMARKS).split()
-    return [*_choice(rng, SUBJECTS).split(), _choice(rng, LINKING_VERBS), _choice(rng, NEUTRAL_ADJECTIVES)]
-
-
-def synthetic_review(rng: np.random.Generator) -> tuple[str, int]:
-    """One review of one or two opinion clauses and up to two neutral ones, and its label (see above)."""
-    while True:
-        clauses: list[tuple[list[str], int]] = [_opinion_clause(rng) for _ in range(rng.integers(1, 3))]
-        clauses += [(_neutral_clause(rng), 0) for _ in range(rng.integers(0, 3))]
-        order = rng.permutation(len(clauses))
-        words, score = list(clauses[order[0]][0]), clauses[order[0]][1]
-        for index in order[1:]:
-            clause, clause_score = clauses[index]
-            contrast = clause_score != 0 and rng.random() < 0.3
-            words += (["but"] if contrast else _choice(rng, CONNECTIVES).split()) + clause
-            score += 2 * clause_score if contrast else clause_score
-        if score != 0:
-            return " ".join(words), int(score > 0)
-
 
 def synthetic_splits(seed: int, *, train: int = SYNTHETIC_TRAIN_EXAMPLES, test: int = SYNTHETIC_TEST_EXAMPLES
                      ) -> dict[str, Split]:
-    """``train`` and ``test`` reviews from the generator seeded with ``seed``; no text is in both."""
-    rng = np.random.default_rng(seed)
-    reviews: dict[str, int] = {}
-    while len(reviews) < train + test:
-        text, label = synthetic_review(rng)
-        reviews.setdefault(text, label)
-    texts = list(reviews)
-    labels = np.asarray(list(reviews.values()), np.int64)
+    """``train`` and ``test`` reviews of `train.imdb_synthetic` seeded with ``seed``; no text is in both."""
+    texts, labels = imdb_synthetic.distinct_reviews(train + test, seed)
     return {
         "train": Split(texts[:train], labels[:train], "synthetic train"),
         "test": Split(texts[train:], labels[train:], "synthetic test"),

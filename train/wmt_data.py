@@ -1,7 +1,7 @@
 """Parallel text in, token batches out: reading, encoding, length filtering and token-based batching.
 
 Sources (``--data``):
-  ``synthetic``            the toy task of `train.synthetic`, generated in memory;
+  ``synthetic``            the toy task of `train.wmt_synthetic`, generated in memory;
   ``text:DIR``             ``DIR/{train,valid,test}.{src,tgt}``, one sentence per line, test optional;
   ``tfds:NAME``            a TensorFlow Datasets translation set such as ``wmt14_translate/de-en``
                            (needs the optional ``tensorflow-datasets`` package; imported only here).
@@ -28,17 +28,17 @@ takes rows ``[p*rows/P, (p+1)*rows/P)``); the slices form one global batch shard
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import math
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from train import synthetic
 from train import tokenizer as tokenizer_lib
+from train import wmt_synthetic
+from train.data import EpochStream, host_rows, import_tfds
+from train.errors import DataError
 
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
@@ -49,15 +49,11 @@ BUCKET_GROWTH = 1.1
 Corpus = dict[str, tuple[list[str], list[str]]]
 
 
-class DataError(ValueError):
-    """The data cannot be used as given (missing or empty files, impossible batch sizes, ...)."""
-
-
 # ----------------------------------------------------------------------------------------------- reading
 
 
 def synthetic_corpus(seed: int = 0, *, train: int = 20000, valid: int = 500, test: int = 500) -> Corpus:
-    splits = synthetic.synthetic_corpus(train, valid, test, seed=seed)
+    splits = wmt_synthetic.synthetic_corpus(train, valid, test, seed=seed)
     return {name: ([s for s, _ in pairs], [t for _, t in pairs]) for name, pairs in splits.items()}
 
 
@@ -94,22 +90,6 @@ def read_text_corpus(directory: str | Path, src_lang: str, tgt_lang: str) -> Cor
 
 
 TFDS_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
-
-
-def import_tfds() -> ModuleType:
-    """tensorflow_datasets, imported only when a ``tfds:`` source is read.
-
-    Raises:
-      DataError: it is not installed; the message says how to install it.
-    """
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as err:
-        raise DataError(
-            "--data tfds:... needs tensorflow-datasets and tensorflow: "
-            "pip install 'ls-jax[data]' (or pip install tensorflow-datasets tensorflow-cpu)"
-        ) from err
-    return tfds
 
 
 def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | None = None) -> Corpus:
@@ -314,58 +294,6 @@ def token_counts(data: ParallelData, indices: np.ndarray) -> dict[str, int]:
     source = int(data.src.lengths[real].sum()) + len(real)
     target = int(data.tgt.lengths[real].sum()) + len(real)
     return {"tokens": source + target, "target_tokens": target}
-
-
-def host_rows(indices: np.ndarray, process_index: int, process_count: int) -> np.ndarray:
-    """This host's contiguous slice of the rows (axis -1) of a step's indices."""
-    rows = indices.shape[-1]
-    if rows % process_count:
-        raise DataError(f"{rows} rows per micro-batch cannot be split over {process_count} hosts")
-    share = rows // process_count
-    return indices[..., process_index * share : (process_index + 1) * share]
-
-
-@dataclasses.dataclass(kw_only=True)
-class EpochStream(abc.ABC):
-    """Training batches epoch after epoch, resumable at ``position`` = (epoch, step index within the epoch).
-
-    A subclass plans the steps of an epoch (`_plan_for`, deterministic in ``(seed, epoch)``) and turns one planned
-    step into ``(batch, counts)`` (`_batch`): this host's rows and the step's global counts.
-    """
-
-    seed: int
-    process_index: int = 0
-    process_count: int = 1
-    epoch: int = 0
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        self._plan = self._plan_for(self.epoch)
-
-    @abc.abstractmethod
-    def _plan_for(self, epoch: int) -> Sequence[Any]: ...
-
-    @abc.abstractmethod
-    def _batch(self, step: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]: ...
-
-    @property
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self._plan)
-
-    def __iter__(self) -> Iterator[tuple[dict[str, np.ndarray], dict[str, int]]]:
-        return self
-
-    def __next__(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        if self.index >= len(self._plan):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._plan = self._plan_for(self.epoch)
-        step = self._plan[self.index]
-        self.index += 1
-        return self._batch(step)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,171 @@
+"""The Transformer training steps the end-to-end benchmarks compare, built three ways on the same batches.
+
+Fixed-length 64-token source and target sentences, a shared 32768 vocabulary, dropout 0.1 everywhere, label
+smoothing 0.1, AdamW, bf16 compute with f32 params:
+  reference  train/reference_model.py, plain Flax linen + optax, all XLA; the f32 params are cast to bf16 for
+             every use;
+  ls_jax_xla ls_jax.models.Transformer + ls_jax.optim with every op on its XLA implementation; the f32 params
+             are the optimizer's master weights (the bf16 params their high halves, the optimizer state their
+             low halves), and its step writes the bf16 params the model computes with;
+  ls_jax_ffi the same with the CUDA kernels.
+The step's loss and optimizer run under the ``criterion`` and ``optimizer`` name scopes, which the kernel
+attribution of `train.benchmarks.kernel_trace` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from train.reference_model import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
+
+VOCAB = 32768
+SEQ_LEN = 64
+LABEL_SMOOTHING = 0.1
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01
+IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    encoder_layers: int
+    decoder_layers: int
+
+
+MODELS = {
+    "tiny-2e2d": ModelShape(128, 256, 4, 2, 2),  # --quick only: a CPU smoke run of the whole benchmark
+    "base-6e6d": ModelShape(512, 2048, 8, 6, 6),
+    "big-6e6d": ModelShape(1024, 4096, 16, 6, 6),
+    "big-12e12d": ModelShape(1024, 4096, 16, 12, 12),
+    "big-24e24d": ModelShape(1024, 4096, 16, 24, 24),
+}
+QUICK_MODEL = "tiny-2e2d"
+LS_JAX_PRESETS = {
+    "tiny-2e2d": "transformer-tiny",
+    "base-6e6d": "transformer-base",
+    "big-6e6d": "transformer-big",
+    "big-12e12d": "transformer-big-12e12d",
+    "big-24e24d": "transformer-big-24e24d",
+}
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A train step compiled once for one batch shape, donating its state; ``run()`` advances the state."""
+
+    compiled: Any
+    state: Any
+
+    def run(self, batch) -> jax.Array:
+        self.state, loss = self.compiled(self.state, batch)
+        return loss
+
+    def memory_bytes(self) -> int:
+        """Device memory the step needs: arguments + outputs - donated aliases + temporaries (XLA's analysis)."""
+        analysis = self.compiled.memory_analysis()
+        return int(
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes
+        )
+
+
+def compile_step(step: Callable[..., Any], state: Any, batch) -> TrainStep:
+    return TrainStep(jax.jit(step, donate_argnums=0).lower(state, batch).compile(), state)
+
+
+def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
+    """Random ``src``, ``tgt_in`` and ``labels`` of (num_sentences, SEQ_LEN) tokens; ``tgt_in`` is BOS + labels."""
+    rng = np.random.default_rng(seed)
+    tokens = lambda: jnp.asarray(rng.integers(4, VOCAB, (num_sentences, SEQ_LEN), dtype=np.int32))
+    target = tokens()
+    bos = jnp.ones((num_sentences, 1), jnp.int32)
+    return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}
+
+
+def reference_step(shape: ModelShape, batch) -> TrainStep:
+    cfg = ReferenceConfig(
+        vocab_size=VOCAB,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_heads=shape.heads,
+        num_encoder_layers=shape.encoder_layers,
+        num_decoder_layers=shape.decoder_layers,
+    )
+    model = ReferenceTransformer(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
+            with jax.named_scope("criterion"):
+                loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
+            return loss_sum / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return (params, opt_state, rng), loss
+
+    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
+
+
+def ls_jax_step(name: str, batch) -> TrainStep:
+    from ls_jax import ops
+    from ls_jax import optim
+    from ls_jax.models import PAD_ID, Transformer, TransformerConfig
+
+    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
+    model = Transformer(config)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
+    opt_state = tx.init(params)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+
+        def loss_fn(p):
+            logits = model.apply(
+                {"params": p}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
+            )
+            with jax.named_scope("criterion"):
+                loss_sum, _, count = ops.label_smoothed_cross_entropy(
+                    logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
+                )
+            return loss_sum / count
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        with jax.named_scope("optimizer"):
+            params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
+        return (params, opt_state, rng), loss
+
+    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
+
+
+def build_step(implementation: str, name: str, batch) -> TrainStep:
+    """The compiled step of ``implementation`` for model ``name`` (a key of MODELS) at ``batch``'s shape."""
+    if implementation == "reference":
+        return reference_step(MODELS[name], batch)
+    return ls_jax_step(name, batch)
+
+
+def kernel_mode(implementation: str) -> str:
+    """The ls_jax backend an implementation runs under."""
+    return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]

@@ -1,0 +1,148 @@
+"""The command line every training entry point shares: the common flags and their defaults, the ``--help``
+epilog, range checks of the values, and the exit codes.
+
+Exit codes: 0 finished; 2 bad input (one ``error:`` line names the problem); 1 the loss became NaN (the last good
+checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ls_jax import backend as backend_lib
+from train import metrics as metrics_lib
+from train.checkpoints import Checkpoints
+from train.errors import DataError, UsageError
+from train.loop import TrainResult
+from train.optimizer import OPTIMIZERS
+from train.precision import PRECISION_DTYPES
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every training entry point shares (task flags are added by the task)."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--steps", type=int, help="optimizer steps to train for")
+    group.add_argument("--optimizer", choices=OPTIMIZERS, help="ls_jax.optim fused optimizer (default adamw)")
+    group.add_argument("--lr", type=float, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
+    group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
+    group.add_argument("--clip-norm", type=float, help="clip gradients to this global L2 norm (0: no clipping)")
+    group.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
+    group.add_argument("--precision", choices=("auto", *PRECISION_DTYPES),
+                       help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
+                            "fp16 uses dynamic loss scaling")
+    group.add_argument("--master-weights", action="store_const", const=True,
+                       help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
+                            "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
+    group.add_argument("--backend", choices=("auto", "ffi", "xla"),
+                       help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect")
+    group.add_argument("--seed", type=int, help="seed of initialization, dropout and data order")
+
+    group = parser.add_argument_group("logging and checkpoints")
+    group.add_argument("--run-dir", help="run directory (default runs/<run_id>)")
+    group.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its latest checkpoint, exactly; flags given now "
+                            "override its saved configuration (e.g. --steps to train longer)")
+    group.add_argument("--log-every", type=int, help="steps per interval record")
+    group.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
+    group.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)")
+    group.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
+    group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                       help="no progress bar")
+    group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
+                       help="no TensorBoard event files")
+
+    group = parser.add_argument_group("cost and hardware")
+    group.add_argument("--price-per-hour", type=float,
+                       help="USD per device-hour for the cost estimate (overrides the built-in table)")
+    group.add_argument("--device-name", choices=metrics_lib.DEVICE_NAMES,
+                       help="use this entry of the device table (peak FLOP/s, price, power) instead of matching "
+                            "JAX's device_kind")
+    group.add_argument("--distributed", action="store_const", const=True,
+                       help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)")
+
+
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "steps": 1000,
+    "optimizer": "adamw",
+    "lr": 5e-4,
+    "warmup_steps": 4000,
+    "weight_decay": 1e-4,
+    "clip_norm": 0.0,
+    "grad_accum": 1,
+    "precision": "auto",
+    "master_weights": False,
+    "backend": "auto",
+    "seed": 0,
+    "run_dir": None,
+    "resume": None,
+    "log_every": 100,
+    "eval_every": 0,
+    "checkpoint_every": 1000,
+    "keep_checkpoints": 3,
+    "progress": True,
+    "tensorboard": True,
+    "price_per_hour": None,
+    "device_name": None,
+    "distributed": False,
+}
+
+
+def defaults_epilog(defaults: Mapping[str, Any], synthetic: Mapping[str, Any], real: Mapping[str, Any],
+                    notes: str = "") -> str:
+    """The ``--help`` epilog of an entry point: its defaults, those that depend on the data, then ``notes``."""
+
+    def line(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+
+    by_data = set(synthetic) | set(real)
+    common = {k: v for k, v in defaults.items() if v is not None and not isinstance(v, bool) and k not in by_data}
+    return (
+        f"defaults: {line(common)}\n"
+        f"with --data synthetic: {line(synthetic)}\n"
+        f"with real data: {line(real)}\n"
+        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
+    )
+
+
+def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
+                 fractions: Iterable[str] = ()) -> None:
+    """Raises UsageError naming the flag when a set option is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    def flag(key: str) -> str:
+        return "--" + key.replace("_", "-")
+
+    for key in at_least_one:
+        if config[key] is not None and config[key] < 1:
+            raise UsageError(f"{flag(key)} must be >= 1, got {config[key]}")
+    for key in non_negative:
+        if config[key] is not None and config[key] < 0:
+            raise UsageError(f"{flag(key)} must be >= 0, got {config[key]}")
+    for key in fractions:
+        if config[key] is not None and not 0.0 <= config[key] < 1.0:
+            raise UsageError(f"{flag(key)} must be in [0, 1), got {config[key]}")
+    if config["lr"] <= 0:
+        raise UsageError(f"--lr must be > 0, got {config['lr']}")
+
+
+def exit_code(result: TrainResult, checkpoints: Checkpoints) -> int:
+    """0 finished; 1 NaN (saying which checkpoint is the last good one); 128 + signal number after a signal."""
+    if result.stop_reason == "nan":
+        saved = checkpoints.all_steps()
+        kept = f"the last good checkpoint is step {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint was written"
+        print(f"error: the loss became NaN after step {result.steps}; {kept}", file=sys.stderr)
+        return 1
+    if result.stop_reason == "signal":
+        return 128 + int(result.signal_number)
+    return 0
+
+
+def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
+    """Runs an entry point; bad input (flags, data, files, a missing optional package or kernel library) is one
+    ``error:`` line and exit code 2."""
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

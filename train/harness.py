@@ -1,0 +1,199 @@
+"""One training sequence for every task: `run_training(task)`.
+
+A `Task` says what makes an entry point its own: its flags and defaults, and, for one run, a `TaskSetup` with the
+model's initial parameters, the loss, the data stream, the FLOP count, the evaluation, the learning-rate schedule
+and what the run record says about the model, batch and data. The harness owns the rest, the same for every task:
+flags shared by all tasks, the run directory and ``--resume``, hardware, precision, data parallelism, the
+optimizer, compilation, checkpoints, signals, the run log, the summary and the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from ls_jax import backend as backend_lib
+from train import cli, runlog
+from train.checkpoints import CHECKPOINT_DIR, Checkpoints
+from train.data import EpochStream
+from train.hardware import Hardware, detect_hardware
+from train.loop import LoopConfig, TrainResult, train
+from train.optimizer import make_optimizer
+from train.parallel import DataParallel
+from train.precision import master_dtype, precision_signature
+from train.rundir import Run, load_saved_config, prepare_run_dir, restore_latest, save_config
+from train.runlog import RunLog
+from train.step import LossFn, TrainState, make_train_step
+from train.step_compiler import StepCompiler
+
+BatchShapes = dict[str, tuple[tuple[int, ...], Any]]  # name -> (global shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSetup:
+    """What a task built for one run (data read, model configured): everything the harness needs to train it."""
+
+    init_params: Callable[[jax.Array], Any]  # params from an init key; traced under jit, unless pretrained is given
+    init_rng: jax.Array  # split into the init key and the base key of the train state's dropout streams
+    loss_fn: LossFn
+    stream: EpochStream  # the training batches from the start; the harness moves it to a checkpoint's position
+    batch_shapes: list[BatchShapes]  # every global batch shape the stream yields, compiled before training
+    flops_fn: Callable[[Mapping[str, tuple[int, ...]]], float]
+    evaluate: Callable[[TrainState, bool], list[dict[str, Any]]]
+    learning_rate: optax.Schedule
+    steps: int
+    eval_every: int  # 0: only at the end
+    checkpoint_every: int
+    model_signature: dict[str, Any]  # what a checkpoint must agree on (the harness adds optimizer and precision)
+    model_name: str  # the run record's model, batch, data and config
+    batch_record: dict[str, Any]
+    data_record: dict[str, Any]
+    config_record: dict[str, Any]
+    pretrained_params: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A training entry point, ``python -m train.<name>``, as `run_training` drives it."""
+
+    name: str  # also the run record's task
+    counted: tuple[str, ...]  # what a step counts (tokens, examples): the run log's throughput keys
+    metric: str  # the quality metric the final summary names (BLEU, accuracy)
+    build_parser: Callable[[], argparse.ArgumentParser]  # the task's flags and `cli.add_training_arguments`
+    resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], dict[str, Any]]  # (given, saved)
+    check_config: Callable[[Mapping[str, Any]], None]  # raises UsageError naming a flag out of range
+    setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
+    throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
+    score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
+
+
+def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
+    """Trains ``task`` as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit code."""
+    return cli.run_command(lambda args: _start(task, args), argv)
+
+
+def _start(task: Task, argv: list[str]) -> int:
+    """Parses and checks the flags, joins the distributed job, prepares the run directory, then trains.
+
+    The backend is selected (and, for ``--backend ffi``, the kernels loaded) before anything compiles, so a
+    missing kernel library fails at once rather than mid-compilation.
+    """
+    started_at, started_utc = time.monotonic(), runlog.utc_now()
+    given = vars(task.build_parser().parse_args(argv))
+    saved = load_saved_config(given["resume"]) if given.get("resume") else None
+    config = task.resolve_config(given, saved)
+    task.check_config(config)
+    if config["distributed"]:
+        jax.distributed.initialize()
+    run_id = saved["run_id"] if saved else runlog.new_run_id()
+    run_dir = prepare_run_dir(config, run_id)
+    command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
+    with backend_lib.use(config["backend"]):
+        backend_lib.active_backend()
+        return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+
+
+def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
+                  parallel: DataParallel) -> TrainState:
+    """The step-0 state, replicated: the pretrained params or ones drawn from the init key."""
+    init_key, train_key = jax.random.split(setup.init_rng)
+
+    def create(pretrained):
+        params = setup.init_params(init_key) if pretrained is None else pretrained
+        return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
+
+    return jax.jit(create, out_shardings=parallel.replicated)(setup.pretrained_params)
+
+
+def param_count(params: Any) -> int:
+    return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
+
+
+def _train(task: Task, run: Run) -> int:
+    config, run_dir = run.config, run.run_dir
+    is_main = jax.process_index() == 0
+    hardware = detect_hardware(config)
+    precision = hardware.precision
+    parallel = DataParallel.over_all_devices()
+
+    setup = task.setup(run, precision, parallel)
+    signature = {**setup.model_signature, "optimizer": config["optimizer"], **precision_signature(config, precision)}
+    param_dtype = master_dtype(config, precision)
+    tx = make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
+                        clip_norm=config["clip_norm"], master_dtype=param_dtype)
+    state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, parallel=parallel)
+    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
+    stream, counters = setup.stream, None
+    if config["resume"]:
+        state, position, counters = restore_latest(checkpoints, state, signature, run_dir)
+        stream = stream.at(position)
+
+    compiler = StepCompiler(make_train_step(setup.loss_fn, tx), parallel)
+    if is_main:
+        shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
+        print(f"compiling the training step{shapes}", file=sys.stderr)
+    compiler.precompile(state, setup.batch_shapes)
+
+    run_log = RunLog(run_dir, task.counted, enabled=is_main, tensorboard=config["tensorboard"])
+    save_config(run_dir, {**config, "run_id": run.run_id})
+    if not config["resume"]:
+        run_log.write(runlog.run_record(
+            task.name, run, hardware, optimizer=config["optimizer"], model=setup.model_name,
+            params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
+            config=setup.config_record,
+        ))
+    result = train(
+        state,
+        compiler=compiler,
+        parallel=parallel,
+        stream=stream,
+        flops_fn=setup.flops_fn,
+        lr_fn=lambda step: float(setup.learning_rate(step)),
+        evaluate=setup.evaluate,
+        hardware=hardware,
+        run_log=run_log,
+        checkpoints=checkpoints,
+        model_signature=signature,
+        config=LoopConfig(
+            num_steps=setup.steps, log_every=config["log_every"], eval_every=setup.eval_every,
+            checkpoint_every=setup.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
+        ),
+        counters=counters,
+    )
+    return _finish(task, result, run_dir, run_log, checkpoints, hardware)
+
+
+def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def _finish(task: Task, result: TrainResult, run_dir: Path, run_log: RunLog, checkpoints: Checkpoints,
+            hardware: Hardware) -> int:
+    """Closes the run, prints its summary on the main host and returns the process exit code (`cli.exit_code`)."""
+    run_log.close()
+    checkpoints.close()
+    hardware.energy.close()
+    if jax.process_index() == 0:
+        s = result.summary
+        evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
+        scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
+        print(
+            f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
+            f"({s['wall_time_s']:.1f} s wall)\n"
+            f"  throughput  {task.throughput(s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
+            f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
+            f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
+            f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
+            f"  final loss  {format_value(s['final_loss'], '.4f')}, {task.metric} {scores}\n"
+            f"  run dir     {run_dir}"
+        )
+    return cli.exit_code(result, checkpoints)

@@ -1,0 +1,92 @@
+"""The run directory: where a run keeps its configuration, run log and checkpoints, and how ``--resume`` continues
+a run from it exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from train import runlog
+from train.checkpoints import CheckpointMismatchError, Checkpoints
+from train.errors import UsageError
+from train.loop import Counters
+from train.step import TrainState
+
+CONFIG_FILENAME = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What an entry point's training function starts from."""
+
+    config: dict[str, Any]  # resolved: defaults < saved (on --resume) < given
+    given: dict[str, Any]  # the flags of this invocation
+    run_id: str
+    run_dir: Path
+    command: str  # the command line, for the run record
+    started_at: float  # time.monotonic() at start, for wall_time_s
+    started_utc: str
+
+
+def load_saved_config(run_dir: str | Path) -> dict[str, Any]:
+    """The resolved configuration a run saved in its directory (what ``--resume`` starts from)."""
+    path = Path(run_dir) / CONFIG_FILENAME
+    if not path.is_file():
+        raise UsageError(f"--resume {run_dir}: no {CONFIG_FILENAME} there; is it a run directory?")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def prepare_run_dir(config: Mapping[str, Any], run_id: str) -> Path:
+    """The run directory (``--resume``, ``--run-dir`` or runs/<run_id>), created and proven writable.
+
+    Raises:
+      UsageError: a new run would overwrite an existing one, or the directory cannot be written.
+    """
+    if config["resume"]:
+        run_dir = Path(config["resume"])
+    else:
+        run_dir = Path(config["run_dir"] or Path("runs") / run_id)
+        if (run_dir / runlog.LOG_FILENAME).exists():
+            raise UsageError(f"{run_dir} already holds a run; pass --resume {run_dir} or another --run-dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"cannot write the run directory {run_dir}: {err.strerror or err}") from err
+    return run_dir
+
+
+def save_config(run_dir: Path, config: Mapping[str, Any]) -> None:
+    if jax.process_index() == 0:
+        (run_dir / CONFIG_FILENAME).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+
+
+def restore_latest(
+    checkpoints: Checkpoints, state: TrainState, model_signature: dict[str, Any], run_dir: Path
+) -> tuple[TrainState, dict[str, int], Counters]:
+    """(state, data position, counters) of the latest checkpoint, restored onto ``state``'s shardings.
+
+    The run log is cut back to the checkpoint's step (`train.runlog.truncate_for_resume`).
+
+    Raises:
+      UsageError: no checkpoint, or one written for another model or vocabulary.
+    """
+    step = checkpoints.latest_step()
+    if step is None:
+        raise UsageError(f"--resume {run_dir}: no checkpoint in {checkpoints.directory}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    try:
+        state, progress = checkpoints.restore(step, abstract, model_signature)
+    except CheckpointMismatchError as err:
+        raise UsageError(f"{err}; a resumed run needs the vocabulary and model it was trained with") from err
+    if jax.process_index() == 0:
+        runlog.truncate_for_resume(run_dir, step)
+        print(f"resuming {run_dir} at step {step}", file=sys.stderr)
+    return state, progress["data"], Counters.from_dict(progress["counters"])

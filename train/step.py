@@ -1,0 +1,129 @@
+"""One optimizer step: the train state, fp16 dynamic loss scaling, and gradient accumulation over micro-batches.
+
+A task supplies ``loss_fn(params, micro_batch, rng) -> (loss_sum, weight, sums)``: the summed loss of one
+micro-batch, the weight it is normalized by (target tokens, examples) and other sums to report per weight (e.g.
+``nll``). One step (`make_train_step`) scans over the micro-batches, summing gradients of the summed loss, and
+divides by the total weight, so accumulation gives the gradient of the mean over every token of the step:
+
+    g = sum_i grad(loss_sum_i) / sum_i weight_i
+
+then applies the optimizer (``ls_jax.optim.fused_apply``). With fp16 the loss is multiplied by a dynamic
+scale s before differentiation and the gradients by 1/s after; a step whose gradients are not finite is skipped
+(parameters and optimizer state unchanged), the scale halves, and it doubles after ``growth_interval`` finite
+steps in a row. Without loss scaling a non-finite loss or gradient is reported (``finite``) for the loop to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import ls_jax.optim
+
+Batch = dict[str, np.ndarray]
+LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class DynamicLossScale:
+    """fp16 loss scale: halves on a non-finite step, doubles after ``growth_interval`` finite steps."""
+
+    scale: jax.Array  # f32 scalar
+    finite_steps: jax.Array  # int32 scalar: finite steps since the last change
+    growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
+
+    @classmethod
+    def create(cls, initial_scale: float = 2.0**7, growth_interval: int = 2000) -> DynamicLossScale:
+        """Starts at 2**7 as fairseq does: the loss being scaled is a sum over thousands of tokens."""
+        return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), growth_interval)
+
+    def update(self, finite: jax.Array) -> DynamicLossScale:
+        grow = finite & (self.finite_steps + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2.0, self.scale), jnp.maximum(self.scale * 0.5, 1.0))
+        finite_steps = jnp.where(finite & ~grow, self.finite_steps + 1, 0)
+        return self.replace(scale=scale, finite_steps=finite_steps)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; a checkpoint saves exactly this."""
+
+    step: jax.Array  # int32 scalar: steps taken (skipped fp16 steps included)
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2] base key; step n uses fold_in(rng, n)
+    loss_scale: DynamicLossScale | None = None
+
+    @classmethod
+    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool,
+               param_dtype: Any = None) -> TrainState:
+        """The step-0 state; ``param_dtype`` casts the params after ``tx.init`` has seen them (master weights:
+        the optimizer keeps the f32 values, the model trains the cast ones)."""
+        opt_state = tx.init(params)
+        if param_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            rng=rng,
+            loss_scale=DynamicLossScale.create() if fp16 else None,
+        )
+
+
+def _sum_trees(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation) -> Callable[[TrainState, Batch], tuple]:
+    """``step(state, batch) -> (state, metrics)``; batch leaves have shape (grad_accum, rows, ...).
+
+    ``metrics`` holds the sums over the step (``loss``, ``weight`` and the task's sums), the global gradient
+    norm before clipping, ``finite`` and the loss scale used (1 without fp16).
+    """
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        step_rng = jax.random.fold_in(state.rng, state.step)
+        scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
+
+        def micro_step(index, micro_batch):
+            def scaled_loss(params):
+                loss_sum, weight, sums = loss_fn(params, micro_batch, jax.random.fold_in(step_rng, index))
+                totals = {"loss": loss_sum, "weight": weight, **sums}
+                return loss_sum * scale, jax.tree.map(lambda x: x.astype(jnp.float32), totals)
+
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(state.params)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), totals
+
+        def accumulate(carry, inputs):
+            grads, totals = micro_step(*inputs)
+            return (_sum_trees(carry[0], grads), _sum_trees(carry[1], totals)), None
+
+        # The first micro-batch starts the sums, so one micro-batch needs no loop at all.
+        grads, totals = micro_step(0, jax.tree.map(lambda x: x[0], batch))
+        num_micro = jax.tree.leaves(batch)[0].shape[0]
+        if num_micro > 1:
+            rest = jax.tree.map(lambda x: x[1:], batch)
+            (grads, totals), _ = jax.lax.scan(accumulate, (grads, totals), (jnp.arange(1, num_micro), rest))
+
+        denominator = scale * jnp.maximum(totals["weight"], 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(totals["loss"])
+        params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if state.loss_scale is not None:
+            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731 - skip a non-finite fp16 step
+            new_state = new_state.replace(
+                params=jax.tree.map(keep_old, params, state.params),
+                opt_state=jax.tree.map(keep_old, opt_state, state.opt_state),
+                loss_scale=state.loss_scale.update(finite),
+            )
+        return new_state, {**totals, "grad_norm": grad_norm, "finite": finite, "loss_scale": scale}
+
+    return train_step

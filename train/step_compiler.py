@@ -1,0 +1,72 @@
+"""The training step compiled ahead of training, once per distinct batch shape, with XLA's FLOP count of each.
+
+Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
+compilation. The step takes the replicated state and a batch sharded along its row axis (axis 1, after the
+grad-accumulation axis), and donates the state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+
+from train import metrics as metrics_lib
+from train.parallel import DataParallel
+from train.step import TrainState
+
+
+class StepCompiler:
+    """Compiles the step once per distinct batch shape and remembers XLA's FLOP count for each."""
+
+    def __init__(self, step_fn: Callable, parallel: DataParallel):
+        self._jitted = jax.jit(
+            step_fn,
+            in_shardings=(parallel.replicated, parallel.rows_sharding(1)),
+            out_shardings=(parallel.replicated, parallel.replicated),
+            donate_argnums=(0,),
+        )
+        self._parallel = parallel
+        self._compiled: dict[tuple, Any] = {}
+        self.xla_flops: dict[tuple, float | None] = {}
+
+    @staticmethod
+    def key(batch: Mapping[str, Any]) -> tuple:
+        return tuple(sorted((name, tuple(value.shape), str(value.dtype)) for name, value in batch.items()))
+
+    def compiled(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        key = self.key(batch)
+        if key not in self._compiled:
+            self._store(key, self._lower(state, batch).compile())
+        return self._compiled[key]
+
+    def precompile(self, state: TrainState, global_shapes: Iterable[Mapping[str, tuple[tuple[int, ...], Any]]]) -> None:
+        """Compiles every given global batch shape ({name: (shape, dtype)}) ahead of training.
+
+        Tracing runs here, one shape after another (it reads the kernel mode of this thread); the XLA
+        compilations, which release the GIL, then run side by side in threads.
+        """
+        lowered = {}
+        for shapes in global_shapes:
+            batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
+            key = self.key(batch)
+            if key not in self._compiled and key not in lowered:
+                lowered[key] = self._lower(state, batch)
+        if not lowered:
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
+            for key, compiled in zip(lowered, pool.map(lambda item: item.compile(), lowered.values())):
+                self._store(key, compiled)
+
+    def _lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        sharding = self._parallel.rows_sharding(1)
+        abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}
+        return self._jitted.lower(state, abstract)
+
+    def _store(self, key: tuple, compiled: Any) -> None:
+        self._compiled[key] = compiled
+        # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
+        single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
+        self.xla_flops[key] = metrics_lib.xla_flops(compiled) if single_micro_batch else None

@@ -7,12 +7,16 @@ i.e. with probability ``1 - threshold / 2**16`` (the rate rounded to a multiple 
 dropout draws 8 bits). One Philox call thus serves eight elements, which halves the integer work the kernels spend
 on masks against 32-bit draws. The CUDA kernels compute the same draws, so both backends drop exactly the same
 elements for the same seed, and a backward pass regenerates its mask from the seed instead of storing it.
+
+Every op with dropout takes its seed helpers from here: ``dropout_seed`` (a seed from a JAX key),
+``dropout_attributes`` (the kernels' threshold and scale) and ``seed_operand`` (the kernels' seed input).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _PHILOX_M0 = 0xD2511F53
 _PHILOX_M1 = 0xCD9E8D57
@@ -33,6 +37,18 @@ def keep_threshold(rate: float) -> int:
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
     return min(int(round(rate * 2.0**_DRAW_BITS)), 2**_DRAW_BITS - 1)
+
+
+def dropout_attributes(rate: float) -> dict[str, np.generic]:
+    """FFI attributes of a kernel that drops at ``rate``: ``threshold`` (uint32, ``keep_threshold``) and ``scale``
+    (f32 multiplier of kept elements, rounded from ``1 / (1 - rate)`` as the XLA implementation's f32 arithmetic
+    rounds it), so both backends drop and scale identically. Rate 0 gives (0, 1): no dropout."""
+    return {"threshold": np.uint32(keep_threshold(rate)), "scale": np.float32(1.0 / (1.0 - rate))}
+
+
+def seed_operand(seed: jax.Array | None) -> jax.Array:
+    """The seed operand of a dropout kernel: ``seed``, or zeros (never read) when the rate is 0."""
+    return jnp.zeros((2,), jnp.uint32) if seed is None else seed
 
 
 def _mulhilo(a: jax.Array, multiplier: int) -> tuple[jax.Array, jax.Array]:

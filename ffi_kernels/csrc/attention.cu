@@ -242,8 +242,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-__device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
-
 // Scores of a warp's 16 rows against every key: s[j] is the C fragment of keys 8j..8j+7.
 template <typename T, int kKeyTiles>
 __device__ __forceinline__ void row_products(float (&s)[kKeyTiles][4], const Tile& rows, int row0, const Tile& cols,

@@ -517,9 +517,8 @@ __host__ __device__ inline int padded(int length) { return (length + 15) / 16 * 
 
 // Whether the kernels for up to kMaxKeys keys pipeline heads (pipelined_heads). At 64 keys 4 (backward) to 6
 // (forward) blocks share an SM and overlap one another's copies and math already; a second stage of tiles would
-// halve them (H100, per Transformer-big layer at 64 positions: backward 82 -> 102 us, forward 44 -> 46 us). At 128
-// keys one block fills an SM's registers, and copying its next head during the math gained forward 179 -> 154 us,
-// backward 287 -> 265 us per layer.
+// halve them, and measured slower. At 128 keys one block fills an SM's registers, and copying its next head during
+// the math measured faster both ways (ffi_kernels/NOTES.md).
 template <int kMaxKeys>
 inline constexpr bool kPipelinesHeads = kMaxKeys == 128;
 

@@ -7,7 +7,6 @@ import pytest
 
 from ls_jax import ops
 from ls_jax.ops import _common, random
-from ls_jax.ops.dropout import dropout_attributes
 from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, value_and_grads
 from test_ops_support import normal, seed_array
 
@@ -105,7 +104,7 @@ def test_the_backward_rejects_a_keep_mask_of_the_wrong_shape():
     outputs = (jax.ShapeDtypeStruct(qkv.shape, BF16), jax.ShapeDtypeStruct((1, 1, 3, 2, 64), F32))
     call = jax.ffi.ffi_call("ls_attention_bwd", outputs)
     backward = jax.jit(lambda keep_bits: call(dout, qkv, qkv, bias, lse, keep_bits, causal=False,
-                                              logit_scale=np.float32(0.125), **dropout_attributes(0.1)))
+                                              logit_scale=np.float32(0.125), **random.dropout_attributes(0.1)))
     message = r"keep_bits must have shape \(1, 2, 16, 2\), got \(1, 2, 16, 16\)"
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         jax.block_until_ready(backward(jnp.zeros((1, 2, 16, 16), jnp.uint8)))

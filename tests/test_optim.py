@@ -133,7 +133,7 @@ def test_update_without_params():
 
 def _adan_by_hand(params, *, steps, lr, weight_decay, restart_every=None, proximal=False):
     """optax.scale_by_adan's direction, re-initialized every ``restart_every`` steps, then the weight decay."""
-    scale = optax.scale_by_adan(eps_root=0.0)
+    scale = optax.scale_by_adan(eps_root=1e-8)  # optax.adan's default, and ours
     state, history = scale.init(params), []
     for step in range(steps):
         if restart_every and step % restart_every == 0:

@@ -242,8 +242,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-__device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
-
 // Scores of a warp's 16 rows against every key: s[j] is the C fragment of keys 8j..8j+7.
 template <typename T, int kKeyTiles>
 __device__ __forceinline__ void row_products(float (&s)[kKeyTiles][4], const Tile& rows, int row0, const Tile& cols,
@@ -519,8 +517,8 @@ __host__ __device__ inline int padded(int length) { return (length + 15) / 16 * 
 
 // Whether the kernels for up to kMaxKeys keys pipeline heads (pipelined_heads). At 64 keys 4 (backward) to 6
 // (forward) blocks share an SM and overlap one another's copies and math already; a second stage of tiles would
-// halve them and measured slower. At 128 keys one block fills an SM's registers, and copying its next head during
-// the math is faster (both measured in ffi_kernels/NOTES.md).
+// halve them, and measured slower. At 128 keys one block fills an SM's registers, and copying its next head during
+// the math measured faster both ways (ffi_kernels/NOTES.md).
 template <int kMaxKeys>
 inline constexpr bool kPipelinesHeads = kMaxKeys == 128;
 

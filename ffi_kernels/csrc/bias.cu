@@ -1,4 +1,4 @@
-// The elementwise fusions after a bias-free GEMM (math and shapes: ls_jax/ops/dropout.py):
+// The elementwise fusions after a bias-free GEMM (math and shapes: ls_jax/ops/bias.py):
 //   bias_dropout_residual   y = r + (x + b) * m            dx = dy * m,               db = sum_rows(dx)
 //   bias_act_dropout        y = act(x + b) * m             dx = dy * m * act'(x + b), db = sum_rows(dx)
 // with m = keep / (1 - rate) from the Philox seed (regenerated in the backward, never stored). For relu the
@@ -35,7 +35,7 @@ constexpr int kForwardBlocksPerSm = 4;
 constexpr int kForwardMinBlocks = 4;
 constexpr int kBackwardMinBlocks = 3;
 
-// Matches ls_jax/ops/dropout.py ACTIVATIONS order; kIdentity is bias_dropout_residual's; kReluMask is the
+// Matches ls_jax/ops/bias.py ACTIVATIONS order; kIdentity is bias_dropout_residual's; kReluMask is the
 // relu backward that reads the forward's mask of y > 0 (never sent from Python as an activation code).
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3, kReluMask = 4 };
 
@@ -127,14 +127,6 @@ __global__ void __launch_bounds__(kBlockThreads, kForwardMinBlocks)
       }
     }
   }
-}
-
-template <typename T>
-bool vectorizable(int64_t cols, std::initializer_list<const void*> pointers) {
-  if (cols % kVecWidth<T> != 0) return false;
-  for (const void* pointer : pointers)
-    if (pointer != nullptr && !is_aligned(pointer, 16)) return false;
-  return true;
 }
 
 // The relu mask from y, where the forward kernel's threads own fewer columns than a byte (f32, or rows that are

@@ -12,6 +12,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -177,7 +179,49 @@ __device__ __forceinline__ void store_floats(T* __restrict__ ptr, const float (&
   *reinterpret_cast<Pack<T, N>*>(ptr) = pack;
 }
 
+// store_floats with every 16 bytes written by one explicit vector store (st.global.wb.v4) when W elements of T
+// fill whole 16-byte vectors, else store_floats itself. In grid-stride, two-sweep and multi-tensor loops nvcc
+// splits some 16-byte Pack copies into 4-byte stores and does not merge them back; this keeps them 16 bytes wide.
+template <int W, typename T>
+__device__ __forceinline__ void store_vector(T* __restrict__ ptr, const float (&v)[W]) {
+  constexpr int kBytes = W * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    Pack<T, W> pack;
+#pragma unroll
+    for (int i = 0; i < W; ++i) pack.v[i] = from_float<T>(v[i]);
+    uint4 words[kBytes / 16];
+    memcpy(words, &pack, kBytes);
+    uint4* out = reinterpret_cast<uint4*>(ptr);
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) __stwb(out + i, words[i]);
+  } else {
+    store_floats<W>(ptr, v);
+  }
+}
+
 inline bool is_aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// Whether rows of `cols` elements of T can be read and written as 16-byte vectors (kVecWidth<T> elements): cols
+// is a multiple of the width and every pointer is 16-byte aligned (a null pointer, an absent operand, passes).
+template <typename T>
+bool vectorizable(int64_t cols, std::initializer_list<const void*> pointers) {
+  if (cols % kVecWidth<T> != 0) return false;
+  for (const void* pointer : pointers)
+    if (pointer != nullptr && !is_aligned(pointer, 16)) return false;
+  return true;
+}
+
+// The same over buffers (a null pointer, an absent optional buffer, passes).
+template <typename T>
+bool vectorizable(int64_t cols, std::initializer_list<const ffi::AnyBuffer*> buffers) {
+  for (const ffi::AnyBuffer* buffer : buffers)
+    if (buffer != nullptr && !is_aligned(buffer->untyped_data(), 16)) return false;
+  return cols % kVecWidth<T> == 0;
+}
+
+// A row maximum that is not finite (every logit -inf) is replaced by 0, as XLA's softmax does, so the
+// exponentials of the row are all 0 and its probabilities 0.
+__device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
 
 // ---- reductions -----------------------------------------------------------------------------------------
 

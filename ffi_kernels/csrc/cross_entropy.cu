@@ -24,8 +24,6 @@
 //   attributes on_label: f32, off_label: f32, pad_id: i64, ignore_pad: bool
 #include "common.cuh"
 
-#include <cstring>
-
 namespace ls {
 namespace {
 
@@ -60,23 +58,6 @@ __device__ __forceinline__ RowSplit split_row(const T* row, int64_t vocab) {
     const int64_t head = to_boundary < vocab ? to_boundary : vocab;
     const int64_t vectors = (vocab - head) / W;
     return {static_cast<int>(head), vectors, static_cast<int>(vocab - head - vectors * W)};
-  }
-}
-
-// store_floats, except that a 16-byte vector is written by one explicit (weak, default-cached) vector store:
-// in grid-stride loops nvcc splits some 16-byte Pack copies into 4-byte stores.
-template <int W, typename T>
-__device__ __forceinline__ void store_vector(T* __restrict__ ptr, const float (&v)[W]) {
-  if constexpr (W * sizeof(T) == 16) {
-    Pack<T, W> pack;
-#pragma unroll
-    for (int i = 0; i < W; ++i) pack.v[i] = from_float<T>(v[i]);
-    uint4 bits;
-    memcpy(&bits, &pack, sizeof(bits));
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(bits.x), "r"(bits.y), "r"(bits.z),
-                 "r"(bits.w));
-  } else {
-    store_floats<W>(ptr, v);
   }
 }
 

@@ -165,15 +165,6 @@ ffi::Error check_row_buffers(const ffi::AnyBuffer& activation, std::initializer_
   return ffi::Error::Success();
 }
 
-// The 16-byte vector width when the row length and every pointer allow it, else 1.
-template <typename T>
-bool vectorizable(int64_t cols, std::initializer_list<const ffi::AnyBuffer*> buffers) {
-  if (cols % kVecWidth<T> != 0) return false;
-  for (const ffi::AnyBuffer* buffer : buffers)
-    if (buffer != nullptr && !is_aligned(buffer->untyped_data(), 16)) return false;
-  return true;
-}
-
 ffi::Error forward(cudaStream_t stream, const ForwardArgs& a, float eps) {
   if (a.bias) {
     LS_RETURN_IF_ERROR(check_row_buffers(a.x, {a.residual, &a.y, a.sum}, {&a.gamma, &a.beta, a.bias},

@@ -103,32 +103,6 @@ __device__ __forceinline__ void load_any(const void* base, uint8_t type, int64_t
   }
 }
 
-__device__ __forceinline__ uint16_t bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ __forceinline__ uint16_t bits_of(__half v) { return __half_as_ushort(v); }
-
-// N elements at ptr: N = kVec (16-byte aligned) as st.global.v4 through the __stwb intrinsic, N = 1 as a
-// scalar. (In this kernel nvcc splits common.cuh's Pack stores into scalar stores and does not merge them
-// back; the intrinsic keeps them 16 bytes wide.)
-template <int N, typename T>
-__device__ __forceinline__ void store_vector(T* ptr, const float (&v)[N]) {
-  if constexpr (N == 1) {
-    store_floats<1>(ptr, v);
-  } else if constexpr (std::is_same_v<T, float>) {
-    static_assert(N == 8, "f32 vectors are two float4");
-    float4* out = reinterpret_cast<float4*>(ptr);
-    __stwb(out, make_float4(v[0], v[1], v[2], v[3]));
-    __stwb(out + 1, make_float4(v[4], v[5], v[6], v[7]));
-  } else {
-    static_assert(N == 8, "16-bit vectors are one uint4");
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      words[i] = bits_of(from_float<T>(v[2 * i])) | (static_cast<uint32_t>(bits_of(from_float<T>(v[2 * i + 1]))) << 16);
-    }
-    __stwb(reinterpret_cast<uint4*>(ptr), make_uint4(words[0], words[1], words[2], words[3]));
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void store_any(void* base, uint8_t type, int64_t index, const float (&v)[N]) {
   switch (type) {

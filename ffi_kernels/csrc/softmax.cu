@@ -25,7 +25,6 @@
 //       attributes logit_scale: f32, threshold: u32, scale: f32; threshold 0 and scale 1 mean no dropout
 #include "common.cuh"
 
-#include <cstring>
 #include <optional>
 
 namespace ls {
@@ -101,10 +100,6 @@ __device__ __forceinline__ void to_logits(float (&v)[W], int64_t col, const RowC
   for (int i = 0; i < W; ++i) v[i] = col + i < row.visible ? v[i] : -INFINITY;
 }
 
-// A row maximum that is not finite (every logit -inf) is replaced by 0, as XLA's implementation does, so the
-// exponentials of the row are all 0 and its probabilities 0.
-__device__ __forceinline__ float finite_or_zero(float m) { return isfinite(m) ? m : 0.0f; }
-
 __device__ __forceinline__ float reciprocal_or_zero(float total) { return total > 0.0f ? 1.0f / total : 0.0f; }
 
 // Reduces each of v[0..K) over aligned groups of kLanes lanes (a power of two up to 32); every lane of the
@@ -134,23 +129,6 @@ struct MaybeDropout {
     if (on) dropout.apply<W>(first, v);
   }
 };
-
-// store_floats, except that a 16-byte vector is written by one explicit (weak, default-cached) vector store:
-// in the two-sweep loops nvcc splits some 16-byte Pack copies into 4-byte stores.
-template <int W, typename T>
-__device__ __forceinline__ void store_vector(T* __restrict__ ptr, const float (&v)[W]) {
-  if constexpr (W * sizeof(T) == 16) {
-    Pack<T, W> pack;
-#pragma unroll
-    for (int i = 0; i < W; ++i) pack.v[i] = from_float<T>(v[i]);
-    uint4 bits;
-    memcpy(&bits, &pack, sizeof(bits));
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(bits.x), "r"(bits.y), "r"(bits.z),
-                 "r"(bits.w));
-  } else {
-    store_floats<W>(ptr, v);
-  }
-}
 
 // ---- register layout: lane groups holding whole rows -----------------------------------------------------
 
@@ -468,15 +446,6 @@ ffi::Error launch_backward(cudaStream_t stream, const T* dy, const T* probs, T* 
     return launch_error("softmax_bwd_row_kernel");
   };
   return launch_by_length<W>(keys, group, row);
-}
-
-// The 16-byte width of T when the row length and every buffer allow it, else 1.
-template <typename T>
-bool vectorizable(int64_t keys, std::initializer_list<const void*> buffers) {
-  if (keys % kVecWidth<T> != 0) return false;
-  for (const void* buffer : buffers)
-    if (buffer != nullptr && !is_aligned(buffer, 16)) return false;
-  return true;
 }
 
 // ---- handlers -------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from ls_jax import ops
 from ls_jax.layers.common import CacheIndex, DeferredResidual, dense, dropout_args, pre_norm, sublayer_output
 from ls_jax.layers.config import LayerConfig
-from ls_jax.ops.attention import attention_unfused
 
 
 class MultiHeadAttention(nn.Module):
@@ -86,7 +85,7 @@ class MultiHeadAttention(nn.Module):
     def _attend_cached(self, qkv: jax.Array, rate: float, seed: jax.Array | None) -> jax.Array:
         """Causal self-attention of this call's (B, L, 3, heads, d) qkv over the KV cache extended with it."""
         key, value, visible = self._extend_cache(qkv[:, :, 1], qkv[:, :, 2])
-        return attention_unfused(
+        return ops.attention_unfused(
             qkv[:, :, 0], key, value, visible, causal=visible is None, dropout_rate=rate, seed=seed
         )
 

@@ -140,8 +140,7 @@ class TransformerDecoder(nn.Module):
         """
         cross_key_value, src_mask = self._cross_key_values(encoded, src_mask, decode)
         # Split rather than index: the gradient of L slices is L zero-padded arrays that XLA adds up, each
-        # element L times (most of Transformer-big 24e24d's "other" time: ffi_kernels/NOTES.md), the gradient of
-        # a split one concatenation.
+        # element L times, the gradient of a split one concatenation.
         layer_key_values = jax.lax.split(cross_key_value, (1,) * self.num_layers, axis=2)
         for index, key_value in enumerate(layer_key_values):
             x = TransformerDecoderLayer(self.config, name=f"layer_{index}")(

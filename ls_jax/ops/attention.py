@@ -29,8 +29,8 @@ Two formulations:
       backward(dout, sources, bias, key_mask, keep_bits, lse) -> (d_sources, d_bias)
     and the XLA one (for a computation lowered for another platform) recomputes the probabilities from lse.
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
-    backend for shapes the fused kernels do not take (then ``attn_softmax`` runs its kernels). On XLA it is
-    faster than the recomputing formulation (measured on the Transformer-big step: ffi_kernels/NOTES.md).
+    backend for shapes the fused kernels do not take (then ``attn_softmax`` runs its kernels). On XLA it
+    measured faster than the recomputing formulation.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import numpy as np
 from ls_jax import backend
 from ls_jax.ops import _common
 from ls_jax.ops import random
-from ls_jax.ops.dropout import dropout_attributes, kernel_seed
 from ls_jax.ops.softmax import attn_softmax
 
 _f32 = jnp.float32
@@ -156,7 +155,7 @@ def _mask_operand(key_mask):
 
 def _kernel_attributes(q_source, causal, dropout_rate):
     return dict(
-        causal=causal, logit_scale=np.float32(q_source.shape[-1] ** -0.5), **dropout_attributes(dropout_rate)
+        causal=causal, logit_scale=np.float32(q_source.shape[-1] ** -0.5), **random.dropout_attributes(dropout_rate)
     )
 
 
@@ -167,8 +166,8 @@ def _forward_ffi(sources, bias, key_mask, seed, *, causal, dropout_rate):
     keep_bits = jax.ShapeDtypeStruct(_keep_bits_shape(sources, dropout_rate), jnp.uint8)
     call = jax.ffi.ffi_call("ls_attention_fwd", (out, lse, keep_bits), vmap_method="sequential")
     # A packed qkv is passed as both sources.
-    return call(sources[0], sources[-1], _bias_operand(sources, bias), kernel_seed(seed), *_mask_operand(key_mask),
-                **_kernel_attributes(sources[0], causal, dropout_rate))
+    operands = (sources[0], sources[-1], _bias_operand(sources, bias), random.seed_operand(seed))
+    return call(*operands, *_mask_operand(key_mask), **_kernel_attributes(sources[0], causal, dropout_rate))
 
 
 def _backward_ffi(dout, sources, bias, key_mask, keep_bits, lse, *, causal, dropout_rate):

@@ -26,7 +26,6 @@ import numpy as np
 
 from ls_jax.ops import _common
 from ls_jax.ops import random
-from ls_jax.ops.dropout import dropout_attributes, kernel_seed
 
 _f32 = jnp.float32
 
@@ -78,7 +77,7 @@ def _kernel_attributes(static: _Static, token_scale: float) -> dict[str, np.gene
         "token_scale": np.float32(token_scale),
         "has_padding": static.padding_id is not None,
         "padding_id": np.int64(0 if static.padding_id is None else static.padding_id),
-        **dropout_attributes(static.rate),
+        **random.dropout_attributes(static.rate),
     }
 
 
@@ -87,9 +86,9 @@ def _forward_ffi(tokens, positions, table, pos_table, seed, *, static: _Static):
     attributes = _kernel_attributes(static, static.scale)
     if pos_table is None:
         call = jax.ffi.ffi_call("ls_embed_fwd", y, vmap_method="sequential")
-        return call(tokens, table, kernel_seed(seed), **attributes)
+        return call(tokens, table, random.seed_operand(seed), **attributes)
     call = jax.ffi.ffi_call("ls_embed_pos_fwd", y, vmap_method="sequential")
-    return call(tokens, positions, table, pos_table, kernel_seed(seed), **attributes)
+    return call(tokens, positions, table, pos_table, random.seed_operand(seed), **attributes)
 
 
 def _table_grad_ffi(dy, tokens, rows, shape, dtype, token_scale, seed, static: _Static):
@@ -109,7 +108,7 @@ def _table_grad_ffi(dy, tokens, rows, shape, dtype, token_scale, seed, static: _
     following = jnp.concatenate([start_or_end[1:], jnp.full(start_or_end[:1].shape, n, jnp.int32)])
     run_end = jnp.where(starts_run, jax.lax.cummin(following, reverse=True), position)
     call = jax.ffi.ffi_call("ls_embed_grad", jax.ShapeDtypeStruct((n, shape[1]), _f32), vmap_method="sequential")
-    sums = call(dy, sorted_tokens, order, run_end, kernel_seed(seed), **_kernel_attributes(static, token_scale))
+    sums = call(dy, sorted_tokens, order, run_end, random.seed_operand(seed), **_kernel_attributes(static, token_scale))
     indices = jnp.where(starts_run, keys, shape[0] + position)
     return jnp.zeros(shape, dtype).at[indices].add(sums.astype(dtype), mode="drop", unique_indices=True)
 

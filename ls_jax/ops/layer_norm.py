@@ -23,8 +23,8 @@ Implementations (XLA here, CUDA in ffi_kernels) share these signatures:
   add_forward(x, residual, gamma, beta) -> (y, s, mean, rstd)
   backward(dy, s, mean, rstd, gamma) -> (ds, dgamma, dbeta)
   add_backward(dy, dsum, s, mean, rstd, gamma) -> (ds, dgamma, dbeta)
-  bdr_forward(x, bias, residual, gamma, beta, seed) -> (y, s, mean, rstd)
-  bdr_backward(dy, dsum, s, mean, rstd, gamma, seed) -> (ds, dx, dgamma, dbeta, dbias)
+  bias_dropout_residual_forward(x, bias, residual, gamma, beta, seed) -> (y, s, mean, rstd)
+  bias_dropout_residual_backward(dy, dsum, s, mean, rstd, gamma, seed) -> (ds, dx, dgamma, dbeta, dbias)
 with ds, dx in the activation dtype and dgamma, dbeta, dbias in gamma's dtype.
 """
 
@@ -38,7 +38,8 @@ import numpy as np
 
 import ffi_kernels
 from ls_jax.ops import _common
-from ls_jax.ops.dropout import bdr_backward_xla, bdr_forward_xla, dropout_attributes, kernel_seed
+from ls_jax.ops import random
+from ls_jax.ops.bias import bias_dropout_residual_backward_xla, bias_dropout_residual_forward_xla
 
 _f32 = jnp.float32
 MAX_KERNEL_HIDDEN = 8192
@@ -125,29 +126,29 @@ def _add_backward_ffi(dy, dsum, s, mean, rstd, gamma):
     return ds, dgamma, dbeta
 
 
-def _bdr_forward_xla(x, bias, residual, gamma, beta, seed, *, eps, rate):
-    s = bdr_forward_xla(x, bias, residual, seed, rate=rate)
+def _bias_dropout_residual_layer_norm_forward_xla(x, bias, residual, gamma, beta, seed, *, eps, rate):
+    s = bias_dropout_residual_forward_xla(x, bias, residual, seed, rate=rate)
     y, mean, rstd = _normalize(s, gamma, beta, eps)
     return y, s, mean, rstd
 
 
-def _bdr_backward_xla(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
+def _bias_dropout_residual_layer_norm_backward_xla(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
     ds, dgamma, dbeta = _add_backward_xla(dy, dsum, s, mean, rstd, gamma)
-    dx, dbias = bdr_backward_xla(ds, seed, rate=rate, bias_dtype=gamma.dtype)
+    dx, dbias = bias_dropout_residual_backward_xla(ds, seed, rate=rate, bias_dtype=gamma.dtype)
     return ds, dx, dgamma, dbeta, dbias
 
 
-def _bdr_forward_ffi(x, bias, residual, gamma, beta, seed, *, eps, rate):
+def _bias_dropout_residual_layer_norm_forward_ffi(x, bias, residual, gamma, beta, seed, *, eps, rate):
     activation = jax.ShapeDtypeStruct(x.shape, x.dtype)
     stats = jax.ShapeDtypeStruct(x.shape[:-1], _f32)
     call = jax.ffi.ffi_call(
         "ls_bias_dropout_residual_layer_norm_fwd", (activation, activation, stats, stats), vmap_method="sequential"
     )
-    operands = (x, bias, residual, gamma, beta, kernel_seed(seed))
-    return call(*operands, eps=np.float32(eps), **dropout_attributes(rate))
+    operands = (x, bias, residual, gamma, beta, random.seed_operand(seed))
+    return call(*operands, eps=np.float32(eps), **random.dropout_attributes(rate))
 
 
-def _bdr_backward_ffi(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
+def _bias_dropout_residual_layer_norm_backward_ffi(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
     activation = jax.ShapeDtypeStruct(s.shape, s.dtype)
     param = jax.ShapeDtypeStruct(gamma.shape, gamma.dtype)
     call = jax.ffi.ffi_call(
@@ -155,7 +156,7 @@ def _bdr_backward_ffi(dy, dsum, s, mean, rstd, gamma, seed, *, rate):
         (activation, activation, param, param, param, _partials(s, 3)),
         vmap_method="sequential",
     )
-    *grads, _ = call(dy, dsum, s, mean, rstd, gamma, kernel_seed(seed), **dropout_attributes(rate))
+    *grads, _ = call(dy, dsum, s, mean, rstd, gamma, random.seed_operand(seed), **random.dropout_attributes(rate))
     return tuple(grads)
 
 
@@ -241,8 +242,8 @@ def _bias_dropout_residual_layer_norm(x, bias, residual, gamma, beta, seed, eps,
 
 
 def _bias_dropout_residual_layer_norm_fwd(x, bias, residual, gamma, beta, seed, eps, rate):
-    forward_xla = functools.partial(_bdr_forward_xla, eps=eps, rate=rate)
-    forward_ffi = functools.partial(_bdr_forward_ffi, eps=eps, rate=rate)
+    forward_xla = functools.partial(_bias_dropout_residual_layer_norm_forward_xla, eps=eps, rate=rate)
+    forward_ffi = functools.partial(_bias_dropout_residual_layer_norm_forward_ffi, eps=eps, rate=rate)
     y, s, mean, rstd = _common.dispatch(
         "layer_norm", forward_xla, forward_ffi, (x, bias, residual, gamma, beta, seed), _unsupported(x)
     )
@@ -251,8 +252,8 @@ def _bias_dropout_residual_layer_norm_fwd(x, bias, residual, gamma, beta, seed, 
 
 def _bias_dropout_residual_layer_norm_bwd(eps, rate, res, cotangents):
     s, mean, rstd, gamma, seed = res
-    backward_xla = functools.partial(_bdr_backward_xla, rate=rate)
-    backward_ffi = functools.partial(_bdr_backward_ffi, rate=rate)
+    backward_xla = functools.partial(_bias_dropout_residual_layer_norm_backward_xla, rate=rate)
+    backward_ffi = functools.partial(_bias_dropout_residual_layer_norm_backward_ffi, rate=rate)
     ds, dx, dgamma, dbeta, dbias = _common.dispatch(
         "layer_norm", backward_xla, backward_ffi, (*cotangents, s, mean, rstd, gamma, seed), _unsupported(s)
     )

@@ -7,12 +7,16 @@ i.e. with probability ``1 - threshold / 2**16`` (the rate rounded to a multiple 
 dropout draws 8 bits). One Philox call thus serves eight elements, which halves the integer work the kernels spend
 on masks against 32-bit draws. The CUDA kernels compute the same draws, so both backends drop exactly the same
 elements for the same seed, and a backward pass regenerates its mask from the seed instead of storing it.
+
+Every op with dropout takes its seed helpers from here: ``dropout_seed`` (a seed from a JAX key),
+``dropout_attributes`` (the kernels' threshold and scale) and ``seed_operand`` (the kernels' seed input).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _PHILOX_M0 = 0xD2511F53
 _PHILOX_M1 = 0xCD9E8D57
@@ -35,12 +39,24 @@ def keep_threshold(rate: float) -> int:
     return min(int(round(rate * 2.0**_DRAW_BITS)), 2**_DRAW_BITS - 1)
 
 
+def dropout_attributes(rate: float) -> dict[str, np.generic]:
+    """FFI attributes of a kernel that drops at ``rate``: ``threshold`` (uint32, ``keep_threshold``) and ``scale``
+    (f32 multiplier of kept elements, rounded from ``1 / (1 - rate)`` as the XLA implementation's f32 arithmetic
+    rounds it), so both backends drop and scale identically. Rate 0 gives (0, 1): no dropout."""
+    return {"threshold": np.uint32(keep_threshold(rate)), "scale": np.float32(1.0 / (1.0 - rate))}
+
+
+def seed_operand(seed: jax.Array | None) -> jax.Array:
+    """The seed operand of a dropout kernel: ``seed``, or zeros (never read) when the rate is 0."""
+    return jnp.zeros((2,), jnp.uint32) if seed is None else seed
+
+
 def _mulhilo(a: jax.Array, multiplier: int) -> tuple[jax.Array, jax.Array]:
     """High and low 32 bits of ``a * multiplier``, from one 64-bit product.
 
     The product is formed in uint64 inside a scoped ``jax.enable_x64`` (the caller's x64 setting is untouched;
-    only this intermediate is 64-bit): GPUs do it in one wide multiply, where four 16-bit partial products
-    measured slower in the XLA path's training step (ffi_kernels/NOTES.md).
+    only this intermediate is 64-bit): GPUs do it in one wide multiply, where four 16-bit partial products take
+    several.
     """
     with jax.enable_x64(True):
         product = a.astype(jnp.uint64) * jnp.uint64(multiplier)
@@ -98,8 +114,8 @@ def keep_mask(seed: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array
 
     Each draw is compared with the threshold behind an optimization barrier, before the interleave. XLA on GPU
     does not fuse the Philox rounds into the interleave's consumer, so something crosses memory between the two
-    fusions; the barrier makes that a 1-byte flag instead of a 4-byte word (measured in ffi_kernels/NOTES.md).
-    Without the barrier XLA moves the comparison into the consumer and writes the words.
+    fusions; the barrier makes that a 1-byte flag instead of a 4-byte word. Without the barrier XLA moves the
+    comparison into the consumer and writes the words.
     """
     size, words = _philox_words(seed, shape)
     threshold = jnp.uint32(keep_threshold(rate))

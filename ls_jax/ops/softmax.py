@@ -29,7 +29,6 @@ import numpy as np
 
 from ls_jax.ops import _common
 from ls_jax.ops import random
-from ls_jax.ops.dropout import dropout_attributes, kernel_seed
 
 _f32 = jnp.float32
 
@@ -100,13 +99,14 @@ def _forward_ffi(scores, mask, seed, *, scale, causal, dropout_rate):
     """The ls_attn_softmax_fwd kernel on the (B, H, Q, K) view of scores. A float mask is passed as f32 (exact for
     every float dtype); without dropout the kernel writes only probs, which is then also y."""
     view = _scores_view(scores.shape)
-    operands = [scores.reshape(view), kernel_seed(seed)]
+    operands = [scores.reshape(view), random.seed_operand(seed)]
     if mask is not None:
         kernel_mask = mask if mask.dtype == jnp.bool_ else mask.astype(_f32)
         operands.append(kernel_mask.reshape(_mask_view(mask.shape, scores.shape)))
     out = jax.ShapeDtypeStruct(view, scores.dtype)
     call = jax.ffi.ffi_call("ls_attn_softmax_fwd", (out, out) if dropout_rate else (out,), vmap_method="sequential")
-    probs, *dropped = call(*operands, logit_scale=np.float32(scale), causal=causal, **dropout_attributes(dropout_rate))
+    attributes = random.dropout_attributes(dropout_rate)
+    probs, *dropped = call(*operands, logit_scale=np.float32(scale), causal=causal, **attributes)
     probs = probs.reshape(scores.shape)
     return (dropped[0].reshape(scores.shape) if dropped else probs), probs
 
@@ -115,7 +115,8 @@ def _backward_ffi(dy, probs, seed, *, scale, dropout_rate):
     """The ls_attn_softmax_bwd kernel: dropout regenerated from the seed, one pass over each row."""
     out = jax.ShapeDtypeStruct(probs.shape, probs.dtype)
     call = jax.ffi.ffi_call("ls_attn_softmax_bwd", out, vmap_method="sequential")
-    return call(dy, probs, kernel_seed(seed), logit_scale=np.float32(scale), **dropout_attributes(dropout_rate))
+    attributes = random.dropout_attributes(dropout_rate)
+    return call(dy, probs, random.seed_operand(seed), logit_scale=np.float32(scale), **attributes)
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

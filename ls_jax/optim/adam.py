@@ -10,7 +10,8 @@ global-norm clipping),
     p_t  = p_{t-1} - lr (u_t + wd p_{t-1})            (wd = 0 for adam and for leaves the mask excludes)
 
 State: ``AdamState(count, mu, nu)``, each moment a flat f32 workspace (``ls_jax.optim.workspace``), whatever
-the parameter dtype (optax's ``mu_dtype`` has no counterpart: the workspace is always f32).
+the parameter dtype. The signatures and defaults are optax's, so a call written for ``optax.adam(w)`` means the
+same here; its ``mu_dtype`` may only be None or float32, as the workspace is always f32.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _nesterov_direction(g, moments, s):
     return mu_hat / _denominator(nu, s)
 
 
+def _check_mu_dtype(mu_dtype: Any) -> None:
+    """Accepts optax's ``mu_dtype`` where it describes the f32 workspace (None or float32) and nothing else."""
+    if mu_dtype is not None and jnp.dtype(mu_dtype) != jnp.float32:
+        raise ValueError(f"mu_dtype must be None or float32 (the moments live in an f32 workspace), got {mu_dtype}")
+
+
 def _scalars(b1, b2, eps, eps_root) -> Callable[[jax.Array], dict[str, Any]]:
     def scalars(count):
         t = optax.safe_increment(count)
@@ -82,6 +89,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = None,
     weight_decay: optax.ScalarOrSchedule = 1e-4,
     mask: Any = None,
     *,
@@ -97,6 +105,7 @@ def adamw(
       b1, b2: decay rates in [0, 1) of the first and second moments.
       eps: added to the denominator's square root (>= 0).
       eps_root: added inside the square root (>= 0).
+      mu_dtype: None or float32, the dtype of the first moment (optax's argument; the workspace is f32).
       weight_decay: decoupled weight decay, a float >= 0 or a schedule.
       mask: a pytree of booleans (or a prefix of one, or a callable returning one from the params): True
         where weight decay applies; None decays every leaf.
@@ -117,6 +126,7 @@ def adamw(
     _engine.check_decay_rate("b2", b2)
     _engine.check_nonnegative("eps", eps)
     _engine.check_nonnegative("eps_root", eps_root)
+    _check_mu_dtype(mu_dtype)
     _engine.check_nonnegative("weight_decay", weight_decay, schedule_ok=True)
     rule = _engine.Rule(
         "adam_nesterov" if nesterov else "adam",
@@ -144,6 +154,7 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = None,
     *,
     nesterov: bool = False,
     max_grad_norm: float | None = None,
@@ -157,6 +168,7 @@ def adam(
         b2,
         eps,
         eps_root,
+        mu_dtype,
         weight_decay=0.0,
         nesterov=nesterov,
         max_grad_norm=max_grad_norm,

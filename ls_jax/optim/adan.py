@@ -96,7 +96,7 @@ def adan(
     b2: float = 0.92,
     b3: float = 0.99,
     eps: float = 1e-8,
-    eps_root: float = 0.0,
+    eps_root: float = 1e-8,
     weight_decay: optax.ScalarOrSchedule = 0.0,
     mask: Any = None,
     *,
@@ -108,8 +108,7 @@ def adan(
 ) -> FusedGradientTransformation:
     """Adan as an optax transformation with a fused ``apply`` (see ``ls_jax.optim.fused_apply``).
 
-    With the defaults and the same arguments it matches ``optax.adan`` (whose own ``eps_root`` default is
-    1e-8; pass it explicitly to compare).
+    Every default is ``optax.adan``'s, so with the same arguments (or none) it gives ``optax.adan``'s numbers.
 
     Args:
       learning_rate: a float >= 0 or an optax schedule of the step count.

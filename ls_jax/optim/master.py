@@ -38,8 +38,8 @@ class MasterWeightsState(NamedTuple):
     values either way.
 
     The master is per leaf rather than one flat workspace so that the XLA step writes each leaf's new master and
-    16-bit params from one fusion: concatenating 187 leaves' results into a workspace slowed the Transformer-big
-    step (ffi_kernels/NOTES.md, optimizer)."""
+    16-bit params from one fusion: concatenating every leaf's result into a workspace is one more pass over all
+    of them, which XLA runs slowly for hundreds of leaves."""
 
     inner: NamedTuple
     master: Any

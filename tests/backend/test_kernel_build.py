@@ -19,9 +19,9 @@ import ffi_kernels
 from ffi_kernels import build
 from ls_jax import backend, ops
 from ls_jax.ops import random
-from test_ops_support import normal, seed_array
+from helpers.ops import normal, seed_array
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The targets the dropout, LayerNorm and embedding kernels provide (other files add their own).
 EXPECTED_TARGETS = {

@@ -1,9 +1,9 @@
-"""Helpers shared by the GPU kernel tests tests/test_kernels_*.py (this module holds no tests).
+"""Helpers shared by the GPU kernel tests tests/kernels/test_kernels_*.py (this module holds no tests).
 
 Each kernel test runs an op under ``backend.use("ffi")`` and under ``backend.use("xla")`` in one process, on
 freshly jitted functions (a jitted function keeps the backend it was traced with), and compares outputs and
 gradients by relative error: max |ffi - xla| / max |xla| per leaf. Inputs and cotangents come from
-test_ops_support (normal, random_cotangent, seed_array).
+helpers.ops (normal, random_cotangent, seed_array).
 """
 
 from __future__ import annotations

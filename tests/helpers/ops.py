@@ -1,4 +1,4 @@
-"""Helpers shared by the tests/test_ops_*.py files (this module holds no tests).
+"""Helpers shared by the tests/ops/test_ops_*.py files (this module holds no tests).
 
 Every op test compares an ``ls_jax.ops`` function with a naive jax.numpy reference written in the test: outputs,
 and the VJP of both for the same random cotangent (autodiff through the reference gives the reference gradients).

@@ -8,8 +8,8 @@ import pytest
 from ls_jax import ops
 from ls_jax.ops import _common, random
 from ls_jax.ops.dropout import dropout_attributes
-from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, value_and_grads
-from test_ops_support import normal, seed_array
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
+from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
 

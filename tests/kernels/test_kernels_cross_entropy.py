@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ls_jax import backend, ops
-from test_kernels_support import assert_backends_agree, kernel_targets, on_backend
-from test_ops_support import normal
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend
+from helpers.ops import normal
 
 pytestmark = pytest.mark.gpu
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ls_jax import ops
-from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, value_and_grads
-from test_ops_support import normal, random_cotangent, seed_array
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
+from helpers.ops import normal, random_cotangent, seed_array
 
 pytestmark = pytest.mark.gpu
 

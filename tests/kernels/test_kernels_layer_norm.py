@@ -11,8 +11,8 @@ import pytest
 from ls_jax import ops
 from ls_jax.ops import _common
 from ls_jax.ops.layer_norm import MAX_KERNEL_HIDDEN
-from test_kernels_support import assert_backends_agree, kernel_targets, on_backend, relative_error, value_and_grads
-from test_ops_support import normal, random_cotangent, seed_array
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, relative_error, value_and_grads
+from helpers.ops import normal, random_cotangent, seed_array
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ from ls_jax.models import (
     TransformerConfig,
 )
 from ls_jax.models.decoding import beam_search, greedy_decode
-from test_kernels_support import kernel_targets, on_backend, relative_error
+from helpers.kernels import kernel_targets, on_backend, relative_error
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import pytest
 import ls_jax.optim as lo
 from ls_jax import backend
 from ls_jax.optim import master
-from test_optim_support import decay_matrices, mlp_grad, mlp_params, tied_params, warmup_cosine
+from helpers.optim import decay_matrices, mlp_grad, mlp_params, tied_params, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 

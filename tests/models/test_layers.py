@@ -22,7 +22,7 @@ from ls_jax.layers import (
     TransformerEncoderLayer,
     sinusoidal_positions,
 )
-from test_layers_support import normal, random_params
+from helpers.layers import normal, random_params
 
 HIDDEN, HEADS, FFN = 32, 4, 48
 ACTIVATIONS = {

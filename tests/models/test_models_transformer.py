@@ -13,8 +13,8 @@ import pytest
 from ls_jax.layers import CrossEntropyCriterion
 from ls_jax.models import BOS_ID, EOS_ID, PAD_ID, PRESETS, Transformer, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
-from test_layers_support import random_params
-from test_ops_support import jaxpr_output_shapes
+from helpers.layers import random_params
+from helpers.ops import jaxpr_output_shapes
 
 VOCAB = 16
 MAX_LEN = 8

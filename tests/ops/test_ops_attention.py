@@ -9,7 +9,7 @@ from ls_jax import backend, ops
 from ls_jax.ops import attention
 from ls_jax.ops.random import keep_mask
 from test_ops_softmax import reference_attn_softmax
-from test_ops_support import BF16, F32, check_vjp, normal, seed_array
+from helpers.ops import BF16, F32, check_vjp, normal, seed_array
 
 
 @pytest.fixture(params=["unfused", "fused"], autouse=True)

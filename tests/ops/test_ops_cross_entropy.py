@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from ls_jax.ops import label_smoothed_cross_entropy
-from test_ops_support import BF16, F32, assert_close, check_vjp, normal
+from helpers.ops import BF16, F32, assert_close, check_vjp, normal
 
 
 def fairseq_label_smoothed_nll(logits, labels, epsilon, pad_id):

@@ -8,7 +8,7 @@ import pytest
 
 from ls_jax import ops
 from ls_jax.layers import Dense
-from test_ops_support import BF16, F32, check_vjp, normal
+from helpers.ops import BF16, F32, check_vjp, normal
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

@@ -7,7 +7,7 @@ import pytest
 
 from ls_jax.ops import ACTIVATIONS, bias_act_dropout, bias_dropout_residual, dropout
 from ls_jax.ops.random import keep_mask
-from test_ops_support import BF16, F32, check_vjp, normal, seed_array
+from helpers.ops import BF16, F32, check_vjp, normal, seed_array
 
 
 def reference_dropout(x, keep, rate):

@@ -9,7 +9,7 @@ import pytest
 
 from ls_jax.ops import embed
 from ls_jax.ops.random import keep_mask
-from test_ops_support import BF16, F32, check_vjp, normal, random_cotangent, seed_array
+from helpers.ops import BF16, F32, check_vjp, normal, random_cotangent, seed_array
 
 PAD = 0
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ls_jax.ops import bias_dropout_residual, layer_norm
-from test_ops_support import BF16, F32, apply_vjp, assert_close, check_vjp, normal, random_cotangent, seed_array
+from helpers.ops import BF16, F32, apply_vjp, assert_close, check_vjp, normal, random_cotangent, seed_array
 
 EPS = 1e-5
 

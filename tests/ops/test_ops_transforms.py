@@ -18,7 +18,7 @@ import pytest
 
 from ls_jax import ops
 from ls_jax.ops._common import vary_together
-from test_ops_support import F32, apply_vjp, assert_close, normal, random_cotangent, seed_array, value_and_vjp
+from helpers.ops import F32, apply_vjp, assert_close, normal, random_cotangent, seed_array, value_and_vjp
 
 SEED = seed_array(0)
 _TOKENS = jnp.array([[5, 2, 7, 0], [1, 3, 3, 0]], jnp.int32)
@@ -221,7 +221,9 @@ def test_data_parallel_shard_map_and_sharded_jit():
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
-        PYTHONPATH=os.pathsep.join([str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [str(tests_dir.parents[1]), str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]
+        ),
     )
     result = subprocess.run(
         [sys.executable, "-c", "import test_ops_transforms as t; t.sharded_check()"],

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ls_jax.ops import random
-from test_ops_support import seed_array
+from helpers.ops import seed_array
 
 _MASK32 = 0xFFFFFFFF
 

@@ -9,8 +9,8 @@ import pytest
 import ls_jax.optim as lo
 from ls_jax import backend
 from ls_jax.optim import _engine, master
-from test_ops_support import jaxpr_output_shapes
-from test_optim_support import (
+from helpers.ops import jaxpr_output_shapes
+from helpers.optim import (
     assert_trajectories_close,
     assert_trees_close,
     decay_matrices,

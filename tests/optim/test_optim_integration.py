@@ -9,7 +9,7 @@ import pytest
 from flax.training import train_state
 
 import ls_jax.optim as lo
-from test_optim_support import (
+from helpers.optim import (
     MLP,
     assert_trajectories_close,
     assert_trees_close,

@@ -13,8 +13,8 @@ import pytest
 
 from train import compare, report, report_plots
 
-DATA = Path(__file__).parent / "data" / "compare"
-RESULTS = Path(__file__).parents[1] / "docs" / "results"
+DATA = Path(__file__).parents[1] / "data" / "compare"
+RESULTS = Path(__file__).parents[2] / "docs" / "results"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # Summary values of the fixture logs: train_time_s, cost_usd, energy_j, mfu.

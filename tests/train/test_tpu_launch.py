@@ -14,8 +14,8 @@ import pytest
 
 from tpu import launch
 
-REPO = Path(__file__).parents[1]
-FIXTURE_LOG = Path(__file__).parent / "data" / "compare" / "tpu-v3-8" / "run.jsonl"
+REPO = Path(__file__).parents[2]
+FIXTURE_LOG = Path(__file__).parents[1] / "data" / "compare" / "tpu-v3-8" / "run.jsonl"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 GCLOUD_TPU = ["gcloud", "compute", "tpus", "tpu-vm"]
 

@@ -8,7 +8,7 @@ import pytest
 
 from train import runlog
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "run-log.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "run-log.md"
 WMT_COUNTS = ("tokens", "target_tokens")
 
 

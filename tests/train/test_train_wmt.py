@@ -24,7 +24,7 @@ from ls_jax import backend
 from ls_jax.optim import master
 from train import runlog, tokenizer, wmt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLOP_TOLERANCE = 0.05
 # A small text-data job: short sentences (two step shapes), no dropout, a 300-piece vocabulary.
 SMALL = ["--preset", "transformer-tiny", "--max-len", "16", "--max-tokens", "512", "--spm-vocab-size", "300",

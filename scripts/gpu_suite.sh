@@ -31,7 +31,7 @@ for name in "$@"; do
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
         timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
-    cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/test_ops_transforms.py || status=1 ;;
+    cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops_transforms.py || status=1 ;;
     ops|optim|e2e|profile) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;

@@ -15,7 +15,8 @@ shows. Results go to docs/results/ops-<device>.json.
 ``--quick`` divides the row counts by 64 and takes few samples: a smoke test that also runs on CPU, where only
 the xla backend exists.
 
-Adding an op: write a ``Workload`` factory and append ``Case`` entries to ``CASES``.
+Adding an op: write a ``Workload`` factory and append ``Case`` entries to ``CASES`` (tests/bench/test_ops_bench.py
+checks that every ls_jax.ops function and fused form has one).
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ def layer_norm_workload(rows: int, hidden: int, residual: bool) -> Workload:
         primals = (x, gamma, beta)
         activations = (2 + 3) * rows * hidden * a
     return Workload(op, primals, f"{rows}x{hidden}", activations + 2 * stats + 5 * hidden * p)
+
+
+def bias_dropout_residual_layer_norm_workload(rows: int, hidden: int) -> Workload:
+    """LayerNorm of ``residual + dropout(x + bias)`` in one op, as a pre-LN layer's LayerNorm forms its deferred
+    residual. Forward reads x and the residual and writes y and the sum s plus f32 mean and rstd per row; the
+    backward reads dy, the cotangent of s and s and writes ds and dx (they differ by the dropout mask, which is
+    redrawn from the seed, not stored). Parameters: gamma, beta and bias read, gamma read again and their three
+    gradients written."""
+    seed = _seed()
+    op = lambda x, r, g, b, bias: ops.layer_norm(x, g, b, residual=r, bias=bias, dropout_rate=DROPOUT, seed=seed)
+    x, residual = _normal(0, (rows, hidden), ACTIVATION), _normal(1, (rows, hidden), ACTIVATION)
+    gamma, beta, bias = jnp.ones((hidden,), PARAM), jnp.zeros((hidden,), PARAM), _normal(2, (hidden,), PARAM)
+    stats = 2 * 4 * rows
+    moved = (4 + 5) * rows * hidden * _itemsize(ACTIVATION) + 2 * stats + 7 * hidden * _itemsize(PARAM)
+    return Workload(op, (x, residual, gamma, beta, bias), f"{rows}x{hidden}", moved)
 
 
 def dropout_workload(rows: int, hidden: int) -> Workload:
@@ -176,6 +192,27 @@ def self_attention_workload(batch: int, length: int) -> Workload:
     return Workload(op, primals, "x".join(map(str, shape)) + " causal", moved)
 
 
+def cross_attention_workload(batch: int, queries: int, keys: int) -> Workload:
+    """query (B, Q, 16, 64) with its f32 projection bias (16, 64) and key_value (B, K, 2, 16, 64), as the decoder's
+    cross-attention passes them, with a (B, K) key-padding mask (lengths K/2 .. K) and dropout on the
+    probabilities. Forward reads query and key_value and writes out and lse; backward reads dout, query, key_value
+    and lse and writes dquery and dkey_value (the keep mask counts as redrawn, as for self_attention)."""
+    seed = _seed()
+    lengths = np.random.default_rng(0).integers(keys // 2, keys + 1, size=batch)
+    mask = jnp.asarray(np.arange(keys)[None, :] < lengths[:, None])
+    op = lambda query, key_value, bias: ops.cross_attention(query, key_value, mask, bias=bias, dropout_rate=DROPOUT,
+                                                            seed=seed)
+    head_dim = HIDDEN // ATTENTION_HEADS
+    query_shape = (batch, queries, ATTENTION_HEADS, head_dim)
+    key_value_shape = (batch, keys, 2, ATTENTION_HEADS, head_dim)
+    query_tokens, key_tokens = batch * queries, batch * keys
+    moved = ((5 * query_tokens + 6 * key_tokens) * HIDDEN * _itemsize(ACTIVATION)
+             + 2 * batch * ATTENTION_HEADS * queries * 4 + batch * keys)
+    primals = (_normal(0, query_shape, ACTIVATION), _normal(1, key_value_shape, ACTIVATION),
+               _normal(2, query_shape[2:], jnp.float32))
+    return Workload(op, primals, f"B{batch} Q{queries} K{keys} {ATTENTION_HEADS}x{head_dim}", moved)
+
+
 def cross_entropy_workload(rows: int, vocab: int) -> Workload:
     """Logits (rows, V) with about 5% pad labels, label smoothing 0.1. Forward reads the real rows' logits and
     every label and writes loss, nll and lse (f32) per row; backward reads the real rows' logits, the labels and
@@ -193,10 +230,12 @@ def cross_entropy_workload(rows: int, vocab: int) -> Workload:
 CASES: list[Case] = [
     Case("layer_norm", lambda d: layer_norm_workload(TOKENS // d, HIDDEN, residual=False)),
     Case("layer_norm+residual", lambda d: layer_norm_workload(TOKENS // d, HIDDEN, residual=True)),
+    Case("layer_norm+bias_dropout_residual", lambda d: bias_dropout_residual_layer_norm_workload(TOKENS // d, HIDDEN)),
     Case("dropout", lambda d: dropout_workload(TOKENS // d, HIDDEN)),
     Case("bias_dropout_residual", lambda d: bias_dropout_residual_workload(TOKENS // d, HIDDEN)),
     Case("bias_act_dropout[relu]", lambda d: bias_act_dropout_workload(TOKENS // d, FFN_HIDDEN, "relu")),
     Case("bias_act_dropout[gelu]", lambda d: bias_act_dropout_workload(TOKENS // d, FFN_HIDDEN, "gelu")),
+    Case("bias_act_dropout[gelu_tanh]", lambda d: bias_act_dropout_workload(TOKENS // d, FFN_HIDDEN, "gelu_tanh")),
     Case("embed", lambda d: embed_workload(TOKENS // d, HIDDEN, VOCAB // d, MAX_POSITIONS)),
     Case("attn_softmax[L=64]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 64, causal=False)),
     Case("attn_softmax[L=128]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 128, causal=False)),
@@ -204,6 +243,8 @@ CASES: list[Case] = [
     Case("attn_softmax_causal[L=512]", lambda d: attn_softmax_workload(ATTENTION_BATCH // d, 512, causal=True)),
     Case("self_attention[L=64]", lambda d: self_attention_workload(ATTENTION_BATCH // d, 64)),
     Case("self_attention[L=128]", lambda d: self_attention_workload(ATTENTION_BATCH // d, 128)),
+    Case("cross_attention[L=64]", lambda d: cross_attention_workload(ATTENTION_BATCH // d, 64, 64)),
+    Case("cross_attention[L=128]", lambda d: cross_attention_workload(ATTENTION_BATCH // d, 128, 128)),
     Case("cross_entropy", lambda d: cross_entropy_workload(TOKENS // d, VOCAB)),
 ]
 
@@ -284,7 +325,7 @@ def _format_row(result: dict[str, Any]) -> str:
     speedup = f"{result['speedup']:6.2f}x" if "speedup" in result else f"{'-':>7}"
     if "device_speedup" in result:
         speedup += f" (dev {result['device_speedup']:.2f}x)"
-    return (f"{result['op']:<28} {result['shape']:<28} {result['bytes_moved'] / 1e6:9.1f} MB "
+    return (f"{result['op']:<34} {result['shape']:<28} {result['bytes_moved'] / 1e6:9.1f} MB "
             f"{cell('ffi')}  {cell('xla')}  {speedup}")
 
 
@@ -317,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     copy = common.copy_bandwidth(1 << 26 if args.quick else 1 << 30)
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; forward + backward, {', '.join(modes)}")
-    print(f"{'op':<28} {'shape':<28} {'moved':>12} {'ffi':>24}  {'xla':>24}  speedup")
+    print(f"{'op':<34} {'shape':<28} {'moved':>12} {'ffi':>24}  {'xla':>24}  speedup")
     results = []
     for case in cases:
         results.append(run_case(case, modes, copy, args.quick))

@@ -1,0 +1,120 @@
+"""The run log: its schema is docs/run-log.md, records are validated, files are written and truncated."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from train import runlog
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "run-log.md"
+WMT_COUNTS = ("tokens", "target_tokens")
+
+
+def documented_keys() -> dict[str, set[str]]:
+    """Record type -> keys, read from the tables under the ``### `type` `` headings of docs/run-log.md."""
+    keys: dict[str, set[str]] = {}
+    current = None
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        heading = re.match(r"### `(\w+)`", line)
+        if heading:
+            current = keys.setdefault(heading.group(1), set())
+        elif line.startswith("## "):
+            current = None
+        elif current is not None and line.startswith("| ") and not line.startswith("| key") and "---" not in line:
+            cell = line.split("|")[1]
+            current.update(name.strip() for name in cell.split(","))
+    return keys
+
+
+def check_log_schema(records, counters, undocumented=frozenset()):
+    """One run and one summary record, every record valid for the task's ``counters`` and carrying the keys
+    docs/run-log.md lists for its type (except ``undocumented``: another task's counters)."""
+    documented = documented_keys()
+    assert records[0]["type"] == "run" and records[-1]["type"] == "summary"
+    assert [r["type"] for r in records].count("run") == 1 and [r["type"] for r in records].count("summary") == 1
+    for record in records:
+        runlog.validate(record, counters)
+        assert documented[record["type"]] - undocumented <= set(record)
+
+
+def check_run_files(run_dir, checkpoint_steps):
+    """The files a training run leaves: config, vocabulary, log, TensorBoard events, checkpoints at the steps."""
+    expected = {"config.json", "spm.model", "run.jsonl", "tensorboard", "checkpoints"}
+    assert {p.name for p in run_dir.iterdir()} >= expected
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == checkpoint_steps
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_schema_is_the_documented_schema():
+    documented = documented_keys()
+    assert set(documented) == set(runlog.SCHEMA)
+    for record_type, keys in documented.items():
+        in_code = set(runlog.SCHEMA[record_type]) | set(runlog.throughput_keys(record_type, WMT_COUNTS))
+        in_code.discard("type")
+        assert keys == in_code, record_type
+
+
+def valid_interval(**changes):
+    record = {key: 1.0 for key in runlog.SCHEMA["interval"]}
+    record.update(type="interval", step=3, peak_memory_bytes=None, energy_source=None, tokens_per_s=2.0,
+                  target_tokens_per_s=1.0)
+    record.update(changes)
+    return record
+
+
+def test_validate_accepts_a_good_record_and_names_the_problem_of_a_bad_one():
+    runlog.validate(valid_interval(), WMT_COUNTS)
+    broken = valid_interval()
+    del broken["lr"]
+    with pytest.raises(ValueError, match="interval record lacks 'lr'"):
+        runlog.validate(broken, WMT_COUNTS)
+    with pytest.raises(ValueError, match="interval.step must be int, got float"):
+        runlog.validate(valid_interval(step=3.0), WMT_COUNTS)
+    with pytest.raises(ValueError, match="interval.elapsed_s must be int or float, got a bool"):
+        runlog.validate(valid_interval(elapsed_s=True), WMT_COUNTS)
+    with pytest.raises(ValueError, match="lacks 'examples_per_s'"):
+        runlog.validate(valid_interval(), ("examples",))
+    with pytest.raises(ValueError, match="type must be one of"):
+        runlog.validate({"type": "note"})
+
+
+def test_run_log_writes_json_lines_and_tensorboard_events(tmp_path):
+    log = runlog.RunLog(tmp_path, WMT_COUNTS)
+    log.write(valid_interval(loss=float("nan")))
+    log.write({"type": "eval", "step": 3, "split": "valid", "loss": 2.0, "nll": 1.5, "bleu": 10.0, "accuracy": None})
+    log.close()
+    records = runlog.read(tmp_path / runlog.LOG_FILENAME)
+    assert [r["type"] for r in records] == ["interval", "eval"]
+    assert records[0]["loss"] is None  # JSON has no NaN: non-finite numbers are logged as null
+    assert list((tmp_path / runlog.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def test_only_the_main_process_writes(tmp_path):
+    log = runlog.RunLog(tmp_path, WMT_COUNTS, enabled=False)
+    log.write(valid_interval())
+    with pytest.raises(ValueError):
+        log.write(valid_interval(step="3"))  # still validated
+    log.close()
+    assert not (tmp_path / runlog.LOG_FILENAME).exists()
+
+
+def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp_path):
+    lines = [
+        {"type": "run", "run_id": "x"},
+        {"type": "interval", "step": 10},
+        {"type": "eval", "step": 10},
+        {"type": "interval", "step": 20},
+        {"type": "summary", "steps": 20},
+    ]
+    (tmp_path / runlog.LOG_FILENAME).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    runlog.truncate_for_resume(tmp_path, 10)
+    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == lines[:3]
+
+
+def test_identity_fields():
+    record = runlog.identity("wmt", runlog.new_run_id(), "python -m train.wmt", runlog.utc_now())
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", record["run_id"])
+    assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "ls_jax"}
+    assert record["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", record["git_commit"])

@@ -1,0 +1,263 @@
+"""``python -m train.wmt`` end to end on CPU: the default job, exact resume, signals and bad input.
+
+Compiled steps go to a compilation cache shared by this module's runs (the runs use the same shapes), so only
+the first run of a configuration pays for XLA compilation.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from test_data_text import write_corpus
+import test_train_runlog
+from ls_jax import backend
+from ls_jax.optim import master
+from train import runlog, tokenizer, wmt
+
+REPO = Path(__file__).resolve().parents[2]
+FLOP_TOLERANCE = 0.05
+# A small text-data job: short sentences (two step shapes), no dropout, a 300-piece vocabulary.
+SMALL = ["--preset", "transformer-tiny", "--max-len", "16", "--max-tokens", "512", "--spm-vocab-size", "300",
+         "--spm-model-type", "bpe", "--dropout", "0", "--warmup-steps", "5", "--lr", "1e-3", "--decode", "greedy",
+         "--bleu-sentences", "8", "--no-progress", "--no-tensorboard"]
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax-cache")
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    previous = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(cache), 0.0, 0)):
+        jax.config.update(name, value)
+    yield cache
+    for name, value in previous.items():
+        jax.config.update(name, value)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("corpus")
+    write_corpus(directory, {"train": 240, "valid": 16, "test": 16})
+    long_line = " ".join(["the big dog sees a cat"] * 20)  # far beyond --max-len 16
+    with open(directory / "train.de", "a") as src, open(directory / "train.en", "a") as tgt:
+        for _ in range(3):
+            src.write(long_line + "\n")
+            tgt.write(long_line + "\n")
+    return directory
+
+
+def small_job(corpus_dir, run_dir, *extra):
+    return ["--data", f"text:{corpus_dir}", "--run-dir", str(run_dir), *SMALL, *extra]
+
+
+def state_arrays(run_dir, step):
+    """The saved train state of a checkpoint, as numpy leaves (path -> array)."""
+    restored = ocp.StandardCheckpointer().restore(Path(run_dir).resolve() / "checkpoints" / str(step) / "state")
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(restored)}
+
+
+def check_log_schema(records):
+    test_train_runlog.check_log_schema(records, ("tokens", "target_tokens"))
+
+
+@pytest.mark.slow
+def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
+    run_dir = tmp_path / "run"
+    code = wmt.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--bleu-sentences", "32",
+                     "--no-progress", "--run-dir", str(run_dir)])
+    assert code == 0
+    test_train_runlog.check_run_files(run_dir, [3, 6])
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["data"] == "synthetic" and config["preset"] == "transformer-tiny" and config["steps"] == 6
+
+    records = runlog.read(run_dir / "run.jsonl")
+    check_log_schema(records)
+    assert [r["type"] for r in records] == ["run", "interval", "interval", "eval", "eval", "summary"]
+    run, summary = records[0], records[-1]
+    on_cpu = jax.default_backend() == "cpu"
+    assert run["task"] == "wmt" and run["backend"] == backend.active_backend()
+    assert run["precision"] == ("fp32" if on_cpu else "bf16")  # --precision auto
+    assert run["device_count"] == len(jax.devices()) and run["params"] > 0
+    assert run["data"]["train"]["kept"] == 20000
+    assert [r["split"] for r in records if r["type"] == "eval"] == ["valid", "test"]
+    assert all(isinstance(r["bleu"], float) for r in records if r["type"] == "eval")
+    assert summary["completed"] and summary["steps"] == 6 and isinstance(summary["bleu"], float)
+    assert (summary["energy_j"] is None) == (summary["energy_source"] is None)
+    if on_cpu:
+        assert summary["energy_j"] is None  # not measurable on CPU
+    assert summary["tokens"] > summary["target_tokens"] > 0
+    assert abs(summary["flops_per_step"] / summary["xla_flops_per_step"] - 1) < FLOP_TOLERANCE
+    assert "BLEU valid" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, corpus_dir, compilation_cache):
+    assert wmt.main(small_job(corpus_dir, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
+    split = tmp_path / "split"
+    assert wmt.main(small_job(corpus_dir, split, "--steps", "3", "--log-every", "1")) == 0
+    assert wmt.main(["--resume", str(split), "--steps", "6"]) == 0
+
+    straight, resumed = state_arrays(tmp_path / "straight", 6), state_arrays(split, 6)
+    assert straight.keys() == resumed.keys()
+    # XLA on CPU is deterministic; GPU reductions with atomics are not bit-exact run to run (unless
+    # XLA_FLAGS=--xla_gpu_deterministic_ops=true), so there the bound is looser.
+    atol = 1e-6 if jax.default_backend() == "cpu" else 1e-3
+    for name in straight:
+        np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=atol, err_msg=name)
+
+    records = runlog.read(split / "run.jsonl")
+    check_log_schema(records)
+    assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4, 5, 6]
+    straight_summary = runlog.read(tmp_path / "straight" / "run.jsonl")[-1]
+    assert records[-1]["tokens"] == straight_summary["tokens"]
+    train_stats = records[0]["data"]["train"]
+    assert train_stats["too_long"] >= 3 and sum(train_stats.values()) == 243  # the 3 long lines are dropped
+
+
+def test_resume_with_another_vocabulary_is_refused(tmp_path, corpus_dir, compilation_cache, capsys):
+    run_dir = tmp_path / "run"
+    assert wmt.main(small_job(corpus_dir, run_dir, "--steps", "1")) == 0
+    src, tgt = (corpus_dir / "train.de").read_text().splitlines(), (corpus_dir / "train.en").read_text().splitlines()
+    other = tokenizer.train(src + tgt, tmp_path / "other.model", vocab_size=200, model_type="bpe")
+    assert other.GetPieceSize() != 300
+    assert wmt.main(["--resume", str(run_dir), "--spm", str(tmp_path / "other.model")]) == 2
+    err = capsys.readouterr().err
+    assert f"vocab_size: checkpoint 300 vs now {other.GetPieceSize()}" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, corpus_dir, compilation_cache):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "train.wmt", *small_job(corpus_dir, run_dir, "--steps", "100000", "--log-every", "1",
+                                                        "--checkpoint-every", "100000")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    log = run_dir / "run.jsonl"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and '"interval"' in log.read_text()):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no training step within 240 s"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+
+    summary = runlog.read(log)[-1]
+    assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [summary["steps"]]
+    assert wmt.main(["--resume", str(run_dir), "--steps", str(steps[0] + 1)]) == 0
+    assert runlog.read(log)[-1]["steps"] == steps[0] + 1
+
+
+@pytest.mark.slow
+def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cache):
+    run_dir = tmp_path / "run"
+    assert wmt.main(small_job(corpus_dir, run_dir, "--steps", "4", "--log-every", "2", "--precision", "fp16")) == 0
+    records = runlog.read(run_dir / "run.jsonl")
+    check_log_schema(records)
+    assert records[0]["precision"] == "fp16"
+    intervals = [r for r in records if r["type"] == "interval"]
+    assert all(r["loss_scale"] > 0 and np.isfinite(r["loss"]) for r in intervals)
+    assert intervals[-1]["loss"] < intervals[0]["loss"]
+
+
+@pytest.mark.slow
+def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_dir, compilation_cache):
+    flags = ("--precision", "bf16", "--master-weights", "--log-every", "1")
+    assert wmt.main(small_job(corpus_dir, tmp_path / "straight", "--steps", "4", *flags)) == 0
+    split = tmp_path / "split"
+    assert wmt.main(small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
+    assert wmt.main(["--resume", str(split), "--steps", "4"]) == 0
+
+    def with_f32_master(arrays):
+        """The state's arrays with the master's int16 low halves joined to the bf16 params they extend."""
+        params = {name[len("['params']"):]: value for name, value in arrays.items() if name.startswith("['params']")}
+        lows = {name.split("['master']", 1)[1]: name for name in arrays if "['master']" in name}
+        assert params and params.keys() == lows.keys()
+        for path, name in lows.items():
+            assert params[path].dtype == jnp.bfloat16 and arrays[name].dtype == np.int16, name
+            arrays = {**arrays, name: np.asarray(master.join_halves(params[path], arrays[name]))}
+        return arrays
+
+    straight, resumed = with_f32_master(state_arrays(tmp_path / "straight", 4)), with_f32_master(state_arrays(split, 4))
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        np.testing.assert_allclose(resumed[name], straight[name], rtol=0, atol=1e-6, err_msg=name)
+    for name, value in straight.items():
+        if "['master']" in name:
+            params_name = "['params']" + name.split("['master']", 1)[1]
+            np.testing.assert_array_equal(straight[params_name], master.round_to_bf16(value), err_msg=name)
+    intervals = [r for r in runlog.read(split / "run.jsonl") if r["type"] == "interval"]
+    assert all(np.isfinite(r["loss"]) for r in intervals) and intervals[-1]["loss"] < intervals[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda d, c: ["--data", f"text:{d / 'absent'}", "--run-dir", str(d / "r")], "data directory not found"),
+        (lambda d, c: ["--data", f"text:{c}", "--src-lang", "fr", "--run-dir", str(d / "r")], "train.fr"),
+        (lambda d, c: small_job(c, d / "r", "--max-tokens", "8"), "--max-tokens 8 is smaller than the longest"),
+        (lambda d, c: small_job(c, d / "r", "--max-len", "65"), "--max-len 65 exceeds the model's max_seq_len 64"),
+        (lambda d, c: ["--run-dir", str(d / "file.txt" / "run")], "cannot write the run directory"),
+        (lambda d, c: ["--resume", str(d)], "no config.json there"),
+        (lambda d, c: ["--steps", "0"], "--steps must be >= 1"),
+        (lambda d, c: ["--spm", str(d / "missing.model"), "--run-dir", str(d / "r")], "missing.model"),
+        (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
+        (lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
+         "--master-weights needs --precision bf16 or fp16"),
+    ],
+    ids=["missing-dir", "missing-file", "max-tokens", "max-len", "unwritable-run-dir", "resume-not-a-run",
+         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32"],
+)
+def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, make_args, message):
+    (tmp_path / "file.txt").write_text("a file, not a directory")
+    assert wmt.main(make_args(tmp_path, corpus_dir)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_empty_training_file(tmp_path, capsys):
+    write_corpus(tmp_path, {"train": 20, "valid": 4})
+    (tmp_path / "train.en").write_text("")
+    assert wmt.main(["--data", f"text:{tmp_path}", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "data file is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--preset", "transformer-huge"), ("--device-name", "Z80")])
+def test_unknown_preset_or_device_is_a_usage_error(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        wmt.main([flag, value])
+    assert exit_info.value.code == 2
+    assert f"invalid choice: '{value}'" in capsys.readouterr().err
+
+
+def test_existing_run_directory_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "run.jsonl").write_text("")
+    assert wmt.main(["--run-dir", str(tmp_path)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit):
+        wmt.main(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--data", "--spm", "--max-tokens", "--preset", "--precision", "--backend", "--optimizer",
+                   "--grad-accum", "--label-smoothing", "--decode", "--resume", "--price-per-hour", "--device-name",
+                   "--checkpoint-every", "--keep-checkpoints", "--eval-every", "--distributed"):
+        assert option in text
+    assert "with --data synthetic:" in text

@@ -143,17 +143,19 @@ def _split(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P("data")))
 
 
-def _autodiff_step(opt, mesh):
-    """The jitted sharded step: per-device gradients of the loss on the device's rows, then ``opt.apply``."""
+def _autodiff_step(opt, mesh, check_vma=True):
+    """The jitted sharded step: per-device gradients of the loss on the device's rows, then ``opt.apply``. Without
+    vma checking, autodiff of the replicated params gives per-device gradients as they are."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     def step(params, state, batch):
-        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), batch)
-        return opt.apply(grads, state, params)
+        local = jax.lax.pcast(params, "data", to="varying") if check_vma else params
+        return opt.apply(jax.grad(_loss)(local, batch), state, params)
 
     spec = opt.state_spec()
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec)))
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec),
+                                 check_vma=check_vma))
 
 
 def _given_grads_step(opt, mesh):
@@ -200,9 +202,9 @@ def _jitted_apply(tx):
     return jax.jit(tx.apply)
 
 
-def _sharded_run(opt, params, state, steps, num_devices, start=0):
+def _sharded_run(opt, params, state, steps, num_devices, start=0, check_vma=True):
     mesh = _mesh(num_devices)
-    step_fn = _autodiff_step(opt, mesh)
+    step_fn = _autodiff_step(opt, mesh, check_vma)
     params, state = _replicate(params, mesh), _split(state, mesh)
     for step in range(start, start + steps):
         params, state = step_fn(params, state, _split(_batch(step, num_devices), mesh))
@@ -225,7 +227,7 @@ def _assert_close(actual, expected, rtol=F32_RTOL, what="params"):
 # ---- checks -----------------------------------------------------------------------------------------------------
 
 
-def check_equals_replicated(name: str, clip: bool, num_devices: int):
+def check_equals_replicated(name: str, clip: bool, num_devices: int, check_vma: bool = True):
     import ls_jax.optim as lo
 
     tx = _optimizers(clip)[name]
@@ -234,7 +236,7 @@ def check_equals_replicated(name: str, clip: bool, num_devices: int):
     if clip:
         assert min(norms) < MAX_NORM < max(norms), f"gradient norms {norms} do not cross max_grad_norm {MAX_NORM}"
     opt = lo.shard_optimizer(tx, "data", num_shards=num_devices)
-    got_params, got_state = _sharded_run(opt, params, opt.init(params), STEPS, num_devices)
+    got_params, got_state = _sharded_run(opt, params, opt.init(params), STEPS, num_devices, check_vma=check_vma)
     _assert_close(got_params, want_params)
     _assert_close(opt.unshard_state(got_state, params), want_state, what="state")
 
@@ -337,6 +339,43 @@ def check_resume_on_another_device_count():
     _assert_close(two.unshard_state(resumed_state, params), want_state, what="state")
 
 
+def check_cuda_lowering_calls_the_kernel_once():
+    """With the kernels enabled, the sharded step lowered for CUDA runs one ls_optim_step on the rows, clipping done
+    before it with the norm all-reduced over the axis, one reduce-scatter and one all-gather per bucket."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import ls_jax.optim as lo
+    from ls_jax import backend
+    from ls_jax.optim import _shard_layout
+
+    params = _params()
+    mesh = _mesh(2)
+    enabled = backend.kernels_enabled
+    backend.kernels_enabled = lambda: True
+    try:
+        for bucket_bytes, tx in ((2**20, _optimizers(True)["adan"]), (256, _optimizers(True)["adamw"])):
+            opt = lo.shard_optimizer(tx, "data", num_shards=2, bucket_bytes=bucket_bytes)
+            args = (_replicate(params, mesh), opt.init(params, out_sharding=opt.state_sharding(mesh)),
+                    _split(_batch(0, 2), mesh))
+            unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
+            text = jax.export.export(_autodiff_step(opt, mesh), platforms=["cuda"],
+                                     disabled_checks=unchecked)(*args).mlir_module()
+            leaves = jax.tree.leaves(params)
+            rows = [-(-leaf.size // 2) for leaf in leaves]
+            buckets = _shard_layout.buckets([jnp.float32] * len(leaves), [2 * 4 * c for c in rows], bucket_bytes)
+            assert (len(buckets) == 1) == (bucket_bytes == 2**20), buckets
+            assert text.count("stablehlo.custom_call @ls_optim_step") == 1
+            assert re.findall(r"clip = \w+", text) == ["clip = false"]
+            assert text.count("stablehlo.all_reduce") == 1  # the squared norm
+            assert text.count("stablehlo.reduce_scatter") == len(buckets)
+            assert text.count("stablehlo.all_gather") == len(buckets)
+    finally:
+        backend.kernels_enabled = enabled
+
+
 def _raises(fn, *fragments):
     try:
         fn()
@@ -404,11 +443,13 @@ def check_bad_inputs():
 
 GROUPS = {
     "adan": [functools.partial(check_equals_replicated, "adan", clip, n) for clip in (False, True) for n in (2, 4)],
-    "adamw": [functools.partial(check_equals_replicated, "adamw", clip, n) for clip in (False, True) for n in (2, 4)],
+    "adamw": [functools.partial(check_equals_replicated, "adamw", clip, n) for clip in (False, True) for n in (2, 4)]
+    + [functools.partial(check_equals_replicated, "adamw", True, 4, False)],
     "adam": [functools.partial(check_equals_replicated, "adam", clip, n) for clip in (False, True) for n in (2, 4)],
     "bf16_master": [check_mask_and_clip_matter, functools.partial(check_bf16_master_weights, 2),
                     functools.partial(check_bf16_master_weights, 4)],
-    "memory_resume_errors": [check_state_bytes_per_device, check_resume_on_another_device_count, check_bad_inputs],
+    "memory_resume_errors": [check_state_bytes_per_device, check_resume_on_another_device_count, check_bad_inputs,
+                             check_cuda_lowering_calls_the_kernel_once],
 }
 
 

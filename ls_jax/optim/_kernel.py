@@ -38,7 +38,7 @@ def unsupported(config, grads, params) -> str | None:
     return None
 
 
-def _varying(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """The shard_map mesh axes along which ``x`` holds different values per device (empty outside shard_map)."""
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(manual.varying) if manual is not None else frozenset()
@@ -49,10 +49,10 @@ def _vary_together(operands: list) -> tuple[list, dict]:
     its results' axes: the operands cast to vary along every axis any of them varies along (a ZeRO step's gradients,
     rows and moments all do; a replicated step inside shard_map may mix varying gradients with an invariant state),
     and the keyword arguments that give each result type those axes. Outside shard_map: unchanged, no arguments."""
-    axes = frozenset().union(*(_varying(x) for x in operands))
+    axes = frozenset().union(*(varying_axes(x) for x in operands))
     if not axes:
         return operands, {}
-    cast = [x if _varying(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - _varying(x))), to="varying")
+    cast = [x if varying_axes(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
             for x in operands]
     aval = jax.typeof(cast[0])
     sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())

@@ -20,15 +20,17 @@ rather than one per leaf. 16-bit params are all-gathered in 16 bits; with master
 params its low halves) stays sharded in the state.
 
     opt = shard_optimizer(ls_jax.optim.adamw(1e-3, max_grad_norm=1.0), axis_name="data", num_shards=mesh.shape["data"])
-    state = jax.device_put(opt.init(params), opt.state_sharding(mesh))       # leaves (N, ...), row r on device r
+    state = opt.init(params, out_sharding=opt.state_sharding(mesh))    # leaves (N, ...), row r on device r
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))                 # the kernel then updates the state in place
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), opt.state_spec(), P("data")),
                        out_specs=(P(), opt.state_spec()))
     def train_step(params, state, batch):
         local = jax.lax.pcast(params, "data", to="varying")     # per-device gradients, not their sum
         grads = jax.grad(loss)(local, batch)
         return opt.apply(grads, state, params)
+
+(With ``check_vma=False`` the gradients of ``params`` themselves are per device; drop the ``pcast``.)
 
 Checkpoints: ``opt.unshard_state(state, params)`` is exactly the state ``tx.init(params)`` has (the logical
 workspaces, unpadded per leaf), ``opt.shard_state(replicated, params)`` the inverse, so a run saved with N shards
@@ -49,16 +51,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ls_jax.optim import _shard_layout as layout_lib
+from ls_jax.optim._kernel import varying_axes
 from ls_jax.optim.base import FusedGradientTransformation
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-
-
-def _varying_axes(x: Any) -> frozenset[str]:
-    """The shard_map mesh axes along which ``x`` may differ per device (empty outside shard_map or without vma)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +131,7 @@ class ShardedOptimizer:
         new_rows, new_state = self.tx.apply(
             grad_rows, local_state, param_rows, grad_norm_axis=self.axis_name, mask_params=params, **extra_args
         )
-        invariant = self.axis_name not in set().union(*map(_varying_axes, jax.tree.leaves(params)))
+        invariant = self.axis_name not in set().union(*map(varying_axes, jax.tree.leaves(params)))
         new_params = layout_lib.all_gather(
             new_rows, params, self.axis_name, self.num_shards, invariant=invariant, bucket_bytes=self.bucket_bytes
         )
@@ -188,9 +184,9 @@ class ShardedOptimizer:
 
     def _check_local_gradients(self, grads: Any, state: Any) -> None:
         """With vma checking on (the state varies over the axis), gradients that do not vary are already summed."""
-        if not any(self.axis_name in _varying_axes(x) for x in jax.tree.leaves(state)):
+        if not any(self.axis_name in varying_axes(x) for x in jax.tree.leaves(state)):
             return
-        summed = [x for x in jax.tree.leaves(grads) if self.axis_name not in _varying_axes(x)]
+        summed = [x for x in jax.tree.leaves(grads) if self.axis_name not in varying_axes(x)]
         if summed:
             raise ValueError(
                 f"{len(summed)} gradient leaves are the same on every device of {self.axis_name!r} (already summed by "

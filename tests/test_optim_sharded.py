@@ -12,12 +12,21 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import traceback
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ls_jax.optim as lo
+from ls_jax import backend
+from ls_jax.optim import _shard_layout
 
 NUM_DEVICES = 4
 STEPS = 6
@@ -25,7 +34,7 @@ F32_RTOL = 1e-6
 MAX_NORM = 2.0  # between the task's smallest and largest gradient norms: steps clip and steps do not (asserted)
 
 
-# ---- the task (imported in the subprocess only, so that jax starts there with 4 devices) ----------------------
+# ---- the task -----------------------------------------------------------------------------------------------
 
 
 def _params():
@@ -43,13 +52,11 @@ def _params():
 
 def _decay_matrices(params):
     """A callable mask that reads leaf ranks: a row of a matrix is 1-D, so this must see the whole params."""
-    import jax
 
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
 def _loss(params, batch):
-    import jax.numpy as jnp
 
     tokens, features, targets = batch
     embedded = params["table"][tokens]
@@ -61,7 +68,6 @@ def _loss(params, batch):
 
 @functools.cache
 def _loss_grad():
-    import jax
 
     return jax.jit(jax.grad(_loss))
 
@@ -82,7 +88,6 @@ def _device_batch(batch, device: int, num_devices: int):
 @functools.cache
 def _optimizers(clip: bool):
     """The optimizers under test, made once so that their jitted steps compile once for both device counts."""
-    import ls_jax.optim as lo
 
     max_norm = MAX_NORM if clip else None
     return {
@@ -92,29 +97,13 @@ def _optimizers(clip: bool):
     }
 
 
-def jax_jit_lazily(fn):
-    """``jax.jit(fn)``, made at the first call (jax is imported in the subprocess only); one compile per shape."""
-    @functools.wraps(fn)
-    def wrapper(*args):
-        import jax
-
-        if not hasattr(wrapper, "jitted"):
-            wrapper.jitted = jax.jit(fn)
-        return wrapper.jitted(*args)
-
-    return wrapper
-
-
-@jax_jit_lazily
+@jax.jit
 def _global_norm(tree):
-    import optax
-
     return optax.tree.norm(tree)
 
 
 @functools.cache
 def _replicated_init(tx):
-    import jax
 
     return jax.jit(tx.init)
 
@@ -123,22 +112,16 @@ def _replicated_init(tx):
 
 
 def _mesh(num_devices: int):
-    import jax
-    from jax.sharding import Mesh
 
     return Mesh(np.array(jax.devices()[:num_devices]), ("data",))
 
 
 def _replicate(tree, mesh):
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def _split(tree, mesh):
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     return jax.device_put(tree, NamedSharding(mesh, P("data")))
 
@@ -146,8 +129,6 @@ def _split(tree, mesh):
 def _autodiff_step(opt, mesh, check_vma=True):
     """The jitted sharded step: per-device gradients of the loss on the device's rows, then ``opt.apply``. Without
     vma checking, autodiff of the replicated params gives per-device gradients as they are."""
-    import jax
-    from jax.sharding import PartitionSpec as P
 
     def step(params, state, batch):
         local = jax.lax.pcast(params, "data", to="varying") if check_vma else params
@@ -160,8 +141,6 @@ def _autodiff_step(opt, mesh, check_vma=True):
 
 def _given_grads_step(opt, mesh):
     """The jitted sharded step on given per-device gradients (leaves ``(N, *shape)``, row d device d's)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
 
     def step(params, state, grads):
         return opt.apply(jax.tree.map(lambda g: g[0], grads), state, params)
@@ -176,10 +155,8 @@ def _mean_gradients(params, batch, num_devices):
     return _mean_over_devices(grads)
 
 
-@jax_jit_lazily
+@jax.jit
 def _mean_over_devices(grads):
-    import jax
-    import jax.numpy as jnp
 
     return jax.tree.map(lambda *g: jnp.mean(jnp.stack(g), axis=0), *grads)
 
@@ -197,7 +174,6 @@ def _replicated_run(tx, params, state, steps, num_devices, start=0):
 
 @functools.cache
 def _jitted_apply(tx):
-    import jax
 
     return jax.jit(tx.apply)
 
@@ -212,7 +188,6 @@ def _sharded_run(opt, params, state, steps, num_devices, start=0, check_vma=True
 
 
 def _assert_close(actual, expected, rtol=F32_RTOL, what="params"):
-    import jax
 
     assert jax.tree.structure(actual) == jax.tree.structure(expected), (what, jax.tree.structure(actual))
     for (path, e), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)):
@@ -228,7 +203,6 @@ def _assert_close(actual, expected, rtol=F32_RTOL, what="params"):
 
 
 def check_equals_replicated(name: str, clip: bool, num_devices: int, check_vma: bool = True):
-    import ls_jax.optim as lo
 
     tx = _optimizers(clip)[name]
     params = _params()
@@ -243,7 +217,6 @@ def check_equals_replicated(name: str, clip: bool, num_devices: int, check_vma: 
 
 def check_mask_and_clip_matter():
     """Guards the comparisons: the mask and the clipping each change the trajectory."""
-    import ls_jax.optim as lo
 
     params = _params()
     runs = {
@@ -260,10 +233,7 @@ def check_mask_and_clip_matter():
 def check_bf16_master_weights(num_devices: int):
     """bf16 params and gradients, f32 master (low halves) sharded; gradients on a grid whose sums are exact in bf16,
     so both sides step with the same averaged gradients, and max_grad_norm at their median norm clips half the steps."""
-    import jax
-    import jax.numpy as jnp
 
-    import ls_jax.optim as lo
 
     master = _params()
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), master)
@@ -294,10 +264,7 @@ def check_bf16_master_weights(num_devices: int):
 
 def check_state_bytes_per_device():
     """Per device, the sharded state holds 1/N of the replicated state's bytes up to the padding."""
-    import jax
-    import jax.numpy as jnp
 
-    import ls_jax.optim as lo
 
     params = {**_params(), "big": jnp.zeros((999, 101))}  # so that the padding is small beside the state
     sizes = [leaf.size for leaf in jax.tree.leaves(params)]
@@ -318,9 +285,7 @@ def check_state_bytes_per_device():
 
 def check_resume_on_another_device_count():
     """4 shards -> replicated (the exact replicated state) -> 2 shards continues as the replicated run does."""
-    import jax
 
-    import ls_jax.optim as lo
 
     tx = _optimizers(True)["adan"]
     params = _params()
@@ -342,14 +307,8 @@ def check_resume_on_another_device_count():
 def check_cuda_lowering_calls_the_kernel_once():
     """With the kernels enabled, the sharded step lowered for CUDA runs one ls_optim_step on the rows, clipping done
     before it with the norm all-reduced over the axis, one reduce-scatter and one all-gather per bucket."""
-    import re
 
-    import jax
-    import jax.numpy as jnp
 
-    import ls_jax.optim as lo
-    from ls_jax import backend
-    from ls_jax.optim import _shard_layout
 
     params = _params()
     mesh = _mesh(2)
@@ -389,12 +348,7 @@ def _raises(fn, *fragments):
 
 
 def check_bad_inputs():
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from jax.sharding import PartitionSpec as P
 
-    import ls_jax.optim as lo
 
     tx = _optimizers(True)["adamw"]
     params = _params()
@@ -461,7 +415,6 @@ def _describe(check) -> str:
 
 def run_group(name: str) -> None:
     """Runs one group's checks (in a process with NUM_DEVICES CPU devices) and prints a JSON of their failures."""
-    import jax
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()
     failures = {}

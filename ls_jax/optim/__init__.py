@@ -20,8 +20,8 @@ workspaces and the small leaves' together (a few kernels per large leaf), then e
 workspaces are indexed with 32-bit offsets there (unsigned past 2^31 elements), so at most 2^32 - 1 elements. Both give the same
 numbers, so checkpoints move freely between backends and devices. ``update`` returns the updates in each
 parameter's dtype (the gradient's when called without params). The workspace is
-one buffer per moment, so under data parallelism it is replicated like the parameters (there is no
-per-leaf sharding of the optimizer state).
+one buffer per moment, replicated like the parameters under plain data parallelism; ``shard_optimizer`` (ZeRO-1,
+``ls_jax.optim.sharded``) splits it, and the master weights, over the devices of a mesh axis instead.
 
 16-bit storage (``storage_dtype=jnp.bfloat16`` or ``jnp.float16``; LightSeq's memory-saving mode). Params
 and grads are kept in 16 bits, 2 + 2 bytes per parameter instead of 4 + 4, while the moments and every
@@ -60,6 +60,7 @@ from ls_jax.optim.adam import AdamState, adam, adamw
 from ls_jax.optim.adan import AdanState, adan
 from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
 from ls_jax.optim.master import MasterWeightsState, master_params
+from ls_jax.optim.sharded import ShardedOptimizer, shard_optimizer
 from ls_jax.optim.workspace import WorkspaceLayout
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "AdanState",
     "FusedGradientTransformation",
     "MasterWeightsState",
+    "ShardedOptimizer",
     "WorkspaceLayout",
     "adam",
     "adamw",
@@ -74,4 +76,5 @@ __all__ = [
     "chain",
     "fused_apply",
     "master_params",
+    "shard_optimizer",
 ]

@@ -154,6 +154,19 @@ def _clip_by_global_norm(leaves: list[jax.Array], max_norm: jax.Array) -> list[j
     return [jnp.where(norm < max_norm, g, (g / norm) * max_norm) for g in leaves]
 
 
+def clip_across_devices(leaves: Sequence[jax.Array], max_norm: Any, axis_name: str) -> list[jax.Array]:
+    """Gradient leaves split over the devices of mesh axis ``axis_name`` (inside ``shard_map``), clipped by the norm
+    of the whole gradient: ``||g|| = sqrt(psum_axis(sum_i sum(g_i^2)))`` and every element
+    ``g if ||g|| < max_norm else (g / ||g||) * max_norm``, in f32 (the arithmetic the step's own clipping does).
+
+    Returns f32 leaves of the input shapes; the step then runs without clipping of its own, on either path, so the
+    kernel needs no cross-device reduction of its own."""
+    g = [leaf.astype(jnp.float32) for leaf in leaves]
+    local = sum((jnp.sum(x * x) for x in g), jnp.zeros([], jnp.float32))
+    norm = jnp.sqrt(jax.lax.psum(local, axis_name))
+    return [jnp.where(norm < max_norm, x, (x / norm) * max_norm) for x in g]
+
+
 def _finish(config: StepConfig, u: jax.Array, p: jax.Array | None, decayed: bool, s: dict[str, jax.Array]):
     """The new parameter or the update of one leaf from its direction ``u`` (see the module docstring)."""
     lr = s["lr"]
@@ -362,9 +375,9 @@ def workspace_transformation(
             return master_lib.MasterWeightsState(state, master_lib.initial_master(params, storage_dtype))
         return state
 
-    def step(grads, state, params, output):
+    def step(grads, state, params, output, grad_norm_axis, mask_params):
         """(outputs, new state): the new params or the updates, as ``output`` says; with master weights always the
-        new 16-bit params (the copies of the new master)."""
+        new 16-bit params (the copies of the new master). ``grad_norm_axis`` and ``mask_params``: see ``apply``."""
         master = None
         if master_weights:
             if not isinstance(state, master_lib.MasterWeightsState):
@@ -378,7 +391,8 @@ def workspace_transformation(
         layout = WorkspaceLayout.of(grads)
         for name in moment_names:
             layout.check_buffer(name, getattr(state, name))
-        decay = _decay_flags(weight_decay, mask, grads if params is None else params, len(grad_leaves))
+        decay_tree = mask_params if mask_params is not None else grads if params is None else params
+        decay = _decay_flags(weight_decay, mask, decay_tree, len(grad_leaves))
         if params is None:
             if master_weights:
                 raise ValueError("with master_weights the step needs the params: call update(grads, state, params)")
@@ -401,6 +415,8 @@ def workspace_transformation(
         else:
             out_dtypes = tuple(leaf.dtype for leaf in (param_leaves or grad_leaves))
         clip = max_grad_norm is not None
+        if clip and grad_norm_axis is not None:
+            grad_leaves, clip = clip_across_devices(grad_leaves, max_grad_norm, grad_norm_axis), False
         config = StepConfig(
             rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes, copy_dtypes, split_master
         )
@@ -421,19 +437,23 @@ def workspace_transformation(
             return copies, master_lib.MasterWeightsState(new_state, new_master)
         return outputs, new_state
 
-    def update(updates, state, params=None, **extra_args):
+    def update(updates, state, params=None, *, grad_norm_axis=None, mask_params=None, **extra_args):
         del extra_args
-        outputs, new_state = step(updates, state, params, "updates")
+        outputs, new_state = step(updates, state, params, "updates", grad_norm_axis, mask_params)
         if master_weights:  # the updates that take the params to the new 16-bit copies, exact in f32
             outputs = [new.astype(jnp.float32) - old.astype(jnp.float32)
                        for new, old in zip(outputs, jax.tree.leaves(params))]
         return jax.tree.unflatten(jax.tree.structure(updates), outputs), new_state
 
-    def apply(grads, state, params, **extra_args):
+    def apply(grads, state, params, *, grad_norm_axis=None, mask_params=None, **extra_args):
+        """The new params and state. For a step on a part of each leaf (``ls_jax.optim.sharded``):
+        ``grad_norm_axis`` names the mesh axis whose devices hold the other parts, so ``max_grad_norm`` clips by
+        the norm over all of them, and ``mask_params`` is the tree of whole leaves a callable weight-decay mask is
+        evaluated on (the parts keep their leaf's flag). Other keyword arguments are accepted and ignored."""
         del extra_args
         if params is None:
             raise ValueError("apply needs the params")
-        outputs, new_state = step(grads, state, params, "params")
+        outputs, new_state = step(grads, state, params, "params", grad_norm_axis, mask_params)
         return jax.tree.unflatten(jax.tree.structure(params), outputs), new_state
 
     return FusedGradientTransformation(init, update, apply)

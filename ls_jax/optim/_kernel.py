@@ -38,6 +38,27 @@ def unsupported(config, grads, params) -> str | None:
     return None
 
 
+def varying_axes(x) -> frozenset:
+    """The shard_map mesh axes along which ``x`` holds different values per device (empty outside shard_map)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _vary_together(operands: list) -> tuple[list, dict]:
+    """Inside shard_map (vma checking on) an FFI call needs operands that vary along the same mesh axes, and declares
+    its results' axes: the operands cast to vary along every axis any of them varies along (a ZeRO step's gradients,
+    rows and moments all do; a replicated step inside shard_map may mix varying gradients with an invariant state),
+    and the keyword arguments that give each result type those axes. Outside shard_map: unchanged, no arguments."""
+    axes = frozenset().union(*(varying_axes(x) for x in operands))
+    if not axes:
+        return operands, {}
+    cast = [x if varying_axes(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+            for x in operands]
+    aval = jax.typeof(cast[0])
+    sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+    return cast, {"sharding": sharding, "manual_axis_type": aval.manual_axis_type}
+
+
 def step(config, grads, params, moments, scalars):
     """``_engine.xla_step``'s contract, computed by the ``ls_optim_step`` kernel."""
     num_leaves, num_moments = len(grads), len(moments)
@@ -48,12 +69,14 @@ def step(config, grads, params, moments, scalars):
         param_operands = [*highs, *lows]
     else:
         param_operands = list(params) if has_params else []
-    operands = [scalars, *grads, *param_operands, *moments]
-    result_types = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(config.layout.shapes, config.out_dtypes)]
-    result_types += [jax.ShapeDtypeStruct(moment.shape, jnp.float32) for moment in moments]
-    result_types += [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)]
+    operands, axes = _vary_together([scalars, *grads, *param_operands, *moments])
+    result_types = [jax.ShapeDtypeStruct(shape, dtype, **axes)
+                    for shape, dtype in zip(config.layout.shapes, config.out_dtypes)]
+    result_types += [jax.ShapeDtypeStruct(moment.shape, jnp.float32, **axes) for moment in moments]
+    result_types += [jax.ShapeDtypeStruct(shape, dtype, **axes)
+                     for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)]
     if config.clip:
-        result_types.append(jax.ShapeDtypeStruct((NORM_PARTIALS,), jnp.float32))
+        result_types.append(jax.ShapeDtypeStruct((NORM_PARTIALS,), jnp.float32, **axes))
     first_moment = 1 + num_leaves + len(param_operands)
     aliases = {first_moment + k: num_leaves + k for k in range(num_moments)}
     if config.split_master:

@@ -29,6 +29,7 @@ IGNORE_LABEL). Arrays are ``input_ids`` and ``labels``, int32 of shape (grad_acc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
@@ -219,11 +220,8 @@ def sentencepiece_tokenizer(documents: Sequence[str], run_dir: Path, *, spm_mode
 
 def pack(documents: Sequence[Sequence[int]], eod_id: int) -> np.ndarray:
     """``EOD d_1 EOD d_2 ... d_n EOD`` as one int32 stream (empty documents are left out)."""
-    parts = [np.asarray([eod_id], np.int32)]
-    for document in documents:
-        if len(document):
-            parts += [np.asarray(document, np.int32), parts[0]]
-    return np.concatenate(parts)
+    tokens = itertools.chain.from_iterable((*document, eod_id) for document in documents if len(document))
+    return np.fromiter(itertools.chain([eod_id], tokens), np.int32)
 
 
 def split_tail(stream: np.ndarray, fraction: float, eod_id: int) -> tuple[np.ndarray, np.ndarray]:

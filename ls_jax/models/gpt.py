@@ -7,15 +7,27 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from ls_jax.layers import LayerConfig, TransformerEmbedding, TransformerEncoder
 from ls_jax.layers.config import replace_checked
 from ls_jax.models.tokens import check_tokens
 
 _PRESETS: dict[str, dict[str, Any]] = {
+    # A small model for the synthetic corpus and CPU runs; no dropout: its training data never repeats.
+    "gpt2-tiny": dict(
+        layer=LayerConfig.preset(
+            "gpt2-small", hidden_size=128, intermediate_size=512, nhead=4, max_seq_len=256,
+            attn_prob_dropout_ratio=0.0, hidden_dropout_ratio=0.0,
+        ),
+        num_layers=2,
+    ),
     "gpt2-small": dict(layer=LayerConfig.preset("gpt2-small"), num_layers=12),
     "gpt2-medium": dict(
         layer=LayerConfig.preset("gpt2-small", hidden_size=1024, intermediate_size=4096, nhead=16), num_layers=24
+    ),
+    "gpt2-large": dict(
+        layer=LayerConfig.preset("gpt2-small", hidden_size=1280, intermediate_size=5120, nhead=20), num_layers=36
     ),
 }
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
@@ -51,7 +63,8 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
-        """"gpt2-small" or "gpt2-medium"; ``overrides`` replace GPTConfig fields."""
+        """One of `PRESETS` ("gpt2-tiny", "gpt2-small", "gpt2-medium", "gpt2-large"); ``overrides`` replace
+        GPTConfig fields."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPT preset {name!r}; valid presets are {', '.join(PRESETS)}")
         return replace_checked(cls(**_PRESETS[name]), overrides)
@@ -60,7 +73,11 @@ class GPTConfig:
 class GPTLMHeadModel(nn.Module):
     """Token + learned position embeddings, causal pre-LN blocks, final LayerNorm, logits tied to the token table.
 
-    Matches Hugging Face ``GPT2LMHeadModel``; weights convert with ``ls_jax.models.hf``.
+    Matches Hugging Face ``GPT2LMHeadModel``; weights convert with ``ls_jax.models.hf``. Incremental decoding
+    with the KV cache::
+
+        _, state = model.apply(variables, batch, max_len, method="init_cache", mutable=["cache"])
+        logits, state = model.apply({**variables, **state}, tokens, method="decode", mutable=["cache"])
     """
 
     config: GPTConfig
@@ -89,3 +106,21 @@ class GPTLMHeadModel(nn.Module):
             key_mask = attention_mask != 0
         x = self.embedding(input_ids, deterministic=deterministic)
         return self.embedding.attend(self.decoder(x, key_mask, deterministic=deterministic))
+
+    def init_cache(self, batch_size: int, max_len: int) -> None:
+        """Creates the "cache" collection for ``max_len`` positions of ``batch_size`` rows (run with
+        mutable=["cache"]): every layer's keys/values (B, max_len, heads, d) and the position counters at 0."""
+        if not 1 <= max_len <= self.config.layer.max_seq_len:
+            raise ValueError(f"max_len must be in [1, max_seq_len={self.config.layer.max_seq_len}], got {max_len}")
+        self._decode_hidden(jnp.zeros((batch_size, max_len), jnp.int32), deterministic=True)
+
+    def decode(self, input_ids: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """The next L positions: input_ids (B, L) -> logits (B, L, V); each attends to every earlier cached
+        position and to itself, and the cache grows by L. The caller keeps the total within ``init_cache``'s
+        ``max_len``."""
+        check_tokens("input_ids", input_ids)
+        return self.embedding.attend(self._decode_hidden(input_ids, deterministic=deterministic))
+
+    def _decode_hidden(self, input_ids: jax.Array, *, deterministic: bool) -> jax.Array:
+        x = self.embedding(input_ids, decode=True, deterministic=deterministic)
+        return self.decoder(x, decode=True, deterministic=deterministic)

@@ -75,11 +75,13 @@ def _head_dim_reason(head_dim: int) -> str | None:
 
 
 def shape_reason(sources, key_mask, causal: bool, dropout_rate: float) -> str | None:
-    """Why cuDNN attention cannot take these operands (dtype, head_dim, causal layout), or None."""
+    """Why cuDNN attention cannot take these operands (dtype, head_dim, lengths, causal layout), or None."""
     q_source, kv_source = sources[0], sources[-1]
     if q_source.dtype not in _common.LOW_PRECISION_DTYPES:
         return f"cuDNN attention takes bfloat16 or float16, got {q_source.dtype}"
     queries, keys = q_source.shape[1], kv_source.shape[1]
+    if queries == 1 and keys == 1:
+        return "cuDNN's attention backward does not take a single query over a single key"
     if causal and queries != keys and (queries > keys or key_mask is not None or dropout_rate > 0.0):
         return (f"cuDNN's causal attention with queries != keys ({queries} and {keys}) takes queries < keys, no key "
                 f"mask and no dropout")

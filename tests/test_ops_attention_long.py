@@ -213,3 +213,18 @@ def test_missing_cudnn_package_falls_back_in_auto_mode_and_is_an_error_under_ffi
     assert targets == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"} and "nvidia-cudnn-frontend" in caplog.text
     with backend.use("ffi"), pytest.raises(backend.KernelsUnavailableError, match="pip install nvidia-cudnn-frontend"):
         _lowered_targets(lambda x: ops.self_attention(x), qkv)
+
+
+def test_cudnn_shape_reasons_name_the_limit(kernels_enabled):
+    def reason(query_shape, key_value_shape, key_mask=None, causal=False, rate=0.0, dtype=BF16):
+        sources = (jnp.zeros(query_shape, dtype), jnp.zeros(key_value_shape, dtype))
+        return attention_cudnn.shape_reason(sources, key_mask, causal, rate)
+
+    assert reason((1, 300, 1, 2, 128), (1, 500, 2, 2, 128)) is None
+    assert "single query over a single key" in reason((1, 1, 1, 2, 128), (1, 1, 2, 2, 128))
+    assert reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True) is None, "bottom-right diagonal"
+    mask = jnp.ones((1, 500), bool)
+    assert "takes queries < keys, no key mask and no dropout" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), mask,
+                                                                         causal=True)
+    assert "takes queries < keys" in reason((1, 600, 1, 2, 64), (1, 500, 2, 2, 64), causal=True)
+    assert "takes queries < keys" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True, rate=0.1)

@@ -12,6 +12,8 @@ Layout
   csrc/rows.cuh      row-streaming layouts and the deterministic reduction of per-block column partials
   csrc/module.cc     the pybind11 module ``_ls_kernels``: ``targets()`` -> {name: PyCapsule}
   csrc/<op>.cu       one file per op family, each registering its own targets (dropout.cu is the worked example)
+  csrc/attention_cudnn.cu  cuDNN's fused attention from FFI handlers (cuDNN frontend graphs); built only where the
+                     cuDNN packages are found (``cudnn_attention_missing`` says why not)
   build.py           nvcc build, cache and CLI (``python -m ffi_kernels.build [--arch sm_90] [--force] [--verbose]``)
 
 Adding a kernel: create ``csrc/<name>.cu`` that includes ``common.cuh``, writes a handler returning
@@ -41,6 +43,7 @@ __all__ = [
     "KernelImportError",
     "NvccNotFoundError",
     "column_partials",
+    "cudnn_attention_missing",
     "import_library",
     "load",
     "sm_count",
@@ -61,6 +64,7 @@ class KernelImportError(ImportError):
 
 _lock = threading.Lock()
 _library: ModuleType | None = None
+_cudnn_missing: str | None = None
 
 
 def import_library(path: Path) -> ModuleType:
@@ -88,16 +92,23 @@ def load() -> tuple[str, ...]:
     Raises:
       NvccNotFoundError, KernelBuildError, KernelImportError: as named; the message says what to do.
     """
-    global _library
+    global _library, _cudnn_missing
     with _lock:
         if _library is None:
             from ffi_kernels import build  # not at the top: `python -m ffi_kernels.build` imports this package first
 
-            library = import_library(build.build().path)
+            result = build.build()
+            library = import_library(result.path)
             for name, capsule in library.targets().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-            _library = library
+            _library, _cudnn_missing = library, result.cudnn_missing
         return tuple(sorted(_library.targets()))
+
+
+def cudnn_attention_missing() -> str | None:
+    """Why the loaded library has no cuDNN attention targets (the missing package), or None when it has them."""
+    load()
+    return _cudnn_missing
 
 
 @functools.cache

@@ -1,7 +1,14 @@
 """Compiles the kernel library: every ``csrc/*.cu`` plus ``csrc/module.cc`` into one Python extension module.
 
 ``python -m ffi_kernels.build [--arch sm_90 ...] [--force] [--verbose]`` builds (or finds) the library and
-prints its path, GPU architectures, build seconds and FFI target names.
+prints its path, GPU architectures, build seconds, FFI target names and whether cuDNN attention is in it.
+
+``csrc/attention_cudnn.cu`` (cuDNN's fused attention) is compiled only where its headers and libraries are found
+(``cudnn_config``): cuDNN from the ``nvidia-cudnn-cu13`` or ``-cu12`` wheel JAX's CUDA plugin installs, the header-only
+cuDNN frontend from ``nvidia-cudnn-frontend`` (``pip install ls-jax[gpu]``; a ``pip install --target`` directory on
+PYTHONPATH works too) and NVRTC, which the frontend's headers reference, from ``nvidia-cuda-nvrtc`` or the CUDA
+toolkit. Without them the library is built without that file and attention falls back to XLA beyond the
+short-sequence kernels, naming the missing package.
 
 Builds are cached in ``${LS_JAX_CACHE:-~/.cache/ls_jax}/kernels/<key>/`` where the key hashes everything the
 binary depends on: the jaxlib version (its FFI headers), the Python version and ABI, the nvcc version, the
@@ -40,16 +47,43 @@ DEFAULT_ARCHS = ("sm_80", "sm_90")
 _ARCH_PATTERN = re.compile(r"^sm_\d+[a-z]?$")
 _DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
 _MANIFEST = "manifest.json"
+CUDNN_SOURCES = ("attention_cudnn.cu",)
+_CUDNN_DISTRIBUTIONS = ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
+_NVRTC_DISTRIBUTIONS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12")
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildResult:
-    """A built library: the extension module file, its architectures and how long building took."""
+    """A built library: the extension module file, its architectures, how long building took, and why cuDNN
+    attention is not in it (None when it is)."""
 
     path: Path
     archs: tuple[str, ...]
     seconds: float
     cached: bool
+    cudnn_missing: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnConfig:
+    """Where cuDNN attention's headers and libraries are: include directories and the shared libraries to link
+    (each with an rpath to its directory)."""
+
+    include_dirs: tuple[str, ...]
+    libraries: tuple[Path, ...]
+
+    def compile_flags(self) -> list[str]:
+        return [flag for path in self.include_dirs for flag in ("-isystem", path)]
+
+    def link_flags(self) -> list[str]:
+        flags = []
+        for library in self.libraries:
+            flags += [f"-L{library.parent}", f"-l:{library.name}", f"-Xlinker=-rpath={library.parent}"]
+        return flags
+
+
+class CudnnNotFoundError(KernelBuildError):
+    """cuDNN attention cannot be built here; the message names the missing package."""
 
 
 def find_nvcc() -> Path:
@@ -93,9 +127,91 @@ def validate_archs(archs: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(set(archs), key=lambda arch: (_arch_number(arch), arch)))
 
 
-def sources() -> list[Path]:
-    """Every kernel translation unit (``csrc/*.cu``) followed by the Python module (``csrc/module.cc``)."""
-    return sorted(CSRC.glob("*.cu")) + [CSRC / "module.cc"]
+def sources(with_cudnn: bool = False) -> list[Path]:
+    """Every kernel translation unit (``csrc/*.cu``; ``CUDNN_SOURCES`` only ``with_cudnn``) followed by the Python
+    module (``csrc/module.cc``)."""
+    kernels = [path for path in sorted(CSRC.glob("*.cu")) if with_cudnn or path.name not in CUDNN_SOURCES]
+    return kernels + [CSRC / "module.cc"]
+
+
+def _distribution_file(distributions: Sequence[str], suffix: str) -> Path | None:
+    """The first installed file of the first of ``distributions`` (pip package names, found through
+    importlib.metadata, so site-packages and PYTHONPATH directories alike) whose path ends with ``suffix``."""
+    for name in distributions:
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for file in distribution.files or ():
+            if file.as_posix().endswith(suffix):
+                located = Path(distribution.locate_file(file))
+                if located.is_file():
+                    return located
+    return None
+
+
+def _library_file(distributions: Sequence[str], directory_suffix: str, stem: str) -> Path | None:
+    """The versioned shared library ``<stem>.so.<major>`` in a distribution's ``directory_suffix`` directory."""
+    for name in distributions:
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for file in distribution.files or ():
+            posix = file.as_posix()
+            if re.search(rf"{re.escape(directory_suffix)}/{re.escape(stem)}\.so\.\d+$", posix):
+                located = Path(distribution.locate_file(file))
+                if located.is_file():
+                    return located
+    return None
+
+
+def _nvrtc(nvcc: Path) -> tuple[Path, Path] | None:
+    """(directory of nvrtc.h, libnvrtc.so.N): the nvidia-cuda-nvrtc wheel's, else the CUDA toolkit's of nvcc."""
+    header = _distribution_file(_NVRTC_DISTRIBUTIONS, "include/nvrtc.h")
+    library = _library_file(_NVRTC_DISTRIBUTIONS, "lib", "libnvrtc")
+    if header is not None and library is not None:
+        return header.parent, library
+    toolkit = nvcc.resolve().parent.parent
+    libraries = sorted((toolkit / "lib64").glob("libnvrtc.so.[0-9]*"), key=lambda path: len(path.name))
+    if (toolkit / "include" / "nvrtc.h").is_file() and libraries:
+        return toolkit / "include", libraries[0]
+    return None
+
+
+def cudnn_config(nvcc: Path) -> CudnnConfig:
+    """Headers and libraries for ``CUDNN_SOURCES``.
+
+    Raises:
+      CudnnNotFoundError: naming the package to install.
+    """
+    cudnn_header = _distribution_file(_CUDNN_DISTRIBUTIONS, "include/cudnn.h")
+    cudnn_library = _library_file(_CUDNN_DISTRIBUTIONS, "lib", "libcudnn")
+    if cudnn_header is None or cudnn_library is None:
+        raise CudnnNotFoundError(
+            "cuDNN attention needs cuDNN's headers and library from the nvidia-cudnn-cu13 (or -cu12) package that "
+            "jax[cuda13] installs; it is not installed for this Python"
+        )
+    frontend_header = _distribution_file(("nvidia-cudnn-frontend",), "include/cudnn_frontend.h")
+    if frontend_header is None:
+        raise CudnnNotFoundError(
+            "cuDNN attention needs the cuDNN frontend headers: pip install nvidia-cudnn-frontend (or ls-jax[gpu])"
+        )
+    nvrtc = _nvrtc(nvcc)
+    if nvrtc is None:
+        raise CudnnNotFoundError(
+            "cuDNN attention needs NVRTC (nvrtc.h and libnvrtc), which the cuDNN frontend headers reference: "
+            "pip install nvidia-cuda-nvrtc (jax[cuda13] installs it) or a CUDA toolkit with NVRTC"
+        )
+    include_dirs = (str(cudnn_header.parent), str(frontend_header.parent), str(nvrtc[0]))
+    return CudnnConfig(include_dirs, (cudnn_library, nvrtc[1]))
+
+
+def _cudnn_or_reason(nvcc: Path) -> CudnnConfig | str:
+    try:
+        return cudnn_config(nvcc)
+    except CudnnNotFoundError as err:
+        return str(err)
 
 
 def include_dirs() -> list[str]:
@@ -126,7 +242,7 @@ def _nvcc_version(nvcc: Path) -> str:
     return subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def cache_key(nvcc: Path, archs: Sequence[str]) -> str:
+def cache_key(nvcc: Path, archs: Sequence[str], cudnn: CudnnConfig | str) -> str:
     digest = hashlib.sha256()
     parts = [
         metadata.version("jaxlib"),
@@ -134,6 +250,7 @@ def cache_key(nvcc: Path, archs: Sequence[str]) -> str:
         sysconfig.get_config_var("EXT_SUFFIX") or "",
         _nvcc_version(nvcc),
         " ".join(compile_flags(archs)),
+        repr(cudnn),  # installing the cuDNN packages later (or moving them) gives a new build
     ]
     for part in parts:
         digest.update(part.encode() + b"\0")
@@ -161,15 +278,20 @@ def _run(command: list[str], what: str) -> None:
         logger.info("%s:\n%s", what, process.stderr)
 
 
-def _compile_and_link(nvcc: Path, archs: Sequence[str], work: Path, output: Path, verbose: bool) -> None:
+def _compile_and_link(nvcc: Path, archs: Sequence[str], work: Path, output: Path, verbose: bool,
+                      cudnn: CudnnConfig | None) -> None:
     flags = compile_flags(archs) + (["-Xptxas=-v"] if verbose else [])
-    objects = [work / (source.name + ".o") for source in sources()]
-    jobs = [([str(nvcc), "-c", str(source), "-o", str(obj), *flags], f"compiling {source.name}")
-            for source, obj in zip(sources(), objects)]
+    units = sources(with_cudnn=cudnn is not None)
+    objects = [work / (source.name + ".o") for source in units]
+    jobs = []
+    for source, obj in zip(units, objects):
+        extra = cudnn.compile_flags() if cudnn is not None and source.name in CUDNN_SOURCES else []
+        jobs.append(([str(nvcc), "-c", str(source), "-o", str(obj), *flags, *extra], f"compiling {source.name}"))
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for future in [pool.submit(_run, *job) for job in jobs]:
             future.result()
-    _run([str(nvcc), "-shared", "-o", str(output), *map(str, objects)], "linking the kernel library")
+    link = cudnn.link_flags() if cudnn is not None else []
+    _run([str(nvcc), "-shared", "-o", str(output), *map(str, objects), *link], "linking the kernel library")
 
 
 def build(
@@ -187,7 +309,9 @@ def build(
     """
     nvcc = find_nvcc()
     archs = validate_archs(archs or detect_archs())
-    target_dir = (cache_dir or cache_root()) / cache_key(nvcc, archs)
+    cudnn = _cudnn_or_reason(nvcc)
+    cudnn_missing = cudnn if isinstance(cudnn, str) else None
+    target_dir = (cache_dir or cache_root()) / cache_key(nvcc, archs, cudnn)
     target_dir.mkdir(parents=True, exist_ok=True)
     library = target_dir / library_name()
     manifest = target_dir / _MANIFEST
@@ -195,17 +319,20 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists() and manifest.exists() and not force:
             recorded = json.loads(manifest.read_text())
-            return BuildResult(library, tuple(recorded["archs"]), recorded["seconds"], cached=True)
+            return BuildResult(library, tuple(recorded["archs"]), recorded["seconds"], cached=True,
+                               cudnn_missing=cudnn_missing)
         logger.warning("ls_jax: compiling the CUDA kernels for %s into %s (once per version and GPU)",
                        ", ".join(archs), target_dir)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=target_dir) as work:
             staged = Path(work) / library.name
-            _compile_and_link(nvcc, archs, Path(work), staged, verbose)
+            _compile_and_link(nvcc, archs, Path(work), staged, verbose, None if cudnn_missing else cudnn)
             os.replace(staged, library)
         seconds = time.perf_counter() - start
         manifest.write_text(json.dumps({"archs": list(archs), "seconds": seconds, "nvcc": str(nvcc)}) + "\n")
-    return BuildResult(library, archs, seconds, cached=False)
+    if cudnn_missing:
+        logger.warning("ls_jax: built without cuDNN attention: %s", cudnn_missing)
+    return BuildResult(library, archs, seconds, cached=False, cudnn_missing=cudnn_missing)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"archs:   {' '.join(result.archs)}")
     print(f"seconds: {result.seconds:.1f}{' (cached build)' if result.cached else ''}")
     print(f"targets: {' '.join(names)}")
+    print(f"cudnn:   {'built in' if result.cudnn_missing is None else 'left out: ' + result.cudnn_missing}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes docs/results/<suite>-<device>.json.
 
-Suites: ops (fused kernels vs XLA), optim (fused optimizers vs optax), e2e (training step vs plain Flax),
-profile (per-category step breakdown).
+Suites: ops (fused kernels vs XLA), attention (self-attention vs cuDNN's as JAX calls it), optim (fused
+optimizers vs optax), e2e (training step vs plain Flax), profile (per-category step breakdown).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 SUITES = {
     "ops": "train.benchmarks.ops",
+    "attention": "train.benchmarks.attention",
     "optim": "train.benchmarks.optim",
     "e2e": "train.benchmarks.e2e",
     "profile": "train.benchmarks.profile",

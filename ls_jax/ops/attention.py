@@ -22,15 +22,22 @@ Inputs arrive as "sources" in the layouts the projections produce, so no slice o
 projection bias comes along unapplied (qkv's (3, H, D), or the query's (H, D)): the fused kernels add it as they
 load the tiles and return its gradient as partial sums, which saves a pass over qkv each way.
 
-Two formulations:
+Three formulations:
   fused (CUDA kernels, bf16/f16, head_dim 64, at most 128 queries and keys): one block per (batch, head) keeps
     the scores on chip; implementations share
       forward(sources, bias, key_mask, seed) -> (out, lse, keep_bits)
       backward(dout, sources, bias, key_mask, keep_bits, lse) -> (d_sources, d_bias)
     and the XLA one (for a computation lowered for another platform) recomputes the probabilities from lse.
+  cudnn (any length, bf16/f16, head_dim a multiple of 8 up to 128, or 256 on Hopper; ``ops.attention_cudnn``):
+    cuDNN's flash attention from the library's FFI handlers, nothing of size L x L stored. The projection bias
+    is added by XLA first; the residuals are the biased sources, out and lse, and the seed, from which both
+    directions draw the same dropout. cuDNN's dropout drops other elements than ``ls_jax.ops.random`` for the
+    same seed (same keep probability and scale). Implementations share
+      forward(sources, key_mask, seed) -> (out, lse);  backward(dout, sources, key_mask, seed, out, lse) -> d_sources
+    and the XLA one draws its mask with ``ls_jax.ops.random`` and recomputes the probabilities from lse.
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
-    backend for shapes the fused kernels do not take (then ``attn_softmax`` runs its kernels). On XLA it
-    measured faster than the recomputing formulation.
+    backend for shapes neither the fused kernels nor cuDNN take (then ``attn_softmax`` runs its kernels). On XLA
+    it measured faster than the recomputing formulation.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import numpy as np
 
 from ls_jax import backend
 from ls_jax.ops import _common
+from ls_jax.ops import attention_cudnn
 from ls_jax.ops import random
 from ls_jax.ops.softmax import attn_softmax
 
@@ -134,10 +142,15 @@ def _forward_xla(sources, bias, key_mask, seed, *, causal, dropout_rate):
 
 
 def _backward_xla(dout, sources, bias, key_mask, keep_bits, lse, *, causal, dropout_rate):
+    multiplier = _stored_keep(keep_bits, sources[-1].shape[1], dropout_rate)
+    return _gradients(dout, sources, bias, key_mask, multiplier, lse, causal)
+
+
+def _gradients(dout, sources, bias, key_mask, multiplier, lse, causal):
+    """(d_sources, d_bias) from the probabilities recomputed from lse and the dropout ``multiplier``."""
     q, k, v = _split(sources, bias)
     logits = _logits(q, k, key_mask, causal)
     probs = jnp.exp(logits - lse[..., None])
-    multiplier = _stored_keep(keep_bits, k.shape[1], dropout_rate)
     dp = jnp.einsum("bqhd,bkhd->bhqk", dout, v).astype(_f32) * multiplier
     dscores = probs * (dp - jnp.sum(dp * probs, axis=-1, keepdims=True)) * (q.shape[-1] ** -0.5)
     dscores, kept = dscores.astype(q.dtype), (probs * multiplier).astype(q.dtype)
@@ -228,6 +241,70 @@ def _attention_bwd(causal, dropout_rate, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _with_bias(sources: Sources, bias: jax.Array | None) -> Sources:
+    """Sources with the projection bias added to the query source (in its dtype)."""
+    if bias is None:
+        return sources
+    return (sources[0] + bias.astype(sources[0].dtype), *sources[1:])
+
+
+def _cudnn_forward_xla(sources, key_mask, seed, *, causal, dropout_rate):
+    out, lse, _ = _forward_xla(sources, None, key_mask, seed, causal=causal, dropout_rate=dropout_rate)
+    return out, lse
+
+
+def _cudnn_backward_xla(dout, sources, key_mask, seed, out, lse, *, causal, dropout_rate):
+    del out  # cuDNN's backward reads it; the probabilities recomputed from lse give the same gradient
+    multiplier = random.dropout_multiplier(seed, (*lse.shape, sources[-1].shape[1]), dropout_rate)
+    return _gradients(dout, sources, None, key_mask, multiplier, lse, causal)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _cudnn_attention(sources, bias, key_mask, seed, causal, dropout_rate):
+    return _cudnn_attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate)[0]
+
+
+def _cudnn_attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate):
+    options = dict(causal=causal, dropout_rate=dropout_rate)
+    biased = _with_bias(sources, bias)
+    out, lse = _common.dispatch(
+        "attention",
+        functools.partial(_cudnn_forward_xla, **options),
+        functools.partial(attention_cudnn.forward, **options),
+        (biased, key_mask, seed),
+    )
+    return out, (biased, bias, key_mask, seed, out, lse)
+
+
+def _cudnn_attention_bwd(causal, dropout_rate, residuals, dout):
+    biased, bias, key_mask, seed, out, lse = residuals
+    options = dict(causal=causal, dropout_rate=dropout_rate)
+    d_sources = _common.dispatch(
+        "attention",
+        functools.partial(_cudnn_backward_xla, **options),
+        functools.partial(attention_cudnn.backward, **options),
+        (dout, biased, key_mask, seed, out, lse),
+    )
+    return d_sources, _bias_grad(d_sources[0], bias), None, None
+
+
+_cudnn_attention.defvjp(_cudnn_attention_fwd, _cudnn_attention_bwd)
+
+
+def _cudnn_reason(sources: Sources, key_mask, causal: bool, dropout_rate: float) -> str | None:
+    """Why cuDNN attention cannot run these operands, or None. A missing cuDNN package is an error when the kernels
+    are required (LS_JAX_KERNELS=ffi), a logged fallback otherwise."""
+    reason = attention_cudnn.shape_reason(sources, key_mask, causal, dropout_rate)
+    if reason is not None:
+        return reason
+    missing = attention_cudnn.missing()
+    if missing is not None and backend.requested_mode() == "ffi":
+        raise backend.KernelsUnavailableError(
+            f"{backend.ENV_VAR}=ffi: attention of these shapes needs the cuDNN attention targets, which the kernel "
+            f"library was built without: {missing}")
+    return missing
+
+
 def _check_key_mask(key_mask: jax.Array | None, batch: int, keys: int) -> jax.Array | None:
     if key_mask is None:
         return None
@@ -269,10 +346,14 @@ def _attend(sources: Sources, bias, key_mask, causal: bool, dropout_rate: float,
     if dropout_rate == 0.0:
         seed = None
     if backend.kernels_enabled():
+        formulation = _attention
         reason = _unsupported(sources)
+        if reason is not None:
+            formulation = _cudnn_attention
+            reason = _cudnn_reason(sources, key_mask, causal, dropout_rate)
         if reason is None:
             *sources, bias, key_mask, seed = _common.vary_together(*sources, bias, key_mask, seed)
-            return _attention(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
+            return formulation(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
         _common.log_fallback_once("attention", reason, "the unfused attention (the attn_softmax kernels)")
     mask = None if key_mask is None else key_mask[:, None, None, :]
     return attention_unfused(*_split(sources, bias), mask, causal=causal, dropout_rate=dropout_rate, seed=seed)

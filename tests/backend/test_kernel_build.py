@@ -51,10 +51,11 @@ def _require_nvcc() -> Path:
         pytest.skip(f"nvcc is not installed here: {err}")
 
 
-def _declared_targets() -> set[str]:
-    """Every target a csrc/*.cu file registers."""
+def _declared_targets(with_cudnn: bool = True) -> set[str]:
+    """Every target a csrc/*.cu file registers (without ``build.CUDNN_SOURCES``' unless ``with_cudnn``)."""
     pattern = re.compile(r"LS_(?:FFI|REGISTER)_TARGET\(\s*(ls_\w+)")
-    return {name for path in build.CSRC.glob("*.cu") for name in pattern.findall(path.read_text())}
+    kernels = [path for path in build.sources(with_cudnn) if path.suffix == ".cu"]
+    return {name for path in kernels for name in pattern.findall(path.read_text())}
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +69,12 @@ def test_library_builds_for_sm80_and_sm90_and_exports_every_target(built):
     assert built.archs == ("sm_80", "sm_90") and not built.cached and built.path.is_file()
     assert EXPECTED_TARGETS <= _declared_targets()
     capsules = ffi_kernels.import_library(built.path).targets()
-    assert set(capsules) == _declared_targets()
+    assert {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} <= _declared_targets()
+    assert set(capsules) == _declared_targets(with_cudnn=built.cudnn_missing is None)
     assert {type(capsule).__name__ for capsule in capsules.values()} == {"PyCapsule"}
     nm = subprocess.run(["nm", "-D", "--defined-only", str(built.path)], capture_output=True, text=True, check=True)
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
-    assert _declared_targets() <= exported
+    assert set(capsules) <= exported
 
 
 @pytest.mark.slow
@@ -256,7 +258,8 @@ def test_embedding_lowers_to_its_kernels(kernels_enabled):
     assert _targets(text) == {"ls_embed_fwd", "ls_embed_grad"} and "token_scale = 4.000000e+00 : f32" in text
 
 
-def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enabled):
+def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enabled, monkeypatch):
+    monkeypatch.setattr(ops.attention_cudnn, "missing", lambda: "built without cuDNN attention")
     qkv, mask = normal(0, (2, 64, 3, 4, 64), jnp.bfloat16), jnp.ones((2, 64), bool)
     self_attention = lambda x: ops.self_attention(x, mask, causal=True, dropout_rate=0.1, seed=seed_array(0))
     text = _cuda_module(lambda x: _forward_and_backward(self_attention, x), qkv)
@@ -271,6 +274,9 @@ def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enable
     assert "tensor<0xui8>" in text, "without dropout there is no keep mask"
     too_long = normal(3, (2, 129, 2, 4, 64), jnp.float16)
     assert _targets(_cuda_module(cross, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
+    monkeypatch.setattr(ops.attention_cudnn, "missing", lambda: None)
+    retraced = lambda q, kv: cross(q, kv)  # the kernel choice is made when tracing
+    assert _targets(_cuda_module(retraced, query, too_long)) == {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}
 
 
 def test_cross_entropy_backward_lowers_in_place_over_the_logits(kernels_enabled):

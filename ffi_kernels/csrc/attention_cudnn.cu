@@ -1,0 +1,603 @@
+// Attention of any length through cuDNN's fused flash attention (SDPA), forward and backward, called from this
+// library's own FFI handlers with cuDNN frontend graphs (math: ls_jax/ops/attention_cudnn.py).
+//
+//   logits = q k^T * logit_scale + mask_bias, -inf for keys at or past seq_len_kv and (causal) k > q + K - Q
+//   stats  = log sum_k exp(logits)   (natural log, f32 (B, H, Q, 1))
+//   out    = dropout(softmax(logits)) v
+//
+// cuDNN reads and writes every operand through strides, so nothing is copied: q is part 0 of query_source
+// (B, Q, P, H, D) and k, v are parts P - 2 and P - 1 of key_value_source (B, K, P', H, D) (a packed
+// self-attention qkv is passed as both), out is (B, Q, H, D), and the backward writes dq, dk and dv straight
+// into the gradient of each source. Dropout is cuDNN's own Philox generator keyed by (seed, offset) read from
+// device memory, so a new seed each step needs neither a new graph nor a host synchronization; its elements
+// differ from this library's Philox kernels. With a key mask the graph has cuDNN's padding mask (seq_len_kv:
+// the keys past the last visible one are skipped) and an additive (B, 1, 1, K) bias (0 or a large negative
+// value) that masks any other key, so every mask is exact and prefix masks skip their padding.
+//
+// Targets
+//   ls_attention_cudnn_fwd(query_source, key_value_source, seed u32[2] [, seq_len_q s32 (B,), seq_len_kv s32 (B,),
+//       mask_bias T (B, K_pad)]) -> (out T (B, Q, H, D), stats f32 (B, H, Q, 1))
+//   ls_attention_cudnn_bwd(dout, query_source, key_value_source, out, stats, seed [, seq_len_q, seq_len_kv,
+//       mask_bias]) -> (d_query_source [, d_key_value_source]); without d_key_value_source the sources are one
+//       packed qkv (P = 3) and d_query_source receives dq, dk and dv.
+//   Attributes: causal (bool), dropout_rate (f32), logit_scale (f32). T is bf16 or f16; D a multiple of 8.
+//   seed element 0 is cuDNN's Philox seed and element 1 its offset. mask_bias rows are padded to a multiple of 8
+//   elements (16 bytes); only the first K of each row are read.
+//
+// Built graphs are cached per (direction, device, dtype, shape and layout, causal, dropout, mask); one cuDNN
+// handle per device; workspace from XLA's scratch allocator. Not declared command-buffer compatible: the
+// scratch memory is returned to XLA when the handler returns, which a recorded CUDA graph would outlive.
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+
+#include <array>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common.cuh"
+
+namespace ls {
+namespace {
+
+namespace fe = ::cudnn_frontend;
+using GraphPtr = std::shared_ptr<fe::graph::Graph>;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// Tensor uids of the variant pack.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLenQ, kSeqLenKV, kMaskBias, kSeed, kOffset,
+};
+
+// Bytes reserved at the start of the scratch for the int64 seed and offset (each 16-byte aligned, at slots 0 and
+// kOffsetSlot); keeps cuDNN's workspace 256-byte aligned.
+constexpr size_t kSeedBytes = 256;
+constexpr int kOffsetSlot = 2;
+
+// ---- layout ------------------------------------------------------------------------------------------------
+
+struct Layout {
+  int64_t batch, queries, keys, heads, head_dim;
+  int64_t query_parts, key_value_parts;  // P of query_source (1 or 3) and of key_value_source (2 or 3)
+  int64_t bias_row;                      // elements per mask_bias row, 0 without a key mask
+};
+
+using Dims = std::vector<int64_t>;
+
+// (b, h, s, d) dims and strides of one part of a (B, S, P, H, D) source.
+Dims source_dims(const Layout& l, int64_t length) { return {l.batch, l.heads, length, l.head_dim}; }
+Dims source_strides(const Layout& l, int64_t length, int64_t parts) {
+  const int64_t row = parts * l.heads * l.head_dim;
+  return {length * row, l.head_dim, row, 1};
+}
+Dims out_strides(const Layout& l) {
+  return {l.queries * l.heads * l.head_dim, l.head_dim, l.heads * l.head_dim, 1};
+}
+Dims stats_dims(const Layout& l) { return {l.batch, l.heads, l.queries, 1}; }
+Dims stats_strides(const Layout& l) { return {l.heads * l.queries, l.queries, 1, 1}; }
+
+struct Options {
+  bool causal;
+  float dropout_rate;
+  float logit_scale;
+  bool masked;
+};
+
+// ---- errors ------------------------------------------------------------------------------------------------
+
+ffi::Error frontend_error(const char* step, fe::error_t status) {
+  return ffi::Error::Internal(std::string("cuDNN attention: ") + step + " failed: " + status.get_message());
+}
+
+#define LS_RETURN_IF_FE_ERROR(step, expr)                     \
+  do {                                                        \
+    fe::error_t ls_status_ = (expr);                          \
+    if (ls_status_.is_bad()) return frontend_error(step, ls_status_); \
+  } while (0)
+
+ffi::Error cudnn_status_error(const char* step, cudnnStatus_t status) {
+  return ffi::Error::Internal(std::string("cuDNN attention: ") + step + " failed: " + cudnnGetErrorString(status));
+}
+
+ffi::Error cuda_status_error(const char* step, cudaError_t status) {
+  return ffi::Error::Internal(std::string("cuDNN attention: ") + step + " failed: " + cudaGetErrorString(status));
+}
+
+// ---- device and handle -------------------------------------------------------------------------------------
+
+// Makes `device` current for the scope (graph building queries the current device's architecture).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      switched_ = status_ == cudaSuccess;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+struct DeviceState {
+  std::mutex mutex;  // guards the handle's stream between cudnnSetStream and the enqueue
+  cudnnHandle_t handle = nullptr;
+};
+
+// The state of `device`, its handle created on first use (handles live as long as the process).
+ffi::Error device_state(int device, DeviceState** state) {
+  static std::mutex registry_mutex;
+  static std::map<int, std::unique_ptr<DeviceState>> registry;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::unique_ptr<DeviceState>& entry = registry[device];
+  if (!entry) {
+    auto created = std::make_unique<DeviceState>();
+    const cudnnStatus_t status = cudnnCreate(&created->handle);
+    if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnCreate", status);
+    entry = std::move(created);
+  }
+  *state = entry.get();
+  return ffi::Error::Success();
+}
+
+// ---- graphs ------------------------------------------------------------------------------------------------
+
+fe::DataType_t frontend_dtype(ffi::DataType dtype) {
+  return dtype == ffi::DataType::BF16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+}
+
+TensorPtr add_tensor(const GraphPtr& graph, int64_t uid, const char* name, const Dims& dims, const Dims& strides) {
+  return graph->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dims).set_stride(strides));
+}
+
+TensorPtr add_typed_tensor(const GraphPtr& graph, int64_t uid, const char* name, const Dims& dims,
+                           const Dims& strides, fe::DataType_t dtype) {
+  return graph->tensor(fe::graph::Tensor_attributes()
+                           .set_name(name)
+                           .set_uid(uid)
+                           .set_dim(dims)
+                           .set_stride(strides)
+                           .set_data_type(dtype));
+}
+
+struct MaskTensors {
+  TensorPtr seq_len_q, seq_len_kv, bias, seed, offset;
+};
+
+// The optional inputs every graph of `options` shares: sequence lengths and bias of the key mask, and the
+// Philox seed and offset of the dropout.
+MaskTensors add_mask_tensors(const GraphPtr& graph, const Layout& l, const Options& options) {
+  MaskTensors t;
+  if (options.masked) {
+    const Dims lengths = {l.batch, 1, 1, 1}, unit = {1, 1, 1, 1};
+    t.seq_len_q = add_typed_tensor(graph, kSeqLenQ, "seq_len_q", lengths, unit, fe::DataType_t::INT32);
+    t.seq_len_kv = add_typed_tensor(graph, kSeqLenKV, "seq_len_kv", lengths, unit, fe::DataType_t::INT32);
+    // (B, 1, Q, K) broadcast over heads and queries with zero strides.
+    t.bias = add_tensor(graph, kMaskBias, "mask_bias", {l.batch, 1, l.queries, l.keys}, {l.bias_row, l.bias_row, 0, 1});
+  }
+  if (options.dropout_rate > 0.0f) {
+    const Dims unit = {1, 1, 1, 1};
+    t.seed = add_typed_tensor(graph, kSeed, "seed", unit, unit, fe::DataType_t::INT64);
+    t.offset = add_typed_tensor(graph, kOffset, "offset", unit, unit, fe::DataType_t::INT64);
+  }
+  return t;
+}
+
+// Masks and dropout on either direction's attributes (SDPA_attributes or SDPA_backward_attributes).
+template <typename Attributes>
+void apply_options(Attributes& attributes, const Layout& l, const Options& options, const MaskTensors& t) {
+  attributes.set_attn_scale(options.logit_scale);
+  if (options.causal) {
+    // Q == K: the diagonal from the top left. Q < K (no key mask, no dropout): from the bottom right.
+    if (l.queries == l.keys) {
+      attributes.set_causal_mask(true);
+    } else {
+      attributes.set_causal_mask_bottom_right(true);
+    }
+  }
+  if (options.masked) {
+    attributes.set_padding_mask(true).set_seq_len_q(t.seq_len_q).set_seq_len_kv(t.seq_len_kv).set_bias(t.bias);
+  }
+  if (options.dropout_rate > 0.0f) attributes.set_dropout(options.dropout_rate, t.seed, t.offset);
+}
+
+ffi::Error finish_graph(const GraphPtr& graph, cudnnHandle_t handle) {
+  LS_RETURN_IF_FE_ERROR("validate", graph->validate());
+  LS_RETURN_IF_FE_ERROR("build_operation_graph", graph->build_operation_graph(handle));
+  LS_RETURN_IF_FE_ERROR("create_execution_plans",
+                        graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
+  LS_RETURN_IF_FE_ERROR("check_support", graph->check_support(handle));
+  LS_RETURN_IF_FE_ERROR("build_plans", graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE));
+  return ffi::Error::Success();
+}
+
+ffi::Error build_forward(const Layout& l, const Options& options, ffi::DataType dtype, cudnnHandle_t handle,
+                         GraphPtr* out) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(frontend_dtype(dtype))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto q = add_tensor(graph, kQ, "q", source_dims(l, l.queries), source_strides(l, l.queries, l.query_parts));
+  auto k = add_tensor(graph, kK, "k", source_dims(l, l.keys), source_strides(l, l.keys, l.key_value_parts));
+  auto v = add_tensor(graph, kV, "v", source_dims(l, l.keys), source_strides(l, l.keys, l.key_value_parts));
+  const MaskTensors masks = add_mask_tensors(graph, l, options);
+  auto attributes = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true);
+  apply_options(attributes, l, options, masks);
+  auto [o, stats] = graph->sdpa(q, k, v, attributes);
+  o->set_output(true).set_uid(kO).set_dim(source_dims(l, l.queries)).set_stride(out_strides(l));
+  stats->set_output(true)
+      .set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim(stats_dims(l))
+      .set_stride(stats_strides(l));
+  LS_RETURN_IF_ERROR(finish_graph(graph, handle));
+  *out = std::move(graph);
+  return ffi::Error::Success();
+}
+
+ffi::Error build_backward(const Layout& l, const Options& options, ffi::DataType dtype, cudnnHandle_t handle,
+                          GraphPtr* out) {
+  auto graph = std::make_shared<fe::graph::Graph>();
+  graph->set_io_data_type(frontend_dtype(dtype))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const Dims q_dims = source_dims(l, l.queries), q_strides = source_strides(l, l.queries, l.query_parts);
+  const Dims kv_dims = source_dims(l, l.keys), kv_strides = source_strides(l, l.keys, l.key_value_parts);
+  auto q = add_tensor(graph, kQ, "q", q_dims, q_strides);
+  auto k = add_tensor(graph, kK, "k", kv_dims, kv_strides);
+  auto v = add_tensor(graph, kV, "v", kv_dims, kv_strides);
+  auto o = add_tensor(graph, kO, "o", q_dims, out_strides(l));
+  auto d_o = add_tensor(graph, kDO, "dout", q_dims, out_strides(l));
+  auto stats = add_typed_tensor(graph, kStats, "stats", stats_dims(l), stats_strides(l), fe::DataType_t::FLOAT);
+  const MaskTensors masks = add_mask_tensors(graph, l, options);
+  auto attributes = fe::graph::SDPA_backward_attributes().set_name("attention_backward");
+  apply_options(attributes, l, options, masks);
+  auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, stats, attributes);
+  dq->set_output(true).set_uid(kDQ).set_dim(q_dims).set_stride(q_strides);
+  dk->set_output(true).set_uid(kDK).set_dim(kv_dims).set_stride(kv_strides);
+  dv->set_output(true).set_uid(kDV).set_dim(kv_dims).set_stride(kv_strides);
+  LS_RETURN_IF_ERROR(finish_graph(graph, handle));
+  *out = std::move(graph);
+  return ffi::Error::Success();
+}
+
+using GraphKey = std::array<int64_t, 14>;
+
+GraphKey graph_key(bool backward, int device, ffi::DataType dtype, const Layout& l, const Options& options) {
+  int32_t rate_bits = 0, scale_bits = 0;
+  std::memcpy(&rate_bits, &options.dropout_rate, sizeof rate_bits);
+  std::memcpy(&scale_bits, &options.logit_scale, sizeof scale_bits);
+  return {backward, device, static_cast<int64_t>(dtype), l.batch, l.queries, l.keys, l.heads, l.head_dim,
+          l.query_parts, l.key_value_parts, l.bias_row, options.causal, rate_bits,
+          (int64_t{scale_bits} << 1) | options.masked};
+}
+
+// The cached graph for this configuration, built on first use. Building takes milliseconds to seconds (heuristics,
+// kernel compilation); a failed build is not cached, so its error repeats with every execution.
+ffi::Error cached_graph(bool backward, int device, ffi::DataType dtype, const Layout& l, const Options& options,
+                        cudnnHandle_t handle, GraphPtr* graph) {
+  static std::mutex cache_mutex;
+  static std::map<GraphKey, GraphPtr> cache;
+  const GraphKey key = graph_key(backward, device, dtype, l, options);
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) {
+    *graph = found->second;
+    return ffi::Error::Success();
+  }
+  GraphPtr built;
+  LS_RETURN_IF_ERROR(backward ? build_backward(l, options, dtype, handle, &built)
+                              : build_forward(l, options, dtype, handle, &built));
+  cache.emplace(key, built);
+  *graph = std::move(built);
+  return ffi::Error::Success();
+}
+
+// ---- validation --------------------------------------------------------------------------------------------
+
+ffi::Error check_source(std::string_view name, const ffi::AnyBuffer& source) {
+  const auto dims = source.dimensions();
+  LS_RETURN_IF_ERROR(require(dims.size() == 5, std::string(name) + " must have shape (batch, length, parts, heads, "
+                                                   "head_dim), got " + shape_string(dims)));
+  LS_RETURN_IF_ERROR(require(source.element_type() == ffi::DataType::BF16 || source.element_type() == ffi::DataType::F16,
+                             std::string(name) + " must be bfloat16 or float16 for cuDNN attention, got " +
+                                 dtype_name(source.element_type())));
+  return ffi::Error::Success();
+}
+
+// The layout of (query_source, key_value_source) and of the optional mask operands, checked.
+ffi::Error read_layout(const ffi::AnyBuffer& query_source, const ffi::AnyBuffer& key_value_source,
+                       const std::optional<ffi::AnyBuffer>& mask_bias, Layout* layout) {
+  LS_RETURN_IF_ERROR(check_source("query_source", query_source));
+  LS_RETURN_IF_ERROR(check_source("key_value_source", key_value_source));
+  const auto q = query_source.dimensions(), kv = key_value_source.dimensions();
+  LS_RETURN_IF_ERROR(require(query_source.element_type() == key_value_source.element_type(),
+                             "query_source and key_value_source must have the same dtype"));
+  LS_RETURN_IF_ERROR(require(q[0] == kv[0] && q[3] == kv[3] && q[4] == kv[4],
+                             "query_source " + shape_string(q) + " and key_value_source " + shape_string(kv) +
+                                 " must agree in batch, heads and head_dim"));
+  LS_RETURN_IF_ERROR(require((q[2] == 1 || q[2] == 3) && kv[2] >= 2,
+                             "query_source must have 1 or 3 parts and key_value_source at least 2, got " +
+                                 shape_string(q) + " and " + shape_string(kv)));
+  LS_RETURN_IF_ERROR(require(q[4] % 8 == 0 && q[4] <= 256,
+                             "cuDNN attention takes head_dim a multiple of 8 up to 256, got " + std::to_string(q[4])));
+  LS_RETURN_IF_ERROR(require(q[1] >= 1 && kv[1] >= 1 && q[0] >= 1 && q[3] >= 1,
+                             "cuDNN attention needs non-empty operands, got " + shape_string(q) + " and " +
+                                 shape_string(kv)));
+  *layout = Layout{q[0], q[1], kv[1], q[3], q[4], q[2], kv[2], 0};
+  if (mask_bias.has_value()) {
+    const auto b = mask_bias->dimensions();
+    LS_RETURN_IF_ERROR(require(b.size() == 2 && b[0] == q[0] && b[1] >= kv[1] && b[1] % 8 == 0,
+                               "mask_bias must have shape (batch, keys rounded up to a multiple of 8) = (" +
+                                   std::to_string(q[0]) + ", >= " + std::to_string(kv[1]) + "), got " +
+                                   shape_string(b)));
+    LS_RETURN_IF_ERROR(require(mask_bias->element_type() == query_source.element_type(),
+                               "mask_bias must have the sources' dtype"));
+    layout->bias_row = b[1];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error check_mask_operands(const Layout& l, const std::optional<ffi::AnyBuffer>& seq_len_q,
+                               const std::optional<ffi::AnyBuffer>& seq_len_kv,
+                               const std::optional<ffi::AnyBuffer>& mask_bias) {
+  const bool any = seq_len_q.has_value() || seq_len_kv.has_value() || mask_bias.has_value();
+  if (!any) return ffi::Error::Success();
+  LS_RETURN_IF_ERROR(require(seq_len_q.has_value() && seq_len_kv.has_value() && mask_bias.has_value(),
+                             "a key mask needs all of seq_len_q, seq_len_kv and mask_bias"));
+  for (const ffi::AnyBuffer* lengths : {&*seq_len_q, &*seq_len_kv}) {
+    LS_RETURN_IF_ERROR(require(lengths->element_type() == ffi::DataType::S32 && lengths->element_count() == l.batch,
+                               "seq_len_q and seq_len_kv must be int32 (batch,) = (" + std::to_string(l.batch) +
+                                   ",), got " + dtype_name(lengths->element_type()) +
+                                   shape_string(lengths->dimensions())));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error check_options(const Layout& l, const Options& options) {
+  LS_RETURN_IF_ERROR(require(options.dropout_rate >= 0.0f && options.dropout_rate < 1.0f,
+                             "dropout_rate must be in [0, 1), got " + std::to_string(options.dropout_rate)));
+  if (options.causal && l.queries != l.keys) {
+    LS_RETURN_IF_ERROR(require(l.queries < l.keys && !options.masked && options.dropout_rate == 0.0f,
+                               "cuDNN's causal mask with queries != keys needs queries < keys, no key mask and no "
+                               "dropout (its bottom-right diagonal); got " + std::to_string(l.queries) +
+                                   " queries and " + std::to_string(l.keys) + " keys"));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error check_seed(const ffi::Buffer<ffi::U32>& seed) {
+  return require(seed.element_count() == 2, "seed must be uint32[2], got " + shape_string(seed.dimensions()));
+}
+
+// ---- execution ---------------------------------------------------------------------------------------------
+
+// Widens the uint32 (seed, offset) pair into the int64 tensors cuDNN's generator reads.
+__global__ void widen_seed_kernel(const uint32_t* __restrict__ seed, int64_t* __restrict__ out) {
+  out[0] = static_cast<int64_t>(seed[0]);
+  out[kOffsetSlot] = static_cast<int64_t>(seed[1]);
+}
+
+template <typename T>
+void* element_offset(T* base, int64_t elements, int64_t element_bytes) {
+  return static_cast<char*>(const_cast<void*>(static_cast<const void*>(base))) + elements * element_bytes;
+}
+
+struct MaskPointers {
+  void* seq_len_q = nullptr;
+  void* seq_len_kv = nullptr;
+  void* bias = nullptr;
+};
+
+MaskPointers mask_pointers(const std::optional<ffi::AnyBuffer>& seq_len_q,
+                           const std::optional<ffi::AnyBuffer>& seq_len_kv,
+                           const std::optional<ffi::AnyBuffer>& mask_bias) {
+  if (!mask_bias.has_value()) return {};
+  return {seq_len_q->untyped_data(), seq_len_kv->untyped_data(), mask_bias->untyped_data()};
+}
+
+// Enqueues `graph` on `stream` with the variant pack `pack` (to which the seed and offset are added): the
+// workspace and the widened seed come from XLA's scratch allocator.
+ffi::Error execute(const GraphPtr& graph, DeviceState* state, cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                   const Options& options, const ffi::Buffer<ffi::U32>& seed,
+                   std::unordered_map<int64_t, void*>& pack) {
+  int64_t workspace_bytes = 0;
+  LS_RETURN_IF_FE_ERROR("get_workspace_size", graph->get_workspace_size(workspace_bytes));
+  const size_t total = kSeedBytes + static_cast<size_t>(workspace_bytes);
+  std::optional<void*> memory = scratch.Allocate(total, kSeedBytes);
+  if (!memory.has_value() || *memory == nullptr)
+    return ffi::Error::Internal("cuDNN attention: cannot allocate " + std::to_string(total) +
+                                " bytes of scratch memory from XLA");
+  auto* seed_pair = static_cast<int64_t*>(*memory);
+  void* workspace = static_cast<char*>(*memory) + kSeedBytes;
+  if (options.dropout_rate > 0.0f) {
+    widen_seed_kernel<<<1, 1, 0, stream>>>(seed.typed_data(), seed_pair);
+    LS_RETURN_IF_ERROR(launch_error("widen_seed_kernel"));
+    pack[kSeed] = seed_pair;
+    pack[kOffset] = seed_pair + kOffsetSlot;
+  }
+  std::lock_guard<std::mutex> lock(state->mutex);
+  const cudnnStatus_t status = cudnnSetStream(state->handle, stream);
+  if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnSetStream", status);
+  LS_RETURN_IF_FE_ERROR("execute", graph->execute(state->handle, pack, workspace));
+  return ffi::Error::Success();
+}
+
+void add_masks(std::unordered_map<int64_t, void*>& pack, const MaskPointers& masks) {
+  if (masks.bias == nullptr) return;
+  pack[kSeqLenQ] = masks.seq_len_q;
+  pack[kSeqLenKV] = masks.seq_len_kv;
+  pack[kMaskBias] = masks.bias;
+}
+
+// Frontend and cuDNN failures arrive as ffi::Error; anything thrown (allocation, the frontend's loader) too.
+template <typename Body>
+ffi::Error guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& err) {
+    return ffi::Error::Internal(std::string("cuDNN attention: ") + err.what());
+  } catch (...) {
+    return ffi::Error::Internal("cuDNN attention: unknown exception");
+  }
+}
+
+ffi::Error attention_cudnn_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                               ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
+                               ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> seq_len_q,
+                               std::optional<ffi::AnyBuffer> seq_len_kv, std::optional<ffi::AnyBuffer> mask_bias,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats, bool causal,
+                               float dropout_rate, float logit_scale) {
+  return guarded([&]() -> ffi::Error {
+    Layout l;
+    LS_RETURN_IF_ERROR(read_layout(query_source, key_value_source, mask_bias, &l));
+    LS_RETURN_IF_ERROR(check_mask_operands(l, seq_len_q, seq_len_kv, mask_bias));
+    LS_RETURN_IF_ERROR(check_seed(seed));
+    const Options options{causal, dropout_rate, logit_scale, mask_bias.has_value()};
+    LS_RETURN_IF_ERROR(check_options(l, options));
+    const ffi::DataType dtype = query_source.element_type();
+    LS_RETURN_IF_ERROR(require(out->element_type() == dtype && out->element_count() == l.batch * l.queries * l.heads *
+                                                                                           l.head_dim,
+                               "out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
+                                   shape_string(out->dimensions())));
+    LS_RETURN_IF_ERROR(require(stats->element_type() == ffi::DataType::F32 &&
+                                   stats->element_count() == l.batch * l.heads * l.queries,
+                               "stats must be float32 (batch, heads, queries, 1), got " +
+                                   shape_string(stats->dimensions())));
+    DeviceScope scope(device);
+    if (scope.status() != cudaSuccess) return cuda_status_error("cudaSetDevice", scope.status());
+    DeviceState* state = nullptr;
+    LS_RETURN_IF_ERROR(device_state(device, &state));
+    GraphPtr graph;
+    LS_RETURN_IF_ERROR(cached_graph(false, device, dtype, l, options, state->handle, &graph));
+    const int64_t bytes = 2, part = l.heads * l.head_dim;
+    std::unordered_map<int64_t, void*> pack = {
+        {kQ, query_source.untyped_data()},
+        {kK, element_offset(key_value_source.untyped_data(), (l.key_value_parts - 2) * part, bytes)},
+        {kV, element_offset(key_value_source.untyped_data(), (l.key_value_parts - 1) * part, bytes)},
+        {kO, out->untyped_data()},
+        {kStats, stats->untyped_data()},
+    };
+    add_masks(pack, mask_pointers(seq_len_q, seq_len_kv, mask_bias));
+    return execute(graph, state, stream, scratch, options, seed, pack);
+  });
+}
+
+ffi::Error attention_cudnn_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                               ffi::AnyBuffer dout, ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
+                               ffi::AnyBuffer out, ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::U32> seed,
+                               std::optional<ffi::AnyBuffer> seq_len_q, std::optional<ffi::AnyBuffer> seq_len_kv,
+                               std::optional<ffi::AnyBuffer> mask_bias, ffi::Result<ffi::AnyBuffer> d_query_source,
+                               std::optional<ffi::Result<ffi::AnyBuffer>> d_key_value_source, bool causal,
+                               float dropout_rate, float logit_scale) {
+  return guarded([&]() -> ffi::Error {
+    Layout l;
+    LS_RETURN_IF_ERROR(read_layout(query_source, key_value_source, mask_bias, &l));
+    LS_RETURN_IF_ERROR(check_mask_operands(l, seq_len_q, seq_len_kv, mask_bias));
+    LS_RETURN_IF_ERROR(check_seed(seed));
+    const Options options{causal, dropout_rate, logit_scale, mask_bias.has_value()};
+    LS_RETURN_IF_ERROR(check_options(l, options));
+    const ffi::DataType dtype = query_source.element_type();
+    const int64_t out_elements = l.batch * l.queries * l.heads * l.head_dim;
+    LS_RETURN_IF_ERROR(require(dout.element_type() == dtype && dout.element_count() == out_elements &&
+                                   out.element_type() == dtype && out.element_count() == out_elements,
+                               "dout and out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
+                                   shape_string(dout.dimensions()) + " and " + shape_string(out.dimensions())));
+    LS_RETURN_IF_ERROR(require(stats.element_count() == l.batch * l.heads * l.queries,
+                               "stats must be (batch, heads, queries, 1), got " + shape_string(stats.dimensions())));
+    LS_RETURN_IF_ERROR(require_same_shape("d_query_source", *d_query_source, "query_source", query_source));
+    // A packed qkv (one source, P = 3) receives dq, dk and dv in one gradient.
+    void* d_key_value = d_query_source->untyped_data();
+    if (d_key_value_source.has_value()) {
+      LS_RETURN_IF_ERROR(
+          require_same_shape("d_key_value_source", **d_key_value_source, "key_value_source", key_value_source));
+      d_key_value = (*d_key_value_source)->untyped_data();
+    } else {
+      LS_RETURN_IF_ERROR(require(l.query_parts == 3 && query_source.untyped_data() == key_value_source.untyped_data(),
+                                 "without d_key_value_source the sources must be one packed (B, L, 3, H, D) qkv"));
+    }
+    DeviceScope scope(device);
+    if (scope.status() != cudaSuccess) return cuda_status_error("cudaSetDevice", scope.status());
+    DeviceState* state = nullptr;
+    LS_RETURN_IF_ERROR(device_state(device, &state));
+    GraphPtr graph;
+    LS_RETURN_IF_ERROR(cached_graph(true, device, dtype, l, options, state->handle, &graph));
+    if (options.masked) {
+      // Keys past seq_len_kv are masked out: zero their gradient rows, which cuDNN may leave unwritten.
+      const cudaError_t status =
+          cudaMemsetAsync(d_key_value, 0, key_value_source.size_bytes(), stream);
+      if (status != cudaSuccess) return cuda_status_error("cudaMemsetAsync", status);
+    }
+    const int64_t bytes = 2, part = l.heads * l.head_dim;
+    const int64_t k_offset = (l.key_value_parts - 2) * part, v_offset = (l.key_value_parts - 1) * part;
+    std::unordered_map<int64_t, void*> pack = {
+        {kQ, query_source.untyped_data()},
+        {kK, element_offset(key_value_source.untyped_data(), k_offset, bytes)},
+        {kV, element_offset(key_value_source.untyped_data(), v_offset, bytes)},
+        {kO, out.untyped_data()},
+        {kDO, dout.untyped_data()},
+        {kStats, stats.untyped_data()},
+        {kDQ, d_query_source->untyped_data()},
+        {kDK, element_offset(d_key_value, k_offset, bytes)},
+        {kDV, element_offset(d_key_value, v_offset, bytes)},
+    };
+    add_masks(pack, mask_pointers(seq_len_q, seq_len_kv, mask_bias));
+    return execute(graph, state, stream, scratch, options, seed, pack);
+  });
+}
+
+}  // namespace
+
+// Registered without the command-buffer trait (see the top of this file).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd, attention_cudnn_fwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("dropout_rate")
+                                  .Attr<float>("logit_scale"));
+LS_REGISTER_TARGET(ls_attention_cudnn_fwd);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd, attention_cudnn_bwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .OptionalRet<ffi::AnyBuffer>()
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("dropout_rate")
+                                  .Attr<float>("logit_scale"));
+LS_REGISTER_TARGET(ls_attention_cudnn_bwd);
+
+}  // namespace ls

@@ -1,0 +1,173 @@
+"""GPU: attention beyond the short-sequence kernels runs cuDNN's flash attention from ls_attention_cudnn_fwd / _bwd;
+against the XLA backend (the unfused attention) forward and backward, dropout by its statistics and by one seed
+giving one result (cuDNN's generator drops other elements than the XLA backend), and bad operands as clear errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ls_jax import backend, ops
+from ls_jax.ops import attention, attention_cudnn
+from test_kernels_support import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
+from test_ops_support import normal, seed_array
+
+pytestmark = pytest.mark.gpu
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+TARGETS = {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}
+
+
+def _key_mask(kind, batch, keys, index):
+    """None; "padded": a prefix per row, the last row all padding; "scattered": random, not a prefix."""
+    if kind is None:
+        return None
+    if kind == "padded":
+        lengths = [max(keys - 37 * (b + 1), 1) for b in range(batch - 1)] + [0]
+        return jnp.arange(keys)[None, :] < jnp.asarray(lengths)[:, None]
+    mask = np.random.default_rng(index).random((batch, keys)) < 0.7
+    mask[0, -1] = True  # the last key visible: no padding for seq_len_kv to skip
+    return jnp.asarray(mask)
+
+
+def _case(index, queries, keys, mask_kind, causal, dtype, head_dim, rate=0.0, heads=2, batch=2):
+    """(op, primals, cotangent); primals end with the f32 projection bias of the query source."""
+    seed = seed_array(index)
+    mask = _key_mask(mask_kind, batch, keys or queries, index)
+    if keys is None:
+        qkv = normal(index, (batch, queries, 3, heads, head_dim), dtype)
+        op = lambda qkv, bias: ops.self_attention(qkv, mask, bias=bias, causal=causal, dropout_rate=rate, seed=seed)
+        primals = (qkv, normal(300 + index, (3, heads, head_dim), F32))
+    else:
+        query = normal(index, (batch, queries, heads, head_dim), dtype)
+        key_value = normal(100 + index, (batch, keys, 2, heads, head_dim), dtype)
+        op = lambda q, kv, bias: ops.cross_attention(q, kv, mask, bias=bias, dropout_rate=rate, seed=seed)
+        primals = (query, key_value, normal(300 + index, (heads, head_dim), F32))
+    return op, primals, normal(200 + index, (batch, queries, heads, head_dim), dtype)
+
+
+def _bias_grad_summed_in_f32(result):
+    """The XLA backend's result with its bias gradient replaced by its query-source gradient summed in f32 (as the
+    cuDNN formulation sums it); XLA's own sums the 16-bit gradient in 16 bits."""
+    out, grads = result
+    return out, (*grads[:-1], jnp.sum(grads[0].astype(F32), axis=(0, 1)))
+
+
+# (queries, keys or None for self-attention, key mask, causal): lengths 129 to 4096, cross attention with more and
+# fewer queries than keys, right-padded rows (one all padding) and masks that are not prefixes.
+CASES = [
+    (129, None, None, False),
+    (512, None, "padded", True),
+    (1000, None, "scattered", False),
+    (2048, None, None, True),
+    (4096, None, "padded", False),
+    (1000, 129, "scattered", False),
+    (129, 2048, "padded", False),
+    (512, None, "scattered", True),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{q}x{k or q}-{m}-{'causal' if c else 'full'}"
+                                                          for q, k, m, c in CASES])
+def test_cudnn_attention_matches_xla(index, dtype, head_dim):
+    queries, keys, mask_kind, causal = CASES[index]
+    heads, batch = (1, 2) if (keys or queries) >= 2048 else (2, 2)
+    op, primals, cotangent = _case(index, queries, keys, mask_kind, causal, dtype, head_dim, heads=heads, batch=batch)
+    run = value_and_grads(op)
+    assert kernel_targets(run, primals, cotangent) == TARGETS
+    got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
+    assert_backends_agree(got, _bias_grad_summed_in_f32(want), dtype, f"cudnn attention {CASES[index]} {head_dim}")
+    if mask_kind == "padded":
+        assert not np.asarray(got[0][-1], np.float32).any(), "the all-padding row gives zeros"
+
+
+def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned():
+    """The internal formulation with queries < keys: query q sees keys 0 .. q + K - Q (no mask, no dropout)."""
+    sources = (normal(0, (2, 200, 1, 2, 64), BF16), normal(1, (2, 520, 2, 2, 64), BF16))
+    run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, True, 0.0))
+    cotangent = normal(2, (2, 200, 2, 64), BF16)
+    assert kernel_targets(run, sources, cotangent) == TARGETS
+    got, want = on_backend("ffi", run, sources, cotangent), on_backend("xla", run, sources, cotangent)
+    assert_backends_agree(got, want, BF16, "causal cross attention")
+
+
+def _dropped_probabilities(rate, seed, queries=1024, keys=128, heads=2, batch=2):
+    """Cross attention with v = identity over 128 keys, so out holds the dropped and rescaled probabilities
+    (B, Q, H, K); also the undropped probabilities and the gradient of the values for a cotangent."""
+    query = normal(30, (batch, queries, heads, keys), BF16, scale=0.3)
+    keys_part = normal(31, (batch, keys, 1, heads, keys), BF16, scale=0.3)
+    identity = jnp.broadcast_to(jnp.eye(keys, dtype=BF16)[None, :, None, None, :], (batch, keys, 1, heads, keys))
+    key_value = jnp.concatenate([keys_part, identity], axis=2)
+    cotangent = normal(32, (batch, queries, heads, keys), BF16)
+
+    def run(q, kv):
+        out, vjp = jax.vjp(lambda q, kv: ops.cross_attention(q, kv, dropout_rate=rate, seed=seed), q, kv)
+        return out, vjp(cotangent)[1][:, :, 1]
+
+    out, d_values = on_backend("ffi", run, query, key_value)
+    probs = on_backend("xla", lambda q, kv: ops.cross_attention(q, kv), query, key_value)
+    return out, probs, d_values, cotangent
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_dropout_keeps_one_minus_rate_and_scales_by_its_inverse(rate):
+    out, probs, _, _ = _dropped_probabilities(rate, seed_array(40))
+    out, probs = np.asarray(out, np.float32), np.asarray(probs, np.float32)
+    assert (probs > 0).all(), "every probability is nonzero without dropout"
+    kept = out != 0
+    low, high = keep_rate_bounds(rate, kept.size)
+    assert low <= kept.mean() <= high, f"kept fraction {kept.mean():.4f} outside [{low:.4f}, {high:.4f}]"
+    scaled = probs[kept] / (1.0 - rate)
+    np.testing.assert_allclose(out[kept], scaled, rtol=2e-2, atol=1e-2 * scaled.max())
+    per_query = kept.mean(axis=-1)
+    assert per_query.std() > 0.0, "keys are dropped independently, not whole rows"
+
+
+def test_the_backward_drops_what_the_forward_dropped():
+    """With v = identity, out = dropped probabilities P', so the values' gradient must be P'^T dout."""
+    out, _, d_values, cotangent = _dropped_probabilities(0.2, seed_array(41))
+    expected = jnp.einsum("bqhk,bqhd->bkhd", out.astype(F32), cotangent.astype(F32))
+    assert_backends_agree(d_values.astype(F32), expected, BF16, "dv from the forward's dropout mask")
+
+
+def test_one_seed_gives_one_result_and_another_seed_another():
+    first, _, d_first, _ = _dropped_probabilities(0.1, seed_array(42))
+    again, _, d_again, _ = _dropped_probabilities(0.1, seed_array(42))
+    other, _, _, _ = _dropped_probabilities(0.1, seed_array(43))
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    assert_backends_agree(d_again, d_first, BF16, "gradients for one seed")
+    differs = np.asarray(first == 0) != np.asarray(other == 0)
+    assert 0.1 < differs.mean() < 0.3, "another seed drops other elements"
+
+
+def test_a_new_seed_each_step_reuses_one_compilation():
+    query, key_value = normal(50, (1, 300, 2, 64), BF16), normal(51, (1, 300, 2, 2, 64), BF16)
+    with_seed = jax.jit(lambda seed: ops.cross_attention(query, key_value, dropout_rate=0.1, seed=seed))
+    with backend.use("ffi"):
+        outs = [with_seed(seed_array(step)) for step in range(3)]
+    assert with_seed._cache_size() == 1
+    assert not np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def _call_forward(query_source, key_value_source):
+    out = jax.ShapeDtypeStruct((*query_source.shape[:2], *query_source.shape[3:]), query_source.dtype)
+    stats = jax.ShapeDtypeStruct((query_source.shape[0], query_source.shape[3], query_source.shape[1], 1), F32)
+    call = jax.ffi.ffi_call(attention_cudnn.FORWARD_TARGET, (out, stats))
+    seed = jnp.zeros((2,), jnp.uint32)
+    return jax.jit(lambda q, kv: call(q, kv, seed, causal=False, dropout_rate=np.float32(0.0),
+                                      logit_scale=np.float32(0.125)))(query_source, key_value_source)
+
+
+@pytest.mark.parametrize(
+    "query_shape, key_value_shape, dtype, message",
+    [((1, 200, 1, 2, 64), (1, 300, 2, 2, 32), BF16, "must agree in batch, heads and head_dim"),
+     ((1, 200, 1, 2, 12), (1, 300, 2, 2, 12), BF16, "head_dim a multiple of 8 up to 256, got 12"),
+     ((1, 200, 1, 2, 64), (1, 300, 2, 2, 64), F32, "must be bfloat16 or float16 for cuDNN attention")],
+)
+def test_bad_operands_are_clear_errors(query_shape, key_value_shape, dtype, message):
+    query_source, key_value_source = normal(60, query_shape, dtype), normal(61, key_value_shape, dtype)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        jax.block_until_ready(_call_forward(query_source, key_value_source))

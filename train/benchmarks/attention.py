@@ -1,0 +1,148 @@
+"""Attention benchmark: ls_jax self-attention against cuDNN's attention as JAX calls it, side by side in one process.
+
+``python -m train.bench attention [--out DIR] [--quick] [--cases B,L,H,D ...]``
+
+Each case is one self-attention (bf16, no mask, not causal) at (batch, length, heads, head_dim), timed for one
+forward plus one backward pass (``jax.vjp`` on a fixed cotangent, jitted) in four variants:
+  ffi          ``ops.self_attention`` with the kernels (L <= 128 and head_dim 64: the fused kernels; else cuDNN's flash
+               attention from ls_jax's FFI handlers), no dropout
+  ffi_dropout  the same with dropout 0.1 on the probabilities
+  xla          ``ops.self_attention`` on the XLA backend (two einsums around the softmax; stores L x L probabilities)
+  cudnn        ``jax.nn.dot_product_attention(implementation="cudnn")`` on q, k, v sliced from the same packed qkv,
+               the reference (it has no dropout)
+ls_jax's variants take the packed (B, L, 3, H, D) qkv and its f32 projection bias (3, H, D), as the layers pass
+them; the reference gets q, k and v with the bias added by XLA. Reported per variant: median milliseconds, the
+ratio to the reference, the FFI targets the ffi variants called (a silent fallback shows), and the XLA temporary
+bytes of the compiled pass (``memory_analysis``: residuals and intermediates XLA allocates; the unfused
+variant's L x L probabilities show here, the workspace cuDNN takes from XLA's scratch allocator at run time does
+not), whose growth with L shows which variants store L x L. Results go to docs/results/attention-<device>.json.
+
+``--quick`` divides batch and length by 8 (at least 1 and 16): a smoke test that runs on CPU with xla alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ls_jax import backend, ops
+from train.benchmarks import common
+
+DTYPE = jnp.bfloat16
+DROPOUT = 0.1
+CASES: tuple[tuple[int, int, int, int], ...] = (
+    (32, 512, 12, 64),
+    (8, 1024, 12, 64),
+    (4, 2048, 16, 64),
+    (2, 4096, 16, 64),
+    (8, 1024, 16, 128),
+    (4, 2048, 16, 128),
+)
+QUICK_DIVISOR = 8
+
+
+def _normal(seed: int, shape: Sequence[int], dtype: Any) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(tuple(shape), np.float32), dtype)
+
+
+def variants(on_gpu: bool) -> dict[str, tuple[backend.KernelMode, Callable[..., jax.Array]]]:
+    """name -> (kernel mode, op(qkv, bias)); ffi variants and the cuDNN reference only on a GPU."""
+    seed = ops.dropout_seed(jax.random.key(0))
+
+    def reference(qkv, bias):
+        qkv = qkv + bias.astype(qkv.dtype)
+        return jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], implementation="cudnn")
+
+    table = {"xla": ("xla", lambda qkv, bias: ops.self_attention(qkv, bias=bias))}
+    if on_gpu:
+        table = {
+            "ffi": ("ffi", lambda qkv, bias: ops.self_attention(qkv, bias=bias)),
+            "ffi_dropout": ("ffi", lambda qkv, bias: ops.self_attention(qkv, bias=bias, dropout_rate=DROPOUT,
+                                                                        seed=seed)),
+            **table,
+            "cudnn": ("xla", reference),
+        }
+    return table
+
+
+def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, quick: bool) -> dict[str, Any]:
+    """Median time of one forward + backward of ``op`` traced in kernel mode ``mode``, its FFI targets and the
+    compiled pass's XLA temporary bytes."""
+
+    def run(primals, cotangent):
+        out, vjp = jax.vjp(op, *primals)
+        return out, vjp(cotangent)
+
+    cotangent = jnp.ones(jax.eval_shape(op, *primals).shape, DTYPE)
+    fn = jax.jit(run)
+    sampling = dict(warmup=2, samples=5, inner=2) if quick else dict(warmup=5, samples=30, inner=5)
+    with backend.use(mode):  # the mode is read when the function is traced
+        lowered = fn.lower(primals, cotangent)
+        memory = lowered.compile().memory_analysis()
+        timing = common.time_call(lambda: fn(primals, cotangent), **sampling)
+    return {
+        "median_ms": 1e3 * timing["median_s"],
+        "p10_ms": 1e3 * timing["p10_s"],
+        "p90_ms": 1e3 * timing["p90_s"],
+        "kernels": sorted(set(re.findall(r"custom_call @(ls_\w+)", lowered.as_text()))),
+        "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+    }
+
+
+def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool) -> dict[str, Any]:
+    batch, length, heads, head_dim = shape
+    if quick:
+        batch, length = max(batch // QUICK_DIVISOR, 1), max(length // QUICK_DIVISOR, 16)
+    primals = (_normal(0, (batch, length, 3, heads, head_dim), DTYPE), _normal(1, (3, heads, head_dim), jnp.float32))
+    result: dict[str, Any] = {"batch": batch, "length": length, "heads": heads, "head_dim": head_dim}
+    for name, (mode, op) in variants(on_gpu).items():
+        result[name] = measure(op, mode, primals, quick)
+    if "cudnn" in result:
+        reference_ms = result["cudnn"]["median_ms"]
+        for name in ("ffi", "ffi_dropout", "xla"):
+            result[name]["time_vs_cudnn"] = result[name]["median_ms"] / reference_ms
+    return result
+
+
+def _format_row(result: dict[str, Any]) -> str:
+    shape = f"{result['batch']},{result['length']},{result['heads']},{result['head_dim']}"
+    cells = []
+    for name in ("ffi", "ffi_dropout", "xla", "cudnn"):
+        if name in result:
+            r = result[name]
+            ratio = f" ({r['time_vs_cudnn']:.2f}x)" if "time_vs_cudnn" in r else ""
+            temp = f" {r['temp_bytes'] / 2**20:7.1f} MiB" if r["temp_bytes"] is not None else ""
+            cells.append(f"{name} {r['median_ms']:8.3f} ms{ratio}{temp}")
+    return f"{shape:<18} " + " | ".join(cells)
+
+
+def _parse_case(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"a case is B,L,H,D with four positive integers, got {text!r}")
+    return tuple(int(part) for part in parts)  # type: ignore[return-value]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.bench attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for attention-<device>.json")
+    parser.add_argument("--quick", action="store_true", help="batch and length / 8, few samples (runs on CPU)")
+    parser.add_argument("--cases", nargs="+", type=_parse_case, metavar="B,L,H,D",
+                        help="shapes to run (default: " + " ".join(",".join(map(str, c)) for c in CASES) + ")")
+    args = parser.parse_args(argv)
+    on_gpu = backend.cuda_visible()
+    print(f"self-attention forward + backward, {jnp.dtype(DTYPE).name}; variants: {', '.join(variants(on_gpu))}")
+    results = []
+    for shape in args.cases or CASES:
+        results.append(run_case(shape, on_gpu, args.quick))
+        print(_format_row(results[-1]), flush=True)
+    payload = {"quick": args.quick, "dtype": jnp.dtype(DTYPE).name, "dropout_rate": DROPOUT, "cases": results}
+    print(f"wrote {common.write_result('attention', payload, args.out)}")
+    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from types import ModuleType
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -83,3 +84,21 @@ class EpochStream(abc.ABC):
         step = self._plan[self.index]
         self.index += 1
         return self._batch(step)
+
+
+def _filled(indices: np.ndarray, multiple: int) -> np.ndarray:
+    """``indices`` followed by -1 up to a multiple of ``multiple``."""
+    filled = np.full(math.ceil(len(indices) / multiple) * multiple, -1, np.int64)
+    filled[: len(indices)] = indices
+    return filled
+
+
+def plan_fixed_epoch(num_examples: int, *, batch_size: int, grad_accum: int, seed: int, epoch: int) -> np.ndarray:
+    """The steps of one epoch: example indices of shape (steps, grad_accum, batch_size), -1 for empty rows."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    return _filled(order, batch_size * grad_accum).reshape(-1, grad_accum, batch_size)
+
+
+def fixed_eval_plan(num_examples: int, batch_size: int) -> np.ndarray:
+    """Every example once, in order, in batches of ``batch_size`` rows: (batches, batch_size), -1 for empty rows."""
+    return _filled(np.arange(num_examples), batch_size).reshape(-1, batch_size)

@@ -38,8 +38,8 @@ import numpy as np
 
 from train import gpt_synthetic
 from train import tokenizer as tokenizer_lib
-from train.input_pipeline import DataError, EpochStream, host_rows, import_tfds
-from train.sentiment import eval_plan, plan_epoch
+from train.data import EpochStream, fixed_eval_plan, host_rows, import_tfds, plan_fixed_epoch
+from train.errors import DataError
 
 IGNORE_LABEL = -1
 SPLITS = ("train", "valid")
@@ -354,7 +354,7 @@ class LMBatchStream(EpochStream):
     grad_accum: int
 
     def _plan_for(self, epoch: int) -> np.ndarray:
-        return plan_epoch(self.data.num_rows, batch_size=self.rows, grad_accum=self.grad_accum, seed=self.seed,
+        return plan_fixed_epoch(self.data.num_rows, batch_size=self.rows, grad_accum=self.grad_accum, seed=self.seed,
                           epoch=epoch)
 
     def _batch(self, step: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, int]]:
@@ -369,5 +369,5 @@ class LMBatchStream(EpochStream):
 def eval_batches(data: PackedRows, rows: int, process_index: int = 0, process_count: int = 1
                  ) -> Iterable[dict[str, np.ndarray]]:
     """Every row once, in order, ``rows`` (global) at a time: this host's part of each batch, (rows / hosts, L)."""
-    for indices in eval_plan(data.num_rows, rows):
+    for indices in fixed_eval_plan(data.num_rows, rows):
         yield data.batch(host_rows(indices, process_index, process_count))

@@ -32,6 +32,7 @@ import numpy as np
 from ls_jax.models import BertConfig, BertForSequenceClassification
 from train import cli, harness, imdb_data
 from train import tokenizer as tokenizer_lib
+from train import data as data_lib
 from train.data import host_rows
 from train.errors import UsageError
 from train.harness import format_value
@@ -256,7 +257,7 @@ class Evaluator:
     def evaluate_split(self, params, name: str) -> dict[str, Any]:
         data = self.data.splits[name]
         totals = None
-        for indices in imdb_data.eval_plan(len(data), self.batch_size):
+        for indices in data_lib.fixed_eval_plan(len(data), self.batch_size):
             local = host_rows(indices, jax.process_index(), jax.process_count())
             batch = self.parallel.put_batch(imdb_data.make_batch(data, local), row_axis=0)
             sums = self._sums(params, batch)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
@@ -33,6 +32,7 @@ import numpy as np
 
 from train import imdb_synthetic
 from train import tokenizer as tokenizer_lib
+from train import data as data_lib
 from train.data import EpochStream, host_rows, import_tfds
 from train.errors import DataError
 
@@ -334,24 +334,6 @@ def make_batch(data: Encoded, indices: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def _filled(indices: np.ndarray, multiple: int) -> np.ndarray:
-    """``indices`` followed by -1 up to a multiple of ``multiple``."""
-    filled = np.full(math.ceil(len(indices) / multiple) * multiple, -1, np.int64)
-    filled[: len(indices)] = indices
-    return filled
-
-
-def plan_epoch(num_examples: int, *, batch_size: int, grad_accum: int, seed: int, epoch: int) -> np.ndarray:
-    """The steps of one epoch: example indices of shape (steps, grad_accum, batch_size), -1 for empty rows."""
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-    return _filled(order, batch_size * grad_accum).reshape(-1, grad_accum, batch_size)
-
-
-def eval_plan(num_examples: int, batch_size: int) -> np.ndarray:
-    """Every example once, in order, in batches of ``batch_size`` rows: (batches, batch_size), -1 for empty rows."""
-    return _filled(np.arange(num_examples), batch_size).reshape(-1, batch_size)
-
-
 @dataclasses.dataclass
 class BatchStream(EpochStream):
     """Fixed-size batches of examples in a fresh order each epoch (`plan_epoch`): ``batch`` holds this host's rows
@@ -364,7 +346,7 @@ class BatchStream(EpochStream):
     grad_accum: int
 
     def _plan_for(self, epoch: int) -> np.ndarray:
-        return plan_epoch(len(self.data), batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed,
+        return data_lib.plan_fixed_epoch(len(self.data), batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed,
                           epoch=epoch)
 
     def _batch(self, step: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, int]]:

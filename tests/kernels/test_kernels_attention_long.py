@@ -10,8 +10,8 @@ import pytest
 
 from ls_jax import backend, ops
 from ls_jax.ops import attention, attention_cudnn
-from test_kernels_support import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
-from test_ops_support import normal, seed_array
+from helpers.kernels import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
+from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import pytest
 import ffi_kernels
 from ls_jax import backend, ops
 from ls_jax.ops import _common, attention, attention_cudnn
-from test_ops_support import normal, seed_array
+from helpers.ops import normal, seed_array
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ls_jax.models.gpt import GPTLMHeadModel
-from test_kernels_support import kernel_targets, on_backend, relative_error
+from helpers.kernels import kernel_targets, on_backend, relative_error
 from train import gpt_data, gpt_model
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ on disk (call it before exiting).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orbax.checkpoint as ocp
 
@@ -22,10 +22,12 @@ class CheckpointMismatchError(ValueError):
 
 
 class Checkpoints:
-    def __init__(self, directory: str | Path, *, keep: int = 3):
+    def __init__(self, directory: str | Path, *, keep: int = 3, saved_form: Callable[[Any], Any] | None = None):
+        """``saved_form`` maps the train state to what is written (e.g. a sharded optimizer state gathered)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory).resolve()
+        self._saved_form = saved_form or (lambda state: state)
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
@@ -39,7 +41,7 @@ class Checkpoints:
     def save(self, step: int, state: Any, progress: dict[str, Any]) -> None:
         self._manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(self._saved_form(state)), progress=ocp.args.JsonSave(progress)),
             force=True,
         )
 

@@ -60,6 +60,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-name", choices=metrics_lib.DEVICE_NAMES,
                        help="use this entry of the device table (peak FLOP/s, price, power) instead of matching "
                             "JAX's device_kind")
+    group.add_argument("--shard-optimizer", action="store_const", const=True,
+                       help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)")
     group.add_argument("--distributed", action="store_const", const=True,
                        help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)")
 
@@ -86,6 +88,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "tensorboard": True,
     "price_per_hour": None,
     "device_name": None,
+    "shard_optimizer": False,
     "distributed": False,
 }
 

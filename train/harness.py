@@ -28,7 +28,8 @@ from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, TrainResult, train
 from train.optimizer import make_optimizer
-from train.parallel import DataParallel
+from ls_jax.optim import shard_optimizer
+from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
 from train.precision import master_dtype, precision_signature
 from train.rundir import Run, load_saved_config, prepare_run_dir, restore_latest, save_config
 from train.runlog import RunLog
@@ -93,7 +94,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config = task.resolve_config(given, saved)
     task.check_config(config)
     if config["distributed"]:
-        jax.distributed.initialize()
+        initialize_distributed()
     run_id = saved["run_id"] if saved else runlog.new_run_id()
     run_dir = prepare_run_dir(config, run_id)
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
@@ -103,15 +104,26 @@ def _start(task: Task, argv: list[str]) -> int:
 
 
 def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
-                  parallel: DataParallel) -> TrainState:
-    """The step-0 state, replicated: the pretrained params or ones drawn from the init key."""
+                  layout: StateLayout) -> TrainState:
+    """The step-0 state placed as ``layout`` says: the pretrained params or ones drawn from the init key; with a
+    sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
     init_key, train_key = jax.random.split(setup.init_rng)
+    sharded = layout.sharded_optimizer
+    init_optimizer = None if sharded is None else sharded.init
 
     def create(pretrained):
         params = setup.init_params(init_key) if pretrained is None else pretrained
-        return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype)
+        return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer)
 
-    return jax.jit(create, out_shardings=parallel.replicated)(setup.pretrained_params)
+    abstract = jax.eval_shape(create, setup.pretrained_params)
+    return jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+
+
+def make_layout(config: Mapping[str, Any], tx: optax.GradientTransformation, parallel: DataParallel) -> StateLayout:
+    """Replicated state, or with ``--shard-optimizer`` the optimizer state split over the data axis (ZeRO-1)."""
+    if not config["shard_optimizer"]:
+        return StateLayout(parallel)
+    return StateLayout(parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False))
 
 
 def param_count(params: Any) -> int:
@@ -130,14 +142,17 @@ def _train(task: Task, run: Run) -> int:
     param_dtype = master_dtype(config, precision)
     tx = make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
                         clip_norm=config["clip_norm"], master_dtype=param_dtype)
-    state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, parallel=parallel)
-    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"])
+    layout = make_layout(config, tx, parallel)
+    state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
+    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config["resume"]:
-        state, position, counters = restore_latest(checkpoints, state, signature, run_dir)
+        saved, position, counters = restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
+        state = layout.from_saved(saved)
         stream = stream.at(position)
 
-    compiler = StepCompiler(make_train_step(setup.loss_fn, tx), parallel)
+    step_fn = make_train_step(setup.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer)
+    compiler = StepCompiler(step_fn, layout, state)
     if is_main:
         shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
         print(f"compiling the training step{shapes}", file=sys.stderr)

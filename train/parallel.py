@@ -1,23 +1,48 @@
 """How a run spreads over devices: one mesh axis ``data`` over every device of every host.
 
-The state is replicated and batches are sharded along their row axis, so the same code runs on one device,
-several GPUs or a multi-host TPU slice (under plain sharded ``jit`` XLA inserts the gradient all-reduce). A
-step that must see only its own device's rows (FFI custom calls, which XLA cannot partition) runs inside
-``jax.shard_map`` over this mesh.
+Batches are sharded along their row axis and the training step runs inside ``jax.shard_map`` over the mesh
+(`DataParallel.shard_step`), so every op, the FFI custom calls included (XLA cannot partition those: under plain
+sharded ``jit`` it would all-gather their inputs and run each on the global batch), sees this device's rows only.
+The same code runs on one device, several GPUs of one host, or many hosts.
+
+The state is replicated, except with ZeRO-1 (``--shard-optimizer``, `StateLayout`): then the optimizer state is
+split over the axis (``ls_jax.optim.shard_optimizer``). Checkpoints always hold the replicated ("saved") form, so
+a run saved on N devices, with or without a sharded optimizer, resumes on M.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from train.step import Batch
+from ls_jax.optim import ShardedOptimizer
+from train.step import Batch, TrainState
 
 DATA_AXIS = "data"
+
+
+def initialize_distributed() -> None:
+    """Joins the job's processes with ``jax.distributed.initialize()``.
+
+    On SLURM, Open MPI, Kubernetes and TPU VMs JAX finds the coordinator and this process's rank itself. On a
+    plain machine or a cluster JAX does not know, the environment says it: ``JAX_COORDINATOR_ADDRESS`` (host:port
+    of process 0), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; with one process per GPU each process sees its
+    GPU through ``CUDA_VISIBLE_DEVICES`` or ``JAX_LOCAL_DEVICE_IDS``. CPU processes exchange collectives
+    through gloo.
+    """
+    counts = {key: os.environ[name] for key, name in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                        ("process_id", "JAX_PROCESS_ID")) if name in os.environ}
+    try:
+        kwargs = {key: int(value) for key, value in counts.items()}
+    except ValueError:
+        raise ValueError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got {counts}") from None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +75,61 @@ class DataParallel:
 
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self.replicated)
+
+    def shard_step(self, step_fn: Callable, state_specs: Any) -> Callable:
+        """``step_fn(state, batch) -> (state, metrics)`` run per device on its rows of the batch (axis 1)."""
+        return jax.shard_map(
+            step_fn, mesh=self.mesh, in_specs=(state_specs, PartitionSpec(None, DATA_AXIS)),
+            out_specs=(state_specs, PartitionSpec()),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Where each part of the train state lives, and its saved (checkpoint) form.
+
+    Replicated: every leaf on every device. With ``sharded_optimizer`` the optimizer state's leaves have a leading
+    dimension N split over the data axis (device r holds row r) and everything else is replicated.
+    """
+
+    parallel: DataParallel
+    sharded_optimizer: ShardedOptimizer | None = None
+
+    def _tree(self, state: TrainState, replicated: Any, sharded: Any) -> TrainState:
+        return state.replace(
+            step=replicated, params=replicated, rng=replicated,
+            opt_state=sharded if self.sharded_optimizer is not None else replicated,
+            loss_scale=None if state.loss_scale is None else replicated,
+        )
+
+    def specs(self, state: TrainState) -> TrainState:
+        """A prefix tree of PartitionSpecs for ``state`` (``shard_map``'s in/out specs)."""
+        return self._tree(state, PartitionSpec(), PartitionSpec(DATA_AXIS))
+
+    def shardings(self, state: TrainState) -> TrainState:
+        """A prefix tree of NamedShardings for ``state`` (``jit``'s in/out shardings)."""
+        return self._tree(state, self.parallel.replicated, NamedSharding(self.parallel.mesh, PartitionSpec(DATA_AXIS)))
+
+    def to_saved(self, state: TrainState) -> TrainState:
+        """The replicated form of ``state`` (what a checkpoint holds): the sharded optimizer state gathered."""
+        if self.sharded_optimizer is None:
+            return state
+        opt_state = self.sharded_optimizer.unshard_state(state.opt_state, state.params,
+                                                         out_sharding=self.parallel.replicated)
+        return state.replace(opt_state=opt_state)
+
+    def from_saved(self, saved: TrainState) -> TrainState:
+        """The training form of a replicated ``saved`` state (the inverse of `to_saved`)."""
+        if self.sharded_optimizer is None:
+            return saved
+        opt_state = self.sharded_optimizer.shard_state(
+            saved.opt_state, saved.params, out_sharding=NamedSharding(self.parallel.mesh, PartitionSpec(DATA_AXIS))
+        )
+        return saved.replace(opt_state=opt_state)
+
+    def saved_abstract(self, state: TrainState) -> TrainState:
+        """Shapes, dtypes and (replicated) shardings of `to_saved` of ``state``, to restore a checkpoint onto."""
+        abstract = jax.eval_shape(self.to_saved, state)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.parallel.replicated), abstract
+        )

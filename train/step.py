@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 import ls_jax.optim
+from ls_jax.optim import ShardedOptimizer
 
 Batch = dict[str, np.ndarray]
 LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -61,10 +62,11 @@ class TrainState:
 
     @classmethod
     def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool,
-               param_dtype: Any = None) -> TrainState:
-        """The step-0 state; ``param_dtype`` casts the params after ``tx.init`` has seen them (master weights:
-        the optimizer keeps the f32 values, the model trains the cast ones)."""
-        opt_state = tx.init(params)
+               param_dtype: Any = None, init_optimizer: Callable[[Any], Any] | None = None) -> TrainState:
+        """The step-0 state; ``param_dtype`` casts the params after the optimizer's init has seen them (master
+        weights: the optimizer keeps the f32 values, the model trains the cast ones). ``init_optimizer`` replaces
+        ``tx.init`` (e.g. a sharded optimizer's)."""
+        opt_state = (init_optimizer or tx.init)(params)
         if param_dtype is not None:
             params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return cls(
@@ -80,16 +82,30 @@ def _sum_trees(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation) -> Callable[[TrainState, Batch], tuple]:
+def make_train_step(
+    loss_fn: LossFn, tx: optax.GradientTransformation, *, axis_name: str | None = None,
+    sharded_optimizer: ShardedOptimizer | None = None,
+) -> Callable[[TrainState, Batch], tuple]:
     """``step(state, batch) -> (state, metrics)``; batch leaves have shape (grad_accum, rows, ...).
 
     ``metrics`` holds the sums over the step (``loss``, ``weight`` and the task's sums), the global gradient
     norm before clipping, ``finite`` and the loss scale used (1 without fp16).
+
+    With ``axis_name`` the step runs inside ``jax.shard_map`` over that mesh axis on this device's rows
+    (`train.parallel`): each device draws its own dropout streams (the step key folded with the axis index),
+    sums its micro-batches' gradients locally, and the sums are combined once per step: the loss sums by psum,
+    the gradients by one all-reduce (in the params' dtype, which XLA combines into buckets and overlaps with
+    the backward), or, with ``sharded_optimizer`` (ZeRO-1), by its reduce-scatter. Dividing by the global weight
+    makes the update the one a single device computes on the whole batch.
     """
 
-    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def gradients(state: TrainState, batch: Mapping[str, jax.Array], scale: jax.Array) -> tuple[Any, dict]:
+        """This device's summed f32 gradients of the scaled loss over its micro-batches, and the loss sums."""
         step_rng = jax.random.fold_in(state.rng, state.step)
-        scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
+        params = state.params
+        if axis_name is not None:
+            step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
+            params = jax.lax.pcast(params, axis_name, to="varying")  # per-device gradients, summed once below
 
         def micro_step(index, micro_batch):
             def scaled_loss(params):
@@ -97,7 +113,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation) -> Callab
                 totals = {"loss": loss_sum, "weight": weight, **sums}
                 return loss_sum * scale, jax.tree.map(lambda x: x.astype(jnp.float32), totals)
 
-            grads, totals = jax.grad(scaled_loss, has_aux=True)(state.params)
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(params)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), totals
 
         def accumulate(carry, inputs):
@@ -110,12 +126,26 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation) -> Callab
         if num_micro > 1:
             rest = jax.tree.map(lambda x: x[1:], batch)
             (grads, totals), _ = jax.lax.scan(accumulate, (grads, totals), (jnp.arange(1, num_micro), rest))
+        if axis_name is not None:
+            totals = jax.lax.psum(totals, axis_name)
+        return grads, totals
 
+    def update(state: TrainState, grads: Any) -> tuple[Any, Any, jax.Array]:
+        """(params, opt_state, global gradient norm) after the optimizer step on the normalized local gradients."""
+        if sharded_optimizer is not None:
+            return sharded_optimizer.apply_with_grad_norm(grads, state.opt_state, state.params)
+        if axis_name is not None:
+            grads = jax.lax.psum(grads, axis_name)
+        params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
+        return params, opt_state, optax.tree.norm(grads)
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
+        grads, totals = gradients(state, batch, scale)
         denominator = scale * jnp.maximum(totals["weight"], 1.0)
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
-        grad_norm = optax.tree.norm(grads)
+        params, opt_state, grad_norm = update(state, grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(totals["loss"])
-        params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         if state.loss_scale is not None:
             keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731 - skip a non-finite fp16 step

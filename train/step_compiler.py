@@ -1,8 +1,8 @@
 """The training step compiled ahead of training, once per distinct batch shape, with XLA's FLOP count of each.
 
 Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
-compilation. The step takes the replicated state and a batch sharded along its row axis (axis 1, after the
-grad-accumulation axis), and donates the state.
+compilation. The step takes the state (placed as `train.parallel.StateLayout` says) and a batch sharded along its
+row axis (axis 1, after the grad-accumulation axis), runs per device inside ``shard_map``, and donates the state.
 """
 
 from __future__ import annotations
@@ -14,18 +14,22 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 
 from train import metrics as metrics_lib
-from train.parallel import DataParallel
+from train.parallel import StateLayout
 from train.step import TrainState
 
 
 class StepCompiler:
     """Compiles the step once per distinct batch shape and remembers XLA's FLOP count for each."""
 
-    def __init__(self, step_fn: Callable, parallel: DataParallel):
+    def __init__(self, step_fn: Callable, layout: StateLayout, state: TrainState):
+        """``step_fn`` runs per device inside ``shard_map`` (`DataParallel.shard_step`); ``state`` gives the shape of
+        the state's placement (whether it has a loss scale), ``layout`` where each part lives."""
+        parallel = layout.parallel
+        shardings = layout.shardings(state)
         self._jitted = jax.jit(
-            step_fn,
-            in_shardings=(parallel.replicated, parallel.rows_sharding(1)),
-            out_shardings=(parallel.replicated, parallel.replicated),
+            parallel.shard_step(step_fn, layout.specs(state)),
+            in_shardings=(shardings, parallel.rows_sharding(1)),
+            out_shardings=(shardings, parallel.replicated),
             donate_argnums=(0,),
         )
         self._parallel = parallel

@@ -119,6 +119,11 @@ class ShardedOptimizer:
             already summed over the axis, gradients not shaped like the params, or a state not made by ``init`` for
             these params and ``num_shards``.
         """
+        new_params, new_state, _ = self._apply(grads, state, params, **extra_args)
+        return new_params, new_state
+
+    def _apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any, Any]:
+        """``apply``'s new params and state, and this device's rows of the summed gradients."""
         self._check_axis_size(self._bound_axis_size())
         layout_lib.check_same_shapes("gradients", grads, params)
         self._check_local_gradients(grads, state)
@@ -135,7 +140,14 @@ class ShardedOptimizer:
         new_params = layout_lib.all_gather(
             new_rows, params, self.axis_name, self.num_shards, invariant=invariant, bucket_bytes=self.bucket_bytes
         )
-        return new_params, jax.tree.map(lambda x: x[None], new_state)
+        return new_params, jax.tree.map(lambda x: x[None], new_state), grad_rows
+
+    def apply_with_grad_norm(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any, jax.Array]:
+        """``apply``, and the global norm of the summed gradients (before clipping), ``sqrt(psum_d |G_d|^2)``: a
+        scalar the same on every device, from the rows each device holds after the reduce-scatter."""
+        new_params, new_state, grad_rows = self._apply(grads, state, params, **extra_args)
+        squares = sum(jnp.sum(jnp.square(row.astype(jnp.float32))) for row in jax.tree.leaves(grad_rows))
+        return new_params, new_state, jnp.sqrt(jax.lax.psum(squares, self.axis_name))
 
     # ---- conversion for checkpoints -----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
 from train import metrics, wmt_model
 from train.optimizer import inverse_sqrt_schedule, make_optimizer
-from train.parallel import DataParallel
+from train.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.step import TrainState, make_train_step
 from train.step_compiler import StepCompiler
 
@@ -38,7 +38,8 @@ def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
     state = TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
                                    jax.random.PRNGKey(1), fp16=False)
     parallel = DataParallel.over_all_devices()
-    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, 0.1), tx), parallel)
+    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, 0.1), tx, axis_name=DATA_AXIS),
+                            StateLayout(parallel), state)
     shape = (1, 32, 24)
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}
     with backend.use("xla"):  # fused CUDA kernels are custom calls that XLA counts as 0 FLOPs

@@ -13,7 +13,7 @@ from train import loop, runlog
 from train.checkpoints import Checkpoints
 from train.hardware import Hardware
 from train.optimizer import inverse_sqrt_schedule
-from train.parallel import DataParallel
+from train.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.precision import parse_precision, precision_signature
 from train.step import DynamicLossScale, TrainState, make_train_step
 from train.step_compiler import StepCompiler
@@ -82,7 +82,7 @@ def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, che
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=10)
     result = loop.train(
         state,
-        compiler=StepCompiler(make_train_step(toy_loss, tx), parallel),
+        compiler=StepCompiler(make_train_step(toy_loss, tx, axis_name=DATA_AXIS), StateLayout(parallel), state),
         parallel=parallel,
         stream=stream,
         flops_fn=lambda shapes: 2.0 * np.prod(shapes["x"]),
@@ -212,8 +212,8 @@ def test_inverse_sqrt_schedule():
 def test_xla_flops_are_known_only_without_accumulation():
     tx = optax.sgd(0.1)
     parallel = DataParallel.over_all_devices()
-    compiler = StepCompiler(make_train_step(toy_loss, tx), parallel)
     state = parallel.replicate(new_state(tx))
+    compiler = StepCompiler(make_train_step(toy_loss, tx, axis_name=DATA_AXIS), StateLayout(parallel), state)
     single, accumulated = toy_batch(0, 0, grad_accum=1), toy_batch(0, 0, grad_accum=2)
     compiler.compiled(state, single)
     compiler.compiled(state, accumulated)

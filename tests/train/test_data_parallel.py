@@ -1,0 +1,99 @@
+"""Data parallelism end to end: `python -m train.imdb` on 1 device, 2 devices of one process (with and without the
+sharded optimizer), 2 processes on localhost, and a resume on another device count, each in its own process.
+
+Dropout is off and everything is f32, so every way of splitting the same global batch must give the losses of one
+device (to f32 rounding of sums taken in another order)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ["--batch-size", "8", "--dropout", "0", "--precision", "fp32", "--eval-every", "100", "--log-every", "1",
+          "--no-progress", "--no-tensorboard", "--backend", "xla"]
+
+
+def _env(devices: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               **extra)
+    return env
+
+
+def _train(run_dir: Path, *args: str, devices: int = 1, timeout: int = 600) -> None:
+    result = subprocess.run([sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), *args],
+                            cwd=ROOT, env=_env(devices), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "run.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> np.ndarray:
+    return np.array([r["loss"] for r in _records(run_dir) if r["type"] == "interval"])
+
+
+def _device_count(run_dir: Path) -> int:
+    return next(r["device_count"] for r in _records(run_dir) if r["type"] == "run")
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dp") / "one"
+    _train(run_dir, "--steps", "6")
+    return run_dir
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded-optimizer"])
+def test_two_devices_match_one_device(one_device, tmp_path, sharded):
+    run_dir = tmp_path / "two"
+    _train(run_dir, "--steps", "6", *(["--shard-optimizer"] if sharded else []), devices=2)
+    assert _device_count(run_dir) == 2
+    reference = _losses(one_device)
+    assert len(reference) == 6
+    np.testing.assert_allclose(_losses(run_dir), reference, rtol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_one_process(one_device, tmp_path):
+    run_dir, port = tmp_path / "multi", _free_port()
+    command = [sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), "--steps", "6", "--distributed"]
+    processes = [
+        subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                  JAX_PROCESS_ID=str(rank)))
+        for rank in range(2)
+    ]
+    outputs = [process.communicate(timeout=600) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+    assert _device_count(run_dir) == 2
+    assert "run dir" in outputs[0][0] and "run dir" not in outputs[1][0]  # one summary, printed by process 0
+    np.testing.assert_allclose(_losses(run_dir), _losses(one_device), rtol=1e-5)
+
+
+def test_sharded_checkpoint_resumes_on_another_device_count(one_device, tmp_path):
+    """A checkpoint of 2 devices with a sharded optimizer holds the replicated state: 1 device continues it exactly
+    as it continues the 1-device run's own checkpoint."""
+    sharded = tmp_path / "sharded"
+    _train(sharded, "--steps", "6", "--shard-optimizer", devices=2)
+    continued = {}
+    for name, source in (("from-sharded", sharded), ("from-one", one_device)):
+        run_dir = tmp_path / name
+        subprocess.run(["cp", "-r", str(source), str(run_dir)], check=True)
+        _train(run_dir, "--resume", str(run_dir), "--steps", "8")
+        continued[name] = _losses(run_dir)
+    assert len(continued["from-one"]) == 8
+    np.testing.assert_allclose(continued["from-sharded"], continued["from-one"], rtol=1e-5)

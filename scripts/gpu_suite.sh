@@ -7,6 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # A training step of the big models compiles for minutes, much of it GEMM autotuning; the stages (and later runs on a
 # still-warm machine) reuse compiled steps and autotuning results instead. Every implementation gets the same
@@ -32,12 +33,12 @@ for name in "$@"; do
         timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops_transforms.py || status=1 ;;
-    ops|optim|e2e|profile) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;
   esac
 done
-for suite in ops optim e2e profile; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
+for suite in ops attention optim e2e profile scaling; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
 cp docs/results/e2e-*.png "$OUT"/ 2>/dev/null
 echo "=== done, status $status"
 exit $status

@@ -16,6 +16,7 @@ SUITES = {
     "optim": "train.benchmarks.optim",
     "e2e": "train.benchmarks.e2e",
     "profile": "train.benchmarks.profile",
+    "scaling": "train.benchmarks.scaling",
 }
 
 

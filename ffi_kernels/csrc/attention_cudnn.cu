@@ -31,6 +31,7 @@
 #include <cudnn_frontend.h>
 
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -58,6 +59,9 @@ enum Uid : int64_t {
 // Bytes reserved at the start of the scratch for the int64 seed and offset (each 16-byte aligned, at slots 0 and
 // kOffsetSlot); keeps cuDNN's workspace 256-byte aligned.
 constexpr size_t kSeedBytes = 256;
+// The largest alignment XLA's scratch allocator grants (tsl::Allocator::kAllocatorAlignment); a larger request
+// fails.
+constexpr size_t kScratchAlignment = 64;
 constexpr int kOffsetSlot = 2;
 
 // ---- layout ------------------------------------------------------------------------------------------------
@@ -415,13 +419,15 @@ ffi::Error execute(const GraphPtr& graph, DeviceState* state, cudaStream_t strea
                    std::unordered_map<int64_t, void*>& pack) {
   int64_t workspace_bytes = 0;
   LS_RETURN_IF_FE_ERROR("get_workspace_size", graph->get_workspace_size(workspace_bytes));
-  const size_t total = kSeedBytes + static_cast<size_t>(workspace_bytes);
-  std::optional<void*> memory = scratch.Allocate(total, kSeedBytes);
+  // XLA's allocator aligns to at most kScratchAlignment bytes: ask for that and round the start up to kSeedBytes.
+  const size_t total = kSeedBytes + static_cast<size_t>(workspace_bytes) + (kSeedBytes - kScratchAlignment);
+  std::optional<void*> memory = scratch.Allocate(total, kScratchAlignment);
   if (!memory.has_value() || *memory == nullptr)
     return ffi::Error::Internal("cuDNN attention: cannot allocate " + std::to_string(total) +
                                 " bytes of scratch memory from XLA");
-  auto* seed_pair = static_cast<int64_t*>(*memory);
-  void* workspace = static_cast<char*>(*memory) + kSeedBytes;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(*memory) + kSeedBytes - 1) / kSeedBytes * kSeedBytes;
+  auto* seed_pair = reinterpret_cast<int64_t*>(start);
+  void* workspace = reinterpret_cast<char*>(start) + kSeedBytes;
   if (options.dropout_rate > 0.0f) {
     widen_seed_kernel<<<1, 1, 0, stream>>>(seed.typed_data(), seed_pair);
     LS_RETURN_IF_ERROR(launch_error("widen_seed_kernel"));

@@ -4,8 +4,7 @@ class (docs/training.md lists them)."""
 from __future__ import annotations
 
 EXIT_FINISHED = 0
-EXIT_USAGE = 2  # bad flags, files or run directory (argparse's own errors use 2 too)
-EXIT_DATA = 3  # the data cannot be used as given
+EXIT_USAGE = 2  # bad flags, files, data or run directory (argparse's own errors use 2 too)
 EXIT_NUMERICS = 4  # the loss or the state became non-finite
 EXIT_IO = 5  # a checkpoint or the run log could not be written (full disk)
 EXIT_SIGNAL_BASE = 128  # interrupted: 128 + the signal number (130 SIGINT, 143 SIGTERM), as shells report it

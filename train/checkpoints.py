@@ -2,16 +2,25 @@
 
 A checkpoint holds two items: ``state``, the pytree of arrays (params, optimizer state, step, RNG key, loss
 scale), and ``progress``, a JSON object with everything else a run needs to continue exactly (data position,
-cumulative time/token/energy counters) and a ``model`` signature that a resume compares before restoring arrays.
-The last ``keep`` checkpoints are kept. Saving is asynchronous; `Checkpoints.wait` blocks until the writes are
-on disk (call it before exiting).
+cumulative time/token/energy counters), a ``model`` signature that a resume compares before restoring arrays, and
+a ``checksum`` of every array that a restore verifies, so a damaged checkpoint is never trained from.
+The last ``keep`` checkpoints are kept. `Checkpoints.save` returns once the checkpoint is on disk: a failed write
+(a full disk) is raised there, never discovered steps later.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
+import os
+import re
+import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
@@ -19,6 +28,97 @@ CHECKPOINT_DIR = "checkpoints"
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written for another model or vocabulary than the one being restored into."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's files cannot be read, or its arrays differ from the checksum written with them."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, lost permissions); the message says what to do."""
+
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """sum_i (i + 1) * bits(x_i) mod 2^32 over the flattened array's bit patterns: any changed or swapped element
+    changes it (up to a 2^-32 chance)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize == 8:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).ravel()
+    return jnp.sum(bits * jnp.arange(1, bits.size + 1, dtype=jnp.uint32), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(state: Any) -> list[jax.Array]:
+    return [_leaf_checksum(leaf) for leaf in jax.tree.leaves(state)]
+
+
+@jax.jit
+def _all_finite(state: Any) -> jax.Array:
+    leaves = [leaf for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])) if leaves else jnp.bool_(True)
+
+
+def checksum(state: Any) -> list[int]:
+    """One 32-bit checksum per array of ``state`` (`_leaf_checksum`), in tree order."""
+    return [int(value) for value in jax.device_get(_checksums(state))]
+
+
+def is_finite(state: Any) -> bool:
+    """Whether every floating-point array of ``state`` is free of NaN and infinity."""
+    return bool(_all_finite(state))
+
+
+_TENSORSTORE_OS_ERROR = re.compile(r"os_error_code='(\d+)'")
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError at the root of an orbax/asyncio failure chain, if there is one."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        tensorstore_code = _TENSORSTORE_OS_ERROR.search(str(err))  # TensorStore raises ValueError with the errno
+        if tensorstore_code:
+            code = int(tensorstore_code.group(1))
+            return OSError(code, os.strerror(code))
+        nested = getattr(err, "exceptions", None)  # an ExceptionGroup from concurrent writers
+        if nested:
+            found = [e for e in map(_os_error, nested) if e is not None]
+            if found:
+                return found[0]
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _state_bytes(state: Any) -> int:
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)))
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Orbax logs a failed background write with its whole traceback; `Checkpoints.save` reports it in one line."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class Checkpoints:
@@ -39,11 +139,55 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: dict[str, Any]) -> None:
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(self._saved_form(state)), progress=ocp.args.JsonSave(progress)),
-            force=True,
-        )
+        """Writes ``state`` and ``progress`` (plus the state's checksum) as checkpoint ``step`` and waits for it.
+
+        Raises:
+          CheckpointWriteError: the files could not be written; the partial checkpoint is removed.
+        """
+        state = self._saved_form(state)
+        progress = {**progress, "checksum": checksum(state)}
+        existed = step in self._manager.all_steps()
+        try:
+            with _quiet_orbax():
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            progress=ocp.args.JsonSave(progress)),
+                    force=True,
+                )
+                self._manager.wait_until_finished()
+        except Exception as err:  # orbax wraps the writer's OSError in its own and asyncio's errors
+            cause = _os_error(err)
+            if cause is None:
+                raise
+            self._remove_partial(step, keep_final=existed)
+            raise CheckpointWriteError(cause.errno, self._write_advice(step, state, cause)) from err
+
+    def _write_advice(self, step: int, state: Any, cause: OSError) -> str:
+        problem = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
+        free = _free_bytes(self.directory)
+        free_text = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
+        return (f"cannot write checkpoint {step} in {self.directory}: {problem} ({free_text} free, a checkpoint "
+                f"needs about {_state_bytes(state) / 2**20:.1f} MiB); free space there, then resume the run")
+
+    def _remove_partial(self, step: int, *, keep_final: bool) -> None:
+        """Deletes what a failed save left (orbax's temporary directory), so the space comes back."""
+        partial = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+        if not keep_final:
+            partial.append(self.directory / str(step))
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        self._manager.reload()
+
+    def set_aside(self, step: int) -> Path:
+        """Moves a damaged checkpoint out of the way (to ``damaged-checkpoints/<step>`` beside the checkpoints), keeping its files
+        for inspection, so the run can write that step again."""
+        target = self.directory.parent / "damaged-checkpoints" / str(step)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        (self.directory / str(step)).rename(target)
+        self._manager.reload()
+        return target
 
     def progress(self, step: int) -> dict[str, Any]:
         restored = self._manager.restore(step, args=ocp.args.Composite(progress=ocp.args.JsonRestore()))
@@ -54,8 +198,12 @@ class Checkpoints:
 
         Raises:
           CheckpointMismatchError: the checkpoint's ``model`` signature differs from ``model``.
+          CheckpointCorruptError: its files cannot be read, or the arrays do not match their checksum.
         """
-        progress = self.progress(step)
+        try:
+            progress = self.progress(step)
+        except Exception as err:  # a truncated or overwritten JSON file, a missing item
+            raise CheckpointCorruptError(f"its progress record cannot be read ({type(err).__name__})") from err
         saved = progress.get("model")
         if saved != model:
             differences = ", ".join(
@@ -64,9 +212,14 @@ class Checkpoints:
                 if (saved or {}).get(key) != model.get(key)
             )
             raise CheckpointMismatchError(f"checkpoint {self.directory}/{step} does not fit this model ({differences})")
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        )
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )
+        except Exception as err:  # TensorStore cannot decode a damaged chunk, metadata unreadable
+            raise CheckpointCorruptError(f"its arrays cannot be read ({type(err).__name__})") from err
+        if "checksum" in progress and checksum(restored["state"]) != progress["checksum"]:
+            raise CheckpointCorruptError("its arrays differ from the checksum written with them")
         return restored["state"], progress
 
     def wait(self) -> None:

@@ -1,20 +1,25 @@
 """The command line every training entry point shares: the common flags and their defaults, the ``--help``
 epilog, range checks of the values, and the exit codes.
 
-Exit codes: 0 finished; 2 bad input (one ``error:`` line names the problem); 1 the loss became NaN (the last good
-checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint).
+Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags, files or data; 4 the
+loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
+written; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
+prints one line naming the cause and what to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
-from train.errors import DataError, UsageError
+from train.errors import (EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE, DataError,
+                          Interrupted, UsageError)
 from train.loop import TrainResult
 from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
@@ -125,27 +130,40 @@ def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (),
     for key in fractions:
         if config[key] is not None and not 0.0 <= config[key] < 1.0:
             raise UsageError(f"{flag(key)} must be in [0, 1), got {config[key]}")
-    if config["lr"] <= 0:
-        raise UsageError(f"--lr must be > 0, got {config['lr']}")
+    if not (math.isfinite(config["lr"]) and config["lr"] > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {config['lr']}")
 
 
-def exit_code(result: TrainResult, checkpoints: Checkpoints) -> int:
-    """0 finished; 1 NaN (saying which checkpoint is the last good one); 128 + signal number after a signal."""
+def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:
+    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do."""
+    saved = checkpoints.all_steps()
+    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint"
     if result.stop_reason == "nan":
-        saved = checkpoints.all_steps()
-        kept = f"the last good checkpoint is step {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint was written"
-        print(f"error: the loss became NaN after step {result.steps}; {kept}", file=sys.stderr)
-        return 1
+        print(f"error: the loss or the parameters became non-finite after step {result.steps}; the last good "
+              f"checkpoint is {kept} (lower --lr, or raise --warmup-steps or --clip-norm, and start again from it)",
+              file=sys.stderr)
+        return EXIT_NUMERICS
+    if result.stop_reason == "io_error":
+        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is {kept}",
+              file=sys.stderr)
+        return EXIT_IO
     if result.stop_reason == "signal":
-        return 128 + int(result.signal_number)
-    return 0
+        name = signal.Signals(result.signal_number).name
+        print(f"stopped by {name} after step {result.steps}; the newest checkpoint is {kept}; "
+              f"continue with: {resume_command}", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + int(result.signal_number)
+    return EXIT_FINISHED
 
 
 def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
-    """Runs an entry point; bad input (flags, data, files, a missing optional package or kernel library) is one
-    ``error:`` line and exit code 2."""
+    """Runs an entry point; bad input (flags, files, a missing optional package or kernel library) is one ``error:``
+    line and exit code 2, a signal before training started 128 + its number."""
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
     except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except Interrupted as err:
+        print(f"stopped by {signal.Signals(err.signum).name} before training started; nothing to save",
+              file=sys.stderr)
+        return EXIT_SIGNAL_BASE + err.signum

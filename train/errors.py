@@ -1,6 +1,13 @@
-"""The bad input an entry point reports as one ``error:`` line and exit code 2, without a traceback."""
+"""How a training run ends: the errors an entry point reports as one ``error:`` line, and the exit code of each
+class (docs/training.md lists them)."""
 
 from __future__ import annotations
+
+EXIT_FINISHED = 0
+EXIT_USAGE = 2  # bad flags, files, data or run directory (argparse's own errors use 2 too)
+EXIT_NUMERICS = 4  # the loss or the state became non-finite
+EXIT_IO = 5  # a checkpoint or the run log could not be written (full disk)
+EXIT_SIGNAL_BASE = 128  # interrupted: 128 + the signal number (130 SIGINT, 143 SIGTERM), as shells report it
 
 
 class UsageError(Exception):
@@ -9,3 +16,12 @@ class UsageError(Exception):
 
 class DataError(ValueError):
     """The data cannot be used as given (missing or empty files, impossible batch sizes, ...)."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while the run was in a phase that stops at once (setup, compilation,
+    evaluation)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum

@@ -26,7 +26,7 @@ from train import cli, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
-from train.loop import LoopConfig, TrainResult, train
+from train.loop import LoopConfig, StopSignals, TrainResult, train
 from train.optimizer import make_optimizer
 from ls_jax.optim import shard_optimizer
 from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
@@ -75,6 +75,7 @@ class Task:
     setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
     throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
+    loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
 
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
@@ -131,8 +132,57 @@ def param_count(params: Any) -> int:
 
 
 def _train(task: Task, run: Run) -> int:
+    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.loop.StopSignals`):
+    before training starts they stop the run at once, with nothing to save."""
+    with StopSignals() as signals:
+        with signals.interruptible():
+            prepared = _prepare(task, run)
+        if prepared is None:
+            return 0
+        setup, state, stream, counters, hardware, checkpoints, tx, signature, layout = prepared
+        config, run_dir = run.config, run.run_dir
+        run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config["tensorboard"])
+        save_config(run_dir, {**config, "run_id": run.run_id})
+        if not config["resume"]:
+            run_log.write(runlog.run_record(
+                task.name, run, hardware, optimizer=config["optimizer"], model=setup.model_name,
+                params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
+                config=setup.config_record,
+            ))
+        if jax.process_index() == 0:
+            shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
+            print(f"compiling the training step{shapes}", file=sys.stderr, flush=True)
+        result = train(
+            state,
+            compiler=StepCompiler(
+                make_train_step(setup.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer),
+                layout, state,
+            ),
+            parallel=layout.parallel,
+            stream=stream,
+            flops_fn=setup.flops_fn,
+            lr_fn=lambda step: float(setup.learning_rate(step)),
+            evaluate=setup.evaluate,
+            hardware=hardware,
+            run_log=run_log,
+            checkpoints=checkpoints,
+            model_signature=signature,
+            config=LoopConfig(
+                num_steps=setup.steps, log_every=config["log_every"], eval_every=setup.eval_every,
+                checkpoint_every=setup.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
+            ),
+            counters=counters,
+            signals=signals,
+            batch_shapes=setup.batch_shapes,
+        )
+    return _finish(task, run, result, run_log, checkpoints, hardware)
+
+
+def _prepare(task: Task, run: Run):
+    """The task's setup, the optimizer and the state to train from (restored on ``--resume``); None when a resumed
+    run finished at or beyond ``--steps`` (it says so, and its run log is left as it is). A run stopped at its
+    last step before its final evaluation ended resumes into that evaluation."""
     config, run_dir = run.config, run.run_dir
-    is_main = jax.process_index() == 0
     hardware = detect_hardware(config)
     precision = hardware.precision
     parallel = DataParallel.over_all_devices()
@@ -147,59 +197,50 @@ def _train(task: Task, run: Run) -> int:
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config["resume"]:
-        saved, position, counters = restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
+        saved, step, position, counters = restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
         state = layout.from_saved(saved)
+        if step >= setup.steps and _finished(run_dir):
+            _say_nothing_to_do(task, run_dir, step, setup.steps)
+            checkpoints.close()
+            hardware.energy.close()
+            return None
+        if jax.process_index() == 0:
+            runlog.truncate_for_resume(run_dir, step)
+            print(f"resuming {run_dir} at step {step}", file=sys.stderr)
         stream = stream.at(position)
+    return setup, state, stream, counters, hardware, checkpoints, tx, signature, layout
 
-    step_fn = make_train_step(setup.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer)
-    compiler = StepCompiler(step_fn, layout, state)
-    if is_main:
-        shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
-        print(f"compiling the training step{shapes}", file=sys.stderr)
-    compiler.precompile(state, setup.batch_shapes)
 
-    run_log = RunLog(run_dir, task.counted, enabled=is_main, tensorboard=config["tensorboard"])
-    save_config(run_dir, {**config, "run_id": run.run_id})
-    if not config["resume"]:
-        run_log.write(runlog.run_record(
-            task.name, run, hardware, optimizer=config["optimizer"], model=setup.model_name,
-            params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
-            config=setup.config_record,
-        ))
-    result = train(
-        state,
-        compiler=compiler,
-        parallel=parallel,
-        stream=stream,
-        flops_fn=setup.flops_fn,
-        lr_fn=lambda step: float(setup.learning_rate(step)),
-        evaluate=setup.evaluate,
-        hardware=hardware,
-        run_log=run_log,
-        checkpoints=checkpoints,
-        model_signature=signature,
-        config=LoopConfig(
-            num_steps=setup.steps, log_every=config["log_every"], eval_every=setup.eval_every,
-            checkpoint_every=setup.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
-        ),
-        counters=counters,
-    )
-    return _finish(task, result, run_dir, run_log, checkpoints, hardware)
+def _finished(run_dir: Path) -> bool:
+    """Whether the run log ends with the summary of a finished run (its final evaluation done)."""
+    path = run_dir / runlog.LOG_FILENAME
+    records = runlog.read(path) if path.exists() else []
+    return bool(records) and records[-1]["type"] == "summary" and records[-1]["completed"]
+
+
+def _say_nothing_to_do(task: Task, run_dir: Path, step: int, steps: int) -> None:
+    """A resumed run already at (or past) its ``--steps``: the run log stays as it is, summary included."""
+    if jax.process_index() == 0:
+        print(f"{run_dir} is already at step {step} (--steps {steps}): nothing to train; to train longer, "
+              f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --steps {max(steps, step) * 2}",
+              file=sys.stderr)
 
 
 def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
-def _finish(task: Task, result: TrainResult, run_dir: Path, run_log: RunLog, checkpoints: Checkpoints,
+def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints,
             hardware: Hardware) -> int:
     """Closes the run, prints its summary on the main host and returns the process exit code (`cli.exit_code`)."""
     run_log.close()
     checkpoints.close()
     hardware.energy.close()
+    run_dir = run.run_dir
     if jax.process_index() == 0:
         s = result.summary
-        evals = [r for r in runlog.read(run_dir / runlog.LOG_FILENAME) if r["type"] == "eval" and r["step"] == s["steps"]]
+        log_path = run_dir / runlog.LOG_FILENAME
+        evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
         print(
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
@@ -208,7 +249,10 @@ def _finish(task: Task, result: TrainResult, run_dir: Path, run_log: RunLog, che
             f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
             f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
             f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
-            f"  final loss  {format_value(s['final_loss'], '.4f')}, {task.metric} {scores}\n"
-            f"  run dir     {run_dir}"
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
+            f"  run log     {log_path}\n"
+            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
+            f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
+            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
         )
-    return cli.exit_code(result, checkpoints)
+    return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

@@ -12,8 +12,9 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes: 0 finished; 2 bad input (the message names the problem); 1 the loss became NaN (the last good
-checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped it (after writing a checkpoint).
+Exit codes (docs/training.md): 0 finished; 2 bad flags, files or data; 4 non-finite loss or state (the
+last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
+SIGINT/SIGTERM (a checkpoint is written first).
 """
 
 from __future__ import annotations

@@ -14,16 +14,19 @@ the clock. `Counters` hold the run's totals over every resumed segment; a checkp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
+import sys
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import jax
 from tqdm import tqdm
 
 from train import runlog
-from train.checkpoints import Checkpoints
+from train.checkpoints import Checkpoints, is_finite
+from train.errors import Interrupted
 from train.hardware import Hardware
 from train.parallel import DataParallel
 from train.runlog import RunLog
@@ -91,16 +94,33 @@ class BatchStream(Protocol):
 
 
 class StopSignals:
-    """While active, SIGINT and SIGTERM set ``received`` (the loop then checkpoints and stops) instead of killing."""
+    """SIGINT and SIGTERM while active. Inside `interruptible` (setup, compilation, evaluation: nothing is being
+    written) a signal raises `Interrupted` at once; elsewhere it sets ``received`` and the loop stops at the next
+    step boundary, so a checkpoint or log write is never cut in half."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._interruptible = False
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        if self._interruptible:
+            self._interruptible = False
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A phase a signal ends at once; one that came before it ends it on entry."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def __enter__(self) -> StopSignals:
         for signum in self.SIGNALS:
@@ -115,10 +135,11 @@ class StopSignals:
 @dataclasses.dataclass
 class TrainResult:
     state: TrainState
-    stop_reason: str  # "finished", "signal" or "nan"
+    stop_reason: str  # "finished", "signal", "nan" or "io_error"
     steps: int  # steps whose results are in ``state`` (for "nan": the last good step)
     summary: dict[str, Any]
     signal_number: int | None = None
+    error: str | None = None  # for "io_error": what could not be written and what to do
 
 
 @dataclasses.dataclass
@@ -132,19 +153,29 @@ class _Pending:
     xla_flops: float | None
 
 
+def _write_error(err: OSError) -> str:
+    """One line for a failed write: a `CheckpointWriteError` says what to do; others name the file."""
+    if err.filename is None:
+        return err.strerror or str(err)
+    return f"cannot write {err.filename}: {err.strerror}; free space there, then resume the run"
+
+
 class _Loop:
     """One segment of a run (from start or from a checkpoint); see `train`."""
 
     def __init__(self, state, *, compiler, parallel, stream, flops_fn, lr_fn, evaluate, hardware, run_log,
-                 checkpoints, model_signature, config, counters):
+                 checkpoints, model_signature, config, counters, signals, batch_shapes):
         self.state = state
+        self.signals, self.batch_shapes = signals, batch_shapes
         self.compiler, self.parallel, self.stream = compiler, parallel, stream
         self.flops_fn, self.lr_fn, self.evaluate = flops_fn, lr_fn, evaluate
         self.hardware, self.run_log, self.checkpoints = hardware, run_log, checkpoints
         self.model_signature, self.config = model_signature, config
         self.counters = counters
         self.step = int(jax.device_get(state.step))
-        self.saved_step: int | None = None
+        # A fresh run has nothing to save at step 0; a resumed one already has its checkpoint.
+        self.saved_step: int | None = self.step if self.step == 0 or checkpoints is None else (
+            self.step if self.step in checkpoints.all_steps() else None)
         self.interval = Interval()
         self.wall_start = config.started_at
         self.wall_before = counters.wall_time_s
@@ -182,14 +213,23 @@ class _Loop:
         self.interval = Interval()
 
     def _evaluate(self, final: bool) -> None:
-        for fields in self.evaluate(self.state, final):
+        with self.signals.interruptible():
+            results = self.evaluate(self.state, final)
+        for fields in results:
             record = runlog.eval_record(self.step, fields)
             self.run_log.write(record)
             self.counters.last_eval = {key: record[key] for key in ("bleu", "accuracy")}
 
-    def _save(self) -> None:
+    def _save(self) -> bool:
+        """Checkpoints the state unless it is already saved; False (nothing written) when it is not finite.
+
+        Raises:
+          CheckpointWriteError: the checkpoint could not be written.
+        """
         if self.checkpoints is None or self.saved_step == self.step:
-            return
+            return True
+        if not is_finite(self.state):
+            return False
         self._close_counters()
         progress = {
             "step": self.step,
@@ -199,6 +239,7 @@ class _Loop:
         }
         self.checkpoints.save(self.step, self.state, progress)
         self.saved_step = self.step
+        return True
 
     # -- steps
 
@@ -247,53 +288,70 @@ class _Loop:
             or self.step == config.num_steps
         )
 
-    def run(self) -> TrainResult:
-        signals = StopSignals()
-        stop_reason = "finished"
+    def _steps(self) -> tuple[str, int | None]:
+        """Runs steps until the last one, a signal or a non-finite loss: (stop reason, first bad step or None)."""
+        signals = self.signals
         pending: _Pending | None = None
-        bad_step = None
         clock = time.monotonic()  # when the oldest unaccounted step could start
-        with signals:
-            while self.step < self.config.num_steps and signals.received is None:
-                current = self._dispatch()
-                if pending is not None:  # read step n-1 while step n runs
-                    done = time.monotonic()
-                    if not self._finish(pending, done - clock):
-                        stop_reason = "nan"
-                        bad_step = pending.step
-                        break
-                    clock = done
-                pending = current
-                if self._sync_point() or signals.received is not None:
-                    jax.block_until_ready(self.state)
-                    pending, ok = None, self._finish(current, time.monotonic() - clock)
-                    if not ok:
-                        stop_reason, bad_step = "nan", current.step
-                        break
-                    if self.config.eval_every > 0 and self.step % self.config.eval_every == 0 and self.step < self.config.num_steps:
-                        self._evaluate(final=False)
-                    if self.step % self.config.checkpoint_every == 0:
-                        self._save()
-                    clock = time.monotonic()
-            if stop_reason == "finished" and pending is not None:  # a signal came after the last check
+        while self.step < self.config.num_steps and signals.received is None:
+            current = self._dispatch()
+            if pending is not None:  # read step n-1 while step n runs
+                done = time.monotonic()
+                if not self._finish(pending, done - clock):
+                    return "nan", pending.step
+                clock = done
+            pending = current
+            if self._sync_point() or signals.received is not None:
                 jax.block_until_ready(self.state)
-                if not self._finish(pending, time.monotonic() - clock):
-                    stop_reason, bad_step = "nan", pending.step
-            if stop_reason == "finished" and signals.received is not None:
-                stop_reason = "signal"
-        self.progress.close()
+                pending = None
+                if not self._finish(current, time.monotonic() - clock):
+                    return "nan", current.step
+                if self.config.eval_every > 0 and self.step % self.config.eval_every == 0 and self.step < self.config.num_steps:
+                    self._evaluate(final=False)
+                if self.step % self.config.checkpoint_every == 0 and not self._save():
+                    return "nan", self.step
+                clock = time.monotonic()
+        if pending is not None:  # a signal came after the last check
+            jax.block_until_ready(self.state)
+            if not self._finish(pending, time.monotonic() - clock):
+                return "nan", pending.step
+        return ("finished" if signals.received is None else "signal"), None
 
+    def _train_and_close(self) -> tuple[str, int | None, str | None]:
+        """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
+        run: (stop reason, first bad step or None, what could not be written or None)."""
+        try:
+            with self.signals.interruptible():
+                self.compiler.precompile(self.state, self.batch_shapes)
+            stop_reason, bad_step = self._steps()
+            self.progress.close()
+            if stop_reason != "nan" and not self._save():
+                stop_reason, bad_step = "nan", self.step
+            if stop_reason == "finished":
+                self._evaluate(final=True)
+            return stop_reason, bad_step, None
+        except Interrupted:  # compilation or an evaluation was cut short: save the steps taken since the last save
+            try:
+                return ("signal", None, None) if self._save() else ("nan", self.step, None)
+            except OSError as err:
+                return "io_error", None, _write_error(err)
+        except OSError as err:  # a checkpoint or log write failed: training must not go on unsaved
+            return "io_error", None, _write_error(err)
+
+    def run(self) -> TrainResult:
+        stop_reason, bad_step, error = self._train_and_close()
+        self.progress.close()
         steps_done = bad_step - 1 if stop_reason == "nan" else self.step
-        if stop_reason != "nan":
-            self._save()
-        if stop_reason == "finished":
-            self._evaluate(final=True)
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
         self._close_counters()
+        for name in self.run_log.counted:  # a run stopped before its first step counted nothing
+            self.counters.counts.setdefault(name, 0)
         summary = runlog.summary_record(self.counters, self.hardware, stop_reason, steps_done)
-        self.run_log.write(summary)
-        return TrainResult(self.state, stop_reason, steps_done, summary, signals.received)
+        try:
+            self.run_log.write(summary)
+        except OSError as err:
+            print(f"warning: the summary record could not be written to the run log: {err.strerror or err}",
+                  file=sys.stderr)
+        return TrainResult(self.state, stop_reason, steps_done, summary, self.signals.received, error)
 
 
 def train(
@@ -311,16 +369,24 @@ def train(
     model_signature: dict[str, Any],
     config: LoopConfig,
     counters: Counters | None = None,
+    signals: StopSignals | None = None,
+    batch_shapes: list[Mapping[str, tuple[tuple[int, ...], Any]]] = (),
 ) -> TrainResult:
     """Trains until ``config.num_steps``, a signal, or a non-finite loss, then writes the summary record.
 
-    Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM): finishes
-    the step in flight, writes a checkpoint and stops. Non-finite loss: stops without writing a checkpoint, so
-    the latest one on disk is the last good state. ``counters`` continue a resumed run's totals.
+    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
+    Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
+    when the caller already handles them): in the step loop it finishes the step in flight; during compilation or
+    an evaluation it stops that at once; either way it writes a checkpoint if a step was taken since the last one,
+    and stops. Non-finite loss or state: stops without writing a checkpoint, and no checkpoint is ever written of a
+    non-finite state, so the latest one on disk is finite. A checkpoint or log write that fails stops the run
+    (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says which of these ended it.
     """
-    loop = _Loop(
-        state, compiler=compiler, parallel=parallel, stream=stream, flops_fn=flops_fn, lr_fn=lr_fn,
-        evaluate=evaluate, hardware=hardware, run_log=run_log, checkpoints=checkpoints,
-        model_signature=model_signature, config=config, counters=counters or Counters(),
-    )
-    return loop.run()
+    with contextlib.nullcontext(signals) if signals is not None else StopSignals() as active:
+        loop = _Loop(
+            state, compiler=compiler, parallel=parallel, stream=stream, flops_fn=flops_fn, lr_fn=lr_fn,
+            evaluate=evaluate, hardware=hardware, run_log=run_log, checkpoints=checkpoints,
+            model_signature=model_signature, config=config, counters=counters or Counters(), signals=active,
+            batch_shapes=list(batch_shapes),
+        )
+        return loop.run()

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax
 
 from train import runlog
-from train.checkpoints import CheckpointMismatchError, Checkpoints
+from train.checkpoints import CheckpointCorruptError, CheckpointMismatchError, Checkpoints
 from train.errors import UsageError
 from train.loop import Counters
 from train.step import TrainState
@@ -70,23 +70,33 @@ def save_config(run_dir: Path, config: Mapping[str, Any]) -> None:
 
 def restore_latest(
     checkpoints: Checkpoints, state: TrainState, model_signature: dict[str, Any], run_dir: Path
-) -> tuple[TrainState, dict[str, int], Counters]:
-    """(state, data position, counters) of the latest checkpoint, restored onto ``state``'s shardings.
+) -> tuple[TrainState, int, dict[str, int], Counters]:
+    """(state, step, data position, counters) of the newest checkpoint that verifies, onto ``state``'s shardings.
 
-    The run log is cut back to the checkpoint's step (`train.runlog.truncate_for_resume`).
+    A checkpoint whose files cannot be read or whose arrays fail their checksum is skipped with one line naming
+    it, and the next older one is tried; once one verifies, the skipped ones are moved to
+    ``damaged-checkpoints/`` in the run directory. The run log is left as it is (see `train.runlog.truncate_for_resume`).
 
     Raises:
-      UsageError: no checkpoint, or one written for another model or vocabulary.
+      UsageError: no checkpoint, none that verifies, or one written for another model or vocabulary.
     """
-    step = checkpoints.latest_step()
-    if step is None:
+    steps = checkpoints.all_steps()
+    if not steps:
         raise UsageError(f"--resume {run_dir}: no checkpoint in {checkpoints.directory}")
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    try:
-        state, progress = checkpoints.restore(step, abstract, model_signature)
-    except CheckpointMismatchError as err:
-        raise UsageError(f"{err}; a resumed run needs the vocabulary and model it was trained with") from err
-    if jax.process_index() == 0:
-        runlog.truncate_for_resume(run_dir, step)
-        print(f"resuming {run_dir} at step {step}", file=sys.stderr)
-    return state, progress["data"], Counters.from_dict(progress["counters"])
+    damaged = []
+    for step in reversed(steps):
+        try:
+            restored, progress = checkpoints.restore(step, abstract, model_signature)
+        except CheckpointMismatchError as err:
+            raise UsageError(f"{err}; a resumed run needs the vocabulary and model it was trained with") from err
+        except CheckpointCorruptError as err:
+            if jax.process_index() == 0:
+                print(f"warning: skipping checkpoint {step} in {checkpoints.directory}: {err}", file=sys.stderr)
+            damaged.append(step)
+            continue
+        if jax.process_index() == 0:
+            for bad in damaged:  # the resumed run writes these steps again
+                print(f"moved the damaged checkpoint {bad} to {checkpoints.set_aside(bad)}", file=sys.stderr)
+        return restored, step, progress["data"], Counters.from_dict(progress["counters"])
+    raise UsageError(f"--resume {run_dir}: none of the checkpoints {steps} in {checkpoints.directory} can be read")

@@ -166,6 +166,7 @@ class RunLog:
         self._enabled = enabled
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._writer = None
+        self.counted = self._counted
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 

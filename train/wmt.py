@@ -11,8 +11,9 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes: 0 finished; 2 bad input (the message names the problem); 1 the loss became NaN (the last good
-checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped it (after writing a checkpoint).
+Exit codes (docs/training.md): 0 finished; 2 bad flags, files or data; 4 non-finite loss or state (the
+last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
+SIGINT/SIGTERM (a checkpoint is written first).
 """
 
 from __future__ import annotations
@@ -331,6 +332,7 @@ TASK = harness.Task(
     throughput=lambda s: (f"{format_value(s['tokens_per_s'], '.0f')} tokens/s, "
                           f"{format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
     score=lambda record: format_value(record["bleu"], ".2f"),
+    loss_name="label-smoothed training loss, see --label-smoothing",
 )
 
 

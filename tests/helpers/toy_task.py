@@ -1,0 +1,124 @@
+"""A tiny harness task (linear regression, compiles in about a second) for end-to-end tests of resume, signals,
+NaN and full-disk handling through `train.harness.run_training`: ``python -m helpers.toy_task FLAGS`` with
+``PYTHONPATH=tests``.
+
+Task flags: ``--eval-seconds S`` makes every evaluation print ``evaluating`` and take S seconds (so a test can
+signal it mid-evaluation); ``--nan-lr-from K`` makes the learning rate NaN from step K + 1 on (the update of step
+K + 1 writes NaN parameters while its loss is still finite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import cli, harness
+from train.data import EpochStream
+
+FEATURES = 4
+ROWS = 8
+DEFAULTS = {**cli.TRAINING_DEFAULTS, "steps": 6, "lr": 0.05, "warmup_steps": 1, "log_every": 1,
+            "checkpoint_every": 2, "eval_seconds": 0.0, "nan_lr_from": None}
+
+
+@dataclasses.dataclass
+class ToyStream(EpochStream):
+    seed: int = 0
+    steps_per_epoch: int = 5
+
+    def _plan_for(self, epoch: int) -> Sequence[Any]:
+        return list(range(self.steps_per_epoch))
+
+    def _batch(self, step: Any) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        rng = np.random.default_rng([self.seed, self.epoch, step])
+        x = rng.normal(size=(1, ROWS, FEATURES)).astype(np.float32)
+        y = x @ np.arange(1.0, FEATURES + 1, dtype=np.float32) + 0.5
+        return {"x": x, "y": y, "mask": np.ones((1, ROWS), np.float32)}, {"examples": ROWS}
+
+
+def loss_fn(params, batch, rng):
+    errors = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2 * batch["mask"]
+    return jnp.sum(errors), jnp.sum(batch["mask"]), {"nll": jnp.sum(errors)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="toy_task")
+    cli.add_training_arguments(parser)
+    parser.add_argument("--eval-seconds", type=float)
+    parser.add_argument("--nan-lr-from", type=int)
+    return parser
+
+
+def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> dict[str, Any]:
+    config = {**DEFAULTS, **(saved or {})}
+    config.update({key: value for key, value in given.items() if value is not None})
+    return config
+
+
+def evaluate(seconds: float):
+    def run(state, final: bool) -> list[dict[str, Any]]:
+        if seconds:
+            print("evaluating", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        return [{"split": "valid", "loss": 1.0, "nll": 1.0}]
+
+    return run
+
+
+def setup(run, precision: str, parallel) -> harness.TaskSetup:
+    config = run.config
+    nan_from = config["nan_lr_from"]
+
+    def learning_rate(count):
+        lr = jnp.float32(config["lr"])
+        return lr if nan_from is None else jnp.where(count >= nan_from, jnp.nan, lr)
+
+    shapes = {"x": ((1, ROWS, FEATURES), jnp.float32), "y": ((1, ROWS), jnp.float32), "mask": ((1, ROWS), jnp.float32)}
+    return harness.TaskSetup(
+        init_params=lambda key: {"w": jnp.zeros((FEATURES,)), "b": jnp.zeros(())},
+        init_rng=jax.random.PRNGKey(config["seed"]),
+        loss_fn=loss_fn,
+        stream=ToyStream(seed=config["seed"]),
+        batch_shapes=[shapes],
+        flops_fn=lambda batch_shapes: 2.0 * float(np.prod(batch_shapes["x"])),
+        evaluate=evaluate(config["eval_seconds"]),
+        learning_rate=learning_rate,
+        steps=config["steps"],
+        eval_every=config["eval_every"],
+        checkpoint_every=config["checkpoint_every"],
+        model_signature={"toy": FEATURES},
+        model_name="toy",
+        batch_record={"rows": ROWS},
+        data_record={"source": "toy"},
+        config_record=config,
+    )
+
+
+TASK = harness.Task(
+    name="toy",
+    counted=("examples",),
+    metric="loss",
+    build_parser=build_parser,
+    resolve_config=resolve_config,
+    check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),
+    setup=setup,
+    throughput=lambda s: f"{s['examples_per_s']:.0f} examples/s",
+    score=lambda record: f"{record['loss']:.3f}",
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return harness.run_training(TASK, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -201,14 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                     result = {"model": name, "implementation": implementation, "mode": mode,
                               **measure(name, implementation, mode, devices[:n], rows, length, args.steps)}
                     results.append(result)
+                    efficiencies(results)
+                    path = common.write_result("scaling", payload(results, probes, args), args.out)  # kept if cut off
                     print(f"{name:9s} {implementation:10s} {mode:10s} N={n}: {result['step_ms']:7.2f} ms, "
                           f"{result['tokens_per_s'] / 1e3:7.1f}k tok/s, memory "
                           f"{(result['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB, optimizer state "
                           f"{result['optimizer_state_bytes_per_device'] / 2**30:.2f} GiB", flush=True)
-    efficiencies(results)
-    slug = common.device_slug()
-    payload = {"results": results, "allreduce": probes, "config": vars(args) | {"out": str(args.out)}}
-    path = common.write_result("scaling", payload, args.out)
     plot(results, path.with_suffix(".png"), jax.devices()[0].device_kind)
-    print(f"wrote {path} ({slug})")
+    print(f"wrote {path}")
     return 0
+
+
+def payload(results: list[dict[str, Any]], probes: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    return {"results": results, "allreduce": probes, "config": {**vars(args), "out": str(args.out)}}

@@ -160,4 +160,30 @@ def dispatch(
             log_fallback_once(op, unsupported)
             kernels = False
         cuda = ffi_impl if kernels else _stored_in_dtype(xla_impl)
-        return jax.lax.platform_dependent(*args, cuda=cuda, default=xla_impl)
+        return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(cuda), default=_vary_like_inputs(xla_impl))
+
+
+def _varying_axes(x: Any) -> frozenset:
+    """The shard_map mesh axes along which ``x`` differs per device (empty outside shard_map or for non-arrays)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None) if isinstance(x, jax.Array) else None
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _vary_like_inputs(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` whose outputs vary along every shard_map axis any input varies along.
+
+    Inside ``jax.shard_map`` (vma checking on) both branches of ``platform_dependent`` must return the same types,
+    varying axes included; an FFI call declares its results invariant, while XLA's ops propagate their inputs'
+    axes. Every output of an op depends on its per-device inputs, so both are typed that way."""
+
+    def typed(*args):
+        axes = frozenset().union(*(_varying_axes(x) for x in jax.tree.leaves(args)))
+        outputs = impl(*args)
+        if not axes:
+            return outputs
+        return jax.tree.map(
+            lambda y: y if _varying_axes(y) >= axes else jax.lax.pcast(y, tuple(sorted(axes - _varying_axes(y))), to="varying"),
+            outputs,
+        )
+
+    return typed

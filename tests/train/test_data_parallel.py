@@ -97,3 +97,4 @@ def test_sharded_checkpoint_resumes_on_another_device_count(one_device, tmp_path
         continued[name] = _losses(run_dir)
     assert len(continued["from-one"]) == 8
     np.testing.assert_allclose(continued["from-sharded"], continued["from-one"], rtol=1e-5)
+

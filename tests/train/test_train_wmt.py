@@ -261,3 +261,21 @@ def test_help_documents_every_option(capsys):
                    "--checkpoint-every", "--keep-checkpoints", "--eval-every", "--distributed"):
         assert option in text
     assert "with --data synthetic:" in text
+
+
+def test_kernels_variable_applies_when_backend_flag_is_absent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LS_JAX_KERNELS", "ffi")  # no CUDA here: the kernels cannot load, so ffi must fail at once
+    assert wmt.main(["--run-dir", str(tmp_path / "r")]) == 2
+    assert "requires the CUDA kernels" in capsys.readouterr().err
+    monkeypatch.setenv("LS_JAX_KERNELS", "fast")
+    assert wmt.main(["--run-dir", str(tmp_path / "r2")]) == 2
+    assert "LS_JAX_KERNELS='fast' is not a kernel mode" in capsys.readouterr().err
+
+
+def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
+    from train import cli
+    monkeypatch.setenv("LS_JAX_KERNELS", "xla")
+    assert cli.kernel_mode({"backend": "ffi"}, {"backend": "ffi"}) == "ffi"
+    assert cli.kernel_mode({"backend": "auto"}, {}) == "xla"
+    monkeypatch.delenv("LS_JAX_KERNELS")
+    assert cli.kernel_mode({"backend": "auto"}, {}) == "auto"

@@ -180,10 +180,14 @@ def _vocabulary(config: Mapping[str, Any], spm_given: str | None, run_dir: Path,
     # Every host trains the same (deterministic) model; only process 0 keeps it, in the run directory.
     with tempfile.TemporaryDirectory() as scratch:
         target = own_copy if is_main else Path(scratch) / tokenizer_lib.MODEL_FILENAME
-        return tokenizer_lib.train(
-            [*src, *tgt], target, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
-            seed=config["seed"],
-        )
+        try:
+            return tokenizer_lib.train(
+                [*src, *tgt], target, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
+                seed=config["seed"],
+            )
+        except tokenizer_lib.VocabularyTooSmall as err:
+            raise UsageError(f"--spm-vocab-size {config['spm_vocab_size']}: {err}; pass --spm-vocab-size "
+                             f"{err.minimum} or more") from None
 
 
 def load_data(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, max_len: int) -> Data:

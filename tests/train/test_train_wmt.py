@@ -220,9 +220,12 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
          "--master-weights needs --precision bf16 or fp16"),
+        (lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "5"), "--spm-vocab-size 5: a vocabulary of 5 "
+         "pieces cannot hold this corpus: sentencepiece needs at least"),
     ],
     ids=["missing-dir", "missing-file", "max-tokens", "max-len", "unwritable-run-dir", "resume-not-a-run",
-         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32"],
+         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32",
+         "spm-vocab-too-small"],
 )
 def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, make_args, message):
     (tmp_path / "file.txt").write_text("a file, not a directory")

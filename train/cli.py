@@ -136,6 +136,13 @@ def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (),
         raise UsageError(f"--lr must be a finite number > 0, got {config['lr']}")
 
 
+def check_choice(config: Mapping[str, Any], key: str, choices: Iterable[str]) -> None:
+    """Raises UsageError, one line listing ``choices``, when the set option ``key`` is not one of them."""
+    choices = tuple(choices)
+    if config[key] is not None and config[key] not in choices:
+        raise UsageError(f"--{key.replace('_', '-')} {config[key]}: unknown; choose from {', '.join(choices)}")
+
+
 def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
     """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
     configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode."""

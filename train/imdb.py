@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=int, help="passes over the training examples (--steps overrides it)")
 
     group = parser.add_argument_group("model")
-    group.add_argument("--preset", choices=tuple(PRESETS), help="BERT shape for a randomly initialized model")
+    group.add_argument("--preset", help=f"BERT shape for a randomly initialized model: {', '.join(PRESETS)}")
     group.add_argument("--init-from", metavar="DIR",
                        help="a local Hugging Face BERT directory (config.json, model.safetensors or "
                             "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
@@ -153,6 +153,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
         non_negative=("warmup_steps", "weight_decay", "clip_norm"),
         fractions=("valid_fraction", "dropout"),
     )
+    cli.check_choice(config, "preset", PRESETS)
     if config["max_seq_len"] < 2:
         raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config['max_seq_len']}")
     if config["init_from"] and config["num_labels"] is not None:

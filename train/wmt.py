@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, help="padded tokens per device per micro-batch")
 
     group = parser.add_argument_group("model and loss")
-    group.add_argument("--preset", choices=PRESETS, help="Transformer preset")
+    group.add_argument("--preset", help=f"Transformer preset: {', '.join(PRESETS)}")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the preset")
     group.add_argument("--label-smoothing", type=float, help="label smoothing epsilon")
 
@@ -144,6 +144,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
         non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
         fractions=("label_smoothing", "dropout"),
     )
+    cli.check_choice(config, "preset", PRESETS)
 
 
 # ------------------------------------------------------------------------------------------------ data

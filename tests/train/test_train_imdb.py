@@ -190,3 +190,10 @@ def test_help_says_every_batch_has_one_shape(capsys):
                    "--resume"):
         assert option in text
     assert "with --data synthetic:" in text
+
+
+def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
+    config = imdb.resolve_config({"eval_every": 0})
+    imdb.TASK.check_config(config)
+    assert imdb.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
+    assert imdb.Schedule.resolve(imdb.resolve_config({}), steps_per_epoch=7).eval_every == 7

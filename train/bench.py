@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes docs/results/<suite>-<device>.json.
+"""Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes <suite>-<device>.json to --out DIR
+(default docs/results when JAX sees a GPU, runs/bench otherwise).
 
 Suites: ops (fused kernels vs XLA), attention (self-attention vs cuDNN's as JAX calls it), optim (fused
 optimizers vs optax), e2e (training step vs plain Flax), profile (per-category step breakdown).

@@ -18,3 +18,12 @@ def test_top_level_help_names_the_suites(capsys):
         bench.main(["--help"])
     out = capsys.readouterr().out
     assert "SUITE --help" in out and "{attention,e2e,ops,optim,profile,scaling}" in out
+
+
+def test_results_go_to_runs_bench_without_a_gpu(capsys, tmp_path):
+    from train.benchmarks import common
+    assert common.out_dir(None) == common.REPO_ROOT / "runs" / "bench"  # the CPU test machine
+    assert common.out_dir(tmp_path) == tmp_path
+    with pytest.raises(SystemExit):
+        bench.main(["ops", "--help"])
+    assert "runs/bench otherwise" in " ".join(capsys.readouterr().out.split())

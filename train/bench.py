@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes docs/results/<suite>-<device>.json.
+"""Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes <suite>-<device>.json to --out DIR
+(default docs/results when JAX sees a GPU, runs/bench otherwise).
 
 Suites: ops (fused kernels vs XLA), attention (self-attention vs cuDNN's as JAX calls it), optim (fused
 optimizers vs optax), e2e (training step vs plain Flax), profile (per-category step breakdown).
@@ -22,7 +23,10 @@ SUITES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__)
+    if argv and argv[0] in SUITES:  # the suite parses everything after its name, --help included
+        return importlib.import_module(SUITES[argv[0]]).main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
+                                     epilog="python -m train.bench SUITE --help shows the options of SUITE")
     parser.add_argument("suite", choices=sorted(SUITES))
     args, rest = parser.parse_known_args(argv)
     module = importlib.import_module(SUITES[args.suite])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -41,8 +42,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-weights", action="store_const", const=True,
                        help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
                             "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
-    group.add_argument("--backend", choices=("auto", "ffi", "xla"),
-                       help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect")
+    group.add_argument("--backend", choices=backend_lib.MODES,
+                       help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
+                            f"given, ${backend_lib.ENV_VAR} if set, else auto")
     group.add_argument("--seed", type=int, help="seed of initialization, dropout and data order")
 
     group = parser.add_argument_group("logging and checkpoints")
@@ -132,6 +134,24 @@ def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (),
             raise UsageError(f"{flag(key)} must be in [0, 1), got {config[key]}")
     if not (math.isfinite(config["lr"]) and config["lr"] > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {config['lr']}")
+
+
+def check_choice(config: Mapping[str, Any], key: str, choices: Iterable[str]) -> None:
+    """Raises UsageError, one line listing ``choices``, when the set option ``key`` is not one of them."""
+    choices = tuple(choices)
+    if config[key] is not None and config[key] not in choices:
+        raise UsageError(f"--{key.replace('_', '-')} {config[key]}: unknown; choose from {', '.join(choices)}")
+
+
+def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
+    """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
+    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode."""
+    if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
+        return config["backend"]
+    try:
+        return backend_lib.requested_mode()
+    except ValueError as err:
+        raise UsageError(f"{err}; set it to one of them or pass --backend") from None
 
 
 def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:

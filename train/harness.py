@@ -93,6 +93,7 @@ def _start(task: Task, argv: list[str]) -> int:
     given = vars(task.build_parser().parse_args(argv))
     saved = load_saved_config(given["resume"]) if given.get("resume") else None
     config = task.resolve_config(given, saved)
+    config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
     if config["distributed"]:
         initialize_distributed()

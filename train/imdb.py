@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=cli.defaults_epilog(
             IMDB_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS,
             notes=f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear "
-                  "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch\n",
+                  "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch (--eval-every 0: "
+                  "only at the end)\n",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=int, help="passes over the training examples (--steps overrides it)")
 
     group = parser.add_argument_group("model")
-    group.add_argument("--preset", choices=tuple(PRESETS), help="BERT shape for a randomly initialized model")
+    group.add_argument("--preset", help=f"BERT shape for a randomly initialized model: {', '.join(PRESETS)}")
     group.add_argument("--init-from", metavar="DIR",
                        help="a local Hugging Face BERT directory (config.json, model.safetensors or "
                             "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
@@ -148,11 +149,12 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 def _check_config(config: Mapping[str, Any]) -> None:
     cli.check_ranges(
         config,
-        at_least_one=("steps", "epochs", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every",
+        at_least_one=("steps", "epochs", "batch_size", "grad_accum", "log_every", "checkpoint_every",
                       "keep_checkpoints", "vocab_size", "num_labels"),
-        non_negative=("warmup_steps", "weight_decay", "clip_norm"),
+        non_negative=("warmup_steps", "weight_decay", "clip_norm", "eval_every"),
         fractions=("valid_fraction", "dropout"),
     )
+    cli.check_choice(config, "preset", PRESETS)
     if config["max_seq_len"] < 2:
         raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config['max_seq_len']}")
     if config["init_from"] and config["num_labels"] is not None:
@@ -176,7 +178,8 @@ class Schedule:
         warmup = round(WARMUP_FRACTION * steps) if warmup is None else warmup
         if warmup >= steps:
             raise UsageError(f"--warmup-steps {warmup} leaves no step of the {steps} to train at the peak rate")
-        return cls(steps_per_epoch, steps, warmup, config["eval_every"] or steps_per_epoch,
+        eval_every = steps_per_epoch if config["eval_every"] is None else config["eval_every"]  # 0: at the end only
+        return cls(steps_per_epoch, steps, warmup, eval_every,
                    config["checkpoint_every"] or steps_per_epoch)
 
 

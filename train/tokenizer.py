@@ -8,14 +8,26 @@ evaluated run decodes with exactly the vocabulary it was trained with.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import sentencepiece as spm
 
 SPECIAL_IDS = {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
 MODEL_FILENAME = "spm.model"
+# sentencepiece's check that the vocabulary holds every character of the text plus the special pieces
+_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+class VocabularyTooSmall(ValueError):
+    """The requested vocabulary size is below ``minimum``: the corpus's characters plus the special pieces."""
+
+    def __init__(self, vocab_size: int, minimum: int):
+        super().__init__(f"a vocabulary of {vocab_size} pieces cannot hold this corpus: sentencepiece needs at "
+                         f"least {minimum} (every character of the text plus the {len(SPECIAL_IDS)} special pieces)")
+        self.minimum = minimum
 
 
 def _check_special_ids(processor: spm.SentencePieceProcessor, path: Path) -> None:
@@ -67,13 +79,16 @@ def train(
 
     ``vocab_size`` is an upper bound: a small corpus (such as the synthetic task) gets fewer pieces instead of
     an error. At most ``max_sentences`` sentences, sampled by sentencepiece, are used for training.
+
+    Raises:
+      VocabularyTooSmall: ``vocab_size`` is below the corpus's characters plus the special pieces.
     """
     path = Path(path)
     spm.set_random_generator_seed(seed)
     with open(path, "wb") as model_file:
-        spm.SentencePieceTrainer.Train(
+        _train_into(
+            model_file,
             sentence_iterator=iter(sentences),
-            model_writer=model_file,
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
@@ -87,6 +102,17 @@ def train(
             minloglevel=2,
         )
     return load(path)
+
+
+def _train_into(model_file: Any, **options: Any) -> None:
+    """``SentencePieceTrainer.Train`` writing to ``model_file``, its too-small-vocabulary check as an exception."""
+    try:
+        spm.SentencePieceTrainer.Train(model_writer=model_file, **options)
+    except RuntimeError as err:
+        match = _TOO_SMALL.search(str(err))
+        if match is None:
+            raise
+        raise VocabularyTooSmall(int(match.group(1)), int(match.group(2))) from None
 
 
 def copy_into(source: str | os.PathLike, run_dir: Path) -> Path:

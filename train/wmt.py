@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, help="padded tokens per device per micro-batch")
 
     group = parser.add_argument_group("model and loss")
-    group.add_argument("--preset", choices=PRESETS, help="Transformer preset")
+    group.add_argument("--preset", help=f"Transformer preset: {', '.join(PRESETS)}")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the preset")
     group.add_argument("--label-smoothing", type=float, help="label smoothing epsilon")
 
@@ -144,6 +144,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
         non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
         fractions=("label_smoothing", "dropout"),
     )
+    cli.check_choice(config, "preset", PRESETS)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -180,10 +181,14 @@ def _vocabulary(config: Mapping[str, Any], spm_given: str | None, run_dir: Path,
     # Every host trains the same (deterministic) model; only process 0 keeps it, in the run directory.
     with tempfile.TemporaryDirectory() as scratch:
         target = own_copy if is_main else Path(scratch) / tokenizer_lib.MODEL_FILENAME
-        return tokenizer_lib.train(
-            [*src, *tgt], target, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
-            seed=config["seed"],
-        )
+        try:
+            return tokenizer_lib.train(
+                [*src, *tgt], target, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
+                seed=config["seed"],
+            )
+        except tokenizer_lib.VocabularyTooSmall as err:
+            raise UsageError(f"--spm-vocab-size {config['spm_vocab_size']}: {err}; pass --spm-vocab-size "
+                             f"{err.minimum} or more") from None
 
 
 def load_data(config: Mapping[str, Any], spm_given: str | None, run_dir: Path, max_len: int) -> Data:

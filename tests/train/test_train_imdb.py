@@ -168,10 +168,11 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         (lambda d, c: ["--batch-size", "0"], "--batch-size must be >= 1"),
         (lambda d, c: ["--resume", str(d)], "no config.json there"),
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
+        (lambda d, c: ["--preset", "bert-huge"], "--preset bert-huge: unknown; choose from bert-tiny"),
     ],
     ids=["missing-file", "missing-column", "label-out-of-range", "empty-data", "max-seq-len",
          "preset-and-init-from", "no-tokenizer", "bad-test-data", "warmup", "batch-size",
-         "resume-not-a-run", "ffi-without-cuda"],
+         "resume-not-a-run", "ffi-without-cuda", "unknown-preset"],
 )
 def test_bad_input_is_one_message_and_exit_code_2(tmp_path, csv_data, capsys, make_args, message):
     assert imdb.main(make_args(tmp_path, csv_data)) == 2
@@ -189,3 +190,10 @@ def test_help_says_every_batch_has_one_shape(capsys):
                    "--resume"):
         assert option in text
     assert "with --data synthetic:" in text
+
+
+def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
+    config = imdb.resolve_config({"eval_every": 0})
+    imdb.TASK.check_config(config)
+    assert imdb.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
+    assert imdb.Schedule.resolve(imdb.resolve_config({}), steps_per_epoch=7).eval_every == 7

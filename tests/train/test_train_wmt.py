@@ -220,9 +220,12 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
          "--master-weights needs --precision bf16 or fp16"),
+        (lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "5"), "--spm-vocab-size 5: a vocabulary of 5 "
+         "pieces cannot hold this corpus: sentencepiece needs at least"),
     ],
     ids=["missing-dir", "missing-file", "max-tokens", "max-len", "unwritable-run-dir", "resume-not-a-run",
-         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32"],
+         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32",
+         "spm-vocab-too-small"],
 )
 def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, make_args, message):
     (tmp_path / "file.txt").write_text("a file, not a directory")
@@ -238,12 +241,18 @@ def test_empty_training_file(tmp_path, capsys):
     assert "data file is empty" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value", [("--preset", "transformer-huge"), ("--device-name", "Z80")])
-def test_unknown_preset_or_device_is_a_usage_error(flag, value, capsys):
+def test_unknown_preset_is_one_line(capsys):
+    assert wmt.main(["--preset", "transformer-huge"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: --preset transformer-huge: unknown; choose from {', '.join(wmt.PRESETS)}"]
+    assert "transformer-base" in err
+
+
+def test_unknown_device_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        wmt.main([flag, value])
+        wmt.main(["--device-name", "Z80"])
     assert exit_info.value.code == 2
-    assert f"invalid choice: '{value}'" in capsys.readouterr().err
+    assert "invalid choice: 'Z80'" in capsys.readouterr().err
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, capsys):
@@ -261,3 +270,21 @@ def test_help_documents_every_option(capsys):
                    "--checkpoint-every", "--keep-checkpoints", "--eval-every", "--distributed"):
         assert option in text
     assert "with --data synthetic:" in text
+
+
+def test_kernels_variable_applies_when_backend_flag_is_absent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LS_JAX_KERNELS", "ffi")  # no CUDA here: the kernels cannot load, so ffi must fail at once
+    assert wmt.main(["--run-dir", str(tmp_path / "r")]) == 2
+    assert "requires the CUDA kernels" in capsys.readouterr().err
+    monkeypatch.setenv("LS_JAX_KERNELS", "fast")
+    assert wmt.main(["--run-dir", str(tmp_path / "r2")]) == 2
+    assert "LS_JAX_KERNELS='fast' is not a kernel mode" in capsys.readouterr().err
+
+
+def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
+    from train import cli
+    monkeypatch.setenv("LS_JAX_KERNELS", "xla")
+    assert cli.kernel_mode({"backend": "ffi"}, {"backend": "ffi"}) == "ffi"
+    assert cli.kernel_mode({"backend": "auto"}, {}) == "xla"
+    monkeypatch.delenv("LS_JAX_KERNELS")
+    assert cli.kernel_mode({"backend": "auto"}, {}) == "auto"

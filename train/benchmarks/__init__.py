@@ -1,1 +1,1 @@
-"""Benchmark suites run by ``python -m train.bench SUITE``; each writes JSON into docs/results/."""
+"""Benchmark suites run by ``python -m train.bench SUITE``; each writes JSON into --out DIR (default docs/results on a GPU, runs/bench elsewhere)."""

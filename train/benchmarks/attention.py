@@ -132,11 +132,12 @@ def _parse_case(text: str) -> tuple[int, int, int, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for attention-<device>.json")
+    common.add_out_argument(parser, "attention")
     parser.add_argument("--quick", action="store_true", help="batch and length / 8, few samples (runs on CPU)")
     parser.add_argument("--cases", nargs="+", type=_parse_case, metavar="B,L,H,D",
                         help="shapes to run (default: " + " ".join(",".join(map(str, c)) for c in CASES) + ")")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
     on_gpu = backend.cuda_visible()
     print(f"self-attention forward + backward, {jnp.dtype(DTYPE).name}; variants: {', '.join(variants(on_gpu))}")
     results = []

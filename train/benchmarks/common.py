@@ -7,6 +7,8 @@ overlaps device work as it does in a training loop.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import re
@@ -24,6 +26,21 @@ from train import runlog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
+SCRATCH_DIR = REPO_ROOT / "runs" / "bench"
+
+
+def add_out_argument(parser: argparse.ArgumentParser, suite: str) -> None:
+    """``--out DIR``; unset, `out_dir` picks docs/results on a GPU and runs/bench elsewhere."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"directory for {suite}-<device>.json (default: docs/results when JAX sees a GPU, "
+                             "runs/bench otherwise, so CPU trials leave the published results alone)")
+
+
+def out_dir(given: Path | None) -> Path:
+    """``given``, else docs/results when JAX's default backend is a GPU, else runs/bench."""
+    if given is not None:
+        return given
+    return RESULTS_DIR if jax.default_backend() == "gpu" else SCRATCH_DIR
 
 
 def git_state() -> dict[str, Any]:

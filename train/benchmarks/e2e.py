@@ -316,9 +316,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=10,
                         help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)")
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    common.add_out_argument(parser, "e2e")
     parser.add_argument("--quick", action="store_true", help=f"a smoke run (CPU): {QUICK_MODEL}, 1024 tokens")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
     models = args.models.split(",")
     token_counts = [int(t) for t in args.tokens.split(",")]
     implementations = args.implementations.split(",")

@@ -337,11 +337,12 @@ def default_modes() -> tuple[backend.KernelMode, ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for ops-<device>.json")
+    common.add_out_argument(parser, "ops")
     parser.add_argument("--quick", action="store_true", help="rows / 64 and few samples (smoke test, runs on CPU)")
     parser.add_argument("--ops", help=f"comma-separated subset of: {', '.join(c.op for c in CASES)}")
     parser.add_argument("--backends", help="comma-separated subset of ffi,xla (default: ffi,xla on CUDA, else xla)")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
 
     cases = CASES
     if args.ops:

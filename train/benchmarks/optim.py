@@ -244,10 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.bench optim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for optim-<device>.json")
+    common.add_out_argument(parser, "optim")
     parser.add_argument("--quick", action="store_true", help="small models and few samples (smoke test, runs on CPU)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of: {', '.join(MODELS)}")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
     models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:

@@ -31,11 +31,12 @@ def main(argv: list[str]) -> int:
                         help=f"timed samples of {e2e.STEPS_PER_SAMPLE} steps (the e2e measurement)")
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
     parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    common.add_out_argument(parser, "profile")
     parser.add_argument("--trace-dir", type=Path, help="keep each implementation's trace and compiled HLO here")
     parser.add_argument("--reanalyze", type=Path, metavar="RESULT_JSON",
                         help="no GPU work: recompute the breakdowns of RESULT_JSON from the traces in --trace-dir")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
     if args.reanalyze:
         if args.trace_dir is None:
             parser.error("--reanalyze needs --trace-dir, the directory the profiled run kept its traces in")

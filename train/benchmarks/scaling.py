@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bert-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed sample (5 samples)")
     parser.add_argument("--allreduce-mb", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    common.add_out_argument(parser, "scaling")
     args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out)
     devices = jax.devices()
     counts = device_counts(len(devices), args.devices)
     results, probes = [], []

@@ -185,7 +185,7 @@ class _Loop:
         for fields in self.evaluate(self.state, final):
             record = runlog.eval_record(self.step, fields)
             self.run_log.write(record)
-            self.counters.last_eval = {key: record[key] for key in ("bleu", "accuracy")}
+            self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
 
     def _save(self) -> None:
         if self.checkpoints is None or self.saved_step == self.step:

@@ -38,8 +38,12 @@ class Sampler:
         """``--samples`` texts cycling through ``--prompt`` (default: new documents).
 
         Raises:
-          UsageError: a prompt and ``--sample-tokens`` together need more than the model's positions.
+          UsageError: a prompt and ``--sample-tokens`` together need more than the model's positions, or
+            ``--top-k`` exceeds the vocabulary.
         """
+        vocab_size = model.config.vocab_size
+        if config["top_k"] is not None and config["top_k"] > vocab_size:
+            raise UsageError(f"--top-k {config['top_k']} exceeds the model's {vocab_size} tokens")
         given = config["prompt"] or [""]
         prompts = tuple(given[i % len(given)] for i in range(config["samples"]))
         positions = model.config.layer.max_seq_len

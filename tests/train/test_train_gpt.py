@@ -272,13 +272,15 @@ def weights_without_tokenizer(directory):
         (lambda d, t: ["--init-from", str(d), "--preset", "gpt2-small"], "--preset and --init-from exclude"),
         (lambda d, t: text_job(t, d / "r", "--prompt", "the cat " * 10, "--sample-tokens", "250"),
          "that is more than the model's 256 positions"),
+        (lambda d, t: ["--top-k", "1000", "--steps", "2", "--run-dir", str(d / "r")],
+         "--top-k 1000 exceeds the model's 90 tokens"),
         (lambda d, t: ["--data", f"text:{d / 'absent.txt'}", "--run-dir", str(d / "r")], "no such file"),
         (lambda d, t: ["--batch-size", "0"], "--batch-size must be >= 1"),
         (lambda d, t: ["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 leaves no step"),
         (lambda d, t: ["--resume", str(d)], "no config.json there"),
     ],
     ids=["empty-corpus", "longer-than-positions", "longer-than-gpt2-small", "unknown-preset", "missing-spm-model",
-         "init-from-without-tokenizer", "init-from-missing", "preset-and-init-from", "prompt-too-long",
+         "init-from-without-tokenizer", "init-from-missing", "preset-and-init-from", "prompt-too-long", "top-k",
          "missing-text-file", "batch-size", "warmup", "resume-not-a-run"],
 )
 def test_bad_input_is_one_message_and_exit_code_2(tmp_path, text_file, capsys, make_args, message):

@@ -55,7 +55,6 @@ SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "eval_every": 100,
     "checkpoint_every": 100,
     "sample_tokens": 40,
-    "top_k": None,
 }
 REAL_DATA_DEFAULTS: dict[str, Any] = {
     "preset": "gpt2-small",
@@ -88,6 +87,7 @@ GPT_DEFAULTS: dict[str, Any] = {
     "samples": 3,
     "prompt": None,
     "temperature": 1.0,
+    "top_k": None,  # every token
 }
 
 
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "events and checkpoints (and spm.model for text data) to its run directory.",
         epilog=cli.defaults_epilog(
             GPT_DEFAULTS, SYNTHETIC_DEFAULTS, REAL_DATA_DEFAULTS,
-            notes=f"--warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear warmup, then linear decay to 0)\n",
+            notes=f"--warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear warmup, then linear decay to 0); "
+                  "--top-k: every token unless given or with real data\n",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them

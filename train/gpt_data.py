@@ -274,13 +274,21 @@ class PackedRows:
         return int(self.label_mask(indices).sum())
 
 
+def unigram_perplexity(stream: np.ndarray) -> float:
+    """exp(-sum_v p_v ln p_v) over the label frequencies p of a stream: the perplexity, on that stream, of the best
+    model that ignores context."""
+    counts = np.bincount(stream[1:])
+    freqs = counts[counts > 0] / (len(stream) - 1)
+    return float(np.exp(-(freqs * np.log(freqs)).sum()))
+
+
 def check_sequence_length(seq_len: int, max_positions: int) -> None:
     """DataError unless 1 <= seq_len <= the model's positions."""
     if seq_len < 1:
-        raise DataError(f"--seq-len must be >= 1, got {seq_len}")
+        raise DataError(f"--max-seq-len must be >= 1, got {seq_len}")
     if seq_len > max_positions:
-        raise DataError(f"--seq-len {seq_len} is longer than the model's {max_positions} positions; lower --seq-len "
-                        "or choose a model with more positions")
+        raise DataError(f"--max-seq-len {seq_len} is longer than the model's {max_positions} positions; lower "
+                        "--max-seq-len or choose a model with more positions")
 
 
 def packed_rows(stream: np.ndarray, seq_len: int, eod_id: int, split: str) -> PackedRows:
@@ -288,7 +296,7 @@ def packed_rows(stream: np.ndarray, seq_len: int, eod_id: int, split: str) -> Pa
     rows = PackedRows(stream, seq_len, eod_id)
     if split == "train" and rows.num_targets < seq_len:
         raise DataError(f"the training split has {rows.num_targets + 1} tokens (with end-of-document ids), fewer "
-                        f"than one sequence of {seq_len + 1}; lower --seq-len or give more text")
+                        f"than one sequence of {seq_len + 1}; lower --max-seq-len or give more text")
     return rows
 
 

@@ -218,7 +218,7 @@ class _Loop:
         for fields in results:
             record = runlog.eval_record(self.step, fields)
             self.run_log.write(record)
-            self.counters.last_eval = {key: record[key] for key in ("bleu", "accuracy")}
+            self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
 
     def _save(self) -> bool:
         """Checkpoints the state unless it is already saved; False (nothing written) when it is not finite.

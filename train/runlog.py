@@ -57,15 +57,22 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "eval": {
         "step": (int,), "split": (str,), "loss": _OPT_NUM, "nll": _OPT_NUM, "bleu": _OPT_NUM, "accuracy": _OPT_NUM,
+        "perplexity": _OPT_NUM,
     },
     "summary": {
         "completed": (bool,), "stop_reason": (str,), "steps": (int,), "train_time_s": _NUM, "wall_time_s": _NUM,
         "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
         "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
         "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "final_loss": _OPT_NUM,
-        "bleu": _OPT_NUM, "accuracy": _OPT_NUM,
+        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM,
     },
 }
+# The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
+# the summary repeats the last evaluation's.
+QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
+# Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
+# always writes them.
+LATER_KEYS: dict[str, frozenset[str]] = {"eval": frozenset({"perplexity"}), "summary": frozenset({"perplexity"})}
 
 
 def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple[type, ...]]:
@@ -130,14 +137,18 @@ class RecordError(ValueError):
         return f"{where}: {reason}"
 
 
-def validate(record: Mapping[str, Any], counted: Iterable[str] = ()) -> None:
-    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record."""
+def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, complete: bool = False) -> None:
+    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record; a key of
+    `LATER_KEYS` may be missing unless ``complete`` (what a writer checks)."""
     record_type = record.get("type")
     if record_type not in SCHEMA:
         raise RecordError(record)
     expected = {**SCHEMA[record_type], **throughput_keys(record_type, counted)}
+    may_lack = frozenset() if complete else LATER_KEYS.get(record_type, frozenset())
     for key, types in expected.items():
         if key not in record:
+            if key in may_lack:
+                continue
             raise RecordError(record, key, types)
         value = record[key]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
@@ -174,7 +185,7 @@ class RunLog:
 
     def write(self, record: dict[str, Any]) -> None:
         record = _finite_or_none(record)
-        validate(record, self._counted)
+        validate(record, self._counted, complete=True)
         if not self._enabled:
             return
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -334,7 +345,7 @@ def interval_record(step: int, interval: Interval, *, elapsed_s: float, lr: floa
 
 def eval_record(step: int, fields: Mapping[str, Any]) -> dict[str, Any]:
     """An ``eval`` record: the task's ``fields`` (split and scores); the scores it does not give are null."""
-    return {"type": "eval", "step": step, "loss": None, "nll": None, "bleu": None, "accuracy": None, **fields}
+    return {"type": "eval", "step": step, "loss": None, "nll": None, **dict.fromkeys(QUALITY_KEYS), **fields}
 
 
 def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, steps: int) -> dict[str, Any]:
@@ -363,6 +374,5 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "energy_estimated": counters.energy_j is not None and hardware.energy.source == "estimated",
         "cost_usd": metrics_lib.cost_usd(train_time, hardware.device_count, hardware.price_per_device_hour),
         "final_loss": counters.last_loss,
-        "bleu": counters.last_eval.get("bleu"),
-        "accuracy": counters.last_eval.get("accuracy"),
+        **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
     }

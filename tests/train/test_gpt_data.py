@@ -225,13 +225,13 @@ class _NoTokens(gpt_synthetic.WordVocabulary):
 
 def test_corpus_shorter_than_one_sequence(tmp_path):
     corpus = {"train": ["the cat sees a dog ."], "valid": ["the dog sees a cat ."]}
-    with pytest.raises(DataError, match=r"has 8 tokens .* fewer than one sequence of 9; lower --seq-len"):
+    with pytest.raises(DataError, match=r"has 8 tokens .* fewer than one sequence of 9; lower --max-seq-len"):
         gpt_data.encode_corpus(corpus, gpt_synthetic.WordVocabulary(), seq_len=8, valid_fraction=0.1)
     assert gpt_data.encode_corpus(corpus, gpt_synthetic.WordVocabulary(), seq_len=7, valid_fraction=0.1)
 
 
 def test_sequence_longer_than_the_positions(tmp_path):
-    with pytest.raises(DataError, match="--seq-len 2048 is longer than the model's 1024 positions"):
+    with pytest.raises(DataError, match="--max-seq-len 2048 is longer than the model's 1024 positions"):
         gpt_data.load_data("synthetic", seq_len=2048, max_positions=1024, run_dir=tmp_path)
 
 

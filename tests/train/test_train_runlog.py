@@ -83,7 +83,8 @@ def test_validate_accepts_a_good_record_and_names_the_problem_of_a_bad_one():
 def test_run_log_writes_json_lines_and_tensorboard_events(tmp_path):
     log = runlog.RunLog(tmp_path, WMT_COUNTS)
     log.write(valid_interval(loss=float("nan")))
-    log.write({"type": "eval", "step": 3, "split": "valid", "loss": 2.0, "nll": 1.5, "bleu": 10.0, "accuracy": None})
+    log.write({"type": "eval", "step": 3, "split": "valid", "loss": 2.0, "nll": 1.5, "bleu": 10.0, "accuracy": None,
+               "perplexity": None})
     log.close()
     records = runlog.read(tmp_path / runlog.LOG_FILENAME)
     assert [r["type"] for r in records] == ["interval", "eval"]

@@ -46,6 +46,7 @@ class Run:
     mfu: float | None
     bleu: float | None
     accuracy: float | None
+    perplexity: float | None  # gpt; logs written before it was logged lack it
 
     @property
     def configuration(self) -> tuple[str, int, str, str]:
@@ -136,6 +137,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         mfu=results["mfu"],
         bleu=results["bleu"],
         accuracy=results["accuracy"],
+        perplexity=results.get("perplexity"),
     )
 
 

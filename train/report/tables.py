@@ -54,7 +54,7 @@ def _optional(value: float | None, formatter: Callable[[float], str]) -> str:
 def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: each run's configuration and results."""
     runs = comparison.runs
-    quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"))
+    quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
     header = ["#", "run", "device", "count", "backend", "precision", "model", "batch", "time", "cost", "energy",
               "throughput", "MFU", *quality]
@@ -69,6 +69,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         ]
         row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
         row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
+        row += [_optional(run.perplexity, lambda perplexity: f"{perplexity:.3f}")] if "perplexity" in quality else []
         rows.append(row)
     return header, rows
 

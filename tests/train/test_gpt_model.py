@@ -161,7 +161,7 @@ def greedy_by_recomputing(model, params, prompt, new_tokens):
 
 
 def test_greedy_sampling_with_the_kv_cache_matches_recomputing_the_prefix():
-    model, params = tiny_model(vocab_size=30, seq_len=16)
+    model, params = tiny_model(vocab_size=30, seq_len=16, hidden=32)
     prompt = np.asarray([[2, 5, 9], [2, 17, 4]], np.int32)
     got = gpt_model.generate(model, params, prompt, max_new_tokens=10, rng=jax.random.key(0), temperature=0.0)
     np.testing.assert_array_equal(np.asarray(got), greedy_by_recomputing(model, params, prompt, 10))
@@ -170,7 +170,7 @@ def test_greedy_sampling_with_the_kv_cache_matches_recomputing_the_prefix():
 
 
 def test_sampling_gives_valid_tokens_deterministic_in_the_seed():
-    model, params = tiny_model(vocab_size=30, seq_len=16)
+    model, params = tiny_model(vocab_size=30, seq_len=16, hidden=32)
     prompt = np.full((4, 2), 2, np.int32)
 
     def draw(seed, **kwargs):
@@ -200,7 +200,7 @@ def test_sample_texts_decode_until_the_end_of_the_document():
 
 
 def test_sampling_bad_arguments_are_named():
-    model, params = tiny_model(vocab_size=30, seq_len=16)
+    model, params = tiny_model(vocab_size=30, seq_len=16, hidden=32)
     prompt = np.full((1, 10), 2, np.int32)
     with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 7 must be within the model's 16"):
         gpt_model.generate(model, params, prompt, max_new_tokens=7, rng=jax.random.key(0))

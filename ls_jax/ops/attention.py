@@ -43,6 +43,7 @@ Three formulations:
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,7 @@ from ls_jax.ops.softmax import attn_softmax
 _f32 = jnp.float32
 KERNEL_HEAD_DIM = 64
 KERNEL_MAX_LENGTH = 128
+CUDNN_ENV_VAR = "LS_JAX_CUDNN_ATTENTION"
 
 Sources = tuple[jax.Array, ...]
 """``(qkv,)`` with qkv (B, L, 3, H, D), or ``(query, key_value)`` with query (B, Q, 1, H, D) and key_value
@@ -297,6 +299,9 @@ def _cudnn_reason(sources: Sources, key_mask, causal: bool, dropout_rate: float)
     reason = attention_cudnn.shape_reason(sources, key_mask, causal, dropout_rate)
     if reason is not None:
         return reason
+    if os.environ.get(CUDNN_ENV_VAR) != "1":
+        return (f"cuDNN attention is off by default ({CUDNN_ENV_VAR}=1 turns it on): its handlers cannot take "
+                f"scratch memory from XLA's FFI allocator yet (ffi_kernels/NOTES.md)")
     missing = attention_cudnn.missing()
     if missing is not None and backend.requested_mode() == "ffi":
         raise backend.KernelsUnavailableError(

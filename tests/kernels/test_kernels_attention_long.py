@@ -15,6 +15,11 @@ from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def _cudnn_attention_on(monkeypatch):
+    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "1")
+
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TARGETS = {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}
 

@@ -161,6 +161,7 @@ def kernels_enabled(monkeypatch):
     monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
     monkeypatch.setattr(ffi_kernels, "sm_count", lambda: 132)
     monkeypatch.setattr(attention_cudnn, "_compute_capability", lambda: "9.0")
+    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "1")
 
 
 def _lowered_targets(op, *primals):
@@ -228,3 +229,14 @@ def test_cudnn_shape_reasons_name_the_limit(kernels_enabled):
                                                                          causal=True)
     assert "takes queries < keys" in reason((1, 600, 1, 2, 64), (1, 500, 2, 2, 64), causal=True)
     assert "takes queries < keys" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True, rate=0.1)
+
+
+def test_cudnn_attention_is_off_unless_asked_for(kernels_enabled, monkeypatch, caplog):
+    """Without LS_JAX_CUDNN_ATTENTION=1 long attention lowers to the unfused kernels, saying why once."""
+    monkeypatch.delenv(attention.CUDNN_ENV_VAR)
+    monkeypatch.setattr(attention_cudnn, "missing", lambda: None)
+    qkv = jnp.ones((1, 256, 3, 2, 64), jnp.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="ls_jax.ops"):
+        text = jax.jit(lambda x: ops.self_attention(x)).trace(qkv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ls_attention_cudnn_fwd" not in text and "ls_attn_softmax_fwd" in text
+    assert attention.CUDNN_ENV_VAR in caplog.text

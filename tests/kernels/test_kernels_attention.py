@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ffi_kernels
 from ls_jax import ops
 from ls_jax.ops import _common, random
 from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
@@ -99,6 +100,7 @@ def test_the_backward_reads_the_keep_mask_the_forward_stored(index):
 
 
 def test_the_backward_rejects_a_keep_mask_of_the_wrong_shape():
+    ffi_kernels.load()  # the target is called directly, not through an op that loads the library
     qkv, dout = normal(0, (1, 16, 3, 2, 64), BF16), normal(1, (1, 16, 2, 64), BF16)
     lse, bias = jnp.zeros((1, 2, 16), F32), jnp.zeros((3, 2, 64), BF16)
     outputs = (jax.ShapeDtypeStruct(qkv.shape, BF16), jax.ShapeDtypeStruct((1, 1, 3, 2, 64), F32))

@@ -67,6 +67,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_match_one_process(one_device, tmp_path):
     run_dir, port = tmp_path / "multi", _free_port()
     command = [sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), "--steps", "6", "--distributed"]

@@ -21,8 +21,11 @@ COMMON = ["--batch-size", "8", "--dropout", "0", "--precision", "fp32", "--eval-
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               **extra)
+    # XLA's CPU collectives abort a rendezvous that waits 40 s for a device's thread; a loaded 2-core machine can
+    # leave one that long, so the tests allow 5 minutes.
+    flags = (f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_call_terminate_timeout_seconds=300"
+             " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60")
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags, **extra)
     return env
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax.models.gpt import PRESETS, GPTConfig, GPTLMHeadModel
-from train import cli, gpt_data, gpt_model, gpt_synthetic, harness
+from train import cli, gpt_data, gpt_model, gpt_synthetic, harness, signature
 from train import tokenizer as tokenizer_lib
 from train.errors import UsageError
 from train.gpt_samples import FinalReport, Sampler
@@ -225,22 +225,8 @@ def load_checkpoint(config: Mapping[str, Any], precision: str) -> gpt_model.Pret
     return pretrained
 
 
-def model_name(config: Mapping[str, Any]) -> str:
-    return config["preset"] or Path(config["init_from"]).name
-
-
 def model_signature(config: Mapping[str, Any], model_cfg: GPTConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on with the run restoring it (the harness adds optimizer and precision)."""
-    layer = model_cfg.layer
-    return {
-        "model": model_name(config),
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "nhead": layer.nhead,
-        "num_layers": model_cfg.num_layers,
-        "positions": layer.max_seq_len,
-    }
+    return signature.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -333,7 +319,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> harness.TaskSetup
         eval_every=config["eval_every"],
         checkpoint_every=config["checkpoint_every"],
         model_signature=model_signature(config, model_cfg),
-        model_name=model_name(config),
+        model_name=signature.model_name(config),
         batch_record={"batch_size": config["batch_size"], "grad_accum": config["grad_accum"],
                       "seq_len": config["max_seq_len"]},
         data_record=records,

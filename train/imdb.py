@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.models import BertConfig, BertForSequenceClassification
-from train import cli, harness, imdb_data
+from train import cli, harness, imdb_data, signature
 from train import tokenizer as tokenizer_lib
 from train import data as data_lib
 from train.data import host_rows
 from train.errors import UsageError
 from train.harness import format_value
 from train.imdb_model import (
-    PRESETS, build_model, classification_sums, make_flops_fn, make_loss_fn, model_name, model_signature,
+    PRESETS, build_model, classification_sums, make_flops_fn, make_loss_fn, model_signature,
 )
 from train.optimizer import linear_warmup_decay
 from train.parallel import DataParallel
@@ -281,7 +281,7 @@ def _check_shapes(config: Mapping[str, Any], model_cfg: BertConfig, parallel: Da
     positions = model_cfg.layer.max_seq_len
     if config["max_seq_len"] > positions:
         raise UsageError(f"--max-seq-len {config['max_seq_len']} exceeds the model's {positions} positions "
-                         f"({model_name(config)})")
+                         f"({signature.model_name(config)})")
     if config["batch_size"] % parallel.num_shards:
         raise UsageError(f"--batch-size {config['batch_size']} is not a multiple of the {parallel.num_shards} devices")
 
@@ -323,7 +323,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> harness.TaskSetup
         eval_every=schedule.eval_every,
         checkpoint_every=schedule.checkpoint_every,
         model_signature=model_signature(config, model_cfg),
-        model_name=model_name(config),
+        model_name=signature.model_name(config),
         batch_record={"batch_size": config["batch_size"], "grad_accum": config["grad_accum"]},
         data_record={"source": config["data"], **data.stats},
         config_record={**config, **dataclasses.asdict(schedule)},

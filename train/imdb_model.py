@@ -3,7 +3,6 @@ classification loss and the FLOPs of a step."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -12,7 +11,7 @@ import optax
 
 from ls_jax.layers import LayerConfig
 from ls_jax.models import BertConfig, BertForSequenceClassification, hf
-from train import metrics
+from train import metrics, signature
 from train.errors import UsageError
 from train.precision import PRECISION_DTYPES
 
@@ -62,23 +61,9 @@ def build_model(config: Mapping[str, Any], vocab_size: int, precision: str, rng:
     return model_cfg, params
 
 
-def model_name(config: Mapping[str, Any]) -> str:
-    return config["preset"] or Path(config["init_from"]).name
-
-
 def model_signature(config: Mapping[str, Any], model_cfg: BertConfig) -> dict[str, Any]:
-    """What a checkpoint must agree on with the run restoring it (the harness adds optimizer and precision)."""
-    layer = model_cfg.layer
-    return {
-        "model": model_name(config),
-        "vocab_size": model_cfg.vocab_size,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "nhead": layer.nhead,
-        "num_layers": model_cfg.num_layers,
-        "positions": layer.max_seq_len,
-        "num_labels": model_cfg.num_labels,
-    }
+    stack = signature.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)
+    return {**stack, "num_labels": model_cfg.num_labels}
 
 
 def classification_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

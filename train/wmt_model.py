@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 from ls_jax.ops import label_smoothed_cross_entropy
-from train import metrics
+from train import metrics, signature
 from train.precision import PRECISION_DTYPES
 
 
@@ -28,9 +28,7 @@ def model_signature(config: Mapping[str, Any], model_cfg: TransformerConfig) -> 
     return {
         "preset": config["preset"],
         "vocab_size": model_cfg.vocab_size,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-        "nhead": layer.nhead,
+        **signature.layer_signature(layer),
         "encoder_layers": model_cfg.num_encoder_layers,
         "decoder_layers": model_cfg.num_decoder_layers,
     }

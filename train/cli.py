@@ -57,7 +57,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)")
     group.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
     group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
-                       help="no progress bar")
+                       help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
     group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
                        help="no TensorBoard event files")
 

@@ -11,7 +11,7 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes (docs/training.md): 0 finished; 2 bad flags, files or data; 4 non-finite loss or state (the
+Exit codes (docs/training.md): 0 finished; 2 bad flags; 3 unusable data; 4 non-finite loss or state (the
 last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
 SIGINT/SIGTERM (a checkpoint is written first).
 """

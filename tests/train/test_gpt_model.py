@@ -18,6 +18,7 @@ from ls_jax.models import hf
 from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
 from train import gpt_data, gpt_model, gpt_synthetic, metrics
 from train.gpt_data import IGNORE_LABEL
+from train.errors import UsageError
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (LayerNorm, softmax, GELU, loss, optimizer): docs/flops.md
 
@@ -248,5 +249,5 @@ def test_init_from_a_hugging_face_gpt2_directory(tmp_path):
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tmp_path / name, weights_only / name)
-    with pytest.raises(gpt_data.DataError, match="no tokenizer there"):
+    with pytest.raises(UsageError, match="no tokenizer there"):
         gpt_model.init_from(weights_only)

@@ -326,6 +326,19 @@ def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any =
 # ------------------------------------------------------------------------------------------------ memory
 
 
+def free_memory_bytes(devices: Sequence[Any]) -> int | None:
+    """The smallest ``bytes_limit - bytes_in_use`` over ``devices`` now, or None where devices do not report memory."""
+    free = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - not implemented on some platforms
+            stats = None
+        if stats and "bytes_limit" in stats and "bytes_in_use" in stats:
+            free.append(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
+    return min(free) if free else None
+
+
 def peak_memory_bytes(devices: Sequence[Any]) -> int | None:
     """The largest ``peak_bytes_in_use`` over ``devices``, or None where devices do not report memory."""
     peaks = []

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -330,14 +330,18 @@ class BatchStream(EpochStream):
         ]
 
 
-def eval_plan(example_lengths: np.ndarray, *, max_tokens: int, num_shards: int) -> tuple[int, np.ndarray]:
+def eval_plan(example_lengths: np.ndarray, *, max_tokens: int, num_shards: int,
+              max_rows: Callable[[int], int] | None = None) -> tuple[int, np.ndarray]:
     """All examples in batches of one shape, for evaluation: ``(length, indices (batches, rows))``.
 
     ``length`` is the longest example's bucket, so the evaluation computations compile once; examples are
-    sorted by length so a batch of short sentences finishes decoding early. Index -1 marks empty rows.
+    sorted by length so a batch of short sentences finishes decoding early. Index -1 marks empty rows. A batch
+    holds the rows that fit ``max_tokens`` per device, or fewer, ``max_rows(length)``, when that is given.
     """
     length = int(padded_lengths(example_lengths).max())
     rows = rows_per_micro_batch(length, max_tokens, num_shards)
+    if max_rows is not None:
+        rows = min(rows, max_rows(length))
     order = np.argsort(example_lengths, kind="stable")
     indices = np.full(math.ceil(len(order) / rows) * rows, -1, dtype=np.int64)
     indices[: len(order)] = order

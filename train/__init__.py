@@ -3,7 +3,7 @@ harness they share. One concern per module:
 
   harness          run_training(task): the one training sequence; Task and TaskSetup, what a task plugs in
   cli              shared flags and defaults, range checks, exit codes
-  errors           UsageError and DataError, the bad input reported as one line
+  errors           UsageError and DataError, the bad input reported as one line; the exit code of each fault
   rundir           the run directory, its saved configuration, --resume
   loop             the loop driver: intervals, evaluation, checkpoints, signals, counters
   step             the train state, fp16 loss scaling, the gradient-accumulating step

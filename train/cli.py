@@ -1,7 +1,7 @@
 """The command line every training entry point shares: the common flags and their defaults, the ``--help``
 epilog, range checks of the values, and the exit codes.
 
-Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags, files or data; 4 the
+Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
 loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
 written; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
 prints one line naming the cause and what to do.
@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ls_jax import backend as backend_lib
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
-from train.errors import (EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE, DataError,
-                          Interrupted, UsageError)
+from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
+                          DataError, Interrupted, UsageError)
 from train.loop import TrainResult
 from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
@@ -57,7 +57,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)")
     group.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
     group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
-                       help="no progress bar")
+                       help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
     group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
                        help="no TensorBoard event files")
 
@@ -176,11 +176,14 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str
 
 
 def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
-    """Runs an entry point; bad input (flags, files, a missing optional package or kernel library) is one ``error:``
-    line and exit code 2, a signal before training started 128 + its number."""
+    """Runs an entry point; bad input is one ``error:`` line and exit code 2 (flags, files they name, a missing
+    optional package or kernel library) or 3 (the data), a signal before training started 128 + its number."""
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
-    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_DATA
+    except (UsageError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as err:

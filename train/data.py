@@ -11,19 +11,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from train.errors import DataError
+from train.errors import UsageError
 
 
 def import_tfds() -> ModuleType:
     """tensorflow_datasets, imported only when a ``tfds:`` source is read.
 
     Raises:
-      DataError: it is not installed; the message says how to install it.
+      UsageError: it is not installed; the message says how to install it.
     """
     try:
         import tensorflow_datasets as tfds
     except ImportError as err:
-        raise DataError(
+        raise UsageError(
             "--data tfds:... needs tensorflow-datasets and tensorflow: "
             "pip install 'ls-jax[data]' (or pip install tensorflow-datasets tensorflow-cpu)"
         ) from err
@@ -34,7 +34,7 @@ def host_rows(indices: np.ndarray, process_index: int, process_count: int) -> np
     """This host's contiguous slice of the rows (axis -1) of a step's indices."""
     rows = indices.shape[-1]
     if rows % process_count:
-        raise DataError(f"{rows} rows per micro-batch cannot be split over {process_count} hosts")
+        raise UsageError(f"{rows} rows per micro-batch cannot be split over {process_count} hosts")
     share = rows // process_count
     return indices[..., process_index * share : (process_index + 1) * share]
 

@@ -4,18 +4,21 @@ class (docs/training.md lists them)."""
 from __future__ import annotations
 
 EXIT_FINISHED = 0
-EXIT_USAGE = 2  # bad flags, files, data or run directory (argparse's own errors use 2 too)
+EXIT_USAGE = 2  # bad flags, a missing optional package, an unusable run directory (argparse's errors use 2 too)
+EXIT_DATA = 3  # the data the flags name cannot be used: missing, empty or malformed files, too little data
 EXIT_NUMERICS = 4  # the loss or the state became non-finite
 EXIT_IO = 5  # a checkpoint or the run log could not be written (full disk)
 EXIT_SIGNAL_BASE = 128  # interrupted: 128 + the signal number (130 SIGINT, 143 SIGTERM), as shells report it
 
 
 class UsageError(Exception):
-    """Bad flags or files from the user: a value out of range, a run directory that cannot be used, ..."""
+    """The command line asks for something impossible: a value out of range, flags that exclude each other, a
+    missing optional package, a run directory that cannot be used, ..."""
 
 
 class DataError(ValueError):
-    """The data cannot be used as given (missing or empty files, impossible batch sizes, ...)."""
+    """The data cannot be used as given: a missing, empty or malformed data file, labels the model cannot hold,
+    too little data for a batch or a validation split, ..."""
 
 
 class Interrupted(Exception):

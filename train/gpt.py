@@ -15,8 +15,9 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes: 0 finished; 2 bad input (the message names the problem); 1 the loss became NaN (the last good
-checkpoint is kept); 128 + signal number when SIGINT/SIGTERM stopped it (after writing a checkpoint).
+Exit codes (docs/training.md): 0 finished; 2 bad flags; 3 unusable data; 4 non-finite loss or state (the
+last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
+SIGINT/SIGTERM (a checkpoint is written first).
 """
 
 from __future__ import annotations
@@ -216,8 +217,6 @@ def load_checkpoint(config: Mapping[str, Any], precision: str) -> gpt_model.Pret
     directory = config["init_from"]
     try:
         pretrained = gpt_model.init_from(directory, **_layer_overrides(config, precision))
-    except gpt_data.DataError:
-        raise
     except ValueError as err:
         raise UsageError(f"--init-from {directory}: {err}") from err
     check_sequence_fits(config["max_seq_len"], pretrained.config.layer.max_seq_len, f"the checkpoint {directory}",

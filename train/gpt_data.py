@@ -39,7 +39,7 @@ import numpy as np
 from train import gpt_synthetic
 from train import tokenizer as tokenizer_lib
 from train.data import EpochStream, fixed_eval_plan, host_rows, import_tfds, plan_fixed_epoch
-from train.errors import DataError
+from train.errors import DataError, UsageError
 
 IGNORE_LABEL = -1
 SPLITS = ("train", "valid")
@@ -86,8 +86,8 @@ def read_tfds_split(name: str, split: str, *, text_field: str, data_dir: str | N
     """The ``text_field`` of every example of one split of a TensorFlow Datasets set.
 
     Raises:
-      DataError: tensorflow-datasets is missing (the message says how to install it), NAME is not a tfds
-        dataset, the split cannot be loaded, or its examples have no ``text_field``.
+      UsageError: tensorflow-datasets is missing (the message says how to install it).
+      DataError: NAME is not a tfds dataset, the split cannot be loaded, or its examples have no ``text_field``.
     """
     tfds = import_tfds()
     try:
@@ -124,7 +124,7 @@ def read_corpus(spec: str, *, seed: int = 0, text_field: str = "text", tfds_vali
         if tfds_valid_split:
             corpus["valid"] = read_tfds_split(location, tfds_valid_split, **read)
         return corpus
-    raise DataError(f"--data {spec!r} is not one of: synthetic, text:PATH, tfds:NAME")
+    raise UsageError(f"--data {spec!r} is not one of: synthetic, text:PATH, tfds:NAME")
 
 
 # ------------------------------------------------------------------------------------------------ tokenizers
@@ -161,16 +161,16 @@ class HuggingFaceTokenizer:
     def load(cls, directory: str | Path) -> HuggingFaceTokenizer:
         directory = Path(directory)
         if not any((directory / name).is_file() for name in ("tokenizer.json", "vocab.json")):
-            raise DataError(f"--init-from {directory}: no tokenizer there (expected tokenizer.json or vocab.json + "
+            raise UsageError(f"--init-from {directory}: no tokenizer there (expected tokenizer.json or vocab.json + "
                             "merges.txt)")
         try:
             from transformers import AutoTokenizer
         except ImportError as err:
-            raise DataError("--init-from needs transformers for the checkpoint's tokenizer: pip install "
+            raise UsageError("--init-from needs transformers for the checkpoint's tokenizer: pip install "
                             "'ls-jax[hf]' (or pip install transformers)") from err
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         if tokenizer.eos_token_id is None:
-            raise DataError(f"--init-from {directory}: the tokenizer has no end-of-text token to separate documents")
+            raise UsageError(f"--init-from {directory}: the tokenizer has no end-of-text token to separate documents")
         return cls(tokenizer)
 
     @property
@@ -198,19 +198,19 @@ def sentencepiece_tokenizer(documents: Sequence[str], run_dir: Path, *, spm_mode
     """The model at ``spm_model``, copied into ``run_dir``, or one trained on ``documents`` and saved there.
 
     Raises:
-      DataError: ``spm_model`` does not exist or is not a sentencepiece model with ids pad=0 bos=1 eos=2 unk=3.
+      UsageError: ``spm_model`` does not exist or is not a sentencepiece model with ids pad=0 bos=1 eos=2 unk=3.
     """
     if spm_model is None:
         path = run_dir / tokenizer_lib.MODEL_FILENAME
         return SentencePieceTokenizer(tokenizer_lib.train(_lines(documents), path, vocab_size=vocab_size,
                                                           model_type="bpe", seed=seed))
     if not Path(spm_model).is_file():
-        raise DataError(f"--spm-model {spm_model}: no such file; give a sentencepiece .model file or leave the flag "
+        raise UsageError(f"--spm-model {spm_model}: no such file; give a sentencepiece .model file or leave the flag "
                         "out to train one on the corpus")
     try:
         processor = tokenizer_lib.load(spm_model)
     except ValueError as err:
-        raise DataError(f"--spm-model {spm_model}: {err}") from err
+        raise UsageError(f"--spm-model {spm_model}: {err}") from err
     tokenizer_lib.copy_into(spm_model, run_dir)
     return SentencePieceTokenizer(processor)
 
@@ -283,11 +283,11 @@ def unigram_perplexity(stream: np.ndarray) -> float:
 
 
 def check_sequence_length(seq_len: int, max_positions: int) -> None:
-    """DataError unless 1 <= seq_len <= the model's positions."""
+    """UsageError unless 1 <= seq_len <= the model's positions."""
     if seq_len < 1:
-        raise DataError(f"--max-seq-len must be >= 1, got {seq_len}")
+        raise UsageError(f"--max-seq-len must be >= 1, got {seq_len}")
     if seq_len > max_positions:
-        raise DataError(f"--max-seq-len {seq_len} is longer than the model's {max_positions} positions; lower "
+        raise UsageError(f"--max-seq-len {seq_len} is longer than the model's {max_positions} positions; lower "
                         "--max-seq-len or choose a model with more positions")
 
 
@@ -335,8 +335,9 @@ def load_data(spec: str, *, seq_len: int, max_positions: int, run_dir: Path, tok
     `WordVocabulary`, else sentencepiece (`sentencepiece_tokenizer`, written into ``run_dir``).
 
     Raises:
-      DataError: the sequence is longer than the positions, the corpus is missing or empty or shorter than one
-        sequence, the tfds name is unknown, or the tokenizer file is missing (each names the problem and the fix).
+      UsageError: the sequence is longer than the positions, or the tokenizer file is missing.
+      DataError: the corpus is missing or empty or shorter than one sequence, or the tfds name is unknown (each
+        names the problem and the fix).
     """
     check_sequence_length(seq_len, max_positions)
     corpus = read_corpus(spec, seed=seed, text_field=text_field, tfds_valid_split=tfds_valid_split,

@@ -57,7 +57,7 @@ def init_from(directory: str | Path, **layer_overrides: Any) -> Pretrained:
     Raises:
       FileNotFoundError: the directory, config.json or the weights are missing.
       ValueError: the directory holds another kind of model, or weights that do not fit its config.
-      DataError: the tokenizer files are missing.
+      UsageError: the tokenizer files are missing.
     """
     config, params = hf.load_pretrained(directory, **layer_overrides)
     if not isinstance(config, GPTConfig):

@@ -12,7 +12,7 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes (docs/training.md): 0 finished; 2 bad flags, files or data; 4 non-finite loss or state (the
+Exit codes (docs/training.md): 0 finished; 2 bad flags; 3 unusable data; 4 non-finite loss or state (the
 last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
 SIGINT/SIGTERM (a checkpoint is written first).
 """
@@ -35,7 +35,7 @@ from train import cli, harness, imdb_data, signature
 from train import tokenizer as tokenizer_lib
 from train import data as data_lib
 from train.data import host_rows
-from train.errors import UsageError
+from train.errors import DataError, UsageError
 from train.harness import format_value
 from train.imdb_model import (
     PRESETS, build_model, classification_sums, make_flops_fn, make_loss_fn, model_signature,
@@ -227,11 +227,11 @@ def load_data(config: Mapping[str, Any], run_dir: Path) -> Data:
 
 
 def check_labels(data: Data, num_labels: int, fix: str) -> None:
-    """Raises UsageError naming the source and the label when a label is not in 0 .. num_labels - 1."""
+    """Raises DataError naming the source and the label when a label is not in 0 .. num_labels - 1."""
     for name, split in data.splits.items():
         largest = int(split.labels.max())
         if largest >= num_labels:
-            raise UsageError(f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
+            raise DataError(f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
                              f"labels (0 .. {num_labels - 1}); {fix}")
 
 

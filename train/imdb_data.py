@@ -34,7 +34,7 @@ from train import imdb_synthetic
 from train import tokenizer as tokenizer_lib
 from train import data as data_lib
 from train.data import EpochStream, host_rows, import_tfds
-from train.errors import DataError
+from train.errors import DataError, UsageError
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -103,7 +103,7 @@ def _split_from_rows(rows: Iterator[tuple[str, dict[str, Any]]], source: str, te
 def _existing_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}")
     return path
 
 
@@ -143,8 +143,8 @@ def read_tfds(name: str, split: str, text_field: str, label_field: str, data_dir
     """One split of a TensorFlow Datasets text classification set, e.g. ``imdb_reviews`` ``train``.
 
     Raises:
-      DataError: tensorflow-datasets is missing (the message says how to install it), the set cannot be
-        loaded, or its examples lack the fields.
+      UsageError: tensorflow-datasets is missing (the message says how to install it).
+      DataError: the set cannot be loaded, or its examples lack the fields.
     """
     tfds = import_tfds()
     try:
@@ -169,7 +169,7 @@ def read_source(spec: str, *, split: str, text_field: str, label_field: str, tfd
         return read_jsonl(location, text_field, label_field)
     if kind == "tfds" and location:
         return read_tfds(location, split, text_field, label_field, tfds_data_dir)
-    raise DataError(f"{spec!r} is not a data source: expected csv:PATH, jsonl:PATH or tfds:NAME (or synthetic for "
+    raise UsageError(f"{spec!r} is not a data source: expected csv:PATH, jsonl:PATH or tfds:NAME (or synthetic for "
                     "--data)")
 
 
@@ -206,7 +206,7 @@ def read_dataset(data: str, *, test_data: str | None, valid_fraction: float, see
     if len(valid):
         splits["valid"] = valid
     if set(splits) == {"train"}:
-        raise DataError("no evaluation data: give --test-data or a --valid-fraction above 0")
+        raise UsageError("no evaluation data: give --test-data or a --valid-fraction above 0")
     return {name: splits[name] for name in SPLITS if name in splits}
 
 

@@ -160,6 +160,14 @@ def _write_error(err: OSError) -> str:
     return f"cannot write {err.filename}: {err.strerror}; free space there, then resume the run"
 
 
+def progress_line(record: Mapping[str, Any], num_steps: int) -> str:
+    """One plain line for an interval record, printed instead of the progress bar when stderr is not a terminal:
+    ``step 40/320  loss 3.214  0.052 s/step  elapsed 2.1 s``."""
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4g}"
+    return (f"step {record['step']}/{num_steps}  loss {loss}  {record['step_time_s']:.3g} s/step  "
+            f"elapsed {record['elapsed_s']:.1f} s")
+
+
 class _Loop:
     """One segment of a run (from start or from a checkpoint); see `train`."""
 
@@ -182,10 +190,13 @@ class _Loop:
         self.energy_before = counters.energy_j
         hardware.energy.start()
         self.fp16 = state.loss_scale is not None
+        shown = config.progress_bar and jax.process_index() == 0
+        # A bar redraws itself with carriage returns, which a file or pipe keeps as one ever-growing line.
+        self.log_lines = shown and not sys.stderr.isatty()
         self.progress = tqdm(
             total=config.num_steps,
             initial=self.step,
-            disable=not config.progress_bar or jax.process_index() != 0,
+            disable=not shown or self.log_lines,
             dynamic_ncols=True,
             unit="step",
         )
@@ -210,6 +221,8 @@ class _Loop:
         self.run_log.write(record)
         if record.get("loss") is not None:
             self.progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+        if self.log_lines:
+            print(progress_line(record, self.config.num_steps), file=sys.stderr, flush=True)
         self.interval = Interval()
 
     def _evaluate(self, final: bool) -> None:

@@ -3,7 +3,7 @@
 Tables are data with their sources; every lookup returns None where a number is not known, never a guess.
 
 - `transformer_train_flops`: the analytic FLOP count of one training step (docs/flops.md derives it);
-  `xla_flops`: XLA's own count from a compiled computation, for cross-checking.
+  `xla_flops`: XLA's own count of a lowered computation (before optimization), for cross-checking.
 - `DEVICES`: per JAX device, the datasheet dense peak TFLOP/s per precision, price per hour and (TPU) power.
   A JAX device is one GPU, one TPU v4/v5 chip, or one TPU v2/v3 TensorCore (two per chip), and the numbers are
   per JAX device accordingly.
@@ -18,6 +18,8 @@ import os
 import re
 import time
 from typing import Any, Callable, Sequence
+
+import jax
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -58,16 +60,36 @@ def transformer_train_flops(
     return 3 * (encoder_layers * encoder + decoder_layers * decoder + logits)
 
 
-def xla_flops(compiled: Any) -> float | None:
-    """FLOPs XLA's cost analysis reports for a compiled computation (``jitted.lower(...).compile()``), if any."""
+def xla_flops(lowered: Any) -> float | None:
+    """FLOPs XLA's cost analysis counts in a lowered, not yet optimized computation (``jitted.lower(...)``), or None
+    where no analysis is available.
+
+    Not the compiled computation's count: optimization turns a GPU's matmuls into cuBLAS calls, which count 0.
+    Where the backend is a PJRT plugin (JAX's CUDA plugin), which has no analysis before compilation, the same
+    un-optimized module is analysed by the host (CPU) client: the count depends on the HLO, not on the device.
+    """
     try:
-        analysis = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - some backends do not implement cost analysis
-        return None
+        analysis = lowered.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis
+        analysis = None
+    if not analysis:
+        analysis = host_cost_analysis(lowered)
     if isinstance(analysis, (list, tuple)):  # older jax returns one dict per computation
         analysis = analysis[0] if analysis else None
     flops = analysis.get("flops") if analysis else None
     return float(flops) if flops is not None and flops > 0 else None
+
+
+def host_cost_analysis(lowered: Any) -> dict[str, float] | None:
+    """XLA's cost analysis of ``lowered``'s un-optimized HLO module run by the CPU client, or None when this jax
+    does not expose the pieces (`jax.stages.Lowered` has no public route to another client's analysis)."""
+    try:
+        from jax._src.lib import _jax
+
+        module = lowered._lowering.hlo().as_hlo_module()
+        return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+    except Exception:  # noqa: BLE001 - private API: absent or changed in another jax version
+        return None
 
 
 # ---------------------------------------------------------------------------------------- device tables
@@ -302,6 +324,19 @@ def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any =
 
 
 # ------------------------------------------------------------------------------------------------ memory
+
+
+def free_memory_bytes(devices: Sequence[Any]) -> int | None:
+    """The smallest ``bytes_limit - bytes_in_use`` over ``devices`` now, or None where devices do not report memory."""
+    free = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - not implemented on some platforms
+            stats = None
+        if stats and "bytes_limit" in stats and "bytes_in_use" in stats:
+            free.append(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
+    return min(free) if free else None
 
 
 def peak_memory_bytes(devices: Sequence[Any]) -> int | None:

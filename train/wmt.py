@@ -11,7 +11,7 @@ Every run writes a run directory (default ``runs/<run_id>``):
   tensorboard/       the same numbers as TensorBoard events
   checkpoints/<step> orbax checkpoints (the last --keep-checkpoints, and always one at the end)
 
-Exit codes (docs/training.md): 0 finished; 2 bad flags, files or data; 4 non-finite loss or state (the
+Exit codes (docs/training.md): 0 finished; 2 bad flags; 3 unusable data; 4 non-finite loss or state (the
 last good checkpoint is kept); 5 a checkpoint or the run log could not be written; 128 + the signal number after
 SIGINT/SIGTERM (a checkpoint is written first).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ from ls_jax.models import PAD_ID, PRESETS, Transformer
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.ops import label_smoothed_cross_entropy
 from train import cli, harness, wmt_data
+from train import metrics as metrics_lib
 from train import tokenizer as tokenizer_lib
 from train.errors import UsageError
 from train.harness import format_value
@@ -41,7 +43,8 @@ from train.optimizer import inverse_sqrt_schedule
 from train.parallel import DataParallel
 from train.rundir import Run
 from train.step import TrainState
-from train.wmt_model import make_flops_fn, make_loss_fn, model_config, model_signature
+from train.wmt_model import (decode_row_bytes, decode_rows, make_flops_fn, make_loss_fn, model_config,
+                             model_signature)
 
 # Defaults by data source: the synthetic task is sized to finish in minutes on a 2-core CPU.
 SYNTHETIC_DEFAULTS: dict[str, Any] = {
@@ -84,7 +87,10 @@ WMT_DEFAULTS: dict[str, Any] = {
     "beam_size": 4,
     "length_penalty": 0.6,
     "bleu_sentences": None,
+    "decode_memory": None,
 }
+# Device memory a decoding batch may use when the device does not report its own (CPU), MiB.
+HOST_DECODE_MEMORY_MIB = 1024
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -125,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha of --decode beam")
     group.add_argument("--bleu-sentences", type=int, help="sentences per split decoded for BLEU at each "
                                                            "evaluation (default all; 0: loss only)")
+    group.add_argument("--decode-memory", type=int, metavar="MIB",
+                       help="device memory per device a decoding batch may use: batches hold as many sentences as "
+                            "fit (and at most --max-tokens); default half the memory free on the device, "
+                            f"{HOST_DECODE_MEMORY_MIB} MiB where it reports none (CPU)")
     cli.add_training_arguments(parser)
     return parser
 
@@ -140,7 +150,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
     cli.check_ranges(
         config,
         at_least_one=("steps", "max_tokens", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "warmup_steps", "beam_size", "spm_vocab_size"),
+                      "warmup_steps", "beam_size", "spm_vocab_size", "decode_memory"),
         non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
         fractions=("label_smoothing", "dropout"),
     )
@@ -223,6 +233,15 @@ def _gather_rows(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def _least_over_hosts(value: int) -> int:
+    """The smallest of every host's ``value``: hosts must agree on batch shapes."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int64(value))))
+
+
 class Evaluator:
     """Validation (and, at the end, test) loss and BLEU of the current parameters.
 
@@ -241,15 +260,33 @@ class Evaluator:
         logits = self.model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=True)
         return label_smoothed_cross_entropy(logits, batch["labels"], epsilon=self.epsilon, pad_id=PAD_ID)
 
-    def _batches(self, data: wmt_data.ParallelData, limit: int | None):
-        """(global indices (rows,), device batch) over the first ``limit`` examples (all for None)."""
+    def _batches(self, data: wmt_data.ParallelData, limit: int | None, decoding: bool = False):
+        """(global indices (rows,), device batch) over the first ``limit`` examples (all for None); for
+        ``decoding``, batches small enough for the decoder's memory budget (`decode_rows`)."""
         count = len(data) if limit is None else min(limit, len(data))
         length, plan = wmt_data.eval_plan(
-            data.example_lengths[:count], max_tokens=self.config["max_tokens"], num_shards=self.parallel.num_shards
+            data.example_lengths[:count], max_tokens=self.config["max_tokens"], num_shards=self.parallel.num_shards,
+            max_rows=self.decode_rows if decoding else None,
         )
         for indices in plan:
             local = wmt_data.host_rows(indices, jax.process_index(), jax.process_count())
             yield indices, self.parallel.put_batch(wmt_data.make_batch(data, local, length), row_axis=0)
+
+    @functools.cached_property
+    def decode_budget_bytes(self) -> int:
+        """Device bytes a decoding batch may use: ``--decode-memory``, else half the memory free on the devices at
+        the first evaluation (fixed from then on, so the decoder compiles once), the least over all hosts."""
+        if self.config["decode_memory"] is not None:
+            return self.config["decode_memory"] * 2**20
+        free = metrics_lib.free_memory_bytes(jax.local_devices())
+        return _least_over_hosts(HOST_DECODE_MEMORY_MIB * 2**20 if free is None else free // 2)
+
+    def decode_rows(self, src_len: int) -> int:
+        """Rows of ``src_len`` tokens per decoding batch: as many as the budget holds, at least one per device."""
+        beams = self.config["beam_size"] if self.config["decode"] == "beam" else 1
+        row_bytes = decode_row_bytes(self.model.config, src_len=src_len, decode_len=self.decode_len,
+                                               beams=beams)
+        return decode_rows(self.decode_budget_bytes, row_bytes, num_shards=self.parallel.num_shards)
 
     def _decode(self, params, src: jax.Array) -> jax.Array:
         if self.config["decode"] == "beam":
@@ -267,15 +304,19 @@ class Evaluator:
             loss_sum, nll_sum, tokens = loss_sum + float(loss), nll_sum + float(nll), tokens + float(count)
         result = {"split": split, "loss": loss_sum / tokens, "nll": nll_sum / tokens, "bleu": None}
         if bleu_limit != 0:
-            hypotheses: dict[int, str] = {}
-            for indices, batch in self._batches(data, bleu_limit):
-                output = _gather_rows(self._decode(params, batch["src"]))
-                texts = tokenizer_lib.decode(self.data.processor, output)
-                hypotheses.update((int(i), text) for i, text in zip(indices, texts) if i >= 0)
-            order = sorted(hypotheses)
-            references = [self.data.references[split][i] for i in order]
-            result["bleu"] = sacrebleu.corpus_bleu([hypotheses[i] for i in order], [references]).score
+            hypotheses = self.translate(params, split, bleu_limit)
+            references = self.data.references[split][: len(hypotheses)]
+            result["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
         return result
+
+    def translate(self, params, split: str, limit: int | None) -> list[str]:
+        """The decoded translations of the first ``limit`` sentences of ``split`` (all for None), in order."""
+        hypotheses: dict[int, str] = {}
+        for indices, batch in self._batches(self.data.eval_sets[split], limit, decoding=True):
+            output = _gather_rows(self._decode(params, batch["src"]))
+            texts = tokenizer_lib.decode(self.data.processor, output)
+            hypotheses.update((int(i), text) for i, text in zip(indices, texts) if i >= 0)
+        return [hypotheses[i] for i in sorted(hypotheses)]
 
     def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         """During training the validation split; at the end every evaluation split (valid, test)."""

@@ -31,14 +31,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from train import tokenizer as tokenizer_lib
 from train import wmt_synthetic
 from train.data import EpochStream, host_rows, import_tfds
-from train.errors import DataError
+from train.errors import DataError, UsageError
 
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
@@ -59,7 +59,7 @@ def synthetic_corpus(seed: int = 0, *, train: int = 20000, valid: int = 500, tes
 
 def _read_lines(path: Path) -> list[str]:
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}")
     with open(path, encoding="utf-8") as f:
         lines = [line.rstrip("\n") for line in f]
     if not lines:
@@ -71,12 +71,12 @@ def read_text_corpus(directory: str | Path, src_lang: str, tgt_lang: str) -> Cor
     """Reads ``{split}.{src_lang}`` / ``{split}.{tgt_lang}`` for train and valid (required) and test (optional).
 
     Raises:
-      FileNotFoundError: the directory or a required file is missing.
-      DataError: a file is empty, or the two sides of a split have different numbers of lines.
+      DataError: the directory or a required file is missing, a file is empty, or the two sides of a split have
+        different numbers of lines.
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"data directory not found: {directory}")
+        raise DataError(f"data directory not found: {directory}")
     corpus: Corpus = {}
     for split in SPLITS:
         src_path, tgt_path = directory / f"{split}.{src_lang}", directory / f"{split}.{tgt_lang}"
@@ -96,8 +96,8 @@ def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | No
     """Reads a TensorFlow Datasets translation set whose examples have one text feature per language.
 
     Raises:
-      DataError: tensorflow-datasets is not installed (the message says how to install it), or the dataset
-        cannot be prepared, or it lacks the languages.
+      UsageError: tensorflow-datasets is not installed (the message says how to install it).
+      DataError: the dataset cannot be prepared, or it lacks the languages.
     """
     tfds = import_tfds()
     corpus: Corpus = {}
@@ -127,7 +127,7 @@ def read_corpus(spec: str, *, src_lang: str, tgt_lang: str, seed: int = 0, tfds_
         return read_text_corpus(location, src_lang, tgt_lang)
     if kind == "tfds" and location:
         return read_tfds_corpus(location, src_lang, tgt_lang, tfds_data_dir)
-    raise DataError(f"--data {spec!r} is not one of: synthetic, text:DIR, tfds:NAME")
+    raise UsageError(f"--data {spec!r} is not one of: synthetic, text:DIR, tfds:NAME")
 
 
 # ---------------------------------------------------------------------------------------------- encoding
@@ -229,7 +229,7 @@ def rows_per_micro_batch(length: int, max_tokens: int, num_shards: int) -> int:
     """``num_shards * (max_tokens // length)``: as many rows as fit ``max_tokens`` padded tokens per device."""
     per_shard = max_tokens // length
     if per_shard == 0:
-        raise DataError(
+        raise UsageError(
             f"--max-tokens {max_tokens} is smaller than the longest padded sentence length {length} "
             f"(lengths are padded to a multiple of {LENGTH_MULTIPLE}); raise --max-tokens or lower --max-len"
         )
@@ -330,14 +330,18 @@ class BatchStream(EpochStream):
         ]
 
 
-def eval_plan(example_lengths: np.ndarray, *, max_tokens: int, num_shards: int) -> tuple[int, np.ndarray]:
+def eval_plan(example_lengths: np.ndarray, *, max_tokens: int, num_shards: int,
+              max_rows: Callable[[int], int] | None = None) -> tuple[int, np.ndarray]:
     """All examples in batches of one shape, for evaluation: ``(length, indices (batches, rows))``.
 
     ``length`` is the longest example's bucket, so the evaluation computations compile once; examples are
-    sorted by length so a batch of short sentences finishes decoding early. Index -1 marks empty rows.
+    sorted by length so a batch of short sentences finishes decoding early. Index -1 marks empty rows. A batch
+    holds the rows that fit ``max_tokens`` per device, or fewer, ``max_rows(length)``, when that is given.
     """
     length = int(padded_lengths(example_lengths).max())
     rows = rows_per_micro_batch(length, max_tokens, num_shards)
+    if max_rows is not None:
+        rows = min(rows, max_rows(length))
     order = np.argsort(example_lengths, kind="stable")
     indices = np.full(math.ceil(len(order) / rows) * rows, -1, dtype=np.int64)
     indices[: len(order)] = order

@@ -264,6 +264,7 @@ def test_baseline_selection(runs):
     assert run_logs.find_baseline(runs, None) == 0
     assert run_logs.find_baseline(runs, "20260106T080000Z-e5d6f7") == 3
     assert run_logs.find_baseline(runs, "2") == 1
+    assert run_logs.find_baseline(runs, "#3") == 2  # the form the tables print
     assert run_logs.find_baseline(runs, "7b4c2d") == 2
     assert run_logs.find_baseline(runs, "tpu-v3") == 3
     with pytest.raises(ValueError, match="matches 2 runs"):
@@ -272,11 +273,13 @@ def test_baseline_selection(runs):
         run_logs.find_baseline(runs, "a100")
     with pytest.raises(ValueError, match="numbered #1 to #4"):
         run_logs.find_baseline(runs, "5")
+    with pytest.raises(ValueError, match="numbered #1 to #4"):
+        run_logs.find_baseline(runs, "#5")
 
 
 def test_several_tasks_need_a_choice(tmp_path, runs):
     records = _lines("h100-ffi")
-    records[0].update(task="imdb", run_id="imdb-run", batch={"batch_size": 32, "grad_accum": 1})
+    records[0].update(task="imdb", run_id="imdb-run", batch={"batch_size": 32, "grad_accum": 1}, optimizer="adamw")
     for key in ("tokens", "tokens_per_s", "target_tokens", "target_tokens_per_s"):
         del records[-1][key]
     records[-1].update(examples=75_000, examples_per_s=412.5, accuracy=0.9312, bleu=None)
@@ -289,6 +292,7 @@ def test_several_tasks_need_a_choice(tmp_path, runs):
     header, rows = runs_table(scoring.compare(chosen))
     assert "accuracy" in header and "BLEU" not in header and rows[0][-1] == "0.9312"
     assert rows[0][header.index("throughput")] == "412 examples/s"
+    assert rows[0][header.index("optimizer")] == "adamw"  # the fixture ran adan
     with pytest.raises(ValueError, match="no run of task 'gpt'"):
         run_logs.select_task(chosen, "gpt")
 

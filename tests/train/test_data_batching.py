@@ -5,7 +5,7 @@ import pytest
 
 from train import wmt_data as ip
 from train.data import host_rows
-from train.errors import DataError
+from train.errors import UsageError
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -83,13 +83,13 @@ def test_hosts_get_disjoint_slices_that_make_the_global_batch():
     indices = np.arange(24).reshape(2, 12)
     slices = [host_rows(indices, p, 3) for p in range(3)]
     assert np.array_equal(np.concatenate(slices, axis=-1), indices)
-    with pytest.raises(DataError, match="12 rows .* 5 hosts"):
+    with pytest.raises(UsageError, match="12 rows .* 5 hosts"):
         host_rows(indices, 0, 5)
 
 
 def test_max_tokens_below_the_longest_sentence_is_an_error():
     data = random_data(max_len=60)  # longest examples pad to 64
-    with pytest.raises(DataError, match="--max-tokens 40 is smaller than the longest padded sentence length 64"):
+    with pytest.raises(UsageError, match="--max-tokens 40 is smaller than the longest padded sentence length 64"):
         plan(data, max_tokens=40)
 
 

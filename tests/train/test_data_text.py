@@ -5,7 +5,7 @@ import pytest
 import sentencepiece as spm
 
 from train import wmt_data, wmt_synthetic
-from train.errors import DataError
+from train.errors import DataError, UsageError
 from train import tokenizer as tokenizer_lib
 
 
@@ -37,14 +37,14 @@ def test_read_corpus_dispatches_on_the_data_spec(tmp_path):
     write_corpus(tmp_path, {"train": 30, "valid": 5})
     assert len(wmt_data.read_corpus(f"text:{tmp_path}", src_lang="de", tgt_lang="en")["train"][0]) == 30
     assert len(wmt_data.read_corpus("synthetic", src_lang="de", tgt_lang="en")["valid"][0]) == 500
-    with pytest.raises(DataError, match="not one of"):
+    with pytest.raises(UsageError, match="not one of"):
         wmt_data.read_corpus("csv:x", src_lang="de", tgt_lang="en")
 
 
 @pytest.mark.parametrize(
     "breakage, error, message",
     [
-        (lambda d: (d / "valid.en").unlink(), FileNotFoundError, "valid.en"),
+        (lambda d: (d / "valid.en").unlink(), DataError, "valid.en"),
         (lambda d: (d / "train.de").write_text(""), DataError, "empty: .*train.de"),
         (lambda d: (d / "train.en").write_text("one line\n"), DataError, "300 lines but .*1"),
     ],
@@ -58,7 +58,7 @@ def test_bad_files_are_named(tmp_path, breakage, error, message):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(DataError, match="nowhere"):
         wmt_data.read_text_corpus(tmp_path / "nowhere", "de", "en")
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from train import gpt_data, gpt_synthetic
+from train.errors import UsageError
 from train.gpt_data import IGNORE_LABEL, DataError, PackedRows
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
@@ -214,7 +215,7 @@ def test_empty_corpus_after_tokenizing_and_empty_directory(tmp_path):
         gpt_data.encode_corpus({"train": ["zebra"]}, _NoTokens(), seq_len=4, valid_fraction=0.1)
     with pytest.raises(DataError, match="no such file or directory"):
         gpt_data.load_data(f"text:{tmp_path / 'absent.txt'}", seq_len=8, max_positions=64, run_dir=tmp_path)
-    with pytest.raises(DataError, match="not one of: synthetic, text:PATH, tfds:NAME"):
+    with pytest.raises(UsageError, match="not one of: synthetic, text:PATH, tfds:NAME"):
         gpt_data.load_data("csv:x", seq_len=8, max_positions=64, run_dir=tmp_path)
 
 
@@ -231,25 +232,25 @@ def test_corpus_shorter_than_one_sequence(tmp_path):
 
 
 def test_sequence_longer_than_the_positions(tmp_path):
-    with pytest.raises(DataError, match="--max-seq-len 2048 is longer than the model's 1024 positions"):
+    with pytest.raises(UsageError, match="--max-seq-len 2048 is longer than the model's 1024 positions"):
         gpt_data.load_data("synthetic", seq_len=2048, max_positions=1024, run_dir=tmp_path)
 
 
 def test_missing_or_invalid_tokenizer_file(tmp_path):
     source = write_lines(tmp_path / "docs.txt", ["some text"] * 20)
-    with pytest.raises(DataError, match=r"--spm-model .*absent\.model: no such file"):
+    with pytest.raises(UsageError, match=r"--spm-model .*absent\.model: no such file"):
         gpt_data.load_data(f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path,
                            spm_model=str(tmp_path / "absent.model"))
-    with pytest.raises(DataError, match=r"--spm-model (.*docs\.txt): \1 is not a sentencepiece model"):
+    with pytest.raises(UsageError, match=r"--spm-model (.*docs\.txt): \1 is not a sentencepiece model"):
         gpt_data.load_data(f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path / "run",
                            spm_model=str(source))
-    with pytest.raises(DataError, match="no tokenizer there"):
+    with pytest.raises(UsageError, match="no tokenizer there"):
         gpt_data.HuggingFaceTokenizer.load(tmp_path)
 
 
 def test_missing_tfds_package_gives_install_instructions(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
-    with pytest.raises(DataError, match="pip install"):
+    with pytest.raises(UsageError, match="pip install"):
         gpt_data.load_data("tfds:lm1b", seq_len=8, max_positions=64, run_dir=tmp_path)
 
 

@@ -19,6 +19,7 @@ from ls_jax import backend
 from ls_jax.models import hf
 from train import compare, gpt, gpt_data, gpt_synthetic, runlog
 from train import tokenizer as tokenizer_lib
+from train.errors import EXIT_DATA, EXIT_USAGE
 from train.gpt_samples import SAMPLES_FILENAME
 from train.report import runs as run_logs
 
@@ -283,8 +284,10 @@ def weights_without_tokenizer(directory):
          "init-from-without-tokenizer", "init-from-missing", "preset-and-init-from", "prompt-too-long", "top-k",
          "missing-text-file", "batch-size", "warmup", "resume-not-a-run"],
 )
-def test_bad_input_is_one_message_and_exit_code_2(tmp_path, text_file, capsys, make_args, message):
-    assert gpt.main(make_args(tmp_path, text_file)) == 2
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, text_file, capsys, make_args, message,
+                                                                 request):
+    data_fault = request.node.callspec.id in {"empty-corpus", "missing-text-file"}
+    assert gpt.main(make_args(tmp_path, text_file)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err
 

@@ -15,6 +15,7 @@ import test_train_runlog
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
 from train import compare, imdb, runlog
+from train.errors import EXIT_DATA, EXIT_USAGE
 from train.report import runs as run_logs
 
 FLOP_TOLERANCE = 0.05
@@ -174,8 +175,10 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
          "preset-and-init-from", "no-tokenizer", "bad-test-data", "warmup", "batch-size",
          "resume-not-a-run", "ffi-without-cuda", "unknown-preset"],
 )
-def test_bad_input_is_one_message_and_exit_code_2(tmp_path, csv_data, capsys, make_args, message):
-    assert imdb.main(make_args(tmp_path, csv_data)) == 2
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, csv_data, capsys, make_args, message,
+                                                                 request):
+    data_fault = request.node.callspec.id in {"missing-file", "missing-column", "label-out-of-range", "empty-data"}
+    assert imdb.main(make_args(tmp_path, csv_data)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 

@@ -10,7 +10,7 @@ import pytest
 
 from train import data as data_lib
 from train import imdb_data, imdb_synthetic
-from train.errors import DataError
+from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 POSITIVE = set(imdb_synthetic.POSITIVE_ADJECTIVES) | {word for pair in imdb_synthetic.POSITIVE_VERBS for word in pair}
@@ -128,18 +128,18 @@ def test_bad_csv_names_the_problem(tmp_path):
     other_columns = write_csv(tmp_path / "other.csv", [("a", 1)], fields=("review", "label"))
     with pytest.raises(DataError, match=r"line 2: no field 'text' \(fields: review, label\)"):
         imdb_data.read_csv(other_columns, "text", "label")
-    with pytest.raises(FileNotFoundError, match="data file not found"):
+    with pytest.raises(DataError, match="data file not found"):
         imdb_data.read_csv(tmp_path / "absent.csv", "text", "label")
 
 
 def test_unknown_source_is_named():
-    with pytest.raises(DataError, match="'parquet:x' is not a data source: expected csv:PATH"):
+    with pytest.raises(UsageError, match="'parquet:x' is not a data source: expected csv:PATH"):
         imdb_data.read_source("parquet:x", split="train", text_field="t", label_field="l", tfds_data_dir=None)
 
 
 def test_tfds_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
-    with pytest.raises(DataError, match="pip install"):
+    with pytest.raises(UsageError, match="pip install"):
         imdb_data.read_tfds("imdb_reviews", "train", "text", "label")
 
 
@@ -190,7 +190,7 @@ def test_read_dataset_splits(tmp_path):
     assert {name: len(split) for name, split in splits.items()} == {"train": 40, "valid": 10, "test": 7}
     splits = imdb_data.read_dataset(f"csv:{train}", test_data=f"jsonl:{test}", valid_fraction=0.0, **common)
     assert list(splits) == ["train", "test"] and len(splits["train"]) == 50
-    with pytest.raises(DataError, match="no evaluation data"):
+    with pytest.raises(UsageError, match="no evaluation data"):
         imdb_data.read_dataset(f"csv:{train}", test_data=None, valid_fraction=0.0, **common)
 
 

@@ -113,6 +113,6 @@ def test_labels_beyond_the_checkpoint_classifier_are_refused(bert_dir, tmp_path,
 
     data = write_csv(tmp_path / "three.csv", [("good", 2), ("bad", 0)] * 10)
     assert imdb.main(["--init-from", str(bert_dir[0]), "--data", f"csv:{data}", "--max-seq-len", "16",
-                      "--run-dir", str(tmp_path / "r")]) == 2
+                      "--run-dir", str(tmp_path / "r")]) == 3  # a data fault
     assert "has label 2, but the model has 2 labels (0 .. 1); the checkpoint's config.json sets them" in (
         capsys.readouterr().err)

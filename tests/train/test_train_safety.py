@@ -169,3 +169,16 @@ def test_non_finite_learning_rate_is_one_line(value, capsys):
     assert toy_task.main([f"--lr={value}", *QUIET]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --lr must be a finite number > 0, got {float(value)}"
+
+
+def test_without_a_terminal_progress_is_one_line_per_interval(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-m", "helpers.toy_task", "--run-dir", str(tmp_path / "run"),
+                           "--no-tensorboard", "--steps", "6", "--log-every", "2"],
+                          cwd=REPO, env=env, capture_output=True, timeout=240)  # bytes: text mode reads \r as \n
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert b"\r" not in done.stderr + done.stdout  # a bar redrawing itself
+    lines = [line for line in err.split("\n") if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"], err
+    assert all(" loss " in line and " s/step" in line for line in lines)

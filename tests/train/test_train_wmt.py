@@ -23,6 +23,7 @@ import test_train_runlog
 from ls_jax import backend
 from ls_jax.optim import master
 from train import runlog, tokenizer, wmt
+from train.errors import EXIT_DATA, EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
 FLOP_TOLERANCE = 0.05
@@ -227,9 +228,11 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
          "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32",
          "spm-vocab-too-small"],
 )
-def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, make_args, message):
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, corpus_dir, capsys, make_args, message,
+                                                                 request):
     (tmp_path / "file.txt").write_text("a file, not a directory")
-    assert wmt.main(make_args(tmp_path, corpus_dir)) == 2
+    data_fault = request.node.callspec.id in {"missing-dir", "missing-file"}
+    assert wmt.main(make_args(tmp_path, corpus_dir)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
@@ -237,7 +240,7 @@ def test_bad_input_is_one_message_and_exit_code_2(tmp_path, corpus_dir, capsys, 
 def test_empty_training_file(tmp_path, capsys):
     write_corpus(tmp_path, {"train": 20, "valid": 4})
     (tmp_path / "train.en").write_text("")
-    assert wmt.main(["--data", f"text:{tmp_path}", "--run-dir", str(tmp_path / "r")]) == 2
+    assert wmt.main(["--data", f"text:{tmp_path}", "--run-dir", str(tmp_path / "r")]) == EXIT_DATA
     assert "data file is empty" in capsys.readouterr().err
 
 

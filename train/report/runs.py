@@ -28,6 +28,7 @@ class Run:
     device_count: int
     backend: str
     precision: str
+    optimizer: str
     model: str
     params: int | None
     batch_size: int
@@ -119,6 +120,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         device_count=config["device_count"],
         backend=config["backend"],
         precision=config["precision"],
+        optimizer=config["optimizer"],
         model=config["model"],
         params=config["params"],
         batch_size=batch_size,
@@ -268,16 +270,17 @@ def select_task(runs: Sequence[Run], task: str | None) -> list[Run]:
 
 
 def find_baseline(runs: Sequence[Run], spec: str | None) -> int:
-    """Index of the baseline run: ``spec`` is a run id, a row number (#1 first) or a unique substring of a run id
-    or log path; None means the first run."""
+    """Index of the baseline run: ``spec`` is a run id, a row number (``#1`` or ``1`` is the first) or a unique
+    substring of a run id or log path; None means the first run."""
     if spec is None:
         return 0
     for index, run in enumerate(runs):
         if run.run_id == spec:
             return index
-    if spec.isdigit():
-        if 1 <= int(spec) <= len(runs):
-            return int(spec) - 1
+    number = spec.removeprefix("#")
+    if number.isdigit():
+        if 1 <= int(number) <= len(runs):
+            return int(number) - 1
         raise ValueError(f"--baseline {spec}: the runs are numbered #1 to #{len(runs)}")
     matches = [index for index, run in enumerate(runs) if spec in run.run_id or spec in str(run.source)]
     if len(matches) == 1:

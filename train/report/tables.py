@@ -56,12 +56,14 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     runs = comparison.runs
     quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
-    header = ["#", "run", "device", "count", "backend", "precision", "model", "batch", "time", "cost", "energy",
+    header = ["#", "run", "device", "count", "backend", "precision", "optimizer", "model", "batch", "time", "cost",
+              "energy",
               "throughput", "MFU", *quality]
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision, run.model,
+            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision,
+            run.optimizer, run.model,
             run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),

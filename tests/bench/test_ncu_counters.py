@@ -113,3 +113,21 @@ def test_metrics_the_gpu_lacks_are_listed_not_requested():
 def test_missing_ncu_is_one_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="--ncu PATH"):
         ncu_run.find_ncu(str(tmp_path / "ncu"))
+
+
+@pytest.mark.parametrize("suite", ["counters", "flops"])
+def test_suites_without_ncu_stop_with_one_line(suite, tmp_path, capsys):
+    from train import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([suite, "--ncu", str(tmp_path / "ncu"), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "Nsight Compute (ncu) not found" in capsys.readouterr().err
+
+
+def test_a_kernel_limit_is_passed_to_ncu_and_said_in_the_result(tmp_path):
+    command = ncu_run.ncu_command("/bin/ncu", ["a.sum"], tmp_path / "log.csv", ["python"], max_kernels=500)
+    assert command[command.index("--launch-count") + 1] == "500"
+    assert "--launch-count" not in ncu_run.ncu_command("/bin/ncu", ["a.sum"], tmp_path / "l", ["python"])
+    assert counters.sampled(True, None).startswith("every kernel of one training step")
+    assert "first 500 kernels" in counters.sampled(True, 500)

@@ -40,6 +40,14 @@ def summarize(kernels: list[ncu_report.Kernel], hlo: str) -> dict[str, Any]:
     return {"total": ncu_report.aggregate(kernels), "categories": ncu_report.by_category(kernels, category_of)}
 
 
+def sampled(whole_step: bool, max_kernels: int | None) -> str:
+    """What the counters cover, in words."""
+    call = "training step" if whole_step else "forward + backward call"
+    which = "every kernel" if max_kernels is None else f"the first {max_kernels} kernels (a partial call)"
+    return (f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
+            "pass and flushes the caches before each replay")
+
+
 def normalised(results: dict[str, Any], reference: str) -> dict[str, Any]:
     """Every implementation's totals divided by the reference's."""
     base = results[reference]["total"]
@@ -98,6 +106,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ncu", help="path of the ncu executable (default: ncu on PATH or in the CUDA toolkit)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds one implementation may run under ncu")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="result directory (default docs/results)")
+    parser.add_argument("--max-kernels", type=int,
+                        help="profile only the first N kernels of the call (a partial step; said in 'sampled')")
     parser.add_argument("--keep", type=Path, help="keep each implementation's ncu CSV, HLO and command here")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
@@ -110,15 +120,15 @@ def main(argv: list[str]) -> int:
     metrics, missing = ncu_run.split_supported(ncu_report.METRICS, ncu_run.available_metrics(ncu))
     with tempfile.TemporaryDirectory() as scratch:
         root = args.keep or Path(scratch)
-        profiles = {impl: ncu_run.profile(ncu, metrics, args.workload, impl, batch, seq_len, root / impl, args.timeout)
+        profiles = {impl: ncu_run.profile(ncu, metrics, args.workload, impl, batch, seq_len, root / impl, args.timeout,
+                                          args.max_kernels)
                     for impl in implementations}
     results = {impl: summarize(p.kernels, p.hlo) for impl, p in profiles.items()}
     ratios = normalised(results, implementations[0])
     environment = profiles[implementations[0]].environment
     entry = {
         "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "reference": implementations[0],
-        "sampled": (f"every kernel of one {'training step' if spec.whole_step else 'forward + backward call'} after "
-                    f"{WARMUP_CALLS} warm-up calls, one ncu kernel replay per metric pass, caches flushed before each replay"),
+        "sampled": sampled(spec.whole_step, args.max_kernels),
         "metrics": metrics, "metrics_not_available": missing,
         "ncu_wall_s": {impl: p.wall_s for impl, p in profiles.items()},
         "results": results, "normalised": ratios,

@@ -68,11 +68,14 @@ def split_supported(metrics: Iterable[str], available: set[str] | None) -> tuple
     return ([m for m in metrics if metric_base(m) in available], [m for m in metrics if metric_base(m) not in available])
 
 
-def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[str]) -> list[str]:
-    """ncu, gated on the child's profiler range, all processes, raw CSV in base units, demangled kernel names."""
+def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[str],
+                max_kernels: int | None = None) -> list[str]:
+    """ncu, gated on the child's profiler range, all processes, raw CSV in base units, demangled kernel names;
+    ``max_kernels`` stops profiling after that many kernels (``--launch-count``)."""
+    limit = [] if max_kernels is None else ["--launch-count", str(max_kernels)]
     return [
         ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics),
-        "--target-processes", "all", "--profile-from-start", "off", "--kernel-name-base", "demangled",
+        "--target-processes", "all", "--profile-from-start", "off", "--kernel-name-base", "demangled", *limit,
         "--log-file", str(log_file), *child,
     ]
 
@@ -83,11 +86,12 @@ def child_command(workload: str, implementation: str, batch: int, seq_len: int, 
 
 
 def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,
-            work_dir: Path, timeout_s: float) -> Profile:
+            work_dir: Path, timeout_s: float, max_kernels: int | None = None) -> Profile:
     """Runs the child under ncu (killing its process group after ``timeout_s``) and parses the report."""
     work_dir.mkdir(parents=True, exist_ok=True)
     log_file = work_dir / "ncu.csv"
-    command = ncu_command(ncu, metrics, log_file, child_command(workload, implementation, batch, seq_len, work_dir))
+    child = child_command(workload, implementation, batch, seq_len, work_dir)
+    command = ncu_command(ncu, metrics, log_file, child, max_kernels)
     (work_dir / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
     process = subprocess.Popen(command, start_new_session=True)

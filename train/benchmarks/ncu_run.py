@@ -21,6 +21,8 @@ from typing import Any, Iterable
 
 from train.benchmarks.ncu_report import Kernel, parse_csv
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 NCU_FALLBACKS = ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu")
 CHILD_MODULE = "train.benchmarks.counter_workloads"
 
@@ -94,7 +96,7 @@ def profile(ncu: str, metrics: list[str], workload: str, implementation: str, ba
     command = ncu_command(ncu, metrics, log_file, child, max_kernels)
     (work_dir / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
-    process = subprocess.Popen(command, start_new_session=True)
+    process = subprocess.Popen(command, start_new_session=True, cwd=REPO_ROOT)  # the child imports this tree
     try:
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -72,6 +72,9 @@ def test_categories_follow_the_profile_suite(kernels):
     assert categories["LayerNorm"]["time_ns"] == 30_000
     assert categories["criterion"]["dram_read_bytes"] == 1_000
     assert summary["total"]["kernels"] == 4
+    stages = summary["stages"]  # the GEMM and the ls_jax kernel have no HLO instruction of their name
+    assert {name: entry["kernels"] for name, entry in stages.items()} == {
+        "unattributed": 2, "encoder forward": 1, "output projection + loss": 1}
 
 
 def test_normalise_divides_by_the_reference(kernels):

@@ -24,7 +24,7 @@ from typing import Any
 
 from train.benchmarks import common, ncu_report, ncu_run
 from train.benchmarks.counter_workloads import WARMUP_CALLS, WORKLOADS
-from train.benchmarks.kernel_trace import categorize, hlo_op_names
+from train.benchmarks.kernel_trace import categorize, hlo_op_names, stage
 
 FIGURE_METRICS = (
     "instructions", "instructions_per_warp", "sm_throughput_pct_median", "flops_half", "flops_single",
@@ -34,10 +34,14 @@ FIGURE_METRICS = (
 
 
 def summarize(kernels: list[ncu_report.Kernel], hlo: str) -> dict[str, Any]:
-    """Totals and per-category aggregates of one profiled call's kernels."""
+    """Totals, per-category and per-stage aggregates of one profiled call's kernels. A kernel is matched to its
+    HLO instruction by name; ncu does not see which custom call launched an ls_jax kernel, so those count as
+    "unattributed" among the stages (their categories come from their names)."""
     op_names = hlo_op_names(hlo)
     category_of = lambda kernel: categorize(kernel.name, op_names.get(kernel.name, ""))
-    return {"total": ncu_report.aggregate(kernels), "categories": ncu_report.by_category(kernels, category_of)}
+    stage_of = lambda kernel: stage(op_names.get(kernel.name, ""))
+    return {"total": ncu_report.aggregate(kernels), "categories": ncu_report.by_category(kernels, category_of),
+            "stages": ncu_report.by_category(kernels, stage_of)}
 
 
 def sampled(whole_step: bool, max_kernels: int | None) -> str:

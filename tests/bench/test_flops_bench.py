@@ -22,8 +22,8 @@ def test_slope_of_an_exact_line():
 
 def _row(batch, scale_flops, scale_bytes):
     estimate = flops.count_record(flops.encoder_block_estimate(batch, 128))
-    return {"batch": batch, "flops": scale_flops * estimate["flops"], "dram_bytes": scale_bytes * estimate["dram_bytes"],
-            "tensor_share": 0.95, "estimated": estimate}
+    return {"batch": batch, "flops": scale_flops * estimate["flops"],
+            "dram_bytes": scale_bytes * estimate["dram_bytes"], "tensor_share": 0.95, "estimated": estimate}
 
 
 def test_sweep_summary_fits_measured_on_estimated(tmp_path):

@@ -10,7 +10,7 @@ from train.benchmarks import counters, ncu_report, ncu_run
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "ncu" / "raw-page.csv"
 HLO = """
 HloModule jit_step
-%loop_add_fusion.49 = bf16[8192,1024] fusion(%a, %b), kind=kLoop, metadata={op_name="jit(step)/jvp(M)/encoder/LayerNorm_0/add"}
+%loop_add_fusion.49 = bf16[8192] fusion(%a), kind=kLoop, metadata={op_name="jit(step)/jvp(M)/encoder/LayerNorm_0/add"}
 ROOT %input_reduce_fusion = f32[] fusion(%c), kind=kInput, metadata={op_name="jit(step)/jvp(criterion)/reduce_sum"}
 """
 

@@ -123,3 +123,17 @@ def test_stage_breakdown_of_a_synthetic_trace():
                                     "decoder backward": 2.0, "encoder backward": 1.5, "optimizer": 0.25,
                                     "unattributed": 0.05})
     assert kernel_trace.summarize(kernels, op_names, 2)["stage_ms_per_step"] == stages
+
+
+def test_profile_prints_the_stages_side_by_side(capsys):
+    from train.benchmarks import profile
+
+    def record(scale):
+        return {"ms_per_step": dict.fromkeys(kernel_trace.CATEGORIES, 1.0), "total_ms_per_step": 11.0,
+                "stage_ms_per_step": {name: scale * (i + 1) for i, name in enumerate(kernel_trace.STAGES)}}
+
+    profile.print_breakdowns({"reference": record(1.0), "ls_jax_ffi": record(0.5)}, {})
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("encoder forward")).split()[-2:] == ["1.00", "0.50"]
+    stage_table = lines[next(i for i, line in enumerate(lines) if line.startswith("stage")):]
+    assert next(line for line in stage_table if line.startswith("optimizer")).split()[-2:] == ["6.00", "3.00"]

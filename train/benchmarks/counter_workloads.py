@@ -47,6 +47,17 @@ WORKLOADS = {
 }
 
 
+@dataclasses.dataclass
+class Compiled:
+    """A compiled workload (``compiled.as_text()`` is its HLO) and the no-argument call that runs it once."""
+
+    compiled: Any
+    call: Callable[[], Any]
+
+    def __call__(self) -> Any:
+        return self.call()
+
+
 class _ReferenceStack(nn.Module):
     config: ReferenceConfig
     layers: int
@@ -72,7 +83,7 @@ class _LsJaxStack(nn.Module):
         return x
 
 
-def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) -> Callable[[], Any]:
+def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) -> Compiled:
     """Forward + backward (gradients of params and input) of ``layers`` encoder blocks on (batch, seq_len, 768)."""
     shape = ENCODER_SHAPE
     if implementation == "reference":
@@ -88,21 +99,11 @@ def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) ->
         return jnp.sum(model.apply(p, inputs, rngs={"dropout": rng}).astype(jnp.float32))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, jax.random.PRNGKey(3)).compile()
-    return _Compiled(grad, lambda: grad(params, x, jax.random.PRNGKey(3)))
+    return Compiled(grad, lambda: grad(params, x, jax.random.PRNGKey(3)))
 
 
-@dataclasses.dataclass
-class _Compiled:
-    compiled: Any
-    call: Callable[[], Any]
-
-    def __call__(self) -> Any:
-        return self.call()
-
-
-def build(workload: str, implementation: str, batch: int, seq_len: int) -> _Compiled:
-    """The compiled workload (``.compiled`` for its HLO) as a no-argument callable, for ``implementation``'s
-    kernel mode."""
+def build(workload: str, implementation: str, batch: int, seq_len: int) -> Compiled:
+    """The workload compiled for ``implementation``'s kernel mode."""
     from ls_jax import backend
 
     spec = WORKLOADS[workload]
@@ -110,7 +111,7 @@ def build(workload: str, implementation: str, batch: int, seq_len: int) -> _Comp
         if spec.whole_step:
             data = transformer_steps.make_batch(batch, seed=0)
             step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data)
-            return _Compiled(step.compiled, lambda: step.run(data))
+            return Compiled(step.compiled, lambda: step.run(data))
         return encoder_stack(implementation, spec.layers, batch, seq_len)
 
 

@@ -104,7 +104,8 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="wmt-big-6e6d", choices=sorted(WORKLOADS))
     parser.add_argument("--batch", type=int, help="sentences (wmt) or sequences; default: the workload's")
-    parser.add_argument("--seq-len", type=int, help="positions per sequence (encoder workloads); default: the workload's")
+    parser.add_argument("--seq-len", type=int,
+                        help="positions per sequence (encoder workloads); default: the workload's")
     parser.add_argument("--implementations", default="reference,ls_jax_ffi",
                         help="comma-separated; the first is the reference the others are divided by")
     parser.add_argument("--ncu", help="path of the ncu executable (default: ncu on PATH or in the CUDA toolkit)")

@@ -1,6 +1,6 @@
 """Hand-counted FLOPs and minimal DRAM bytes against Nsight Compute's measured ones, over batch sizes.
 
-``python -m train.bench flops [--batches 16,32,64,128,256] [--seq-len 128] [--counters docs/results/counters-h100.json]``
+``python -m train.bench flops [--batches 16,32,64,128,256] [--seq-len 128] [--counters COUNTERS_JSON]``
 
 For each batch size and implementation, forward + backward of one BERT-base encoder block
 (`counter_workloads` ``encoder-block``: H 768, F 3072, 12 heads, bf16) runs under ncu with only the FLOP and DRAM

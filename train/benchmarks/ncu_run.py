@@ -43,8 +43,8 @@ def find_ncu(given: str | None) -> str:
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
-    raise FileNotFoundError(f"Nsight Compute (ncu) not found{f' at {given}' if given else ' on PATH or in ' + ', '.join(NCU_FALLBACKS)}"
-                            "; install Nsight Compute or pass --ncu PATH")
+    where = f"at {given}" if given else f"on PATH or in {', '.join(NCU_FALLBACKS)}"
+    raise FileNotFoundError(f"Nsight Compute (ncu) not found {where}; install Nsight Compute or pass --ncu PATH")
 
 
 def metric_base(metric: str) -> str:
@@ -67,7 +67,8 @@ def split_supported(metrics: Iterable[str], available: set[str] | None) -> tuple
     metrics = list(metrics)
     if available is None:
         return metrics, []
-    return ([m for m in metrics if metric_base(m) in available], [m for m in metrics if metric_base(m) not in available])
+    supported = [m for m in metrics if metric_base(m) in available]
+    return supported, [m for m in metrics if m not in supported]
 
 
 def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[str],

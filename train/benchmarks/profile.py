@@ -79,4 +79,5 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
     if with_stages:
         print(f"\n{'stage':26s}" + "".join(f"{impl:>16s}" for impl in with_stages) + "   (kernel ms per step)")
         for name in STAGES:
-            print(f"{name:26s}" + "".join(f"{breakdowns[impl]['stage_ms_per_step'][name]:16.2f}" for impl in with_stages))
+            row = [breakdowns[impl]["stage_ms_per_step"][name] for impl in with_stages]
+            print(f"{name:26s}" + "".join(f"{value:16.2f}" for value in row))

@@ -134,3 +134,23 @@ def test_a_kernel_limit_is_passed_to_ncu_and_said_in_the_result(tmp_path):
     assert "--launch-count" not in ncu_run.ncu_command("/bin/ncu", ["a.sum"], tmp_path / "l", ["python"])
     assert counters.sampled(True, None).startswith("every kernel of one training step")
     assert "first 500 kernels" in counters.sampled(True, 500)
+
+
+def _script(path, body):
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_hung_profile_is_killed_at_the_timeout(tmp_path):
+    hung = _script(tmp_path / "ncu", "sleep 60")
+    with pytest.raises(TimeoutError, match="ran past 1 s under ncu"):
+        ncu_run.profile(hung, ["a.sum"], "encoder-block", "reference", 2, 16, tmp_path / "work", timeout_s=1)
+
+
+def test_ncu_failure_shows_the_end_of_its_log(tmp_path):
+    # The log file is the argument after --log-file; a failing ncu writes its error there.
+    failing = _script(tmp_path / "ncu", 'while [ "$1" != --log-file ]; do shift; done\n'
+                                        'echo "==ERROR== ERR_NVGPUCTRPERM - no permission" > "$2"\nexit 1')
+    with pytest.raises(RuntimeError, match="ERR_NVGPUCTRPERM - no permission"):
+        ncu_run.profile(failing, ["a.sum"], "encoder-block", "reference", 2, 16, tmp_path / "work", timeout_s=30)

@@ -40,7 +40,7 @@ for name in "$@"; do
     *) echo "unknown stage $name"; status=1 ;;
   esac
 done
-for suite in ops attention optim e2e profile scaling; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
-cp docs/results/e2e-*.png "$OUT"/ 2>/dev/null
+for suite in ops attention optim e2e profile scaling counters flops; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
+for suite in e2e counters flops; do cp docs/results/$suite-*.png "$OUT"/ 2>/dev/null; done
 echo "=== done, status $status"
 exit $status

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from train import runlog
+from train import measured_utilization, runlog
 from train.report import plots, scoring, tables
 from train.report import runs as run_logs
 
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
                              f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")
     parser.add_argument("--out", type=Path, metavar="DIR", help="report directory (default: reports/<UTC time>/)")
+    parser.add_argument("--counters", type=Path, metavar="FILE",
+                        help="a counters result file (python -m train.bench counters): measured achieved occupancy "
+                             "and SM throughput for the runs of its device and backend, MFU labeled otherwise")
     return parser
 
 
@@ -66,13 +69,20 @@ def _load(args: argparse.Namespace) -> scoring.Comparison:
     return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes)
 
 
-def write_report(comparison: scoring.Comparison, out_dir: Path, command: str) -> Path:
-    """Writes the plots and report.md into ``out_dir``; returns the path of report.md."""
+def write_report(comparison: scoring.Comparison, out_dir: Path, command: str, extra: str = "") -> Path:
+    """Writes the plots and report.md (with ``extra`` markdown at its end) into ``out_dir``; returns its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = plots.write_plots(comparison, out_dir)
     path = out_dir / "report.md"
-    path.write_text(tables.markdown_report(comparison, plots=figures, command=command, created=runlog.utc_now()))
+    report = tables.markdown_report(comparison, plots=figures, command=command, created=runlog.utc_now())
+    path.write_text(report + extra)
     return path
+
+
+def utilization_section(comparison: scoring.Comparison, measured: list[measured_utilization.Measured]) -> str:
+    """Markdown: each run's measured occupancy and SM throughput, or its MFU labeled as such."""
+    table = tables.markdown_table(*measured_utilization.table(comparison.runs, measured))
+    return f"\n## Utilization: measured counters or MFU\n\n{table}\n"
 
 
 def print_summary(comparison: scoring.Comparison) -> None:
@@ -90,17 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         comparison = _load(args)
+        measured = measured_utilization.load(args.counters) if args.counters else None
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     out_dir = args.out or _default_out_dir()
     command = shlex.join(["python", "-m", "train.compare", *(sys.argv[1:] if argv is None else argv)])
     try:
-        path = write_report(comparison, out_dir, command)
+        extra = "" if measured is None else utilization_section(comparison, measured)
+        path = write_report(comparison, out_dir, command, extra)
     except OSError as err:
         print(f"error: cannot write the report to {out_dir}: {err}", file=sys.stderr)
         return EXIT_USAGE
     print_summary(comparison)
+    if extra:
+        print(extra)
     print(f"\nreport: {path}")
     return 0
 

@@ -101,19 +101,23 @@ class ReferenceTransformer(nn.Module):
 
         src_valid = src > 0
         tgt_valid = tgt_in > 0
-        enc_mask = nn.make_attention_mask(src_valid, src_valid)
-        x = embed_tokens(src)
-        for _ in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg)(x, enc_mask, deterministic)
-        encoded = nn.LayerNorm(dtype=cfg.dtype)(x)
+        # The scopes name the stages of a step in traces (train.benchmarks.kernel_trace.stage).
+        with jax.named_scope("encoder"):
+            enc_mask = nn.make_attention_mask(src_valid, src_valid)
+            x = embed_tokens(src)
+            for _ in range(cfg.num_encoder_layers):
+                x = EncoderLayer(cfg)(x, enc_mask, deterministic)
+            encoded = nn.LayerNorm(dtype=cfg.dtype)(x)
 
-        self_mask = nn.combine_masks(nn.make_attention_mask(tgt_valid, tgt_valid), nn.make_causal_mask(tgt_in))
-        cross_mask = nn.make_attention_mask(tgt_valid, src_valid)
-        y = embed_tokens(tgt_in)
-        for _ in range(cfg.num_decoder_layers):
-            y = DecoderLayer(cfg)(y, encoded, self_mask, cross_mask, deterministic)
-        y = nn.LayerNorm(dtype=cfg.dtype)(y)
-        return embed.attend(y.astype(cfg.dtype))
+        with jax.named_scope("decoder"):
+            self_mask = nn.combine_masks(nn.make_attention_mask(tgt_valid, tgt_valid), nn.make_causal_mask(tgt_in))
+            cross_mask = nn.make_attention_mask(tgt_valid, src_valid)
+            y = embed_tokens(tgt_in)
+            for _ in range(cfg.num_decoder_layers):
+                y = DecoderLayer(cfg)(y, encoded, self_mask, cross_mask, deterministic)
+            y = nn.LayerNorm(dtype=cfg.dtype)(y)
+        with jax.named_scope("output_projection"):
+            return embed.attend(y.astype(cfg.dtype))
 
 
 def label_smoothed_loss(logits: jax.Array, labels: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:

@@ -145,10 +145,13 @@ class Transformer(nn.Module):
         return self._logits(self._decoder_hidden(tgt_tokens, None, None, decode=True, deterministic=deterministic))
 
     def _decoder_hidden(self, tgt_tokens, encoded, src_mask, *, decode: bool, deterministic: bool) -> jax.Array:
-        embedded = self._target_embedding()(tgt_tokens, decode=decode, deterministic=deterministic)
+        # The scope puts a shared embedding's target lookup in the decoder's stage of a step's trace.
+        with jax.named_scope("decoder"):
+            embedded = self._target_embedding()(tgt_tokens, decode=decode, deterministic=deterministic)
         return self.decoder(embedded, encoded, src_mask, decode=decode, deterministic=deterministic)
 
     def _logits(self, hidden: jax.Array) -> jax.Array:
-        if self.config.tie_output:
-            return self._target_embedding().attend(hidden)
-        return self.output_projection(hidden)
+        with jax.named_scope("output_projection"):
+            if self.config.tie_output:
+                return self._target_embedding().attend(hidden)
+            return self.output_projection(hidden)

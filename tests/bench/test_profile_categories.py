@@ -80,3 +80,60 @@ def test_a_kernel_inside_a_cuda_graph_is_found_by_its_name_not_the_command_buffe
     op_names = kernel_trace.hlo_op_names(HLO + '%command_buffer.1 = () call(), metadata={op_name="jit(step)/graph"}\n')
     event = {"name": "loop_add_fusion_49", "ts": 0.0, "dur": 1.0, "args": {"hlo_op": "command_buffer_1"}}
     assert kernel_trace.event_op_name(event, op_names) == "jit(step)/decoder/layer_norm/add"
+
+
+@pytest.mark.parametrize("op_name, stage", [
+    ("jit(step)/jvp(ReferenceTransformer)/encoder/EncoderLayer_0/FeedForward_0/Dense_0/dot_general", "encoder forward"),
+    ("jit(step)/transpose(jvp(ReferenceTransformer))/encoder/Embed_0/jit(_take)/scatter-add", "encoder backward"),
+    ("jit(step)/jvp(Transformer)/Transformer.encode/source_embedding/add", "encoder forward"),
+    ("jit(step)/jvp(Transformer)/Transformer._decoder_hidden/decoder/source_embedding/add", "decoder forward"),
+    ("jit(step)/transpose(jvp(Transformer))/Transformer._decoder_hidden/decoder/layer_1/cross_attention/mul",
+     "decoder backward"),
+    ("jit(step)/transpose(jvp(Transformer))/Transformer._logits/output_projection/source_embedding.attend/dot",
+     "output projection + loss"),
+    ("jit(step)/transpose(jvp(criterion))/jit(log_softmax)/exp", "output projection + loss"),
+    ("jit(step)/optimizer/jit(clip)/max", "optimizer"),
+    ("jit(step)/jit(_threefry_split)/slice", "unattributed"),
+    ("", "unattributed"),
+])
+def test_stage_from_name_scopes(op_name, stage):
+    assert kernel_trace.stage(op_name) == stage
+
+
+def test_stage_breakdown_of_a_synthetic_trace():
+    hlo = "\n".join([
+        '%fusion.1 = bf16[8] fusion(%a), metadata={op_name="jit(step)/jvp(M)/encoder/layer_0/add"}',
+        '%fusion.2 = bf16[8] fusion(%a), metadata={op_name="jit(step)/jvp(M)/decoder/layer_0/add"}',
+        '%fusion.3 = bf16[8] fusion(%a), metadata={op_name="jit(step)/transpose(jvp(M))/decoder/layer_0/mul"}',
+        '%fusion.4 = bf16[8] fusion(%a), metadata={op_name="jit(step)/transpose(jvp(M))/encoder/layer_0/mul"}',
+        '%custom-call.5 = bf16[8] custom-call(%a), metadata={op_name="jit(step)/optimizer/adam_step"}',
+    ])
+    op_names = kernel_trace.hlo_op_names(hlo)
+    kernels = [
+        {"name": "fusion_1", "ts": 0.0, "dur": 1000.0, "args": {}},
+        {"name": "fusion_2", "ts": 1000.0, "dur": 2000.0, "args": {}},
+        {"name": "fusion_3", "ts": 3000.0, "dur": 4000.0, "args": {}},
+        {"name": "fusion_4", "ts": 7000.0, "dur": 3000.0, "args": {}},
+        {"name": "ls::step_kernel", "ts": 10000.0, "dur": 500.0, "args": {"hlo_op": "custom-call.5"}},
+        {"name": "mystery", "ts": 11000.0, "dur": 100.0, "args": {}},
+    ]
+    stages = kernel_trace.stage_breakdown(kernels, op_names, steps=2)
+    assert list(stages) == list(kernel_trace.STAGES)
+    assert stages == pytest.approx({"encoder forward": 0.5, "decoder forward": 1.0, "output projection + loss": 0.0,
+                                    "decoder backward": 2.0, "encoder backward": 1.5, "optimizer": 0.25,
+                                    "unattributed": 0.05})
+    assert kernel_trace.summarize(kernels, op_names, 2)["stage_ms_per_step"] == stages
+
+
+def test_profile_prints_the_stages_side_by_side(capsys):
+    from train.benchmarks import profile
+
+    def record(scale):
+        return {"ms_per_step": dict.fromkeys(kernel_trace.CATEGORIES, 1.0), "total_ms_per_step": 11.0,
+                "stage_ms_per_step": {name: scale * (i + 1) for i, name in enumerate(kernel_trace.STAGES)}}
+
+    profile.print_breakdowns({"reference": record(1.0), "ls_jax_ffi": record(0.5)}, {})
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("encoder forward")).split()[-2:] == ["1.00", "0.50"]
+    stage_table = lines[next(i for i, line in enumerate(lines) if line.startswith("stage")):]
+    assert next(line for line in stage_table if line.startswith("optimizer")).split()[-2:] == ["6.00", "3.00"]

@@ -7,6 +7,10 @@ and the ``criterion``/``optimizer`` scopes of the benchmarked step. An ls_jax CU
 function name (``ls::..._kernel``). The categories are GEMM, attention (fused attention kernels), LayerNorm,
 softmax, dropout/elementwise, embedding, criterion, optimizer, copies/transposes, other, and idle (the step's wall
 time on the device not covered by any kernel).
+
+The same kernels are also attributed to the stages of a training step (`stage`), from the name scopes of their
+``op_name``: ``encoder`` / ``decoder`` scopes (and the embeddings they own), ``output_projection`` and
+``criterion``, ``optimizer``; the backward pass is what JAX names ``transpose(jvp(...))``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,18 @@ CATEGORIES = (
     "other",
     "idle",
 )
+STAGES = (
+    "encoder forward",
+    "decoder forward",
+    "output projection + loss",
+    "decoder backward",
+    "encoder backward",
+    "optimizer",
+    "unattributed",
+)
+_STAGE_SCOPES = {"encoder": "encoder", "source_embedding": "encoder", "decoder": "decoder",
+                 "target_embedding": "decoder"}
+_TRANSFORM_WRAPPER = re.compile(r"^(?:\w+\()+|\)+$")  # "transpose(jvp(criterion))" -> "criterion"
 _GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|gmma|matmul", re.IGNORECASE)
 _ATTENTION_KERNEL = re.compile(r"fmha|flash|fprop_attn|bprop_attn", re.IGNORECASE)
 _SCOPE_RULES = (
@@ -91,6 +107,23 @@ def categorize(kernel: str, op_name: str) -> str:
     return "other"
 
 
+def stage(op_name: str) -> str:
+    """The training-step stage of an HLO instruction from its ``op_name`` scopes: ``optimizer`` first, then
+    ``criterion`` / ``output_projection``, then the outermost of ``encoder`` / ``decoder`` (forward, or backward
+    under a ``transpose(...)`` scope); "unattributed" where none applies (e.g. an FFI kernel without an HLO op)."""
+    scopes = op_name.split("/")
+    segments = [_TRANSFORM_WRAPPER.sub("", scope) for scope in scopes]
+    if "optimizer" in segments:
+        return "optimizer"
+    if "criterion" in segments or "output_projection" in segments:
+        return "output projection + loss"
+    part = next((_STAGE_SCOPES[segment] for segment in segments if segment in _STAGE_SCOPES), None)
+    if part is None:
+        return "unattributed"
+    backward = any(scope.startswith("transpose(") for scope in scopes)
+    return f"{part} {'backward' if backward else 'forward'}"
+
+
 def _trace_events(log_dir: Path) -> list[dict[str, Any]]:
     files = sorted(log_dir.rglob("*.trace.json.gz")) or sorted(log_dir.rglob("perfetto_trace.json.gz"))
     if not files:
@@ -141,6 +174,14 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
         window = max(stop for _, stop in intervals) - min(start for start, _ in intervals)
         per_category["idle"] = window - _union_length(intervals)
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
+
+
+def stage_breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
+    """Milliseconds of kernel time per step in each of `STAGES`."""
+    per_stage = dict.fromkeys(STAGES, 0.0)
+    for event in kernels:
+        per_stage[stage(event_op_name(event, op_names))] += event["dur"]
+    return {name: microseconds / 1e3 / steps for name, microseconds in per_stage.items()}
 
 
 def trace_gpu_kernels(fn: Callable[[], Any], calls: int, log_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -201,4 +242,4 @@ def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
         for name, time in list(kernel_time_by_name(kernels, steps).items())[:40]
     ]
     return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
-            "top_kernels": top}
+            "stage_ms_per_step": stage_breakdown(kernels, op_names, steps), "top_kernels": top}

@@ -5,7 +5,8 @@
 Each implementation of `train.benchmarks.transformer_steps` is measured as ``e2e`` measures it (its step time is
 added to docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more steps, its kernels
 attributed to categories by `train.benchmarks.kernel_trace`. Writes docs/results/profile-<device>.json and prints
-the breakdowns side by side.
+the breakdowns side by side: by kernel category, and by stage of the step (encoder and decoder forward, output
+projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import jax
 
 from train.benchmarks import common, e2e
-from train.benchmarks.kernel_trace import CATEGORIES, reanalyze
+from train.benchmarks.kernel_trace import CATEGORIES, STAGES, reanalyze
 from train.benchmarks.transformer_steps import MODELS
 
 
@@ -74,3 +75,9 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
         print(f"{category:22s}" + "".join(f"{value:16.2f}" for value in row))
     if step_times_s:
         print(f"{'step time (timed)':22s}" + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown))
+    with_stages = [impl for impl in shown if "stage_ms_per_step" in breakdowns[impl]]
+    if with_stages:
+        print(f"\n{'stage':26s}" + "".join(f"{impl:>16s}" for impl in with_stages) + "   (kernel ms per step)")
+        for name in STAGES:
+            row = [breakdowns[impl]["stage_ms_per_step"][name] for impl in with_stages]
+            print(f"{name:26s}" + "".join(f"{value:16.2f}" for value in row))

@@ -1,0 +1,152 @@
+"""What ``train.bench counters`` and ``train.bench flops`` run under Nsight Compute, and the child that runs it.
+
+Workloads (each built for the plain Flax ``reference`` or ls_jax as ``ls_jax_xla`` / ``ls_jax_ffi``):
+  wmt-big-6e6d   one training step of `train.benchmarks.transformer_steps` (Transformer big, 6+6 layers, AdamW),
+                 ``batch`` sentences of 64 source and 64 target tokens;
+  bert-base      forward + backward of a 12-layer BERT-base-shaped encoder stack (H 768, F 3072, 12 heads, pre-LN,
+                 ReLU, dropout 0.1) on (batch, seq_len) positions, no embedding or optimizer;
+  encoder-block  the same for one layer: the block whose FLOPs `train.benchmarks.hand_count` counts.
+The child (``python -m train.benchmarks.counter_workloads ...``) compiles and warms up the workload, writes the
+compiled HLO (for the kernel categories), then runs exactly one measured call between cuProfilerStart and
+cuProfilerStop, so ``ncu --profile-from-start off`` profiles that call's kernels and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from train.benchmarks import common, transformer_steps
+from train.reference_model import EncoderLayer, ReferenceConfig
+
+ENCODER_SHAPE = transformer_steps.ModelShape(hidden=768, intermediate=3072, heads=12, encoder_layers=12,
+                                             decoder_layers=0)
+WARMUP_CALLS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    layers: int
+    default_batch: int
+    default_seq_len: int
+    whole_step: bool
+
+
+WORKLOADS = {
+    "wmt-big-6e6d": Workload(layers=12, default_batch=16, default_seq_len=transformer_steps.SEQ_LEN, whole_step=True),
+    "bert-base": Workload(layers=12, default_batch=1, default_seq_len=512, whole_step=False),
+    "encoder-block": Workload(layers=1, default_batch=16, default_seq_len=128, whole_step=False),
+}
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A compiled workload (``compiled.as_text()`` is its HLO) and the no-argument call that runs it once."""
+
+    compiled: Any
+    call: Callable[[], Any]
+
+    def __call__(self) -> Any:
+        return self.call()
+
+
+class _ReferenceStack(nn.Module):
+    config: ReferenceConfig
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            x = EncoderLayer(self.config)(x, None, False)
+        return x
+
+
+class _LsJaxStack(nn.Module):
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        from ls_jax.layers import LayerConfig, TransformerEncoderLayer
+
+        config = LayerConfig.preset("bert-base", pre_layer_norm=True, activation_fn="relu",
+                                    activation_dropout_ratio=0.1, dtype=jnp.bfloat16)
+        for _ in range(self.layers):
+            x = TransformerEncoderLayer(config)(x, deterministic=False)
+        return x
+
+
+def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) -> Compiled:
+    """Forward + backward (gradients of params and input) of ``layers`` encoder blocks on (batch, seq_len, 768)."""
+    shape = ENCODER_SHAPE
+    if implementation == "reference":
+        config = ReferenceConfig(vocab_size=1, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                                 num_heads=shape.heads, num_encoder_layers=layers, num_decoder_layers=0)
+        model: nn.Module = _ReferenceStack(config, layers)
+    else:
+        model = _LsJaxStack(layers)
+    x = jax.random.normal(jax.random.PRNGKey(0), (batch, seq_len, shape.hidden), jnp.bfloat16)
+    params = jax.jit(model.init)({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x)
+
+    def loss(p, inputs, rng):
+        return jnp.sum(model.apply(p, inputs, rngs={"dropout": rng}).astype(jnp.float32))
+
+    rng = jax.random.PRNGKey(3)  # made here: a key made inside the measured call would add its kernels
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, rng).compile()
+    return Compiled(grad, lambda: grad(params, x, rng))
+
+
+def build(workload: str, implementation: str, batch: int, seq_len: int) -> Compiled:
+    """The workload compiled for ``implementation``'s kernel mode."""
+    from ls_jax import backend
+
+    spec = WORKLOADS[workload]
+    with backend.use(transformer_steps.kernel_mode(implementation)):
+        if spec.whole_step:
+            data = transformer_steps.make_batch(batch, seed=0)
+            step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data)
+            return Compiled(step.compiled, lambda: step.run(data))
+        return encoder_stack(implementation, spec.layers, batch, seq_len)
+
+
+def profiler_range(start: bool) -> None:
+    """cuProfilerStart / cuProfilerStop of the CUDA driver: the range ``ncu --profile-from-start off`` profiles."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    status = driver.cuProfilerStart() if start else driver.cuProfilerStop()
+    if status != 0:
+        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned CUDA error {status}")
+
+
+def run_child(workload: str, implementation: str, batch: int, seq_len: int, hlo_path: Path, env_path: Path) -> None:
+    """Compile, warm up, write the HLO and the environment record, then one call inside the profiler range."""
+    fn = build(workload, implementation, batch, seq_len)
+    hlo_path.write_text(fn.compiled.as_text())
+    env_path.write_text(json.dumps(common.environment()))
+    for _ in range(WARMUP_CALLS):
+        jax.block_until_ready(fn())
+    profiler_range(True)
+    jax.block_until_ready(fn())
+    profiler_range(False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("implementation", choices=transformer_steps.IMPLEMENTATIONS)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--hlo", type=Path, required=True, help="where to write the compiled HLO text")
+    parser.add_argument("--env", type=Path, required=True, help="where to write the environment record (JSON)")
+    args = parser.parse_args()
+    run_child(args.workload, args.implementation, args.batch, args.seq_len, args.hlo, args.env)
+
+
+if __name__ == "__main__":
+    main()

@@ -100,10 +100,14 @@ class SelfAttention(nn.Module):
         if self.causal:
             mask = nn.combine_masks(mask, nn.make_causal_mask(jnp.ones(query.shape[:2], jnp.int32)))
         dropout = cfg.attention_dropout_rate > 0 and not deterministic
-        return nn.dot_product_attention(
-            query, key, value, mask=mask, dropout_rng=self.make_rng("dropout") if dropout else None,
-            dropout_rate=cfg.attention_dropout_rate, deterministic=not dropout, dtype=cfg.dtype,
-        )
+        dropout_rng = self.make_rng("dropout") if dropout else None
+        # The "attention" scope lets `train.benchmarks.kernel_trace` attribute the mask, softmax and probability
+        # dropout kernels as it does those of ls_jax's XLA attention (the two einsums are GEMMs by kernel name).
+        with jax.named_scope("attention"):
+            return nn.dot_product_attention(
+                query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=cfg.attention_dropout_rate,
+                deterministic=not dropout, dtype=cfg.dtype,
+            )
 
 
 class FeedForward(nn.Module):

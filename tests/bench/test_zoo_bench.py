@@ -133,6 +133,7 @@ def test_profile_takes_bert_and_gpt_and_names_a_bad_length(capsys):
     assert "bert-base has no implementation reference" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quick_run_measures_bert_and_gpt_against_plain_flax(tmp_path):
     assert e2e.main(["--quick", "--models", "bert,gpt", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "e2e-cpu.json").read_text())

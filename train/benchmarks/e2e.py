@@ -304,11 +304,13 @@ def _sort_key(label: str) -> tuple[int, int]:
 
 def _bar_panel(ax, table: dict[str, dict[str, float]], ylabel: str) -> None:
     labels = sorted(table, key=_sort_key)
-    shown = [i for i in ("flax", "flax_cudnn", "ls_jax_xla", "ls_jax_ffi") if any(i in table[k] for k in labels)]
+    colors = {"flax": "tab:gray", "flax_cudnn": "tab:blue", "ls_jax_xla": "tab:orange", "ls_jax_ffi": "tab:green"}
+    shown = [i for i in colors if any(i in table[k] for k in labels)]
     width = 0.8 / max(len(shown), 1)
     for index, implementation in enumerate(shown):
         values = [table[k].get(implementation, np.nan) for k in labels]
-        ax.bar(np.arange(len(labels)) + (index - (len(shown) - 1) / 2) * width, values, width, label=implementation)
+        ax.bar(np.arange(len(labels)) + (index - (len(shown) - 1) / 2) * width, values, width, label=implementation,
+               color=colors[implementation])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
     ax.set_ylabel(ylabel)

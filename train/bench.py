@@ -2,9 +2,9 @@
 (default docs/results when JAX sees a GPU, runs/bench otherwise).
 
 Suites: ops (fused kernels vs XLA), attention (self-attention vs cuDNN's as JAX calls it), optim (fused
-optimizers vs optax), e2e (training step vs plain Flax), profile (per-category and per-stage step breakdown),
-scaling (data parallel), counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes
-against measured).
+optimizers vs optax), e2e (training step vs plain Flax: the WMT Transformers, BERT-base, GPT-2 small), profile
+(per-category and per-stage step breakdown), scaling (data parallel), counters (Nsight Compute counters vs plain
+Flax), flops (hand-counted FLOPs and DRAM bytes against measured).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
 
 
 def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
-    assert e2e.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert e2e.main(["--quick", "--models", "wmt", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "e2e-cpu.json").read_text())
     assert set(report["results"]) == {"tiny-2e2d/1024/reference", "tiny-2e2d/1024/ls_jax_xla"}
     for record in report["results"].values():

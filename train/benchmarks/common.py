@@ -116,10 +116,11 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / timing["median_s"]
 
 
-def write_result(suite: str, payload: dict[str, Any], out_dir: Path = RESULTS_DIR) -> Path:
-    """Writes ``{"suite", "environment", **payload}`` to ``out_dir/<suite>-<device>.json`` and returns the path."""
+def write_result(suite: str, payload: dict[str, Any], out_dir: Path = RESULTS_DIR, stem: str | None = None) -> Path:
+    """Writes ``{"suite", "environment", **payload}`` to ``out_dir/<stem>-<device>.json`` (``stem`` defaults to
+    the suite's name) and returns the path."""
     env = environment()
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{suite}-{device_slug(env['device_kind'])}.json"
+    path = out_dir / f"{stem or suite}-{device_slug(env['device_kind'])}.json"
     path.write_text(json.dumps({"suite": suite, "environment": env, **payload}, indent=2) + "\n")
     return path

@@ -1,17 +1,23 @@
-"""End-to-end training-step benchmark: plain Flax reference vs ls_jax (xla backend) vs ls_jax (ffi backend).
+"""End-to-end training-step benchmark over the model zoo: plain Flax references vs ls_jax (xla and ffi backends).
 
-``python -m train.bench e2e [--models big-6e6d,...] [--tokens 1024,8192] [--steps 20] [--fit] [--quick]``
+``python -m train.bench e2e [--models wmt,bert,gpt] [--tokens 1024,8192] [--seq-lens 512] [--steps 20] [--fit]
+[--quick]``
 
-One process builds the same Transformer three ways (`train.benchmarks.transformer_steps`: plain Flax reference,
-ls_jax on XLA, ls_jax with the CUDA kernels) and trains each on the same random batches.
-Per (model, target tokens per step, implementation) it records the median step time over ``--steps`` samples of 20
-consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model TFLOP/s and MFU (against
-the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200, against the 790 TFLOP/s
-the project's targets state MFU by) and the compiled step's memory (XLA memory analysis: arguments + outputs -
-aliased + temporaries); per (model, implementation) with two or more measured batch sizes, the largest trainable
-batch predicted from their memory (``--fit`` also verifies it by running one step). Results merge into
-docs/results/e2e-<device>.json after every measurement (so runs split over several invocations build one file),
-and a speedup plot is written next to it.
+One process builds each model several ways and trains each on the same random batches:
+  the WMT Transformers (`train.benchmarks.transformer_steps`; sizes are target tokens per step): the plain Flax
+    ``reference``, ``ls_jax_xla`` and ``ls_jax_ffi``;
+  BERT-base sequence classification (128 and 512 tokens, 32 rows) and GPT-2 small (1024 tokens, 8 rows)
+    (`train.benchmarks.zoo_steps`; sizes are sequence lengths): ``flax`` (einsum attention with dropout, as Flax
+    and Hugging Face Flax write it), ``flax_cudnn`` (cuDNN's fused attention, without attention dropout),
+    ``ls_jax_xla`` and ``ls_jax_ffi``.
+Per (model, size, implementation), a row ``<model>/<size>/<implementation>``, it records the median step time over
+``--steps`` samples of 20 consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model
+TFLOP/s and MFU (against the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200,
+against the 790 TFLOP/s the project's targets state MFU by) and the compiled step's memory (XLA memory analysis:
+arguments + outputs - aliased + temporaries); per WMT (model, implementation) with two or more measured batch
+sizes, the largest trainable batch predicted from their memory (``--fit`` also verifies it by running one step).
+Results merge into docs/results/e2e-<device>.json after every measurement (so runs split over several invocations
+build one file), and a speedup plot is written next to it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,9 @@ import numpy as np
 
 from ls_jax import backend
 from train import metrics, runlog
-from train.benchmarks import common, kernel_trace
-from train.benchmarks.transformer_steps import (
-    IMPLEMENTATIONS, LABEL_SMOOTHING, MODELS, QUICK_MODEL, SEQ_LEN, VOCAB, TrainStep, build_step, kernel_mode,
-    make_batch,
-)
+from train.benchmarks import common, kernel_trace, workloads, zoo_steps
+from train.benchmarks.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
+from train.benchmarks.workloads import Workload
 
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
@@ -57,15 +61,15 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
-def measure(implementation: str, name: str, target_tokens: int, steps: int, profile_steps: int = 0,
+def measure(implementation: str, workload: Workload, steps: int, profile_steps: int = 0,
             trace_dir: Path | None = None) -> dict[str, Any]:
-    """Median step time and memory of one implementation at one batch size; with ``profile_steps``, also the
+    """Median step time and memory of one implementation of ``workload``; with ``profile_steps``, also the
     per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
     ``trace_dir/<implementation>`` when given."""
-    batch = make_batch(target_tokens // SEQ_LEN, seed=target_tokens)
-    with backend.use(kernel_mode(implementation)):
+    batch = workload.batch()
+    with backend.use(workload.kernel_mode(implementation)):
         start = time.perf_counter()
-        train_step = build_step(implementation, name, batch)
+        train_step = workload.build(implementation, batch)
         first_loss = float(train_step.run(batch))
         compile_s = time.perf_counter() - start
         # Steps are dispatched back to back, as a training loop does, so the host's dispatch of a step overlaps the
@@ -74,6 +78,7 @@ def measure(implementation: str, name: str, target_tokens: int, steps: int, prof
         dispatch_s = host_dispatch_seconds(train_step, batch)
         last_loss = float(train_step.run(batch))
         record = {
+            **workload.describe(),
             "step_time_s": timing["median_s"],
             "p10_s": timing["p10_s"],
             "p90_s": timing["p90_s"],
@@ -104,14 +109,15 @@ def predict_largest_batch(memory_by_tokens: dict[int, int], capacity: int) -> in
 
 
 def predicted_largest_batches(results: dict[str, Any], capacity: int | None) -> dict[str, dict[str, Any]]:
-    """Per model: each implementation's predicted largest batch (``predict_largest_batch`` over every batch
-    size measured so far) and its ratio to the reference's."""
+    """Per WMT model: each implementation's predicted largest batch (``predict_largest_batch`` over every batch
+    size measured so far) and its ratio to the reference's. (BERT's and GPT-2's sizes are sequence lengths, whose
+    memory is not linear in the tokens.)"""
     if not capacity:
         return {}
     memory: dict[tuple[str, str], dict[int, int]] = {}
     for key, record in results.items():
         name, tokens, implementation = key.split("/")
-        if tokens.isdigit() and "memory_bytes" in record:
+        if name not in zoo_steps.MODELS and tokens.isdigit() and "memory_bytes" in record:
             memory.setdefault((name, implementation), {})[int(tokens)] = record["memory_bytes"]
     table: dict[str, dict[str, Any]] = {}
     for (name, implementation), by_tokens in sorted(memory.items()):
@@ -131,9 +137,10 @@ def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, in
     candidate = predicted
     for _ in range(3):
         try:
-            batch = make_batch(candidate // SEQ_LEN, seed=0)
-            with backend.use(kernel_mode(implementation)):
-                train_step = build_step(implementation, name, batch)
+            workload = workloads.wmt_workload(name, candidate)
+            batch = workload.batch(seed=0)
+            with backend.use(workload.kernel_mode(implementation)):
+                train_step = workload.build(implementation, batch)
                 jax.block_until_ready(train_step.run(batch))
             return {"predicted_tokens": predicted, "verified_tokens": candidate}
         except Exception as err:  # noqa: BLE001 - out-of-memory surfaces as several exception types
@@ -141,21 +148,6 @@ def largest_batch(implementation: str, name: str, memory_by_tokens: dict[int, in
                 raise
             candidate = int(candidate * 0.9) // 1024 * 1024
     return {"predicted_tokens": predicted, "verified_tokens": None}
-
-
-def _flops(name: str, target_tokens: int) -> float:
-    shape = MODELS[name]
-    sentences = target_tokens // SEQ_LEN
-    return metrics.transformer_train_flops(
-        hidden=shape.hidden,
-        ffn=shape.intermediate,
-        encoder_layers=shape.encoder_layers,
-        decoder_layers=shape.decoder_layers,
-        vocab=VOCAB,
-        batch=sentences,
-        src_len=SEQ_LEN,
-        tgt_len=SEQ_LEN,
-    )
 
 
 def measured_gemm_tflops(size: int = 8192) -> float:
@@ -188,19 +180,19 @@ class ResultFile:
     def add(self, key: str, record: dict[str, Any]) -> None:
         self.results[key] = {**record, "run": self.run, "commit": self.commit}
         table = speedups(self.results)
+        cudnn_table = speedups(self.results, ("flax_cudnn",))
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
             "e2e",
             {**self.header, "results": self.results, "speedup_vs_reference": table,
-             "largest_batch_tokens_predicted": largest},
+             "speedup_vs_flax_cudnn": cudnn_table, "largest_batch_tokens_predicted": largest},
             self.path.parent,
         )
-        plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind)
+        plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind, cudnn_table)
 
 
 def run(
-    models: list[str],
-    token_counts: list[int],
+    workload_list: list[Workload],
     implementations: list[str],
     steps: int,
     out: ResultFile,
@@ -208,42 +200,53 @@ def run(
     profile_steps: int = 0,
     trace_dir: Path | None = None,
 ) -> None:
-    """Measures every (model, tokens, implementation) and adds each record to ``out`` as soon as it exists."""
-    peak = out.header["peak_tflops"]
-    target_basis = out.header["target_basis_tflops"]
-    for name in models:
-        for implementation in implementations:
+    """Measures every workload with each of ``implementations`` it has (model by model, then implementation by
+    implementation, then size by size) and adds each record to ``out`` as soon as it exists."""
+    for model in dict.fromkeys(workload.model for workload in workload_list):
+        group = [workload for workload in workload_list if workload.model == model]
+        for implementation in [i for i in workloads.implementations_of(model) if i in implementations]:
             memory_by_tokens = {}
-            for target_tokens in token_counts:
-                key = f"{name}/{target_tokens}/{implementation}"
-                try:
-                    record = measure(implementation, name, target_tokens, steps, profile_steps, trace_dir)
-                except Exception as err:  # noqa: BLE001 - record the failure (e.g. OOM) and go on
-                    out.add(key, {"error": f"{type(err).__name__}: {str(err)[:500]}"})
-                    print(f"{key}: FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
-                    continue
-                flops = _flops(name, target_tokens)
-                tflops = flops / record["step_time_s"] / 1e12
-                record.update(
-                    target_tokens_per_s=target_tokens / record["step_time_s"],
-                    tokens_per_s=2 * target_tokens / record["step_time_s"],
-                    flops_per_step=flops,
-                    tflops_per_s=tflops,
-                    mfu=None if peak is None else tflops / peak,
-                    mfu_vs_measured_gemm=tflops / out.header["measured_gemm_tflops"],
-                    mfu_vs_target_basis=None if target_basis is None else tflops / target_basis,
-                )
-                out.add(key, record)
-                memory_by_tokens[target_tokens] = record["memory_bytes"]
-                mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.3f}"
-                if target_basis is not None:
-                    mfu += f" ({record['mfu_vs_target_basis']:.3f} against {target_basis:.0f} TFLOP/s)"
-                print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  "
-                      f"memory {record['memory_bytes'] / 2**30:.1f} GiB", flush=True)
+            for workload in group:
+                record = measure_one(implementation, workload, steps, out, profile_steps, trace_dir)
+                if record is not None:
+                    memory_by_tokens[workload.size] = record["memory_bytes"]
             capacity = out.header["memory_capacity_bytes"]
-            if fit_batch and capacity and len(memory_by_tokens) >= 2:
-                out.add(f"{name}/largest/{implementation}",
-                        largest_batch(implementation, name, memory_by_tokens, capacity))
+            if fit_batch and workloads.is_wmt(model) and capacity and len(memory_by_tokens) >= 2:
+                out.add(f"{model}/largest/{implementation}",
+                        largest_batch(implementation, model, memory_by_tokens, capacity))
+
+
+def measure_one(implementation: str, workload: Workload, steps: int, out: ResultFile, profile_steps: int = 0,
+                trace_dir: Path | None = None) -> dict[str, Any] | None:
+    """`measure` with the rates derived from it, added to ``out``; a failure (e.g. out of memory) is added as an
+    error record and gives None."""
+    key = workload.key(implementation)
+    try:
+        record = measure(implementation, workload, steps, profile_steps, trace_dir)
+    except Exception as err:  # noqa: BLE001 - record the failure and go on
+        out.add(key, {"error": f"{type(err).__name__}: {str(err)[:500]}"})
+        print(f"{key}: FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
+        return None
+    peak, target_basis = out.header["peak_tflops"], out.header["target_basis_tflops"]
+    flops = workload.flops()
+    tflops = flops / record["step_time_s"] / 1e12
+    if workloads.is_wmt(workload.model):
+        record["target_tokens_per_s"] = workload.size / record["step_time_s"]
+    record.update(
+        tokens_per_s=workload.tokens() / record["step_time_s"],
+        flops_per_step=flops,
+        tflops_per_s=tflops,
+        mfu=None if peak is None else tflops / peak,
+        mfu_vs_measured_gemm=tflops / out.header["measured_gemm_tflops"],
+        mfu_vs_target_basis=None if target_basis is None else tflops / target_basis,
+    )
+    out.add(key, record)
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.3f}"
+    if target_basis is not None:
+        mfu += f" ({record['mfu_vs_target_basis']:.3f} against {target_basis:.0f} TFLOP/s)"
+    print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  "
+          f"memory {record['memory_bytes'] / 2**30:.1f} GiB", flush=True)
+    return record
 
 
 def target_basis_tflops(spec: metrics.DeviceSpec | None) -> float | None:
@@ -265,74 +268,130 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
                   "ls_jax_params": "f32 master weights split into the bf16 params and int16 low halves in the optimizer state",
                   "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
                   "ls_jax_attention_dropout": "per element (fairseq / LightSeq)"},
+        "zoo_setup": {"dropout": zoo_steps.DROPOUT, "optimizer": "adamw", "precision": "bf16 compute, f32 params",
+                      "bert": "sequence classification, 2 labels, rows padded at the end (half to all real tokens)",
+                      "gpt": "next-token loss on full rows",
+                      "flax_attention": "flax.linen.dot_product_attention, dropout broadcast over batch and heads",
+                      "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
+                      "ls_jax_attention_dropout": "per element"},
     }
 
 
-def speedups(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Reference step time over each ls_jax implementation's, per (model, tokens), where both were measured in the
-    same run: the reference's speed depends on the host that dispatches its kernels, so a ratio across runs (or
-    machines) is not a measurement."""
+def speedups(results: dict[str, Any], against: tuple[str, ...] = workloads.PRIMARY_REFERENCES
+             ) -> dict[str, dict[str, float]]:
+    """A reference's step time over each other implementation's, per (model, size), where both were measured in
+    the same run: the reference's speed depends on the host that dispatches its kernels, so a ratio across runs
+    (or machines) is not a measurement. The reference is the first of ``against`` the model has (the WMT
+    Transformers' "reference", BERT's and GPT-2's "flax"; ``("flax_cudnn",)`` for the cuDNN-attention one)."""
     table: dict[str, dict[str, float]] = {}
     for key, record in results.items():
-        name, tokens, implementation = key.split("/")
-        if implementation == "reference" or "step_time_s" not in record:
+        name, size, implementation = key.split("/")
+        if implementation in against or "step_time_s" not in record:
             continue
-        reference = results.get(f"{name}/{tokens}/reference", {})
-        if "step_time_s" in reference and reference.get("run") == record.get("run"):
-            table.setdefault(f"{name}/{tokens}", {})[implementation] = reference["step_time_s"] / record["step_time_s"]
+        for reference_name in against:
+            reference = results.get(f"{name}/{size}/{reference_name}", {})
+            if "step_time_s" in reference and reference.get("run") == record.get("run"):
+                ratio = reference["step_time_s"] / record["step_time_s"]
+                table.setdefault(f"{name}/{size}", {})[implementation] = ratio
+                break
     return table
 
 
-def plot_speedups(table: dict[str, dict[str, float]], path: Path, device_kind: str) -> None:
+def _sort_key(label: str) -> tuple[int, int]:
+    name, size = label.split("/")
+    return workloads.MODEL_ORDER.index(name) if name in workloads.MODEL_ORDER else len(workloads.MODEL_ORDER), int(size)
+
+
+def _bar_panel(ax, table: dict[str, dict[str, float]], ylabel: str) -> None:
+    labels = sorted(table, key=_sort_key)
+    colors = {"flax": "tab:gray", "flax_cudnn": "tab:blue", "ls_jax_xla": "tab:orange", "ls_jax_ffi": "tab:green"}
+    shown = [i for i in colors if any(i in table[k] for k in labels)]
+    width = 0.8 / max(len(shown), 1)
+    for index, implementation in enumerate(shown):
+        values = [table[k].get(implementation, np.nan) for k in labels]
+        ax.bar(np.arange(len(labels)) + (index - (len(shown) - 1) / 2) * width, values, width, label=implementation,
+               color=colors[implementation])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+
+
+def plot_speedups(table: dict[str, dict[str, float]], path: Path, device_kind: str,
+                  cudnn_table: dict[str, dict[str, float]] | None = None) -> None:
+    """Bars of ``table`` (speedups over plain Flax) and, where given, of ``cudnn_table`` (over Flax with cuDNN
+    attention) in a second panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = sorted(table, key=lambda k: (list(MODELS).index(k.split("/")[0]), int(k.split("/")[1])))
-    if not labels:
+    if not table:
         return
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4))
-    width = 0.4
-    for offset, implementation in ((-width / 2, "ls_jax_xla"), (width / 2, "ls_jax_ffi")):
-        values = [table[k].get(implementation, np.nan) for k in labels]
-        ax.bar(np.arange(len(labels)) + offset, values, width, label=implementation)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
-    ax.set_ylabel("speedup over plain Flax (step time ratio)")
-    ax.set_title(f"Transformer training step, {device_kind}, bf16")
-    ax.legend()
+    panels = [(table, "speedup over plain Flax (step time ratio)")]
+    if cudnn_table:
+        panels.append((cudnn_table, "speedup over Flax with cuDNN attention"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * max(6, 0.7 * len(table)), 4), squeeze=False)
+    for ax, (values, ylabel) in zip(axes[0], panels):
+        _bar_panel(ax, values, ylabel)
+    fig.suptitle(f"Training step, {device_kind}, bf16")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    measured_models = [name for name in MODELS if name != QUICK_MODEL]
-    parser.add_argument("--models", default=",".join(measured_models), help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--tokens", default="1024,4096,8192,16384", help="target tokens per step, comma-separated")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--models", default=",".join(workloads.FAMILIES),
+                        help="comma-separated families (" + ", ".join(
+                            f"{family}: {' '.join(names)}" for family, names in workloads.FAMILIES.items())
+                        + ") or models: " + ", ".join(workloads.MODEL_ORDER))
+    parser.add_argument("--tokens", default="1024,4096,8192,16384",
+                        help="WMT models: target tokens per step, comma-separated")
+    parser.add_argument("--seq-lens", default=None,
+                        help="BERT and GPT-2: sequence lengths, comma-separated (default: "
+                             + "; ".join(f"{name} {','.join(map(str, zoo_steps.MODELS[name].seq_lens))}"
+                                         for name in workloads.ZOO) + ")")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="BERT and GPT-2: rows per batch (default: "
+                             + "; ".join(f"{name} {zoo_steps.MODELS[name].rows}" for name in workloads.ZOO) + ")")
+    implementations_known = workloads.ALL_IMPLEMENTATIONS
+    parser.add_argument("--implementations", default=",".join(implementations_known),
+                        help="comma-separated; each model runs those it has: " + ", ".join(implementations_known))
     parser.add_argument("--steps", type=int, default=10,
                         help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)")
-    parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per model")
+    parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per WMT model")
     common.add_out_argument(parser, "e2e")
-    parser.add_argument("--quick", action="store_true", help=f"a smoke run (CPU): {QUICK_MODEL}, 1024 tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run (CPU): each family of --models as its tiny model ("
+                             + ", ".join(workloads.QUICK_MODELS.values()) + "), WMT at 1024 tokens, 2 samples; "
+                             "without a GPU, no ls_jax_ffi or flax_cudnn")
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)
-    models = args.models.split(",")
-    token_counts = [int(t) for t in args.tokens.split(",")]
     implementations = args.implementations.split(",")
-    if args.quick:
-        models, token_counts, args.steps = [QUICK_MODEL], [1024], 2
-        implementations = [i for i in implementations if i != "ls_jax_ffi" or backend.cuda_visible()]
-    unknown = [m for m in models if m not in MODELS] + [i for i in implementations if i not in IMPLEMENTATIONS]
+    unknown = [i for i in implementations if i not in implementations_known]
     if unknown:
-        parser.error(f"unknown model or implementation: {', '.join(unknown)}")
+        parser.error(f"unknown implementation: {', '.join(unknown)}; known: {', '.join(implementations_known)}")
+    try:
+        models = workloads.expand_models(args.models.split(","), quick=args.quick)
+        token_counts = [1024] if args.quick else [int(t) for t in args.tokens.split(",")]
+        seq_lens = None if args.quick or not args.seq_lens else [int(n) for n in args.seq_lens.split(",")]
+        workload_list = workloads.workloads(models, token_counts, seq_lens, None if args.quick else args.rows)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.quick:
+        args.steps = 2
+        gpu = jax.default_backend() == "gpu" and backend.cuda_visible()
+        implementations = [i for i in implementations if gpu or i not in workloads.NEEDS_GPU]
 
     out = ResultFile.open(args.out, header(gemm_size=1024 if args.quick else 8192), fresh=args.quick)
-    run(models, token_counts, implementations, args.steps, out, fit_batch=args.fit)
-    for key, ratios in sorted(speedups(out.results).items()):
-        print(f"{key:24s} " + "  ".join(f"{impl} {ratio:.2f}x" for impl, ratio in sorted(ratios.items())))
+    run(workload_list, implementations, args.steps, out, fit_batch=args.fit)
+    for title, table in (("over plain Flax", speedups(out.results)),
+                         ("over Flax with cuDNN attention", speedups(out.results, ("flax_cudnn",)))):
+        if table:
+            print(f"speedup {title}")
+        for key, ratios in sorted(table.items(), key=lambda item: _sort_key(item[0])):
+            print(f"  {key:24s} " + "  ".join(f"{impl} {ratio:.2f}x" for impl, ratio in sorted(ratios.items())))
     print(f"wrote {out.path}")
     return 0

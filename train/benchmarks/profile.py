@@ -1,12 +1,15 @@
-"""Where one training step's GPU time goes, by category, for the plain Flax reference and for ls_jax.
+"""Where one training step's GPU time goes, by category, for the plain Flax references and for ls_jax.
 
 ``python -m train.bench profile [--model big-6e6d] [--tokens 8192] [--profile-steps 5]``
+``python -m train.bench profile --model bert-base --seq-len 512`` (or ``--model gpt2-small --seq-len 1024``)
 
-Each implementation of `train.benchmarks.transformer_steps` is measured as ``e2e`` measures it (its step time is
-added to docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more steps, its kernels
-attributed to categories by `train.benchmarks.kernel_trace`. Writes docs/results/profile-<device>.json and prints
-the breakdowns side by side: by kernel category, and by stage of the step (encoder and decoder forward, output
-projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it.
+Each implementation of the model (`train.benchmarks.workloads`: the WMT Transformers' reference, ls_jax_xla and
+ls_jax_ffi; BERT's and GPT-2's flax, flax_cudnn, ls_jax_xla and ls_jax_ffi) is measured as ``e2e`` measures it
+(its step time is added to docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more
+steps, its kernels attributed to categories by `train.benchmarks.kernel_trace`. Writes
+docs/results/profile-<device>.json for a WMT model (profile-<model>-<seq_len>-<device>.json for BERT and GPT-2)
+and prints the breakdowns side by side: by kernel category, and by stage of the step (encoder and decoder forward,
+output projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it.
 """
 
 from __future__ import annotations
@@ -18,20 +21,34 @@ from typing import Any
 
 import jax
 
-from train.benchmarks import common, e2e
+from train.benchmarks import common, e2e, workloads
 from train.benchmarks.kernel_trace import CATEGORIES, STAGES, reanalyze
-from train.benchmarks.transformer_steps import MODELS
+
+
+def workload_of(model: str, tokens: int, seq_len: int | None, rows: int | None) -> workloads.Workload:
+    """The profiled workload: a WMT model at ``tokens`` target tokens, BERT or GPT-2 at ``seq_len`` (default: the
+    model's longest length) and ``rows`` rows (default: the model's); raises ValueError on a bad shape."""
+    if workloads.is_wmt(model):
+        return workloads.wmt_workload(model, tokens)
+    lengths = workloads.zoo_steps.MODELS[model].seq_lens
+    return workloads.zoo_workload(model, max(lengths) if seq_len is None else seq_len, rows)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="big-6e6d", choices=sorted(MODELS))
-    parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
+    parser.add_argument("--model", default="big-6e6d", choices=workloads.MODEL_ORDER)
+    parser.add_argument("--tokens", type=int, default=8192, help="WMT models: target tokens per step")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="BERT and GPT-2: sequence length (default: the model's longest benchmarked length)")
+    parser.add_argument("--rows", type=int, default=None, help="BERT and GPT-2: rows per batch (default: the model's)")
     parser.add_argument("--steps", type=int, default=10,
                         help=f"timed samples of {e2e.STEPS_PER_SAMPLE} steps (the e2e measurement)")
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
-    parser.add_argument("--implementations", default="reference,ls_jax_xla,ls_jax_ffi")
+    parser.add_argument("--implementations", default=None,
+                        help="comma-separated (default: all of the model's: "
+                             + "; ".join(f"{family} {','.join(workloads.implementations_of(names[0]))}"
+                                         for family, names in workloads.FAMILIES.items()) + ")")
     common.add_out_argument(parser, "profile")
     parser.add_argument("--trace-dir", type=Path, help="keep each implementation's trace and compiled HLO here")
     parser.add_argument("--reanalyze", type=Path, metavar="RESULT_JSON",
@@ -45,22 +62,41 @@ def main(argv: list[str]) -> int:
         args.reanalyze.write_text(json.dumps(result, indent=2) + "\n")
         print_breakdowns(result["results"], {})
         return 0
-    implementations = args.implementations.split(",")
+    own = workloads.implementations_of(args.model)
+    implementations = own if args.implementations is None else args.implementations.split(",")
+    if set(implementations) - set(own):
+        parser.error(f"{args.model} has no implementation {', '.join(sorted(set(implementations) - set(own)))}; "
+                     f"its implementations are {', '.join(own)}")
+    try:
+        workload = workload_of(args.model, args.tokens, args.seq_len, args.rows)
+    except ValueError as err:
+        parser.error(str(err))
     if jax.default_backend() != "gpu":
         parser.error("profiling attributes GPU kernels: it needs a GPU")
     measurements = e2e.ResultFile.open(args.out, e2e.header(), fresh=False)
-    e2e.run([args.model], [args.tokens], implementations, args.steps, measurements, profile_steps=args.profile_steps,
+    e2e.run([workload], implementations, args.steps, measurements, profile_steps=args.profile_steps,
             trace_dir=args.trace_dir)
-    results = {impl: measurements.results[f"{args.model}/{args.tokens}/{impl}"] for impl in implementations}
+    results = {impl: measurements.results[workload.key(impl)] for impl in implementations}
     breakdowns = {impl: record["profile"] for impl, record in results.items() if "profile" in record}
-    written = common.write_result(
-        "profile",
-        {"model": args.model, "target_tokens": args.tokens, "steps": args.profile_steps, "results": breakdowns},
-        args.out,
-    )
-    print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()})
+    written = common.write_result("profile", {**profile_header(workload), "steps": args.profile_steps,
+                                              "results": breakdowns},
+                                  args.out, stem=profile_stem(workload))
+    print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()
+                                  if "step_time_s" in record})
     print(f"wrote {written} and {measurements.path}")
     return 0
+
+
+def profile_header(workload: workloads.Workload) -> dict[str, Any]:
+    """The profiled shape: the model and its target tokens (WMT) or its sequence length and rows."""
+    if workloads.is_wmt(workload.model):
+        return {"model": workload.model, "target_tokens": workload.size}
+    return {"model": workload.model, "seq_len": workload.size, "batch_rows": workload.rows}
+
+
+def profile_stem(workload: workloads.Workload) -> str:
+    """"profile" for a WMT model (docs/results/profile-<device>.json), "profile-<model>-<seq_len>" otherwise."""
+    return "profile" if workloads.is_wmt(workload.model) else f"profile-{workload.model}-{workload.size}"
 
 
 def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float]) -> None:
@@ -74,7 +110,8 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
         ]
         print(f"{category:22s}" + "".join(f"{value:16.2f}" for value in row))
     if step_times_s:
-        print(f"{'step time (timed)':22s}" + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown))
+        print(f"{'step time (timed)':22s}" + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown
+                                                     if impl in step_times_s))
     with_stages = [impl for impl in shown if "stage_ms_per_step" in breakdowns[impl]]
     if with_stages:
         print(f"\n{'stage':26s}" + "".join(f"{impl:>16s}" for impl in with_stages) + "   (kernel ms per step)")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from train import metrics
 from train.reference_model import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
 
 VOCAB = 32768
@@ -80,6 +81,10 @@ class TrainStep:
         )
 
 
+LossFn = Callable[[Any, Any, jax.Array], jax.Array]
+"""``loss_fn(params, batch, dropout_rng) -> scalar loss`` of a benchmarked step."""
+
+
 def compile_step(step: Callable[..., Any], state: Any, batch) -> TrainStep:
     return TrainStep(jax.jit(step, donate_argnums=0).lower(state, batch).compile(), state)
 
@@ -93,6 +98,42 @@ def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
     return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}
 
 
+def optax_adamw_step(loss_fn: LossFn, params: Any, batch) -> TrainStep:
+    """The plain Flax references' step: f32 params, optax AdamW; ``loss_fn(params, batch, dropout_rng)``."""
+    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return (params, opt_state, rng), loss
+
+    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
+
+
+def ls_jax_adamw_step(loss_fn: LossFn, params: Any, batch) -> TrainStep:
+    """ls_jax's step: ls_jax.optim AdamW over f32 master weights split into the bf16 params the model computes
+    with and int16 low halves in the optimizer state; ``loss_fn(params, batch, dropout_rng)``."""
+    from ls_jax import optim
+
+    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
+    opt_state = tx.init(params)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    def step(state, batch):
+        params, opt_state, rng = state
+        rng, dropout_rng = jax.random.split(rng)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
+        with jax.named_scope("optimizer"):
+            params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
+        return (params, opt_state, rng), loss
+
+    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
+
+
 def reference_step(shape: ModelShape, batch) -> TrainStep:
     cfg = ReferenceConfig(
         vocab_size=VOCAB,
@@ -104,59 +145,44 @@ def reference_step(shape: ModelShape, batch) -> TrainStep:
     )
     model = ReferenceTransformer(cfg)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
-    tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
 
-    def step(state, batch):
-        params, opt_state, rng = state
-        rng, dropout_rng = jax.random.split(rng)
+    def loss_fn(params, batch, dropout_rng):
+        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
+        with jax.named_scope("criterion"):
+            loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
+        return loss_sum / count
 
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
-            with jax.named_scope("criterion"):
-                loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
-            return loss_sum / count
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return (params, opt_state, rng), loss
-
-    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
+    return optax_adamw_step(loss_fn, params, batch)
 
 
 def ls_jax_step(name: str, batch) -> TrainStep:
     from ls_jax import ops
-    from ls_jax import optim
     from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 
     config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
     model = Transformer(config)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
-    tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
-    opt_state = tx.init(params)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
-    def step(state, batch):
-        params, opt_state, rng = state
-        rng, dropout_rng = jax.random.split(rng)
-
-        def loss_fn(p):
-            logits = model.apply(
-                {"params": p}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
+    def loss_fn(params, batch, dropout_rng):
+        logits = model.apply(
+            {"params": params}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
+        )
+        with jax.named_scope("criterion"):
+            loss_sum, _, count = ops.label_smoothed_cross_entropy(
+                logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
             )
-            with jax.named_scope("criterion"):
-                loss_sum, _, count = ops.label_smoothed_cross_entropy(
-                    logits, batch["labels"], epsilon=LABEL_SMOOTHING, pad_id=PAD_ID
-                )
-            return loss_sum / count
+        return loss_sum / count
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        with jax.named_scope("optimizer"):
-            params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
-        return (params, opt_state, rng), loss
+    return ls_jax_adamw_step(loss_fn, params, batch)
 
-    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
+
+def train_flops(name: str, sentences: int) -> float:
+    """Matmul FLOPs of one step of model ``name`` on ``sentences`` source and target sentences."""
+    shape = MODELS[name]
+    return metrics.transformer_train_flops(
+        hidden=shape.hidden, ffn=shape.intermediate, encoder_layers=shape.encoder_layers,
+        decoder_layers=shape.decoder_layers, vocab=VOCAB, batch=sentences, src_len=SEQ_LEN, tgt_len=SEQ_LEN,
+    )
 
 
 def build_step(implementation: str, name: str, batch) -> TrainStep:

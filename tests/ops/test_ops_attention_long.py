@@ -124,13 +124,17 @@ def _check_against_reference(op, index, case):
 _PUBLIC = [index for index, case in enumerate(CASES) if not (case[-1] and case[4] is not None)]  # cross: not causal
 
 
-@pytest.mark.parametrize("index", _PUBLIC, ids=[f"{CASES[i][3]}x{CASES[i][4] or CASES[i][3]}-{CASES[i][5]}-{CASES[i][6]}"
-                                                for i in _PUBLIC])
+def _case_id(index: int) -> str:
+    _, _, _, queries, keys, mask_kind, causal = CASES[index]
+    return f"{queries}x{keys or queries}-{mask_kind}-{causal}"
+
+
+@pytest.mark.parametrize("index", _PUBLIC, ids=[_case_id(i) for i in _PUBLIC])
 def test_xla_attention_matches_float64_reference(index):
     _check_against_reference(_public_op, index, CASES[index])
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[3]}x{c[4] or c[3]}-{c[5]}-{c[6]}" for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(i) for i in range(len(CASES))])
 def test_cudnn_formulation_xla_implementation_matches_float64_reference(index):
     _check_against_reference(_cudnn_formulation_op, index, CASES[index])
 
@@ -142,7 +146,7 @@ def _fused_formulation_op(sources, bias, key_mask, causal):
 _UP_TO_1031 = [index for index, case in enumerate(CASES) if max(case[3], case[4] or 0) <= 1031]
 
 
-@pytest.mark.parametrize("index", _UP_TO_1031, ids=[f"{CASES[i][3]}x{CASES[i][4] or CASES[i][3]}" for i in _UP_TO_1031])
+@pytest.mark.parametrize("index", _UP_TO_1031, ids=[_case_id(i) for i in _UP_TO_1031])
 def test_fused_formulation_xla_implementation_matches_float64_reference(index):
     """The XLA implementation of the fused kernels' formulation (what a computation lowered elsewhere runs) at any
     length, including causal with queries != keys."""

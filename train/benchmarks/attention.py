@@ -40,7 +40,9 @@ from train.benchmarks import common
 DTYPE = jnp.bfloat16
 DROPOUT = 0.1
 CASES: tuple[tuple[int, int, int, int], ...] = tuple(
-    (16384 // length, length, 1024 // head_dim, head_dim) for head_dim in (64, 128) for length in (512, 1024, 2048, 4096)
+    (16384 // length, length, 1024 // head_dim, head_dim)
+    for head_dim in (64, 128)
+    for length in (512, 1024, 2048, 4096)
 )
 QUICK_DIVISOR = 8
 

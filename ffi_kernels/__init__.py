@@ -29,6 +29,7 @@ which only traces it when lowering for CUDA with the kernels loaded.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.machinery
 import importlib.util
@@ -109,6 +110,19 @@ def cudnn_attention_missing() -> str | None:
     """Why the loaded library has no cuDNN attention targets (the missing package), or None when it has them."""
     load()
     return _cudnn_missing
+
+
+def cudnn_workspace_peak_bytes(device: int = 0) -> int | None:
+    """The most bytes cuDNN attention's workspace pool on CUDA ``device`` had in use at once since the previous read
+    (reading resets the mark); None when the library has no cuDNN attention or none ran on that device. The pool
+    lies outside XLA's allocator, so XLA's memory statistics do not count it."""
+    if cudnn_attention_missing() is not None:
+        return None
+    assert _library is not None
+    peak = ctypes.CDLL(_library.__file__).ls_attention_cudnn_workspace_peak  # the loaded library: dlopen reuses it
+    peak.restype, peak.argtypes = ctypes.c_int64, [ctypes.c_int]
+    value = int(peak(device))
+    return None if value < 0 else value
 
 
 @functools.cache

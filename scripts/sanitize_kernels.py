@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_kernels.py [SUBSTRING...]
 
 Small shapes that reach each kernel's edge cases (odd hidden sizes, a partial last vector, short and long keys,
-fully masked rows, padding ids, 16-bit storage) in one process, so the sanitizer attaches once. It fails when
-any FFI target of the library went unexercised, so a clean run covers them all. With SUBSTRINGs it runs only the
+fully masked rows, padding ids, 16-bit storage, cuDNN's attention beyond 128 positions) in one process, so the
+sanitizer attaches once. It fails when any FFI target of the library went unexercised, so a clean run covers them
+all. With SUBSTRINGs it runs only the
 cases whose names contain one (e.g. to look at one case alone) and does not check that coverage.
 """
 
@@ -50,6 +51,8 @@ def cases(dtype: Any) -> dict[str, Case]:
     gamma, beta, bias = normal(3, (hidden,), dtype), normal(4, (hidden,), dtype), normal(5, (hidden,), dtype)
     mask = jnp.arange(37)[None, None, None, :] < jnp.array([37, 0])[:, None, None, None]  # batch 1 fully masked
     key_mask = jnp.arange(7)[None, :] < jnp.array([7, 0])[:, None]
+    long_mask = jnp.arange(301)[None, :] < jnp.array([250, 0])[:, None]
+    scattered_mask = jax.random.bernoulli(jax.random.PRNGKey(24), 0.7, (2, 1037))
     tokens = jnp.array([[3, 0, 9, 100], [1, 2, 0, 0]], jnp.int32)
     labels = jnp.array([[1, 0, 1002], [5, 0, 0]], jnp.int32)
     return {
@@ -79,6 +82,14 @@ def cases(dtype: Any) -> dict[str, Case]:
         "cross_attention[128 queries, 40 keys, bias]": forward_backward(
             lambda q, kv, b: ops.cross_attention(q, kv, bias=b, dropout_rate=0.1, seed=seed),
             normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype), normal(19, (2, 64), jnp.float32)),
+        # Beyond the fused kernels' 128 positions bf16/f16 run cuDNN's flash attention (its workspace from the
+        # library's pool), f32 the attn_softmax kernels.
+        "self_attention[cuDNN: 301 positions, causal, padding with a row all padding, dropout, bias]": forward_backward(
+            lambda qkv, b: ops.self_attention(qkv, long_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
+            normal(20, (2, 301, 3, 2, 64), dtype), normal(21, (3, 2, 64), jnp.float32)),
+        "cross_attention[cuDNN: 131 queries, 1037 keys, head_dim 128, scattered mask, dropout]": forward_backward(
+            lambda q, kv: ops.cross_attention(q, kv, scattered_mask, dropout_rate=0.1, seed=seed),
+            normal(22, (2, 131, 2, 128), dtype), normal(23, (2, 1037, 2, 2, 128), dtype)),
         "embed[learned positions]": forward_backward(
             lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
             normal(8, (101, 72), dtype), normal(9, (6, 72), dtype)),

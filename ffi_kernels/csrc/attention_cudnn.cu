@@ -25,8 +25,10 @@
 //   elements (16 bytes); only the first K of each row are read.
 //
 // Built graphs are cached per (direction, device, dtype, shape and layout, causal, dropout, mask); one cuDNN
-// handle per device; workspace from XLA's scratch allocator. Not declared command-buffer compatible: the
-// scratch memory is returned to XLA when the handler returns, which a recorded CUDA graph would outlive.
+// handle per device. The workspace (and the widened dropout seed) is allocated stream-ordered from a memory pool of
+// this library, outside XLA's allocator (see "workspace" below for why). Not declared command-buffer compatible:
+// the first execution of a configuration builds its graph (heuristics, kernel compilation and loading), which has
+// not been checked to be legal while XLA captures the stream into a CUDA graph.
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
@@ -56,13 +58,10 @@ enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLenQ, kSeqLenKV, kMaskBias, kSeed, kOffset,
 };
 
-// Bytes reserved at the start of the scratch for the int64 seed and offset (each 16-byte aligned, at slots 0 and
-// kOffsetSlot); keeps cuDNN's workspace 256-byte aligned.
+// Bytes reserved at the start of each allocation for the int64 seed and offset (seed at byte 0, offset at byte
+// kOffsetBytes); cuDNN's workspace follows at a 256-byte boundary, as the pool's allocations start at one.
 constexpr size_t kSeedBytes = 256;
-// The largest alignment XLA's scratch allocator grants (tsl::Allocator::kAllocatorAlignment); a larger request
-// fails.
-constexpr size_t kScratchAlignment = 64;
-constexpr int kOffsetSlot = 2;
+constexpr size_t kOffsetBytes = 16;
 
 // ---- layout ------------------------------------------------------------------------------------------------
 
@@ -135,26 +134,115 @@ class DeviceScope {
   cudaError_t status_ = cudaSuccess;
 };
 
+// ---- workspace ---------------------------------------------------------------------------------------------
+//
+// cuDNN's workspace (bytes: the built graph's get_workspace_size, known only after the graph is built on the device)
+// comes from a CUDA memory pool of this library, allocated with cudaMallocFromPoolAsync and freed with
+// cudaFreeAsync on the FFI stream right after the graph is enqueued. The options weighed:
+//  - XLA's FFI ScratchAllocator: on the H100 (jax 0.11.2) it returned no memory for any request, 64 or 256-byte
+//    aligned (ffi_kernels/NOTES.md), so no call could run.
+//  - The workspace as an extra XLA output sized at trace time: the size depends on the execution plan cuDNN's
+//    heuristics pick for this GPU and cuDNN version, so tracing would have to build the graph on a GPU (no lowering
+//    for another platform or ahead of time), and a traced size that disagreed with the built graph would let cuDNN
+//    write past the buffer.
+//  - One cached per-device buffer grown on demand: growing may not free the old buffer while kernels enqueued
+//    earlier still use it (a device synchronization, or a stream-ordered free, which is what a pool does), and two
+//    streams sharing one buffer would race.
+//  - Stream-ordered allocation (chosen): the free is ordered after the graph's kernels on the stream, so the memory
+//    is handed out again only once they are done (to another stream, only after an event dependency the pool adds);
+//    no host synchronization. The pool is this library's own, not the device's default pool (which XLA's
+//    cuda_async allocator configures), and keeps what it once held (release threshold: unlimited), so after the
+//    first step an allocation is a lookup in the pool rather than a cudaMalloc. Its memory lies outside XLA's
+//    preallocated fraction (XLA_PYTHON_CLIENT_MEM_FRACTION), at most the largest workspace seen plus kSeedBytes.
+
 struct DeviceState {
   std::mutex mutex;  // guards the handle's stream between cudnnSetStream and the enqueue
   cudnnHandle_t handle = nullptr;
+  cudaMemPool_t pool = nullptr;
 };
 
-// The state of `device`, its handle created on first use (handles live as long as the process).
+// A pool of device memory on `device` that keeps its memory between allocations.
+ffi::Error create_pool(int device, cudaMemPool_t* pool) {
+  int supported = 0;
+  const cudaError_t query = cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device);
+  if (query != cudaSuccess) return cuda_status_error("cudaDeviceGetAttribute(cudaDevAttrMemoryPoolsSupported)", query);
+  if (!supported) {
+    return ffi::Error::Internal("cuDNN attention: device " + std::to_string(device) +
+                                " does not support CUDA memory pools (cudaMallocAsync), from which the workspace is "
+                                "allocated; set LS_JAX_CUDNN_ATTENTION=0 to run the unfused attention instead");
+  }
+  cudaMemPoolProps props = {};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  const cudaError_t created = cudaMemPoolCreate(pool, &props);
+  if (created != cudaSuccess) return cuda_status_error("cudaMemPoolCreate", created);
+  cuuint64_t keep_everything = ~cuuint64_t{0};
+  const cudaError_t set = cudaMemPoolSetAttribute(*pool, cudaMemPoolAttrReleaseThreshold, &keep_everything);
+  if (set != cudaSuccess) return cuda_status_error("cudaMemPoolSetAttribute(cudaMemPoolAttrReleaseThreshold)", set);
+  return ffi::Error::Success();
+}
+
+struct Registry {
+  std::mutex mutex;
+  std::map<int, std::unique_ptr<DeviceState>> states;
+};
+
+Registry& registry() {
+  static Registry instance;
+  return instance;
+}
+
+// The state of `device`, its handle and pool created on first use (both live as long as the process).
 ffi::Error device_state(int device, DeviceState** state) {
-  static std::mutex registry_mutex;
-  static std::map<int, std::unique_ptr<DeviceState>> registry;
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  std::unique_ptr<DeviceState>& entry = registry[device];
+  Registry& all = registry();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  std::unique_ptr<DeviceState>& entry = all.states[device];
   if (!entry) {
     auto created = std::make_unique<DeviceState>();
+    LS_RETURN_IF_ERROR(create_pool(device, &created->pool));
     const cudnnStatus_t status = cudnnCreate(&created->handle);
-    if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnCreate", status);
+    if (status != CUDNN_STATUS_SUCCESS) {
+      cudaMemPoolDestroy(created->pool);
+      return cudnn_status_error("cudnnCreate", status);
+    }
     entry = std::move(created);
   }
   *state = entry.get();
   return ffi::Error::Success();
 }
+
+// kSeedBytes for the widened seed followed by `workspace_bytes`, from the device's pool in the order of `stream`;
+// freed (stream-ordered) when it goes out of scope.
+class StreamAllocation {
+ public:
+  explicit StreamAllocation(cudaStream_t stream) : stream_(stream) {}
+  StreamAllocation(const StreamAllocation&) = delete;
+  StreamAllocation& operator=(const StreamAllocation&) = delete;
+  ~StreamAllocation() {
+    if (memory_ != nullptr) cudaFreeAsync(memory_, stream_);
+  }
+
+  ffi::Error allocate(cudaMemPool_t pool, int device, size_t workspace_bytes) {
+    const size_t total = kSeedBytes + workspace_bytes;
+    const cudaError_t status = cudaMallocFromPoolAsync(&memory_, total, pool, stream_);
+    if (status == cudaSuccess) return ffi::Error::Success();
+    memory_ = nullptr;
+    cudaGetLastError();  // the failed allocation is not a fault of the next kernel launch
+    return ffi::Error::Internal(
+        "cuDNN attention: cannot allocate " + std::to_string(total) + " bytes of workspace on device " +
+        std::to_string(device) + " (" + cudaGetErrorString(status) + "); it comes from the memory XLA did not "
+        "preallocate: lower XLA_PYTHON_CLIENT_MEM_FRACTION, or the batch or length");
+  }
+  int64_t* seed() const { return static_cast<int64_t*>(memory_); }
+  int64_t* offset() const { return reinterpret_cast<int64_t*>(static_cast<char*>(memory_) + kOffsetBytes); }
+  void* workspace() const { return static_cast<char*>(memory_) + kSeedBytes; }
+
+ private:
+  cudaStream_t stream_;
+  void* memory_ = nullptr;
+};
 
 // ---- graphs ------------------------------------------------------------------------------------------------
 
@@ -389,69 +477,98 @@ ffi::Error check_seed(const ffi::Buffer<ffi::U32>& seed) {
 // ---- execution ---------------------------------------------------------------------------------------------
 
 // Widens the uint32 (seed, offset) pair into the int64 tensors cuDNN's generator reads.
-__global__ void widen_seed_kernel(const uint32_t* __restrict__ seed, int64_t* __restrict__ out) {
-  out[0] = static_cast<int64_t>(seed[0]);
-  out[kOffsetSlot] = static_cast<int64_t>(seed[1]);
+__global__ void widen_seed_kernel(const uint32_t* __restrict__ seed, int64_t* __restrict__ seed_out,
+                                  int64_t* __restrict__ offset_out) {
+  *seed_out = static_cast<int64_t>(seed[0]);
+  *offset_out = static_cast<int64_t>(seed[1]);
 }
 
-template <typename T>
-void* element_offset(T* base, int64_t elements, int64_t element_bytes) {
-  return static_cast<char*>(const_cast<void*>(static_cast<const void*>(base))) + elements * element_bytes;
+void* element_offset(void* base, int64_t elements, int64_t element_bytes) {
+  return static_cast<char*>(base) + elements * element_bytes;
 }
 
-struct MaskPointers {
-  void* seq_len_q = nullptr;
-  void* seq_len_kv = nullptr;
-  void* bias = nullptr;
+using VariantPack = std::unordered_map<int64_t, void*>;
+
+// The operands both directions read the same way.
+struct Operands {
+  const ffi::AnyBuffer& query_source;
+  const ffi::AnyBuffer& key_value_source;
+  const ffi::Buffer<ffi::U32>& seed;
+  const std::optional<ffi::AnyBuffer>& seq_len_q;
+  const std::optional<ffi::AnyBuffer>& seq_len_kv;
+  const std::optional<ffi::AnyBuffer>& mask_bias;
 };
 
-MaskPointers mask_pointers(const std::optional<ffi::AnyBuffer>& seq_len_q,
-                           const std::optional<ffi::AnyBuffer>& seq_len_kv,
-                           const std::optional<ffi::AnyBuffer>& mask_bias) {
-  if (!mask_bias.has_value()) return {};
-  return {seq_len_q->untyped_data(), seq_len_kv->untyped_data(), mask_bias->untyped_data()};
+// What both directions derive from the operands and attributes: the checked layout and options, the device's
+// state and the graph of this configuration.
+struct Prepared {
+  Layout layout;
+  Options options;
+  ffi::DataType dtype;
+  DeviceState* state = nullptr;
+  GraphPtr graph;
+};
+
+ffi::Error prepare(bool backward, int device, const Operands& in, bool causal, float dropout_rate,
+                   float logit_scale, Prepared* p) {
+  LS_RETURN_IF_ERROR(read_layout(in.query_source, in.key_value_source, in.mask_bias, &p->layout));
+  LS_RETURN_IF_ERROR(check_mask_operands(p->layout, in.seq_len_q, in.seq_len_kv, in.mask_bias));
+  LS_RETURN_IF_ERROR(check_seed(in.seed));
+  p->options = Options{causal, dropout_rate, logit_scale, in.mask_bias.has_value()};
+  LS_RETURN_IF_ERROR(check_options(p->layout, p->options));
+  p->dtype = in.query_source.element_type();
+  LS_RETURN_IF_ERROR(device_state(device, &p->state));
+  return cached_graph(backward, device, p->dtype, p->layout, p->options, p->state->handle, &p->graph);
 }
 
-// Enqueues `graph` on `stream` with the variant pack `pack` (to which the seed and offset are added): the
-// workspace and the widened seed come from XLA's scratch allocator.
-ffi::Error execute(const GraphPtr& graph, DeviceState* state, cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                   const Options& options, const ffi::Buffer<ffi::U32>& seed,
-                   std::unordered_map<int64_t, void*>& pack) {
-  int64_t workspace_bytes = 0;
-  LS_RETURN_IF_FE_ERROR("get_workspace_size", graph->get_workspace_size(workspace_bytes));
-  // XLA's allocator aligns to at most kScratchAlignment bytes: ask for that and round the start up to kSeedBytes.
-  const size_t total = kSeedBytes + static_cast<size_t>(workspace_bytes) + (kSeedBytes - kScratchAlignment);
-  std::optional<void*> memory = scratch.Allocate(total, kScratchAlignment);
-  if (!memory.has_value() || *memory == nullptr)
-    return ffi::Error::Internal("cuDNN attention: cannot allocate " + std::to_string(total) +
-                                " bytes of scratch memory from XLA");
-  const uintptr_t start = (reinterpret_cast<uintptr_t>(*memory) + kSeedBytes - 1) / kSeedBytes * kSeedBytes;
-  auto* seed_pair = reinterpret_cast<int64_t*>(start);
-  void* workspace = reinterpret_cast<char*>(start) + kSeedBytes;
-  if (options.dropout_rate > 0.0f) {
-    widen_seed_kernel<<<1, 1, 0, stream>>>(seed.typed_data(), seed_pair);
-    LS_RETURN_IF_ERROR(launch_error("widen_seed_kernel"));
-    pack[kSeed] = seed_pair;
-    pack[kOffset] = seed_pair + kOffsetSlot;
+// Element offsets of k and v in a (B, K, P', H, D) key-value source (or its gradient): parts P' - 2 and P' - 1.
+int64_t key_offset(const Layout& l) { return (l.key_value_parts - 2) * l.heads * l.head_dim; }
+int64_t value_offset(const Layout& l) { return (l.key_value_parts - 1) * l.heads * l.head_dim; }
+
+// The entries both directions' variant packs share: q, k, v and the key mask's operands.
+VariantPack shared_pack(const Layout& l, const Operands& in) {
+  const int64_t bytes = 2;  // bf16 or f16
+  void* key_value = in.key_value_source.untyped_data();
+  VariantPack pack = {
+      {kQ, in.query_source.untyped_data()},
+      {kK, element_offset(key_value, key_offset(l), bytes)},
+      {kV, element_offset(key_value, value_offset(l), bytes)},
+  };
+  if (in.mask_bias.has_value()) {
+    pack[kSeqLenQ] = in.seq_len_q->untyped_data();
+    pack[kSeqLenKV] = in.seq_len_kv->untyped_data();
+    pack[kMaskBias] = in.mask_bias->untyped_data();
   }
-  std::lock_guard<std::mutex> lock(state->mutex);
-  const cudnnStatus_t status = cudnnSetStream(state->handle, stream);
-  if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnSetStream", status);
-  LS_RETURN_IF_FE_ERROR("execute", graph->execute(state->handle, pack, workspace));
-  return ffi::Error::Success();
+  return pack;
 }
 
-void add_masks(std::unordered_map<int64_t, void*>& pack, const MaskPointers& masks) {
-  if (masks.bias == nullptr) return;
-  pack[kSeqLenQ] = masks.seq_len_q;
-  pack[kSeqLenKV] = masks.seq_len_kv;
-  pack[kMaskBias] = masks.bias;
+// Enqueues the prepared graph on `stream` with `pack`, to which the seed and offset are added; the workspace is
+// allocated before and freed after it in the stream's order.
+ffi::Error execute(const Prepared& p, int device, cudaStream_t stream, const ffi::Buffer<ffi::U32>& seed,
+                   VariantPack& pack) {
+  int64_t workspace_bytes = 0;
+  LS_RETURN_IF_FE_ERROR("get_workspace_size", p.graph->get_workspace_size(workspace_bytes));
+  StreamAllocation memory(stream);
+  LS_RETURN_IF_ERROR(memory.allocate(p.state->pool, device, static_cast<size_t>(workspace_bytes)));
+  if (p.options.dropout_rate > 0.0f) {
+    widen_seed_kernel<<<1, 1, 0, stream>>>(seed.typed_data(), memory.seed(), memory.offset());
+    LS_RETURN_IF_ERROR(launch_error("widen_seed_kernel"));
+    pack[kSeed] = memory.seed();
+    pack[kOffset] = memory.offset();
+  }
+  std::lock_guard<std::mutex> lock(p.state->mutex);
+  const cudnnStatus_t status = cudnnSetStream(p.state->handle, stream);
+  if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnSetStream", status);
+  LS_RETURN_IF_FE_ERROR("execute", p.graph->execute(p.state->handle, pack, memory.workspace()));
+  return ffi::Error::Success();
 }
 
 // Frontend and cuDNN failures arrive as ffi::Error; anything thrown (allocation, the frontend's loader) too.
 template <typename Body>
-ffi::Error guarded(Body&& body) {
+ffi::Error guarded(int device, Body&& body) {
   try {
+    DeviceScope scope(device);
+    if (scope.status() != cudaSuccess) return cuda_status_error("cudaSetDevice", scope.status());
     return body();
   } catch (const std::exception& err) {
     return ffi::Error::Internal(std::string("cuDNN attention: ") + err.what());
@@ -460,150 +577,157 @@ ffi::Error guarded(Body&& body) {
   }
 }
 
-ffi::Error attention_cudnn_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-                               ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
-                               ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> seq_len_q,
-                               std::optional<ffi::AnyBuffer> seq_len_kv, std::optional<ffi::AnyBuffer> mask_bias,
-                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats, bool causal,
-                               float dropout_rate, float logit_scale) {
-  return guarded([&]() -> ffi::Error {
-    Layout l;
-    LS_RETURN_IF_ERROR(read_layout(query_source, key_value_source, mask_bias, &l));
-    LS_RETURN_IF_ERROR(check_mask_operands(l, seq_len_q, seq_len_kv, mask_bias));
-    LS_RETURN_IF_ERROR(check_seed(seed));
-    const Options options{causal, dropout_rate, logit_scale, mask_bias.has_value()};
-    LS_RETURN_IF_ERROR(check_options(l, options));
-    const ffi::DataType dtype = query_source.element_type();
-    LS_RETURN_IF_ERROR(require(out->element_type() == dtype && out->element_count() == l.batch * l.queries * l.heads *
-                                                                                           l.head_dim,
-                               "out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
-                                   shape_string(out->dimensions())));
-    LS_RETURN_IF_ERROR(require(stats->element_type() == ffi::DataType::F32 &&
-                                   stats->element_count() == l.batch * l.heads * l.queries,
-                               "stats must be float32 (batch, heads, queries, 1), got " +
-                                   shape_string(stats->dimensions())));
-    DeviceScope scope(device);
-    if (scope.status() != cudaSuccess) return cuda_status_error("cudaSetDevice", scope.status());
-    DeviceState* state = nullptr;
-    LS_RETURN_IF_ERROR(device_state(device, &state));
-    GraphPtr graph;
-    LS_RETURN_IF_ERROR(cached_graph(false, device, dtype, l, options, state->handle, &graph));
-    const int64_t bytes = 2, part = l.heads * l.head_dim;
-    std::unordered_map<int64_t, void*> pack = {
-        {kQ, query_source.untyped_data()},
-        {kK, element_offset(key_value_source.untyped_data(), (l.key_value_parts - 2) * part, bytes)},
-        {kV, element_offset(key_value_source.untyped_data(), (l.key_value_parts - 1) * part, bytes)},
-        {kO, out->untyped_data()},
-        {kStats, stats->untyped_data()},
-    };
-    add_masks(pack, mask_pointers(seq_len_q, seq_len_kv, mask_bias));
-    return execute(graph, state, stream, scratch, options, seed, pack);
+ffi::Error check_forward_results(const Layout& l, ffi::DataType dtype, const ffi::AnyBuffer& out,
+                                 const ffi::AnyBuffer& stats) {
+  LS_RETURN_IF_ERROR(require(out.element_type() == dtype &&
+                                 out.element_count() == l.batch * l.queries * l.heads * l.head_dim,
+                             "out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
+                                 shape_string(out.dimensions())));
+  return require(stats.element_type() == ffi::DataType::F32 && stats.element_count() == l.batch * l.heads * l.queries,
+                 "stats must be float32 (batch, heads, queries, 1), got " + shape_string(stats.dimensions()));
+}
+
+ffi::Error attention_cudnn_fwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer query_source,
+                               ffi::AnyBuffer key_value_source, ffi::Buffer<ffi::U32> seed,
+                               std::optional<ffi::AnyBuffer> seq_len_q, std::optional<ffi::AnyBuffer> seq_len_kv,
+                               std::optional<ffi::AnyBuffer> mask_bias, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> stats, bool causal, float dropout_rate,
+                               float logit_scale) {
+  return guarded(device, [&]() -> ffi::Error {
+    const Operands in{query_source, key_value_source, seed, seq_len_q, seq_len_kv, mask_bias};
+    Prepared p;
+    LS_RETURN_IF_ERROR(prepare(false, device, in, causal, dropout_rate, logit_scale, &p));
+    LS_RETURN_IF_ERROR(check_forward_results(p.layout, p.dtype, *out, *stats));
+    VariantPack pack = shared_pack(p.layout, in);
+    pack[kO] = out->untyped_data();
+    pack[kStats] = stats->untyped_data();
+    return execute(p, device, stream, seed, pack);
   });
 }
 
-ffi::Error attention_cudnn_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-                               ffi::AnyBuffer dout, ffi::AnyBuffer query_source, ffi::AnyBuffer key_value_source,
-                               ffi::AnyBuffer out, ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::U32> seed,
-                               std::optional<ffi::AnyBuffer> seq_len_q, std::optional<ffi::AnyBuffer> seq_len_kv,
-                               std::optional<ffi::AnyBuffer> mask_bias, ffi::Result<ffi::AnyBuffer> d_query_source,
+ffi::Error check_backward_operands(const Layout& l, ffi::DataType dtype, const ffi::AnyBuffer& dout,
+                                   const ffi::AnyBuffer& out, const ffi::Buffer<ffi::F32>& stats) {
+  const int64_t out_elements = l.batch * l.queries * l.heads * l.head_dim;
+  LS_RETURN_IF_ERROR(require(dout.element_type() == dtype && dout.element_count() == out_elements &&
+                                 out.element_type() == dtype && out.element_count() == out_elements,
+                             "dout and out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
+                                 shape_string(dout.dimensions()) + " and " + shape_string(out.dimensions())));
+  return require(stats.element_count() == l.batch * l.heads * l.queries,
+                 "stats must be (batch, heads, queries, 1), got " + shape_string(stats.dimensions()));
+}
+
+// Where dk and dv go: d_key_value_source, or (a packed qkv, P = 3) d_query_source, which then receives dq, dk, dv.
+ffi::Error key_value_gradient(const Layout& l, const Operands& in, ffi::AnyBuffer& d_query_source,
+                              std::optional<ffi::Result<ffi::AnyBuffer>>& d_key_value_source, void** gradient) {
+  if (d_key_value_source.has_value()) {
+    LS_RETURN_IF_ERROR(
+        require_same_shape("d_key_value_source", **d_key_value_source, "key_value_source", in.key_value_source));
+    *gradient = (*d_key_value_source)->untyped_data();
+    return ffi::Error::Success();
+  }
+  LS_RETURN_IF_ERROR(require(l.query_parts == 3 && in.query_source.untyped_data() == in.key_value_source.untyped_data(),
+                             "without d_key_value_source the sources must be one packed (B, L, 3, H, D) qkv"));
+  *gradient = d_query_source.untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_cudnn_bwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi::AnyBuffer query_source,
+                               ffi::AnyBuffer key_value_source, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> stats,
+                               ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> seq_len_q,
+                               std::optional<ffi::AnyBuffer> seq_len_kv, std::optional<ffi::AnyBuffer> mask_bias,
+                               ffi::Result<ffi::AnyBuffer> d_query_source,
                                std::optional<ffi::Result<ffi::AnyBuffer>> d_key_value_source, bool causal,
                                float dropout_rate, float logit_scale) {
-  return guarded([&]() -> ffi::Error {
-    Layout l;
-    LS_RETURN_IF_ERROR(read_layout(query_source, key_value_source, mask_bias, &l));
-    LS_RETURN_IF_ERROR(check_mask_operands(l, seq_len_q, seq_len_kv, mask_bias));
-    LS_RETURN_IF_ERROR(check_seed(seed));
-    const Options options{causal, dropout_rate, logit_scale, mask_bias.has_value()};
-    LS_RETURN_IF_ERROR(check_options(l, options));
-    const ffi::DataType dtype = query_source.element_type();
-    const int64_t out_elements = l.batch * l.queries * l.heads * l.head_dim;
-    LS_RETURN_IF_ERROR(require(dout.element_type() == dtype && dout.element_count() == out_elements &&
-                                   out.element_type() == dtype && out.element_count() == out_elements,
-                               "dout and out must be (batch, queries, heads, head_dim) in the sources' dtype, got " +
-                                   shape_string(dout.dimensions()) + " and " + shape_string(out.dimensions())));
-    LS_RETURN_IF_ERROR(require(stats.element_count() == l.batch * l.heads * l.queries,
-                               "stats must be (batch, heads, queries, 1), got " + shape_string(stats.dimensions())));
+  return guarded(device, [&]() -> ffi::Error {
+    const Operands in{query_source, key_value_source, seed, seq_len_q, seq_len_kv, mask_bias};
+    Prepared p;
+    LS_RETURN_IF_ERROR(prepare(true, device, in, causal, dropout_rate, logit_scale, &p));
+    LS_RETURN_IF_ERROR(check_backward_operands(p.layout, p.dtype, dout, out, stats));
     LS_RETURN_IF_ERROR(require_same_shape("d_query_source", *d_query_source, "query_source", query_source));
-    // A packed qkv (one source, P = 3) receives dq, dk and dv in one gradient.
-    void* d_key_value = d_query_source->untyped_data();
-    if (d_key_value_source.has_value()) {
-      LS_RETURN_IF_ERROR(
-          require_same_shape("d_key_value_source", **d_key_value_source, "key_value_source", key_value_source));
-      d_key_value = (*d_key_value_source)->untyped_data();
-    } else {
-      LS_RETURN_IF_ERROR(require(l.query_parts == 3 && query_source.untyped_data() == key_value_source.untyped_data(),
-                                 "without d_key_value_source the sources must be one packed (B, L, 3, H, D) qkv"));
-    }
-    DeviceScope scope(device);
-    if (scope.status() != cudaSuccess) return cuda_status_error("cudaSetDevice", scope.status());
-    DeviceState* state = nullptr;
-    LS_RETURN_IF_ERROR(device_state(device, &state));
-    GraphPtr graph;
-    LS_RETURN_IF_ERROR(cached_graph(true, device, dtype, l, options, state->handle, &graph));
-    if (options.masked) {
+    void* d_key_value = nullptr;
+    LS_RETURN_IF_ERROR(key_value_gradient(p.layout, in, *d_query_source, d_key_value_source, &d_key_value));
+    if (p.options.masked) {
       // Keys past seq_len_kv are masked out: zero their gradient rows, which cuDNN may leave unwritten.
-      const cudaError_t status =
-          cudaMemsetAsync(d_key_value, 0, key_value_source.size_bytes(), stream);
+      const cudaError_t status = cudaMemsetAsync(d_key_value, 0, key_value_source.size_bytes(), stream);
       if (status != cudaSuccess) return cuda_status_error("cudaMemsetAsync", status);
     }
-    const int64_t bytes = 2, part = l.heads * l.head_dim;
-    const int64_t k_offset = (l.key_value_parts - 2) * part, v_offset = (l.key_value_parts - 1) * part;
-    std::unordered_map<int64_t, void*> pack = {
-        {kQ, query_source.untyped_data()},
-        {kK, element_offset(key_value_source.untyped_data(), k_offset, bytes)},
-        {kV, element_offset(key_value_source.untyped_data(), v_offset, bytes)},
-        {kO, out.untyped_data()},
-        {kDO, dout.untyped_data()},
-        {kStats, stats.untyped_data()},
-        {kDQ, d_query_source->untyped_data()},
-        {kDK, element_offset(d_key_value, k_offset, bytes)},
-        {kDV, element_offset(d_key_value, v_offset, bytes)},
-    };
-    add_masks(pack, mask_pointers(seq_len_q, seq_len_kv, mask_bias));
-    return execute(graph, state, stream, scratch, options, seed, pack);
+    const int64_t bytes = 2;  // bf16 or f16
+    VariantPack pack = shared_pack(p.layout, in);
+    pack[kO] = out.untyped_data();
+    pack[kDO] = dout.untyped_data();
+    pack[kStats] = stats.untyped_data();
+    pack[kDQ] = d_query_source->untyped_data();
+    pack[kDK] = element_offset(d_key_value, key_offset(p.layout), bytes);
+    pack[kDV] = element_offset(d_key_value, value_offset(p.layout), bytes);
+    return execute(p, device, stream, seed, pack);
   });
+}
+
+// ---- bindings ----------------------------------------------------------------------------------------------
+// The pieces of the two targets' bindings they share, in the order of the handlers' parameters.
+
+auto bind_context() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>(); }
+
+template <typename Binding>
+auto bind_sources(Binding binding) {  // query_source, key_value_source
+  return std::move(binding).template Arg<ffi::AnyBuffer>().template Arg<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto bind_seed_and_mask(Binding binding) {  // seed [, seq_len_q, seq_len_kv, mask_bias]
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::U32>>()
+      .template OptionalArg<ffi::AnyBuffer>()
+      .template OptionalArg<ffi::AnyBuffer>()
+      .template OptionalArg<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto bind_attributes(Binding binding) {
+  return std::move(binding)
+      .template Attr<bool>("causal")
+      .template Attr<float>("dropout_rate")
+      .template Attr<float>("logit_scale");
+}
+
+auto forward_binding() {
+  // -> out, stats
+  return bind_attributes(
+      bind_seed_and_mask(bind_sources(bind_context())).Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+}
+
+auto backward_binding() {
+  // dout, sources, out, stats, seed, mask -> d_query_source [, d_key_value_source]
+  // (Bindings cannot be moved into a named variable, only passed on as temporaries.)
+  return bind_attributes(
+      bind_seed_and_mask(
+          bind_sources(bind_context().Arg<ffi::AnyBuffer>()).Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>())
+          .Ret<ffi::AnyBuffer>()
+          .OptionalRet<ffi::AnyBuffer>());
 }
 
 }  // namespace
 
+// The most bytes the workspace pool of `device` had in use at once since the previous read, which resets the mark;
+// -1 when no cuDNN attention ran on `device` or the pool cannot be read. For benchmarks (through ctypes): XLA's
+// memory statistics do not see this memory.
+extern "C" int64_t ls_attention_cudnn_workspace_peak(int device) {
+  Registry& all = registry();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto found = all.states.find(device);
+  if (found == all.states.end() || !found->second) return -1;
+  cudaMemPool_t pool = found->second->pool;
+  cuuint64_t peak = 0, zero = 0;
+  if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &peak) != cudaSuccess) return -1;
+  if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero) != cudaSuccess) return -1;
+  return static_cast<int64_t>(peak);
+}
+
 // Registered without the command-buffer trait (see the top of this file).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd, attention_cudnn_fwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("causal")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<float>("logit_scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd, attention_cudnn_fwd, forward_binding());
 LS_REGISTER_TARGET(ls_attention_cudnn_fwd);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd, attention_cudnn_bwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .OptionalArg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .OptionalRet<ffi::AnyBuffer>()
-                                  .Attr<bool>("causal")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<float>("logit_scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd, attention_cudnn_bwd, backward_binding());
 LS_REGISTER_TARGET(ls_attention_cudnn_bwd);
 
 }  // namespace ls

@@ -29,7 +29,8 @@ Three formulations:
       backward(dout, sources, bias, key_mask, keep_bits, lse) -> (d_sources, d_bias)
     and the XLA one (for a computation lowered for another platform) recomputes the probabilities from lse.
   cudnn (any length, bf16/f16, head_dim a multiple of 8 up to 128, or 256 on Hopper; ``ops.attention_cudnn``):
-    cuDNN's flash attention from the library's FFI handlers, nothing of size L x L stored. The projection bias
+    cuDNN's flash attention from the library's FFI handlers, nothing of size L x L stored; the default where the
+    library was built with it (``LS_JAX_CUDNN_ATTENTION=0`` runs the unfused attention instead). The projection bias
     is added by XLA first; the residuals are the biased sources, out and lse, and the seed, from which both
     directions draw the same dropout. cuDNN's dropout drops other elements than ``ls_jax.ops.random`` for the
     same seed (same keep probability and scale). Implementations share
@@ -293,15 +294,24 @@ def _cudnn_attention_bwd(causal, dropout_rate, residuals, dout):
 _cudnn_attention.defvjp(_cudnn_attention_fwd, _cudnn_attention_bwd)
 
 
+def cudnn_enabled() -> bool:
+    """Whether attention beyond the fused kernels may run cuDNN's (default); ``LS_JAX_CUDNN_ATTENTION=0`` turns it
+    off, to compare with the unfused attention."""
+    value = os.environ.get(CUDNN_ENV_VAR, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CUDNN_ENV_VAR} must be 0 (the unfused attention beyond the fused kernels) or 1 (cuDNN's "
+                         f"flash attention, the default), got {value!r}")
+    return value == "1"
+
+
 def _cudnn_reason(sources: Sources, key_mask, causal: bool, dropout_rate: float) -> str | None:
     """Why cuDNN attention cannot run these operands, or None. A missing cuDNN package is an error when the kernels
     are required (LS_JAX_KERNELS=ffi), a logged fallback otherwise."""
+    if not cudnn_enabled():
+        return f"cuDNN attention is turned off ({CUDNN_ENV_VAR}=0)"
     reason = attention_cudnn.shape_reason(sources, key_mask, causal, dropout_rate)
     if reason is not None:
         return reason
-    if os.environ.get(CUDNN_ENV_VAR) != "1":
-        return (f"cuDNN attention is off by default ({CUDNN_ENV_VAR}=1 turns it on): its handlers cannot take "
-                f"scratch memory from XLA's FFI allocator yet (ffi_kernels/NOTES.md)")
     missing = attention_cudnn.missing()
     if missing is not None and backend.requested_mode() == "ffi":
         raise backend.KernelsUnavailableError(

@@ -57,6 +57,12 @@ def missing() -> str | None:
     return ffi_kernels.cudnn_attention_missing()
 
 
+def workspace_peak_bytes(device: int = 0) -> int | None:
+    """The most bytes cuDNN attention's workspace on CUDA ``device`` took at once since the previous read (which
+    resets the mark), or None when it never ran there. This memory lies outside XLA's allocator and its statistics."""
+    return ffi_kernels.cudnn_workspace_peak_bytes(device)
+
+
 def _compute_capability() -> str:
     """The first CUDA device's compute capability, e.g. "9.0" ("" when JAX does not report it)."""
     return str(getattr(jax.devices("cuda")[0], "compute_capability", ""))

@@ -277,11 +277,10 @@ def test_attention_lowers_to_its_kernels_for_the_shapes_they_take(kernels_enable
     monkeypatch.setattr(ops.attention_cudnn, "missing", lambda: None)
     monkeypatch.delenv(ops.attention.CUDNN_ENV_VAR, raising=False)
     retraced = lambda q, kv: cross(q, kv)  # the kernel choice is made when tracing
-    assert _targets(_cuda_module(retraced, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
-    monkeypatch.setenv(ops.attention.CUDNN_ENV_VAR, "1")
+    assert _targets(_cuda_module(retraced, query, too_long)) == {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}
+    monkeypatch.setenv(ops.attention.CUDNN_ENV_VAR, "0")
     retraced_again = lambda q, kv: cross(q, kv)
-    assert _targets(_cuda_module(retraced_again, query, too_long)) == {"ls_attention_cudnn_fwd",
-                                                                       "ls_attention_cudnn_bwd"}
+    assert _targets(_cuda_module(retraced_again, query, too_long)) == {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
 
 
 def test_cross_entropy_backward_lowers_in_place_over_the_logits(kernels_enabled):

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _cudnn_attention_on(monkeypatch):
-    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "1")
+def _cudnn_attention_by_default(monkeypatch):
+    """cuDNN attention is the default: nothing in the environment may turn it off for these tests."""
+    monkeypatch.delenv(attention.CUDNN_ENV_VAR, raising=False)
+
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 TARGETS = {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}
@@ -59,17 +61,19 @@ def _bias_grad_summed_in_f32(result):
     return out, (*grads[:-1], jnp.sum(grads[0].astype(F32), axis=(0, 1)))
 
 
-# (queries, keys or None for self-attention, key mask, causal): lengths 129 to 4096, cross attention with more and
-# fewer queries than keys, right-padded rows (one all padding) and masks that are not prefixes.
+# (queries, keys or None for self-attention, key mask, causal): lengths 129 to 4096, odd ones among them, cross
+# attention with more and fewer queries than keys, right-padded rows (one all padding) and masks that are not prefixes.
 CASES = [
     (129, None, None, False),
     (512, None, "padded", True),
-    (1000, None, "scattered", False),
+    (1001, None, "scattered", False),
     (2048, None, None, True),
     (4096, None, "padded", False),
+    (4095, None, "padded", True),
     (1000, 129, "scattered", False),
-    (129, 2048, "padded", False),
-    (512, None, "scattered", True),
+    (129, 2047, "padded", False),
+    (511, None, "scattered", True),
+    (333, 1537, None, False),
 ]
 
 
@@ -89,14 +93,17 @@ def test_cudnn_attention_matches_xla(index, dtype, head_dim):
         assert not np.asarray(got[0][-1], np.float32).any(), "the all-padding row gives zeros"
 
 
-def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned():
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("queries, keys", [(200, 520), (131, 1037), (1, 4096), (1000, 4095)])
+def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned(queries, keys, dtype, head_dim):
     """The internal formulation with queries < keys: query q sees keys 0 .. q + K - Q (no mask, no dropout)."""
-    sources = (normal(0, (2, 200, 1, 2, 64), BF16), normal(1, (2, 520, 2, 2, 64), BF16))
+    sources = (normal(0, (2, queries, 1, 2, head_dim), dtype), normal(1, (2, keys, 2, 2, head_dim), dtype))
     run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, True, 0.0))
-    cotangent = normal(2, (2, 200, 2, 64), BF16)
+    cotangent = normal(2, (2, queries, 2, head_dim), dtype)
     assert kernel_targets(run, sources, cotangent) == TARGETS
     got, want = on_backend("ffi", run, sources, cotangent), on_backend("xla", run, sources, cotangent)
-    assert_backends_agree(got, want, BF16, "causal cross attention")
+    assert_backends_agree(got, want, dtype, f"causal cross attention {queries}x{keys} {head_dim}")
 
 
 def _dropped_probabilities(rate, seed, queries=1024, keys=128, heads=2, batch=2):
@@ -148,6 +155,30 @@ def test_one_seed_gives_one_result_and_another_seed_another():
     assert 0.1 < differs.mean() < 0.3, "another seed drops other elements"
 
 
+def _assert_same_run(got, want, dtype, label):
+    """The forward bit for bit; the gradients within the backends' tolerance (cuDNN's backward may accumulate dq in
+    an order that varies between runs)."""
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    assert_backends_agree(got[1], want[1], dtype, label)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_masked_causal_self_attention_with_dropout_is_one_function_of_its_seed(dtype):
+    """An odd length with padding (one row all padding), causal, dropout: the same seed twice gives the same result,
+    another seed another, and the all-padding row stays zero."""
+    op, primals, cotangent = _case(7, 1537, None, "padded", True, dtype, 128, rate=0.1)
+    run = value_and_grads(op)
+    assert kernel_targets(run, primals, cotangent) == TARGETS
+    first, again = on_backend("ffi", run, primals, cotangent), on_backend("ffi", run, primals, cotangent)
+    _assert_same_run(again, first, dtype, "masked causal dropout, one seed")
+    other_op, _, _ = _case(8, 1537, None, "padded", True, dtype, 128, rate=0.1)  # the same mask, seed 8
+    other = on_backend("ffi", value_and_grads(other_op), primals, cotangent)
+    differs = np.asarray(first[0][0], np.float32) != np.asarray(other[0][0], np.float32)  # the row with keys
+    assert differs.mean() > 0.5, "another seed drops other probabilities, changing most outputs"
+    assert np.isfinite(np.asarray(first[0], np.float32)).all()
+    assert not np.asarray(first[0][-1], np.float32).any(), "the all-padding row gives zeros"
+
+
 def test_a_new_seed_each_step_reuses_one_compilation():
     query, key_value = normal(50, (1, 300, 2, 64), BF16), normal(51, (1, 300, 2, 2, 64), BF16)
     with_seed = jax.jit(lambda seed: ops.cross_attention(query, key_value, dropout_rate=0.1, seed=seed))
@@ -155,6 +186,24 @@ def test_a_new_seed_each_step_reuses_one_compilation():
         outs = [with_seed(seed_array(step)) for step in range(3)]
     assert with_seed._cache_size() == 1
     assert not np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def test_many_steps_reuse_the_workspace_free_it_and_repeat_their_result():
+    """Twenty forward + backward steps at length 4096 allocate and free their workspace on the stream each time:
+    every step runs and gives the first step's result, the pool saw the allocations (at least the 256 bytes of the
+    widened seed), and once the steps are done none of its memory is still in use."""
+    op, primals, cotangent = _case(9, 4096, None, "padded", True, BF16, 128, heads=4, batch=2)
+    with backend.use("ffi"):
+        step = jax.jit(value_and_grads(op))
+        first = jax.block_until_ready(step(primals, cotangent))
+        attention_cudnn.workspace_peak_bytes()  # resets the mark
+        results = [step(primals, cotangent) for _ in range(20)]
+        jax.block_until_ready(results)
+    for result in results:
+        _assert_same_run(result, first, BF16, "a later step")
+    peak = attention_cudnn.workspace_peak_bytes()
+    assert peak is not None and peak >= 256, f"workspace peak {peak}"
+    assert attention_cudnn.workspace_peak_bytes() == 0, "every workspace was freed"
 
 
 def _call_forward(query_source, key_value_source):

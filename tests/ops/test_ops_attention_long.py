@@ -63,6 +63,8 @@ CASES = [
     (2, 1, 8, 333, 17, "scattered", False),
     (2, 1, 8, 1000, None, "scattered", True),
     (1, 1, 8, 4096, None, "prefix", True),
+    (2, 1, 8, 17, 1031, None, True),  # causal, fewer queries than keys: the diagonal from the bottom right
+    (2, 2, 8, 1031, 17, "scattered", True),  # causal, more queries: the first 1014 see no key
 ]
 
 
@@ -115,19 +117,40 @@ def _check_against_reference(op, index, case):
     np.testing.assert_allclose(np.reshape(d_bias, want_bias.shape), want_bias, rtol=2e-4, atol=2e-5 * np.abs(want_bias).max())
     if key_mask is not None and not np.asarray(key_mask[-1]).any():
         assert not np.asarray(out[-1]).any(), "a row with no visible key gives zeros"
+    if causal and case[4] is not None and case[3] > case[4]:
+        assert not np.asarray(out[:, : case[3] - case[4]]).any(), "causal queries before the first key give zeros"
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[3]}x{c[4] or c[3]}-{c[5]}-{c[6]}" for c in CASES])
+_PUBLIC = [index for index, case in enumerate(CASES) if not (case[-1] and case[4] is not None)]  # cross: not causal
+
+
+def _case_id(index: int) -> str:
+    _, _, _, queries, keys, mask_kind, causal = CASES[index]
+    return f"{queries}x{keys or queries}-{mask_kind}-{causal}"
+
+
+@pytest.mark.parametrize("index", _PUBLIC, ids=[_case_id(i) for i in _PUBLIC])
 def test_xla_attention_matches_float64_reference(index):
-    case = CASES[index]
-    if case[-1] and case[4] is not None:
-        pytest.skip("the public cross attention is not causal")
-    _check_against_reference(_public_op, index, case)
+    _check_against_reference(_public_op, index, CASES[index])
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[3]}x{c[4] or c[3]}-{c[5]}-{c[6]}" for c in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(i) for i in range(len(CASES))])
 def test_cudnn_formulation_xla_implementation_matches_float64_reference(index):
     _check_against_reference(_cudnn_formulation_op, index, CASES[index])
+
+
+def _fused_formulation_op(sources, bias, key_mask, causal):
+    return attention._attention(sources, bias, key_mask, None, causal, 0.0)
+
+
+_UP_TO_1031 = [index for index, case in enumerate(CASES) if max(case[3], case[4] or 0) <= 1031]
+
+
+@pytest.mark.parametrize("index", _UP_TO_1031, ids=[_case_id(i) for i in _UP_TO_1031])
+def test_fused_formulation_xla_implementation_matches_float64_reference(index):
+    """The XLA implementation of the fused kernels' formulation (what a computation lowered elsewhere runs) at any
+    length, including causal with queries != keys."""
+    _check_against_reference(_fused_formulation_op, index, CASES[index])
 
 
 def test_causal_with_fewer_queries_than_keys_is_bottom_right_aligned():
@@ -161,7 +184,7 @@ def kernels_enabled(monkeypatch):
     monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
     monkeypatch.setattr(ffi_kernels, "sm_count", lambda: 132)
     monkeypatch.setattr(attention_cudnn, "_compute_capability", lambda: "9.0")
-    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "1")
+    monkeypatch.delenv(attention.CUDNN_ENV_VAR, raising=False)
 
 
 def _lowered_targets(op, *primals):
@@ -231,12 +254,19 @@ def test_cudnn_shape_reasons_name_the_limit(kernels_enabled):
     assert "takes queries < keys" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True, rate=0.1)
 
 
-def test_cudnn_attention_is_off_unless_asked_for(kernels_enabled, monkeypatch, caplog):
-    """Without LS_JAX_CUDNN_ATTENTION=1 long attention lowers to the unfused kernels, saying why once."""
-    monkeypatch.delenv(attention.CUDNN_ENV_VAR)
+def test_cudnn_attention_is_the_default_and_the_env_var_turns_it_off(kernels_enabled, monkeypatch, caplog):
+    """Long attention lowers to cuDNN by default; LS_JAX_CUDNN_ATTENTION=0 gives the unfused kernels, saying why
+    once; any other value is an error naming the variable."""
     monkeypatch.setattr(attention_cudnn, "missing", lambda: None)
+    _common.log_fallback_once.cache_clear()
     qkv = jnp.ones((1, 256, 3, 2, 64), jnp.bfloat16)
+    lowered = lambda: jax.jit(lambda x: ops.self_attention(x)).trace(qkv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ls_attention_cudnn_fwd" in lowered()
+    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "0")
     with caplog.at_level(logging.WARNING, logger="ls_jax.ops"):
-        text = jax.jit(lambda x: ops.self_attention(x)).trace(qkv).lower(lowering_platforms=("cuda",)).as_text()
+        text = lowered()
     assert "ls_attention_cudnn_fwd" not in text and "ls_attn_softmax_fwd" in text
-    assert attention.CUDNN_ENV_VAR in caplog.text
+    assert f"{attention.CUDNN_ENV_VAR}=0" in caplog.text
+    monkeypatch.setenv(attention.CUDNN_ENV_VAR, "off")
+    with pytest.raises(ValueError, match=f"{attention.CUDNN_ENV_VAR} must be 0 .* or 1 .*got 'off'"):
+        lowered()

@@ -12,10 +12,12 @@ forward plus one backward pass (``jax.vjp`` on a fixed cotangent, jitted) in fou
                the reference (it has no dropout)
 ls_jax's variants take the packed (B, L, 3, H, D) qkv and its f32 projection bias (3, H, D), as the layers pass
 them; the reference gets q, k and v with the bias added by XLA. Reported per variant: median milliseconds, the
-ratio to the reference, the FFI targets the ffi variants called (a silent fallback shows), and the XLA temporary
-bytes of the compiled pass (``memory_analysis``: residuals and intermediates XLA allocates; the unfused
-variant's L x L probabilities show here, the workspace cuDNN takes from XLA's scratch allocator at run time does
-not), whose growth with L shows which variants store L x L. Results go to docs/results/attention-<device>.json.
+ratio to the reference, the FFI targets the ffi variants called (a silent fallback shows), and the pass's peak
+memory: the bytes XLA allocates for it (``memory_analysis``: arguments, outputs and temporaries, which hold the
+unfused variant's L x L probabilities and the reference's cuDNN workspace) plus, for the ffi variants, the most
+the cuDNN handlers' workspace pool (outside XLA) had in use. The default cases keep batch x length at 16384 tokens,
+so a variant whose memory is linear in L keeps its peak while the unfused one grows with L. Results go to
+docs/results/attention-<device>.json.
 
 ``--quick`` divides batch and length by 8 (at least 1 and 16): a smoke test that runs on CPU with xla alone.
 """
@@ -32,17 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax import backend, ops
+from ls_jax.ops import attention_cudnn
 from train.benchmarks import common
 
 DTYPE = jnp.bfloat16
 DROPOUT = 0.1
-CASES: tuple[tuple[int, int, int, int], ...] = (
-    (32, 512, 12, 64),
-    (8, 1024, 12, 64),
-    (4, 2048, 16, 64),
-    (2, 4096, 16, 64),
-    (8, 1024, 16, 128),
-    (4, 2048, 16, 128),
+CASES: tuple[tuple[int, int, int, int], ...] = tuple(
+    (16384 // length, length, 1024 // head_dim, head_dim)
+    for head_dim in (64, 128)
+    for length in (512, 1024, 2048, 4096)
 )
 QUICK_DIVISOR = 8
 
@@ -71,9 +71,20 @@ def variants(on_gpu: bool) -> dict[str, tuple[backend.KernelMode, Callable[..., 
     return table
 
 
-def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, quick: bool) -> dict[str, Any]:
+def _xla_bytes(memory: Any) -> int | None:
+    """Bytes XLA allocates for a compiled pass: arguments, outputs and temporaries, less what outputs alias."""
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    sizes = [getattr(memory, field, None) for field in fields]
+    if any(size is None for size in sizes):
+        return None
+    arguments, outputs, temps, aliased = sizes
+    return arguments + outputs + temps - aliased
+
+
+def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, quick: bool,
+            on_gpu: bool) -> dict[str, Any]:
     """Median time of one forward + backward of ``op`` traced in kernel mode ``mode``, its FFI targets and the
-    compiled pass's XLA temporary bytes."""
+    pass's peak memory (XLA's bytes plus the cuDNN handlers' workspace)."""
 
     def run(primals, cotangent):
         out, vjp = jax.vjp(op, *primals)
@@ -82,16 +93,24 @@ def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, qui
     cotangent = jnp.ones(jax.eval_shape(op, *primals).shape, DTYPE)
     fn = jax.jit(run)
     sampling = dict(warmup=2, samples=5, inner=2) if quick else dict(warmup=5, samples=30, inner=5)
+    with_workspace = on_gpu and mode == "ffi"
     with backend.use(mode):  # the mode is read when the function is traced
         lowered = fn.lower(primals, cotangent)
         memory = lowered.compile().memory_analysis()
+        if with_workspace:
+            attention_cudnn.workspace_peak_bytes()  # resets the mark
         timing = common.time_call(lambda: fn(primals, cotangent), **sampling)
+    workspace = attention_cudnn.workspace_peak_bytes() if with_workspace else None
+    xla_bytes = _xla_bytes(memory)
     return {
         "median_ms": 1e3 * timing["median_s"],
         "p10_ms": 1e3 * timing["p10_s"],
         "p90_ms": 1e3 * timing["p90_s"],
         "kernels": sorted(set(re.findall(r"custom_call @(ls_\w+)", lowered.as_text()))),
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "xla_bytes": xla_bytes,
+        "cudnn_workspace_bytes": workspace,
+        "peak_bytes": None if xla_bytes is None else xla_bytes + (workspace or 0),
     }
 
 
@@ -102,7 +121,7 @@ def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool) -> dic
     primals = (_normal(0, (batch, length, 3, heads, head_dim), DTYPE), _normal(1, (3, heads, head_dim), jnp.float32))
     result: dict[str, Any] = {"batch": batch, "length": length, "heads": heads, "head_dim": head_dim}
     for name, (mode, op) in variants(on_gpu).items():
-        result[name] = measure(op, mode, primals, quick)
+        result[name] = measure(op, mode, primals, quick, on_gpu)
     if "cudnn" in result:
         reference_ms = result["cudnn"]["median_ms"]
         for name in ("ffi", "ffi_dropout", "xla"):
@@ -117,7 +136,7 @@ def _format_row(result: dict[str, Any]) -> str:
         if name in result:
             r = result[name]
             ratio = f" ({r['time_vs_cudnn']:.2f}x)" if "time_vs_cudnn" in r else ""
-            temp = f" {r['temp_bytes'] / 2**20:7.1f} MiB" if r["temp_bytes"] is not None else ""
+            temp = f" peak {r['peak_bytes'] / 2**20:7.1f} MiB" if r["peak_bytes"] is not None else ""
             cells.append(f"{name} {r['median_ms']:8.3f} ms{ratio}{temp}")
     return f"{shape:<18} " + " | ".join(cells)
 

@@ -26,8 +26,11 @@ from train.step import Batch, TrainState
 DATA_AXIS = "data"
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(heartbeat_timeout_s: int = 100) -> None:
     """Joins the job's processes with ``jax.distributed.initialize()``.
+
+    JAX's runtime declares a process dead after ``heartbeat_timeout_s`` without its heartbeat, and a process that
+    ends waits at most that long at the shutdown barrier for the others.
 
     On SLURM, Open MPI, Kubernetes and TPU VMs JAX finds the coordinator and this process's rank itself. On a
     plain machine or a cluster JAX does not know, the environment says it: ``JAX_COORDINATOR_ADDRESS`` (host:port
@@ -42,7 +45,8 @@ def initialize_distributed() -> None:
     except ValueError:
         raise ValueError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got {counts}") from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               shutdown_timeout_seconds=heartbeat_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)

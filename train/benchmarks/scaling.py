@@ -15,7 +15,7 @@ split, and one layer of each repeated kind is timed with its gradients' all-redu
 forward and optimizer).
 
 ``--variant-xla-flags FLAGS`` first runs, in a child process whose XLA_FLAGS add FLAGS, the ls_jax_ffi replicated
-step of each model at the largest of ``--devices``; its rows join the results, marked with their flags.
+step of each model (or of ``--variant-models``) at the largest of ``--devices``; its rows join the results, marked with their flags.
 
 Models: ``big-6e6d`` (Transformer-big, 6 + 6 layers, 64-token sentences, ``--tokens-per-device`` target tokens per
 device; ``tiny-2e2d`` the same shape of step for a CPU) and ``bert-base`` (sequence classification, ``--bert-batch``
@@ -153,9 +153,10 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
     for name in args.models.split(","):
         rows, length = scaling_models.rows_and_length(name, args.tokens_per_device, args.bert_batch, args.bert_length)
         model = scaling_models.build(name, rows, length)
+        with backend.use("xla"):  # the same values whichever implementation trains them
+            params = model.init_params()
         for implementation in args.implementations.split(","):
             with backend.use(IMPLEMENTATIONS[implementation]):
-                params = model.init_params()
                 for n in counts:
                     for mode in modes_of(args, name, implementation):
                         pending.append(step_row(("step", name, implementation, mode, n), model, params, mode,
@@ -258,7 +259,8 @@ def run_variant(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--variant-xla-flags needs --devices (the child runs at the largest count)")
     largest = max(int(c) for c in args.devices.split(","))
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "train.bench", "scaling", "--models", args.models, "--implementations",
+        command = [sys.executable, "-m", "train.bench", "scaling", "--models", args.variant_models or args.models,
+                   "--implementations",
                    "ls_jax_ffi", "--modes", "replicated", "--devices", str(largest), "--no-split", "--no-plot",
                    "--steps", str(args.steps), "--tokens-per-device", str(args.tokens_per_device),
                    "--bert-batch", str(args.bert_batch), "--bert-length", str(args.bert_length),
@@ -297,6 +299,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--allreduce-mb", type=int, default=256)
     parser.add_argument("--no-split", dest="split", action="store_false", help="no pieces, no backward estimate")
     parser.add_argument("--variant-xla-flags", help="also run the ffi replicated rows with these XLA flags added")
+    parser.add_argument("--variant-models", help="models of the variant rows (default: --models)")
     parser.add_argument("--compile-threads", type=int, default=8)
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     common.add_out_argument(parser, "scaling")

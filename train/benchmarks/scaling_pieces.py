@@ -70,7 +70,7 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
     batch = jax.tree.map(lambda x: jnp.asarray(x[0]), model.batch)
     rng = jax.random.PRNGKey(2)
     loss = lambda params, batch, rng: model.loss_fn(params, batch, rng)[0]  # noqa: E731
-    grads = jax.jit(jax.grad(loss))(state.params, batch, rng)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)  # the update's time ignores values
 
     def update(grads, opt_state, params):
         params, opt_state = ls_jax.optim.fused_apply(tx, grads, opt_state, params)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
-#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops optim e2e profile train
+#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops optim e2e profile scaling
+#                                    multiprocess train
 # TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench; *_TIMEOUT bound the stages.
 # Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
 # docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
@@ -34,11 +35,14 @@ for name in "$@"; do
         --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops_transforms.py || status=1 ;;
     ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    multiprocess)  # 2 processes x 1 GPU against 1 process x 2 GPUs
+      timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;
   esac
 done
-for suite in ops attention optim e2e profile scaling; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
+for suite in ops attention optim e2e profile scaling multiprocess; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
+cp docs/results/scaling-*.png "$OUT"/ 2>/dev/null
 cp docs/results/e2e-*.png "$OUT"/ 2>/dev/null
 echo "=== done, status $status"
 exit $status

@@ -179,12 +179,16 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str
     return EXIT_FINISHED
 
 
+USER_ERRORS = (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError)
+"""Bad input: reported as one ``error:`` line with exit code 2."""
+
+
 def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
     """Runs an entry point; bad input (flags, files, a missing optional package or kernel library) is one ``error:``
     line and exit code 2, a signal before training started 128 + its number."""
     try:
         return run(list(sys.argv[1:] if argv is None else argv))
-    except (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as err:

@@ -25,6 +25,7 @@ from ls_jax import backend as backend_lib
 from train import cli, peers, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
+from train.errors import Interrupted
 from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, StopSignals, TrainResult, train
 from train.optimizer import make_optimizer
@@ -108,9 +109,11 @@ def _start(task: Task, argv: list[str]) -> int:
         with backend_lib.use(config["backend"]):
             backend_lib.active_backend()
             return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
-    except jax.errors.JaxRuntimeError:
-        if watch is not None:
-            watch.settle()  # a collective failed as a process died: the watch says so in one line and exits
+    except Exception as err:
+        if watch is not None and not isinstance(err, (*cli.USER_ERRORS, Interrupted)):
+            # A collective, barrier or checkpoint write failed (in whatever error its library raises) as another
+            # process died: the watch says so in one line and exits; any other error is raised after it waited.
+            watch.settle()
         raise
     finally:
         if watch is not None:

@@ -68,13 +68,13 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     command = [sys.executable, "-m", "train.bench", "scaling", "--models", "tiny-2e2d,bert-tiny", "--implementations",
                "ls_jax_xla", "--devices", "1,2", "--steps", "1", "--bert-batch", "4", "--bert-length", "16",
                "--tokens-per-device", "128", "--allreduce-mb", "1", "--sharded-for", "tiny-2e2d:ls_jax_xla",
-               "--compile-threads", "2", "--no-plot", "--out", str(tmp_path)]
+               "--compile-threads", "2", "--no-plot", "--tag", "tiny", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "scaling-cpu.json").read_text())
+    data = json.loads((tmp_path / "scaling-cpux2-tiny.json").read_text())
     rows = {(r["model"], r["mode"], r["devices"]): r for r in data["results"]}
-    assert set(rows) == {("tiny-2e2d", "replicated", 1), ("tiny-2e2d", "replicated", 2), ("tiny-2e2d", "sharded", 1),
-                         ("tiny-2e2d", "sharded", 2), ("bert-tiny", "replicated", 1), ("bert-tiny", "replicated", 2)}
+    assert set(rows) == {("tiny-2e2d", "replicated", 1), ("tiny-2e2d", "replicated", 2), ("tiny-2e2d", "sharded", 2),
+                         ("bert-tiny", "replicated", 1), ("bert-tiny", "replicated", 2)}
     for (model, mode, n), row in rows.items():
         assert row["step_ms"] > 0 and row["efficiency"] > 0 and row["tokens_per_s"] > 0
         assert ("split" in row) == (mode == "replicated")

@@ -158,7 +158,7 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
         for implementation in args.implementations.split(","):
             with backend.use(IMPLEMENTATIONS[implementation]):
                 for n in counts:
-                    for mode in modes_of(args, name, implementation):
+                    for mode in modes_of(args, name, implementation, n):
                         pending.append(step_row(("step", name, implementation, mode, n), model, params, mode,
                                                 devices[:n], args.steps))
                 if args.split:
@@ -185,9 +185,11 @@ def _split_pieces(name: str, implementation: str, model: scaling_models.BenchMod
             *(p for kind in model.layers for p in scaling_pieces.layer_pieces(key, kind, first[kind.name]))]
 
 
-def modes_of(args: argparse.Namespace, model: str, implementation: str) -> list[str]:
-    """The optimizer modes of (model, implementation): --modes, with sharded only where --sharded-for allows."""
-    allowed = args.sharded_for == "all" or f"{model}:{implementation}" in args.sharded_for.split(",")
+def modes_of(args: argparse.Namespace, model: str, implementation: str, devices: int) -> list[str]:
+    """The optimizer modes of (model, implementation) on ``devices``: --modes, with sharded only where
+    --sharded-for allows and on more than one device (on one it is the replicated step with extra copies; its
+    rows' efficiency is against the replicated 1-device step)."""
+    allowed = devices > 1 and (args.sharded_for == "all" or f"{model}:{implementation}" in args.sharded_for.split(","))
     return [mode for mode in args.modes.split(",") if mode != "sharded" or allowed]
 
 
@@ -300,7 +302,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-split", dest="split", action="store_false", help="no pieces, no backward estimate")
     parser.add_argument("--variant-xla-flags", help="also run the ffi replicated rows with these XLA flags added")
     parser.add_argument("--variant-models", help="models of the variant rows (default: --models)")
-    parser.add_argument("--compile-threads", type=int, default=8)
+    parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--tag", help="name the file scaling-<device>x<N>-<TAG>.json (N: devices of this host)")
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     common.add_out_argument(parser, "scaling")
     return parser.parse_args(argv)
@@ -324,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "backward_estimate": ESTIMATE_METHOD},
                                            "wall_s": time.perf_counter() - started,
                                            "config": {**vars(args), "out": str(args.out)}}, args.out)
+    named = path.with_name(f"scaling-{common.device_slug()}x{len(devices)}{'-' + args.tag if args.tag else ''}.json")
+    path = path.rename(named)
     report(tables, probes)
     if args.plot:
         plot(tables["results"], path.with_suffix(".png"), devices[0].device_kind)

@@ -40,7 +40,8 @@ class Store:
 
 
 def _watch(store, process, lost, timeout=0.5):
-    return peers.PeerWatch(store, process, 3, timeout, lambda peer, reason: lost.append((process, peer, reason))).start()
+    report = lambda peer, reason: lost.append((process, peer, reason))  # noqa: E731
+    return peers.PeerWatch(store, process, 3, timeout, report).start()
 
 
 def test_a_silent_process_is_reported_and_a_finished_one_is_not():

@@ -92,6 +92,14 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
         [s["compute_ms"] for s in tiny["stages"]], [s["comm_ms"] for s in tiny["stages"]]))
     assert tiny["relative_error"] == pytest.approx((tiny["estimated_ms"] - tiny["measured_ms"]) / tiny["measured_ms"])
     pieces = {p["model"]: p for p in data["pieces"]}
+    bus = data["allreduce"][0]["bus_gb_per_s"]
+    assert tiny["stages_from_bandwidth"][-1]["comm_ms"] == pytest.approx(
+        2 * (2 - 1) / 2 * pieces["tiny-2e2d"]["rest_gradient_bytes"] / (bus * 1e9) * 1e3)
+    bert, layer = estimates[("bert-tiny", 1)], pieces["bert-tiny"]["layers"]["encoder layer"]
+    backward = pieces["bert-tiny"]["forward_backward_ms"] - pieces["bert-tiny"]["forward_ms"]
+    in_layers = 2 * (layer["forward_backward_ms"] - layer["forward_ms"])
+    assert bert["stages"][0]["compute_ms"] == pytest.approx(max(backward - in_layers, 0))
+    assert bert["estimated_ms"] == pytest.approx(max(backward, in_layers))  # nothing to send on one device
     assert pieces["bert-tiny"]["layers"]["encoder layer"]["count"] == 2
     assert pieces["bert-tiny"]["layers"]["encoder layer"]["gradient_bytes"] > 0
     assert [p["devices"] for p in data["allreduce"]] == [2] and data["allreduce"][0]["bus_gb_per_s"] > 0

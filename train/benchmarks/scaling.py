@@ -15,7 +15,8 @@ split, and one layer of each repeated kind is timed with its gradients' all-redu
 forward and optimizer).
 
 ``--variant-xla-flags FLAGS`` first runs, in a child process whose XLA_FLAGS add FLAGS, the ls_jax_ffi replicated
-step of each model (or of ``--variant-models``) at the largest of ``--devices``; its rows join the results, marked with their flags.
+step of each model (or of ``--variant-models``) at the largest of ``--devices``; its rows join the results,
+marked with their flags.
 
 Models: ``big-6e6d`` (Transformer-big, 6 + 6 layers, 64-token sentences, ``--tokens-per-device`` target tokens per
 device; ``tiny-2e2d`` the same shape of step for a CPU) and ``bert-base`` (sequence classification, ``--bert-batch``
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from ls_jax import backend
 from ls_jax.optim import shard_optimizer
@@ -68,7 +69,8 @@ ESTIMATE_METHOD = (
     "alone minus its forward, on one device's activations) and the psum of its parameter-shaped gradients over N "
     "devices, jitted alone; the backward outside the repeated layers = backward_ms minus the layers' sum, run "
     "first; the other parameters' gradients all-reduced last. measured_ms = step time at N minus forward_ms and "
-    "optimizer_ms. serial_ms: the same stages with no overlap."
+    "optimizer_ms. serial_ms: the same stages with no overlap. *_from_bandwidth: each all-reduce's time taken as "
+    "2 (N - 1) / N * its bytes / the probe's bus bandwidth instead of timed."
 )
 
 
@@ -223,20 +225,29 @@ def assemble(measured: dict[tuple, dict], shapes: dict, counts: list[int], flags
 
 
 def estimate(row: dict, piece: dict, layers: dict, measured: dict, info: dict) -> dict[str, Any]:
-    """The overlap model's backward at the row's N against the measured one (`overlap.model_stages`)."""
+    """The overlap model's backward at the row's N against the measured one (`overlap.model_stages`), with each
+    all-reduce timed alone and, as the study derives it, from its bytes and the probe's bus bandwidth."""
     name, n = row["model"], row["devices"]
-    comm = lambda kind: measured[("allreduce", name, n, kind)]["ms"] if n > 1 else 0.0  # noqa: E731
-    per_kind = [(kind.name, kind.count, layers[kind.name]["forward_backward_ms"] - layers[kind.name]["forward_ms"],
-                 comm(kind.name)) for kind in info["model"].layers]
+    bytes_of = {**{kind: value["gradient_bytes"] for kind, value in layers.items()},
+                "rest": scaling_models.tree_bytes(info["rest"])}
+    timed = lambda kind: measured[("allreduce", name, n, kind)]["ms"] if n > 1 else 0.0  # noqa: E731
+    bus = measured[("probe", n)]["bus_gb_per_s"] if n > 1 else math.inf
+    from_bandwidth = lambda kind: 2 * (n - 1) / n * bytes_of[kind] / (bus * 1e9) * 1e3  # noqa: E731
     backward = piece["forward_backward"] - piece["forward"]
-    stages = overlap.model_stages(backward, per_kind, comm("rest"))
-    compute, sends = [s[1] for s in stages], [s[2] for s in stages]
-    estimated = overlap.overlapped_backward(compute, sends)
     measured_ms = row["step_ms"] - piece["forward"] - piece["optimizer"]
-    return {"model": name, "implementation": row["implementation"], "devices": n, "xla_flags": row["xla_flags"],
-            "stages": [{"name": s[0], "compute_ms": s[1], "comm_ms": s[2]} for s in stages],
-            "estimated_ms": estimated, "serial_ms": sum(compute) + sum(sends), "measured_ms": measured_ms,
-            "relative_error": overlap.relative_error(estimated, measured_ms)}
+    out = {"model": name, "implementation": row["implementation"], "devices": n, "xla_flags": row["xla_flags"],
+           "measured_ms": measured_ms}
+    for suffix, comm in (("", timed), ("_from_bandwidth", from_bandwidth)):
+        per_kind = [(kind.name, kind.count,
+                     layers[kind.name]["forward_backward_ms"] - layers[kind.name]["forward_ms"], comm(kind.name))
+                    for kind in info["model"].layers]
+        stages = overlap.model_stages(backward, per_kind, comm("rest"))
+        compute, sends = [s[1] for s in stages], [s[2] for s in stages]
+        estimated = overlap.overlapped_backward(compute, sends)
+        out.update({f"stages{suffix}": [{"name": s[0], "compute_ms": s[1], "comm_ms": s[2]} for s in stages],
+                    f"estimated{suffix}_ms": estimated, f"serial{suffix}_ms": sum(compute) + sum(sends),
+                    f"relative_error{suffix}": overlap.relative_error(estimated, measured_ms)})
+    return out
 
 
 def efficiencies(results: list[dict[str, Any]]) -> None:
@@ -347,7 +358,8 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
               f"{(r['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB {split}", flush=True)
     for e in tables["backward_estimate"]:
         print(f"{e['model']:9s} {e['implementation']:10s} N={e['devices']}: backward estimated {e['estimated_ms']:.2f}"
-              f" ms, measured {e['measured_ms']:.2f} ms ({100 * e['relative_error']:+.1f}%)", flush=True)
+              f" ms ({100 * e['relative_error']:+.1f}%; from bandwidth {e['estimated_from_bandwidth_ms']:.2f} ms, "
+              f"{100 * e['relative_error_from_bandwidth']:+.1f}%), measured {e['measured_ms']:.2f} ms", flush=True)
 
 
 def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:

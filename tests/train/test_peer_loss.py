@@ -121,6 +121,7 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path, victim):
             if process.poll() is None:
                 process.kill()
     lines = [line for line in stderr.splitlines() if line.strip()]
+    print(f"survivor stopped {stopped_after:.1f} s after the kill: {lines[-1] if lines else ''}")  # shown with -s
     assert survivor.returncode == EXIT_PEER_LOST, stderr[:2000] + "\n...\n" + stderr[-2000:]
     assert stopped_after < 2 * PEER_TIMEOUT + 30
     assert lines[-1].startswith(f"error: lost process {victim} of 2"), lines[-1]

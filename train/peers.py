@@ -10,12 +10,15 @@ temporary directory that it renames when complete), prints one line naming the l
 resumes the run, and exits with `train.errors.EXIT_PEER_LOST` at once, without the shutdown barrier that would wait
 for the lost process. ``jax.distributed.initialize`` is given a heartbeat timeout of twice ``timeout``
 (`train.parallel.initialize_distributed`), so this watch speaks first.
+
+Process 0 hosts JAX's coordination service: when it dies, JAX's client in every other process aborts at once with
+its own fatal log (naming the leader task), before Python can act; the checkpoint it may have been writing is
+removed when the run is opened again for the resume (`train.checkpoints.Checkpoints`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
@@ -24,6 +27,7 @@ from typing import Callable
 
 import jax
 
+from train.checkpoints import complete_steps, remove_partial_checkpoints
 from train.errors import EXIT_PEER_LOST
 
 KEY_PREFIX = "ls_jax/alive/"
@@ -81,23 +85,10 @@ class PeerWatch:
                     return
 
 
-def remove_partial_checkpoints(directory: Path) -> list[Path]:
-    """Deletes orbax's temporary directories (checkpoints whose writing never completed) under ``directory``."""
-    partial = sorted(directory.glob("*.orbax-checkpoint-tmp*")) if directory.is_dir() else []
-    for path in partial:
-        shutil.rmtree(path, ignore_errors=True)
-    return partial
-
-
-def complete_checkpoints(directory: Path) -> list[int]:
-    """The steps of the complete checkpoints in ``directory`` (orbax names each by its step)."""
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
-
-
 def stop_run(process: int, reason: str, *, num_processes: int, checkpoint_dir: Path, resume_command: str) -> None:
     """What a survivor does: removes half-written checkpoints, says so in one line, exits with EXIT_PEER_LOST."""
     remove_partial_checkpoints(checkpoint_dir)
-    steps = complete_checkpoints(checkpoint_dir)
+    steps = complete_steps(checkpoint_dir)
     kept = f"checkpoint {steps[-1]} in {checkpoint_dir}" if steps else "no checkpoint yet"
     print(f"error: lost process {process} of {num_processes} ({reason}): it died or hangs, so this process stops "
           f"too; the newest complete checkpoint is {kept}; start every process again with: {resume_command}",

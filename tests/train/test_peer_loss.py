@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+import jax.numpy as jnp
+
 from train import peers
+from train.checkpoints import Checkpoints, complete_steps, remove_partial_checkpoints
 from train.errors import EXIT_PEER_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +73,21 @@ def test_partial_checkpoints_are_removed_and_complete_ones_kept(tmp_path):
     for name in ("3", "6", "9.orbax-checkpoint-tmp-1234"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "data").write_bytes(b"x")
-    removed = peers.remove_partial_checkpoints(tmp_path)
+    removed = remove_partial_checkpoints(tmp_path)
     assert [p.name for p in removed] == ["9.orbax-checkpoint-tmp-1234"]
-    assert peers.complete_checkpoints(tmp_path) == [3, 6]
+    assert complete_steps(tmp_path) == [3, 6]
+
+
+def test_opening_a_run_removes_what_a_crash_left_half_written(tmp_path):
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save(3, {"w": jnp.arange(4.0)}, {"data": 0})
+    checkpoints.close()
+    partial = tmp_path / "6.orbax-checkpoint-tmp-1764151200"
+    partial.mkdir()
+    (partial / "state").write_bytes(b"half")
+    reopened = Checkpoints(tmp_path)
+    assert not partial.exists() and reopened.all_steps() == [3]
+    reopened.close()
 
 
 def _free_port() -> int:
@@ -99,10 +114,8 @@ def _intervals(run_dir: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip() and json.loads(line)["type"] == "interval")
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker-dies", "coordinator-dies"])
-def test_a_killed_process_stops_the_other_with_one_line(tmp_path, victim):
-    run_dir = tmp_path / "run"
+def _kill_mid_training(run_dir: Path, victim: int) -> tuple[subprocess.Popen, str, float]:
+    """Starts 2 processes, SIGKILLs ``victim`` after 7 logged steps; (survivor, its stderr, seconds it took to end)."""
     port = _free_port()
     processes = [_start(run_dir, port, rank) for rank in range(2)]
     try:
@@ -120,6 +133,13 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path, victim):
         for process in processes:
             if process.poll() is None:
                 process.kill()
+    return survivor, stderr, stopped_after
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_stops_the_coordinator_with_one_line(tmp_path):
+    victim, run_dir = 1, tmp_path / "run"
+    survivor, stderr, stopped_after = _kill_mid_training(run_dir, victim)
     lines = [line for line in stderr.splitlines() if line.strip()]
     print(f"survivor stopped {stopped_after:.1f} s after the kill: {lines[-1] if lines else ''}")  # shown with -s
     assert survivor.returncode == EXIT_PEER_LOST, stderr[:2000] + "\n...\n" + stderr[-2000:]
@@ -129,7 +149,21 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path, victim):
     assert "Traceback" not in stderr and "Check failure" not in stderr
     checkpoints = run_dir / "checkpoints"
     assert not list(checkpoints.glob("*.orbax-checkpoint-tmp*"))
-    steps = peers.complete_checkpoints(checkpoints)
+    steps = complete_steps(checkpoints)
     assert steps and f"checkpoint {steps[-1]} in" in lines[-1]
     for step in steps:  # every checkpoint left is complete: orbax wrote its metadata last
         assert (checkpoints / str(step) / "_CHECKPOINT_METADATA").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_killed_coordinator_stops_the_worker_at_once(tmp_path):
+    """Process 0 hosts JAX's coordination service: when it dies, JAX's client in every other process aborts at once
+    (a fatal log naming the leader task, before any Python code can run); opening the run again for the resume
+    removes whatever checkpoint it was writing."""
+    run_dir = tmp_path / "run"
+    survivor, stderr, stopped_after = _kill_mid_training(run_dir, victim=0)
+    print(f"survivor stopped {stopped_after:.1f} s after the kill, exit code {survivor.returncode}")  # shown with -s
+    assert survivor.returncode != 0 and stopped_after < 2 * PEER_TIMEOUT + 30
+    assert "the leader task was preempted/died" in stderr
+    Checkpoints(run_dir / "checkpoints").close()
+    assert not list((run_dir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))

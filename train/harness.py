@@ -25,7 +25,6 @@ from ls_jax import backend as backend_lib
 from train import cli, peers, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
-from train.errors import Interrupted
 from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, StopSignals, TrainResult, train
 from train.optimizer import make_optimizer
@@ -104,20 +103,10 @@ def _start(task: Task, argv: list[str]) -> int:
     run_dir = prepare_run_dir(config, run_id)
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
     resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
-    watch = peers.watch_job(run_dir / CHECKPOINT_DIR, resume, config["peer_timeout"]) if config["distributed"] else None
-    try:
+    with peers.watching(config["distributed"], run_dir / CHECKPOINT_DIR, resume, config["peer_timeout"]):
         with backend_lib.use(config["backend"]):
             backend_lib.active_backend()
             return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
-    except Exception as err:
-        if watch is not None and not isinstance(err, (*cli.USER_ERRORS, Interrupted)):
-            # A collective, barrier or checkpoint write failed (in whatever error its library raises) as another
-            # process died: the watch says so in one line and exits; any other error is raised after it waited.
-            watch.settle()
-        raise
-    finally:
-        if watch is not None:
-            watch.stop()
 
 
 def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,

@@ -18,17 +18,19 @@ removed when the run is opened again for the resume (`train.checkpoints.Checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 
 from train.checkpoints import complete_steps, remove_partial_checkpoints
-from train.errors import EXIT_PEER_LOST
+from train.cli import USER_ERRORS
+from train.errors import EXIT_PEER_LOST, Interrupted
 
 KEY_PREFIX = "ls_jax/alive/"
 DONE = "done"
@@ -110,3 +112,23 @@ def watch_job(checkpoint_dir: Path, resume_command: str, timeout_s: float) -> Pe
 
     return PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(), timeout_s,
                      on_lost).start()
+
+
+@contextlib.contextmanager
+def watching(distributed: bool, checkpoint_dir: Path, resume_command: str, timeout_s: float) -> Iterator[None]:
+    """Runs the body with the other processes watched (`watch_job`; nothing without ``distributed``).
+
+    An error in the body other than bad input or a signal may be a collective, barrier or checkpoint write that
+    failed (in whatever error its library raises) because another process died: the watch gets up to twice the
+    timeout to say so in one line and exit before the error is raised.
+    """
+    watch = watch_job(checkpoint_dir, resume_command, timeout_s) if distributed else None
+    try:
+        yield
+    except Exception as err:
+        if watch is not None and not isinstance(err, (*USER_ERRORS, Interrupted)):
+            watch.settle()
+        raise
+    finally:
+        if watch is not None:
+            watch.stop()

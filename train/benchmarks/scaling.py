@@ -195,7 +195,7 @@ def modes_of(args: argparse.Namespace, model: str, implementation: str, devices:
     return [mode for mode in args.modes.split(",") if mode != "sharded" or allowed]
 
 
-def assemble(measured: dict[tuple, dict], shapes: dict, counts: list[int], flags: str) -> dict[str, list]:
+def assemble(measured: dict[tuple, dict], shapes: dict, flags: str) -> dict[str, list]:
     """The rows, probes, pieces and estimates of the JSON from the measurements keyed as `plan` keys them."""
     results, pieces, estimates = [], [], []
     for key, value in measured.items():
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     pending, shapes = plan(args, devices, counts)
     print(f"compiling {len(pending)} programs, {args.compile_threads} at a time", flush=True)
     measured = scaling_pieces.compile_all(pending, args.compile_threads)
-    tables = assemble(measured, shapes, counts, os.environ.get("XLA_FLAGS", ""))
+    tables = assemble(measured, shapes, os.environ.get("XLA_FLAGS", ""))
     tables["results"] += variant_rows
     efficiencies(tables["results"])
     probes = [measured[("probe", n)] for n in counts if n > 1]

@@ -66,8 +66,8 @@ SPLIT_METHOD = {
 }
 ESTIMATE_METHOD = (
     "overlap.model_stages/overlapped_backward: per layer kind one layer's backward (its forward + backward jitted "
-    "alone minus its forward, on one device's activations) and the psum of its parameter-shaped gradients over N "
-    "devices, jitted alone; the backward outside the repeated layers = backward_ms minus the layers' sum, run "
+    "alone minus its forward, on one device's activations, 0 if negative) and the psum of its parameter-shaped "
+    "gradients over N devices, jitted alone; the backward outside the repeated layers = backward_ms minus the layers' sum, run "
     "first; the other parameters' gradients all-reduced last. measured_ms = step time at N minus forward_ms and "
     "optimizer_ms. serial_ms: the same stages with no overlap. *_from_bandwidth: each all-reduce's time taken as "
     "2 (N - 1) / N * its bytes / the probe's bus bandwidth instead of timed."
@@ -238,8 +238,7 @@ def estimate(row: dict, piece: dict, layers: dict, measured: dict, info: dict) -
     out = {"model": name, "implementation": row["implementation"], "devices": n, "xla_flags": row["xla_flags"],
            "measured_ms": measured_ms}
     for suffix, comm in (("", timed), ("_from_bandwidth", from_bandwidth)):
-        per_kind = [(kind.name, kind.count,
-                     layers[kind.name]["forward_backward_ms"] - layers[kind.name]["forward_ms"], comm(kind.name))
+        per_kind = [(kind.name, kind.count, layer_backward(layers[kind.name]), comm(kind.name))
                     for kind in info["model"].layers]
         stages = overlap.model_stages(backward, per_kind, comm("rest"))
         compute, sends = [s[1] for s in stages], [s[2] for s in stages]
@@ -248,6 +247,12 @@ def estimate(row: dict, piece: dict, layers: dict, measured: dict, info: dict) -
                     f"estimated{suffix}_ms": estimated, f"serial{suffix}_ms": sum(compute) + sum(sends),
                     f"relative_error{suffix}": overlap.relative_error(estimated, measured_ms)})
     return out
+
+
+def layer_backward(layer: dict[str, float]) -> float:
+    """One layer's backward: its forward + backward minus its forward, 0 where timing noise makes that negative
+    (a layer too small to time, as on a CPU)."""
+    return max(layer["forward_backward_ms"] - layer["forward_ms"], 0.0)
 
 
 def efficiencies(results: list[dict[str, Any]]) -> None:

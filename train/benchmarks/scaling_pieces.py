@@ -76,7 +76,8 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
         params, opt_state = ls_jax.optim.fused_apply(tx, grads, opt_state, params)
         return params, opt_state, optax.tree.norm(grads)
 
-    holder = {"opt_state": state.opt_state, "params": state.params}
+    # The update donates its state: copies, so the other pieces keep theirs.
+    holder = jax.tree.map(jnp.copy, {"opt_state": state.opt_state, "params": state.params})
 
     def run_update(compiled):
         def call():
@@ -87,8 +88,8 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
     return [
         _timed((*key, "forward"), jax.jit(loss), state.params, batch, rng),
         _timed((*key, "forward_backward"), jax.jit(jax.grad(loss)), state.params, batch, rng),
-        Pending((*key, "optimizer"), jax.jit(update, donate_argnums=(1, 2)).lower(grads, state.opt_state, state.params),
-                run_update),
+        Pending((*key, "optimizer"),
+                jax.jit(update, donate_argnums=(1, 2)).lower(grads, holder["opt_state"], holder["params"]), run_update),
     ]
 
 

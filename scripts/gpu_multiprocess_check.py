@@ -50,18 +50,27 @@ def _run_summary(run_dir: Path) -> dict:
     return {"device_count": run["device_count"], "losses": [r["loss"] for r in records if r["type"] == "interval"]}
 
 
-def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, timeout: int) -> dict:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
+def _devices_env(gpus: str, cpu: bool) -> dict[str, str]:
+    """The environment that shows a process ``gpus`` (comma-separated), or as many CPU devices with ``cpu``."""
+    if not cpu:
+        return {"CUDA_VISIBLE_DEVICES": gpus}
+    count = len(gpus.split(","))
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+
+
+def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, timeout: int, cpu: bool) -> dict:
+    env = {**os.environ, **_devices_env(gpus, cpu)}
     started = time.perf_counter()
     subprocess.run(_command(task, run_dir, steps, backend), cwd=ROOT, env=env, check=True, timeout=timeout)
     return {**_run_summary(run_dir), "wall_s": time.perf_counter() - started}
 
 
-def two_processes(task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int) -> dict:
+def two_processes(task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int,
+                  cpu: bool) -> dict:
     port, started = _free_port(), time.perf_counter()
     processes = [
         subprocess.Popen(_command(task, run_dir, steps, backend, "--distributed"), cwd=ROOT,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                         env={**os.environ, **_devices_env(gpu, cpu), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                               "JAX_NUM_PROCESSES": str(len(gpus)), "JAX_PROCESS_ID": str(rank)})
         for rank, gpu in enumerate(gpus)
     ]
@@ -94,19 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("--timeout", type=int, default=400, help="seconds per run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--cpu", action="store_true", help="a trial of the script on CPU devices (xla backend)")
     args = parser.parse_args(argv)
     gpus = args.gpus.split(",")
     checks = []
     with tempfile.TemporaryDirectory() as scratch:
         for task in args.tasks.split(","):
-            single = one_process(task, Path(scratch) / f"{task}-one", args.steps, args.backend, args.gpus, args.timeout)
-            multi = two_processes(task, Path(scratch) / f"{task}-two", args.steps, args.backend, gpus, args.timeout)
+            single = one_process(task, Path(scratch) / f"{task}-one", args.steps, args.backend, args.gpus,
+                                 args.timeout, args.cpu)
+            multi = two_processes(task, Path(scratch) / f"{task}-two", args.steps, args.backend, gpus, args.timeout,
+                                  args.cpu)
             verdict = compare(single["losses"], multi["losses"], args.rtol)
             checks.append({"task": task, "one_process_two_gpus": single, "two_processes_one_gpu_each": multi,
                            **verdict})
             print(f"{task}: max relative loss difference {verdict['max_relative_difference']}, "
                   f"{'match' if verdict['match'] else 'MISMATCH'}", flush=True)
-    device = _device_kind()
+    device = "cpu" if args.cpu else _device_kind()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"multiprocess-{device}.json"
     path.write_text(json.dumps({"backend": args.backend, "precision": "fp32", "dropout": 0, "steps": args.steps,

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
-#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops optim e2e profile counters flops train
+#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops attention optim e2e profile scaling
+#                                    counters flops multiprocess train
 # TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench; *_TIMEOUT bound the stages.
 # Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
 # docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+touch "$OUT/.started"  # what the stages write after this is copied to $OUT at the end
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # A training step of the big models compiles for minutes, much of it GEMM autotuning; the stages (and later runs on a
@@ -36,11 +38,13 @@ for name in "$@"; do
     counters|flops)  # Nsight Compute replays every kernel once per metric pass: minutes, not seconds
       timeout ${COUNTERS_TIMEOUT:-540} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    multiprocess)  # 2 processes x 1 GPU against 1 process x 2 GPUs
+      timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;
   esac
 done
-for suite in ops attention optim e2e profile scaling counters flops; do cp docs/results/$suite-*.json "$OUT"/ 2>/dev/null; done
-for suite in e2e counters flops; do cp docs/results/$suite-*.png "$OUT"/ 2>/dev/null; done
+find docs/results -maxdepth 1 -newer "$OUT/.started" \( -name "*.json" -o -name "*.png" \) -exec cp {} "$OUT"/ \;
+rm -f "$OUT/.started"
 echo "=== done, status $status"
 exit $status

@@ -121,6 +121,19 @@ def _quiet_orbax() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def remove_partial_checkpoints(directory: Path) -> list[Path]:
+    """Deletes orbax's temporary directories (checkpoints whose writing never completed) under ``directory``."""
+    partial = sorted(directory.glob("*.orbax-checkpoint-tmp*")) if directory.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``directory`` (orbax names each by its step)."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
 class Checkpoints:
     def __init__(self, directory: str | Path, *, keep: int = 3, saved_form: Callable[[Any], Any] | None = None):
         """``saved_form`` maps the train state to what is written (e.g. a sharded optimizer state gathered)."""
@@ -128,6 +141,7 @@ class Checkpoints:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory).resolve()
         self._saved_form = saved_form or (lambda state: state)
+        remove_partial_checkpoints(self.directory)  # what a crash cut short; nothing writes before the run opens
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )

@@ -3,7 +3,7 @@ epilog, range checks of the values, and the exit codes.
 
 Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
 loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
-written; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
+written; 6 another process of a multi-process run was lost; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
 prints one line naming the cause and what to do.
 """
 
@@ -71,6 +71,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)")
     group.add_argument("--distributed", action="store_const", const=True,
                        help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)")
+    group.add_argument("--peer-timeout", type=int, metavar="SECONDS",
+                       help="with --distributed: stop (exit code 6) when another process shows no sign of life for "
+                            "this long (train.peers)")
 
 
 TRAINING_DEFAULTS: dict[str, Any] = {
@@ -97,6 +100,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "device_name": None,
     "shard_optimizer": False,
     "distributed": False,
+    "peer_timeout": 60,
 }
 
 
@@ -175,6 +179,10 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str
     return EXIT_FINISHED
 
 
+USER_ERRORS = (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError)
+"""Bad input: reported as one ``error:`` line with exit code 2 (3 for the data)."""
+
+
 def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
     """Runs an entry point; bad input is one ``error:`` line and exit code 2 (flags, files they name, a missing
     optional package or kernel library) or 3 (the data), a signal before training started 128 + its number."""
@@ -183,7 +191,7 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> 
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_DATA
-    except (UsageError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as err:

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from ls_jax import backend as backend_lib
-from train import cli, runlog
+from train import cli, peers, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
@@ -96,13 +96,17 @@ def _start(task: Task, argv: list[str]) -> int:
     config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
     if config["distributed"]:
-        initialize_distributed()
+        if config["peer_timeout"] < 1:
+            raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config['peer_timeout']}")
+        initialize_distributed(heartbeat_timeout_s=2 * config["peer_timeout"])  # the peer watch speaks first
     run_id = saved["run_id"] if saved else runlog.new_run_id()
     run_dir = prepare_run_dir(config, run_id)
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
-    with backend_lib.use(config["backend"]):
-        backend_lib.active_backend()
-        return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+    resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
+    with peers.watching(config["distributed"], run_dir / CHECKPOINT_DIR, resume, config["peer_timeout"]):
+        with backend_lib.use(config["backend"]):
+            backend_lib.active_backend()
+            return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
 
 def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,

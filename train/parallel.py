@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ls_jax.optim import ShardedOptimizer
+from train.errors import UsageError
 from train.step import Batch, TrainState
 
 DATA_AXIS = "data"
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(heartbeat_timeout_s: int = 100) -> None:
     """Joins the job's processes with ``jax.distributed.initialize()``.
+
+    JAX's runtime declares a process dead after ``heartbeat_timeout_s`` without its heartbeat, and a process that
+    ends waits at most that long at the shutdown barrier for the others.
 
     On SLURM, Open MPI, Kubernetes and TPU VMs JAX finds the coordinator and this process's rank itself. On a
     plain machine or a cluster JAX does not know, the environment says it: ``JAX_COORDINATOR_ADDRESS`` (host:port
@@ -35,14 +39,26 @@ def initialize_distributed() -> None:
     GPU through ``CUDA_VISIBLE_DEVICES`` or ``JAX_LOCAL_DEVICE_IDS``. CPU processes exchange collectives
     through gloo.
     """
-    counts = {key: os.environ[name] for key, name in (("num_processes", "JAX_NUM_PROCESSES"),
-                                                        ("process_id", "JAX_PROCESS_ID")) if name in os.environ}
-    try:
-        kwargs = {key: int(value) for key, value in counts.items()}
-    except ValueError:
-        raise ValueError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got {counts}") from None
+    kwargs = process_counts(os.environ)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               shutdown_timeout_seconds=heartbeat_timeout_s)
+
+
+def process_counts(environ: Mapping[str, str]) -> dict[str, int]:
+    """``num_processes`` and ``process_id`` from JAX_NUM_PROCESSES and JAX_PROCESS_ID where set, checked."""
+    given = {key: environ[name] for key, name in (("num_processes", "JAX_NUM_PROCESSES"),
+                                                   ("process_id", "JAX_PROCESS_ID")) if name in environ}
+    try:
+        counts = {key: int(value) for key, value in given.items()}
+    except ValueError:
+        raise UsageError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got {given}") from None
+    if counts.get("num_processes", 1) < 1:
+        raise UsageError(f"JAX_NUM_PROCESSES must be >= 1, got {counts['num_processes']}")
+    if "process_id" in counts and not 0 <= counts["process_id"] < counts.get("num_processes", counts["process_id"] + 1):
+        raise UsageError(f"JAX_PROCESS_ID {counts['process_id']} must be in 0 .. JAX_NUM_PROCESSES - 1 "
+                         f"({counts.get('num_processes')} processes): number the processes from 0")
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ class StepCompiler:
     def compiled(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         key = self.key(batch)
         if key not in self._compiled:
-            lowered = self._lower(state, batch)
+            lowered = self.lower(state, batch)
             self._store(key, lowered, lowered.compile())
         return self._compiled[key]
 
@@ -62,14 +62,15 @@ class StepCompiler:
             batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
             key = self.key(batch)
             if key not in self._compiled and key not in lowered:
-                lowered[key] = self._lower(state, batch)
+                lowered[key] = self.lower(state, batch)
         if not lowered:
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             for (key, before), compiled in zip(lowered.items(), pool.map(lambda item: item.compile(), lowered.values())):
                 self._store(key, before, compiled)
 
-    def _lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+    def lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        """The step lowered for ``batch``'s shapes (arrays or ShapeDtypeStructs), the batch sharded along its rows."""
         sharding = self._parallel.rows_sharding(1)
         abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}
         return self._jitted.lower(state, abstract)

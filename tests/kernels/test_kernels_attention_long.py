@@ -10,7 +10,9 @@ import pytest
 
 from ls_jax import backend, ops
 from ls_jax.ops import attention, attention_cudnn
-from helpers.kernels import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
+from helpers.kernels import (
+    TOLERANCE, assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, relative_error, value_and_grads,
+)
 from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
@@ -61,6 +63,26 @@ def _bias_grad_summed_in_f32(result):
     return out, (*grads[:-1], jnp.sum(grads[0].astype(F32), axis=(0, 1)))
 
 
+def _assert_as_accurate_as_xla(run, primals, cotangent, dtype, label, xla_form=lambda result: result):
+    """cuDNN's result (ffi) against the XLA backend's in f32 from the same 16-bit inputs, leaf by leaf: within the
+    dtype's tolerance, or no further off than the XLA backend's own 16-bit result (``xla_form`` of it) is. Over
+    thousands of keys a bf16 gradient is about 1% off in either implementation, so the 16-bit XLA result is not a
+    reference to hold cuDNN to."""
+    got = on_backend("ffi", run, primals, cotangent)
+    xla16 = xla_form(on_backend("xla", run, primals, cotangent))
+    wide = lambda x: x.astype(F32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    reference = on_backend("xla", run, *jax.tree.map(wide, (primals, cotangent)))
+    tolerance = TOLERANCE[jnp.dtype(dtype)]
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(xla16), jax.tree.leaves(reference))
+    for index, (ours, theirs, exact) in enumerate(leaves):
+        assert ours.shape == exact.shape and ours.dtype == theirs.dtype, f"{label} leaf {index}: shape or dtype"
+        assert bool(jnp.all(jnp.isfinite(ours.astype(F32)))), f"{label} leaf {index}: non-finite values"
+        error, xla_error = relative_error(ours, exact), relative_error(theirs, exact)
+        assert error <= max(tolerance, 1.25 * xla_error), (
+            f"{label} leaf {index}: relative error {error:.3g} against f32, the XLA backend's {xla_error:.3g}")
+    return got
+
+
 # (queries, keys or None for self-attention, key mask, causal): lengths 129 to 4096, odd ones among them, cross
 # attention with more and fewer queries than keys, right-padded rows (one all padding) and masks that are not prefixes.
 CASES = [
@@ -87,8 +109,8 @@ def test_cudnn_attention_matches_xla(index, dtype, head_dim):
     op, primals, cotangent = _case(index, queries, keys, mask_kind, causal, dtype, head_dim, heads=heads, batch=batch)
     run = value_and_grads(op)
     assert kernel_targets(run, primals, cotangent) == TARGETS
-    got, want = on_backend("ffi", run, primals, cotangent), on_backend("xla", run, primals, cotangent)
-    assert_backends_agree(got, _bias_grad_summed_in_f32(want), dtype, f"cudnn attention {CASES[index]} {head_dim}")
+    got = _assert_as_accurate_as_xla(run, primals, cotangent, dtype, f"cudnn attention {CASES[index]} {head_dim}",
+                                     _bias_grad_summed_in_f32)
     if mask_kind == "padded":
         assert not np.asarray(got[0][-1], np.float32).any(), "the all-padding row gives zeros"
 
@@ -102,8 +124,7 @@ def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned(queri
     run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, True, 0.0))
     cotangent = normal(2, (2, queries, 2, head_dim), dtype)
     assert kernel_targets(run, sources, cotangent) == TARGETS
-    got, want = on_backend("ffi", run, sources, cotangent), on_backend("xla", run, sources, cotangent)
-    assert_backends_agree(got, want, dtype, f"causal cross attention {queries}x{keys} {head_dim}")
+    _assert_as_accurate_as_xla(run, sources, cotangent, dtype, f"causal cross attention {queries}x{keys} {head_dim}")
 
 
 def _dropped_probabilities(rate, seed, queries=1024, keys=128, heads=2, batch=2):

@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from train.errors import UsageError
+from train.parallel import process_counts
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--batch-size", "8", "--dropout", "0", "--precision", "fp32", "--eval-every", "100", "--log-every", "1",
           "--no-progress", "--no-tensorboard", "--backend", "xla"]
@@ -101,3 +104,25 @@ def test_sharded_checkpoint_resumes_on_another_device_count(one_device, tmp_path
     assert len(continued["from-one"]) == 8
     np.testing.assert_allclose(continued["from-sharded"], continued["from-one"], rtol=1e-5)
 
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_a_batch_the_devices_cannot_share_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(tmp_path / "r"),
+                             "--batch-size", "3", "--steps", "1"], cwd=ROOT, env=_env(2), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: --batch-size 3 is not a multiple of the 2 devices"
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "must be integers"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID 2 must be in 0 .. JAX_NUM_PROCESSES - 1"),
+    ({"JAX_NUM_PROCESSES": "0"}, "JAX_NUM_PROCESSES must be >= 1"),
+])
+def test_process_numbers_out_of_range_are_one_line(environ, message):
+    with pytest.raises(UsageError, match=message):
+        process_counts(environ)
+    assert process_counts({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}) == {"num_processes": 2, "process_id": 1}

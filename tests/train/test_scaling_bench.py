@@ -1,0 +1,106 @@
+"""`python -m train.bench scaling`: the overlap estimate on known schedules, and the JSON of a tiny 2-device CPU run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.benchmarks import overlap
+from train.benchmarks.scaling import device_counts, efficiencies
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_communication_waits_for_its_compute_and_for_the_channel():
+    # compute ends at 2, 3, 4; all-reduces: [2, 3], then [3, 6] (channel free at 3), then [6, 7] (waits for it)
+    assert overlap.communication_schedule([2, 1, 1], [1, 3, 1]) == [(2, 3), (3, 6), (6, 7)]
+    assert overlap.overlapped_backward([2, 1, 1], [1, 3, 1]) == 7
+
+
+def test_hidden_communication_costs_nothing_and_serial_communication_adds_up():
+    assert overlap.overlapped_backward([1, 1, 1], [0.5, 0.5, 0]) == 3  # each hidden behind the next stage
+    assert overlap.overlapped_backward([1, 1, 1], [0.5, 0.5, 0.5]) == 3.5  # the last one cannot hide
+    assert overlap.overlapped_backward([1, 0, 0], [0, 2, 2]) == 5  # nothing to hide behind
+    assert overlap.overlapped_backward([3], [0]) == 3
+    assert overlap.overlapped_backward([], []) == 0
+
+
+def test_bad_schedules_are_refused():
+    with pytest.raises(ValueError, match="compute has 2 stages but comm has 1"):
+        overlap.communication_schedule([1, 1], [1])
+    with pytest.raises(ValueError, match=">= 0"):
+        overlap.communication_schedule([1, -1], [1, 1])
+
+
+def test_model_stages_run_the_rest_first_and_send_the_rest_last():
+    stages = overlap.model_stages(10.0, [("decoder layer", 2, 2.0, 1.0), ("encoder layer", 1, 1.0, 0.5)], 3.0)
+    assert stages == [("outside the repeated layers", 5.0, 0.0), ("decoder layer 2", 2.0, 1.0),
+                      ("decoder layer 1", 2.0, 1.0), ("encoder layer 1", 1.0, 0.5),
+                      ("gradients outside the repeated layers", 0.0, 3.0)]
+    # compute ends 5, 7, 9, 10, 10; sends [7, 8], [9, 10], [10, 10.5], [10.5, 13.5]
+    assert overlap.overlapped_backward([s[1] for s in stages], [s[2] for s in stages]) == 13.5
+    assert overlap.relative_error(13.5, 12.0) == pytest.approx(0.125)
+
+
+def test_efficiency_falls_back_to_the_replicated_step_at_one_device():
+    rows = [{"model": "m", "implementation": "i", "mode": "replicated", "devices": 1, "step_ms": 10.0},
+            {"model": "m", "implementation": "i", "mode": "sharded", "devices": 2, "step_ms": 12.5},
+            {"model": "m", "implementation": "i", "mode": "replicated", "devices": 2, "step_ms": 11.0,
+             "variant": "--flag"}]
+    efficiencies(rows)
+    assert rows[1]["efficiency"] == pytest.approx(0.8) and rows[1]["efficiency_base"] == "replicated, 1 device"
+    assert rows[2]["efficiency"] == pytest.approx(10 / 11)
+
+
+def test_more_devices_than_there_are_is_one_line():
+    with pytest.raises(SystemExit, match="--devices 1,4: this host has 2 devices"):
+        device_counts(2, "1,4")
+    assert device_counts(4, None) == [1, 2, 4]
+
+
+@pytest.mark.slow
+def test_a_tiny_two_device_run_writes_every_table(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    command = [sys.executable, "-m", "train.bench", "scaling", "--models", "tiny-2e2d,bert-tiny", "--implementations",
+               "ls_jax_xla", "--devices", "1,2", "--steps", "1", "--bert-batch", "4", "--bert-length", "16",
+               "--tokens-per-device", "128", "--allreduce-mb", "1", "--sharded-for", "tiny-2e2d:ls_jax_xla",
+               "--compile-threads", "2", "--no-plot", "--tag", "tiny", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "scaling-cpux2-tiny.json").read_text())
+    rows = {(r["model"], r["mode"], r["devices"]): r for r in data["results"]}
+    assert set(rows) == {("tiny-2e2d", "replicated", 1), ("tiny-2e2d", "replicated", 2), ("tiny-2e2d", "sharded", 2),
+                         ("bert-tiny", "replicated", 1), ("bert-tiny", "replicated", 2)}
+    for (model, mode, n), row in rows.items():
+        assert row["step_ms"] > 0 and row["efficiency"] > 0 and row["tokens_per_s"] > 0
+        assert ("split" in row) == (mode == "replicated")
+    two = rows[("tiny-2e2d", "replicated", 2)]["split"]
+    assert two["allreduce_ms"] > 0 and two["forward_ms"] > 0 and two["backward_ms"] > 0 and two["optimizer_ms"] > 0
+    assert rows[("bert-tiny", "replicated", 1)]["split"]["allreduce_ms"] == 0
+    sharded = rows[("tiny-2e2d", "sharded", 2)]["optimizer_state_bytes_per_device"]
+    assert sharded < rows[("tiny-2e2d", "replicated", 2)]["optimizer_state_bytes_per_device"]
+    estimates = {(e["model"], e["devices"]): e for e in data["backward_estimate"]}
+    assert set(estimates) == {(m, n) for m in ("tiny-2e2d", "bert-tiny") for n in (1, 2)}
+    tiny = estimates[("tiny-2e2d", 2)]
+    assert [s["name"] for s in tiny["stages"]][1:-1] == ["decoder layer 2", "decoder layer 1", "encoder layer 2",
+                                                           "encoder layer 1"]
+    assert tiny["estimated_ms"] == pytest.approx(overlap.overlapped_backward(
+        [s["compute_ms"] for s in tiny["stages"]], [s["comm_ms"] for s in tiny["stages"]]))
+    assert tiny["relative_error"] == pytest.approx((tiny["estimated_ms"] - tiny["measured_ms"]) / tiny["measured_ms"])
+    pieces = {p["model"]: p for p in data["pieces"]}
+    bus = data["allreduce"][0]["bus_gb_per_s"]
+    assert tiny["stages_from_bandwidth"][-1]["comm_ms"] == pytest.approx(
+        2 * (2 - 1) / 2 * pieces["tiny-2e2d"]["rest_gradient_bytes"] / (bus * 1e9) * 1e3)
+    bert, layer = estimates[("bert-tiny", 1)], pieces["bert-tiny"]["layers"]["encoder layer"]
+    backward = pieces["bert-tiny"]["forward_backward_ms"] - pieces["bert-tiny"]["forward_ms"]
+    in_layers = 2 * max(layer["forward_backward_ms"] - layer["forward_ms"], 0)
+    assert bert["stages"][0]["compute_ms"] == pytest.approx(max(backward - in_layers, 0))
+    assert bert["estimated_ms"] == pytest.approx(max(backward, in_layers))  # nothing to send on one device
+    assert pieces["bert-tiny"]["layers"]["encoder layer"]["count"] == 2
+    assert pieces["bert-tiny"]["layers"]["encoder layer"]["gradient_bytes"] > 0
+    assert [p["devices"] for p in data["allreduce"]] == [2] and data["allreduce"][0]["bus_gb_per_s"] > 0
+    assert set(data["method"]["split"]) == {"forward_ms", "backward_ms", "allreduce_ms", "optimizer_ms", "rest_ms"}

@@ -27,7 +27,9 @@ from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, StopSignals, TrainResult, train
-from train.optimizer import make_optimizer
+from train import optimizer as optimizer_lib
+from train.compiled import optimizer_step_kernels
+from train.optimizer import HYPERPARAMETERS, make_optimizer
 from ls_jax.optim import shard_optimizer
 from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
 from train.precision import master_dtype, precision_signature
@@ -95,6 +97,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config = task.resolve_config(given, saved)
     config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
+    cli.check_optimizer(config)
     if config["distributed"]:
         initialize_distributed()
     run_id = saved["run_id"] if saved else runlog.new_run_id()
@@ -128,6 +131,20 @@ def make_layout(config: Mapping[str, Any], tx: optax.GradientTransformation, par
     return StateLayout(parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False))
 
 
+def optimizer_fields(config: Mapping[str, Any], tx: optax.GradientTransformation, state: TrainState,
+                     layout: StateLayout) -> dict[str, Any]:
+    """The run record's ``optimizer*`` keys: name, implementation, hyperparameters, kernels per step (counted when
+    the optimizer state is not sharded)."""
+    name = config["optimizer"]
+    kernels = None if layout.sharded_optimizer else optimizer_step_kernels(tx, state.params, state.opt_state)
+    return {
+        "optimizer": name,
+        "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
+        "optimizer_hyperparameters": optimizer_lib.hyperparameters(name, {k: config[k] for k in HYPERPARAMETERS}),
+        "optimizer_kernels_per_step": kernels,
+    }
+
+
 def param_count(params: Any) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
@@ -146,7 +163,7 @@ def _train(task: Task, run: Run) -> int:
         save_config(run_dir, {**config, "run_id": run.run_id})
         if not config["resume"]:
             run_log.write(runlog.run_record(
-                task.name, run, hardware, optimizer=config["optimizer"], model=setup.model_name,
+                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout), model=setup.model_name,
                 params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
                 config=setup.config_record,
             ))
@@ -192,7 +209,8 @@ def _prepare(task: Task, run: Run):
     signature = {**setup.model_signature, "optimizer": config["optimizer"], **precision_signature(config, precision)}
     param_dtype = master_dtype(config, precision)
     tx = make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
-                        clip_norm=config["clip_norm"], master_dtype=param_dtype)
+                        clip_norm=config["clip_norm"], master_dtype=param_dtype,
+                        **{key: config[key] for key in HYPERPARAMETERS})
     layout = make_layout(config, tx, parallel)
     state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)

@@ -46,7 +46,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "schema": (int,), "run_id": (str,), "task": (str,), "command": (str,), "started_at": (str,),
         "git_commit": _OPT_STR, "versions": (dict,), "host": (str,), "platform": (str,), "device_kind": (str,),
         "device_count": (int,), "peak_tflops_per_device": _OPT_NUM, "peak_source": _OPT_STR, "backend": (str,),
-        "precision": (str,), "optimizer": (str,), "model": (str,), "params": (int,), "batch": (dict,),
+        "precision": (str,), "optimizer": (str,), "optimizer_implementation": _OPT_STR,
+        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT, "model": (str,), "params": (int,), "batch": (dict,),
         "price_per_device_hour_usd": _OPT_NUM, "price_source": _OPT_STR, "energy_method": _OPT_STR,
         "data": (dict,), "config": (dict,),
     },
@@ -72,7 +73,11 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
 # always writes them.
-LATER_KEYS: dict[str, frozenset[str]] = {"eval": frozenset({"perplexity"}), "summary": frozenset({"perplexity"})}
+LATER_KEYS: dict[str, frozenset[str]] = {
+    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step"}),
+    "eval": frozenset({"perplexity"}),
+    "summary": frozenset({"perplexity"}),
+}
 
 
 def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple[type, ...]]:
@@ -299,15 +304,15 @@ def energy_fields(joules: float | None, source: str | None) -> dict[str, Any]:
     return {"energy_j": joules, "energy_source": source if joules is not None else None}
 
 
-def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: str, model: str, params: int,
+def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[str, Any], model: str, params: int,
                batch: Mapping[str, Any], data: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``run`` record that opens a run log."""
+    """The ``run`` record that opens a run log; ``optimizer`` holds its ``optimizer*`` keys."""
     return {
         **identity(task, run.run_id, run.command, run.started_utc),
         **hardware.record_fields(),
         "backend": backend_lib.active_backend(),
         "precision": hardware.precision,
-        "optimizer": optimizer,
+        **optimizer,
         "model": model,
         "params": params,
         "batch": dict(batch),

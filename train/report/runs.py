@@ -28,6 +28,7 @@ class Run:
     device_count: int
     backend: str
     precision: str
+    optimizer: str
     model: str
     params: int | None
     batch_size: int
@@ -56,6 +57,11 @@ class Run:
     @property
     def configuration_label(self) -> str:
         return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision}"
+
+    @property
+    def study_label(self) -> str:
+        """What the study's grid varies: device, backend, precision, optimizer and batch."""
+        return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision} {self.optimizer} {self.batch_label}"
 
     @property
     def batch_label(self) -> str:
@@ -119,6 +125,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         device_count=config["device_count"],
         backend=config["backend"],
         precision=config["precision"],
+        optimizer=config["optimizer"],
         model=config["model"],
         params=config["params"],
         batch_size=batch_size,

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from train.report.runs import Run
-from train.report.scoring import Comparison
+from train.report.scoring import WEIGHT_PRESETS, Comparison, recommendation
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -56,13 +56,13 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     runs = comparison.runs
     quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
-    header = ["#", "run", "device", "count", "backend", "precision", "model", "batch", "time", "cost", "energy",
-              "throughput", "MFU", *quality]
+    header = ["#", "run", "device", "count", "backend", "precision", "optimizer", "model", "batch", "time", "cost",
+              "energy", "throughput", "MFU", *quality, "quality gate"]
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision, run.model,
-            run.batch_label, format_duration(run.train_time_s),
+            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision,
+            run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
             _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
@@ -70,6 +70,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
         row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
         row += [_optional(run.perplexity, lambda perplexity: f"{perplexity:.3f}")] if "perplexity" in quality else []
+        row.append("passed" if comparison.verdicts[index] is None else "NOT CONVERGED")
         rows.append(row)
     return header, rows
 
@@ -99,6 +100,29 @@ def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, *terms,
                      f"{score.value:.4f}"])
     return header, rows
+
+
+def matrix_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: every run's score under each of the seven presets, with its rank under that preset in
+    parentheses; runs that did not converge say so, runs lacking a weighted term show n/a."""
+    presets = list(comparison.matrix)
+    ranks = {name: {index: rank for rank, index in enumerate(comparison.ranked_under(name), 1)} for name in presets}
+    header = ["#", "configuration", "energy", *presets]
+    rows = []
+    for index, run in enumerate(comparison.runs):
+        energy = "n/a" if run.energy_j is None else ("estimated" if run.energy_estimated else "measured")
+        if comparison.verdicts[index] is not None:
+            cells = ["not converged"] * len(presets)
+        else:
+            cells = [_optional(comparison.matrix[name][index], lambda score: f"{score.value:.3f}")
+                     + (f" ({ranks[name][index]})" if index in ranks[name] else "") for name in presets]
+        rows.append([f"{index + 1}", run.study_label, energy, *cells])
+    return header, rows
+
+
+def recommendations(comparison: Comparison) -> list[str]:
+    """One sentence per preset: its best converged configuration and by how much it leads."""
+    return [recommendation(comparison, name) for name in WEIGHT_PRESETS]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -142,6 +166,16 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         "## Weighted score",
         score_explanation(comparison),
         markdown_table(*score_table(comparison)) if comparison.ranking else "No run could be scored (see the notes).",
+        "## Quality gate",
+        f"A run is ranked only when its final {comparison.gate.describe()}; the others are shown and marked "
+        "NOT CONVERGED.",
+        "## Score matrix: the seven weight strategies",
+        "Each column scores the converged runs under one preset (T, C, E, U divided by their maxima; lower is "
+        "better); the rank under that preset in parentheses. The energy column says whether the run's energy was "
+        "measured or estimated.",
+        markdown_table(*matrix_table(comparison)),
+        "## Recommendation",
+        "\n".join(f"- {line}" for line in recommendations(comparison)),
         "## Plots",
         *(f"![{plot.title}]({plot.file_name})" if plot.file_name else f"*{plot.title}: not drawn; {plot.reason}.*"
           for plot in plots),

@@ -148,7 +148,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
     )
 
 
-def _records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+def read_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
     """(line number, record) pairs of a JSONL file, and whether its last line was cut short.
 
     A process killed while writing leaves a partial last line; that line is dropped (its run then lacks a
@@ -189,7 +189,7 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
 
     A log normally holds one run; every ``run`` record starts a new one (e.g. logs concatenated with ``cat``).
     """
-    records, truncated = _records(path)
+    records, truncated = read_records(path)
     if not records:
         raise ValueError(f"{path}: holds no complete run-log record")
     number, first = records[0]

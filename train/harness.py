@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from ls_jax import backend as backend_lib
-from train import cli, runlog
+from train import cli, memory, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
@@ -269,6 +269,7 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
             f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
             f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
             f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
+            f"  memory      {memory.describe(s['memory'])}\n"
             f"  run log     {log_path}\n"
             f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
             f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"

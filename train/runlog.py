@@ -65,7 +65,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
         "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
         "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "final_loss": _OPT_NUM,
-        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM,
+        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
     },
 }
 # The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
@@ -76,7 +76,7 @@ QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 LATER_KEYS: dict[str, frozenset[str]] = {
     "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step"}),
     "eval": frozenset({"perplexity"}),
-    "summary": frozenset({"perplexity"}),
+    "summary": frozenset({"perplexity", "memory"}),
 }
 
 
@@ -380,4 +380,5 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "cost_usd": metrics_lib.cost_usd(train_time, hardware.device_count, hardware.price_per_device_hour),
         "final_loss": counters.last_loss,
         **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
+        "memory": None,
     }

@@ -64,6 +64,12 @@ class StepCompiler:
             for key, compiled in zip(lowered, pool.map(lambda item: item.compile(), lowered.values())):
                 self._store(key, compiled)
 
+    def memory_analysis(self) -> Any | None:
+        """XLA's memory analysis of the compiled step with the most temporaries, or None before any compiled."""
+        analyses = [compiled.memory_analysis() for compiled in self._compiled.values()]
+        analyses = [analysis for analysis in analyses if analysis is not None]
+        return max(analyses, key=lambda analysis: analysis.temp_size_in_bytes, default=None)
+
     def _lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         sharding = self._parallel.rows_sharding(1)
         abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}

@@ -48,6 +48,7 @@ class Run:
     bleu: float | None
     accuracy: float | None
     perplexity: float | None  # gpt; logs written before it was logged lack it
+    memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/memory.py); older logs lack it
 
     @property
     def configuration(self) -> tuple[str, int, str, str]:
@@ -145,6 +146,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         bleu=results["bleu"],
         accuracy=results["accuracy"],
         perplexity=results.get("perplexity"),
+        memory=results.get("memory"),
     )
 
 

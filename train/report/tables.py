@@ -120,6 +120,27 @@ def matrix_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def memory_table(comparison: Comparison) -> tuple[list[str], list[list[str]]] | None:
+    """Header and rows: the memory anatomy of each run that logged one (None when none did)."""
+    header = ["#", "configuration", "params", "grads", "optimizer master", "optimizer moments", "temporaries",
+              "total", "B/param", "measured peak", "measured B/param"]
+    rows = []
+    for index, run in enumerate(comparison.runs):
+        memory = run.memory
+        if not memory:
+            continue
+        per_param = lambda key: _optional(memory[key], lambda value: f"{value:.1f}")  # noqa: E731
+        rows.append([f"{index + 1}", run.study_label, *(_mib(memory[key]) for key in (
+            "params_bytes", "grads_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes",
+            "total_bytes")), per_param("bytes_per_param"), _mib(memory["measured_peak_bytes"]),
+            per_param("measured_bytes_per_param")])
+    return (header, rows) if rows else None
+
+
 def recommendations(comparison: Comparison) -> list[str]:
     """One sentence per preset: its best converged configuration and by how much it leads."""
     return [recommendation(comparison, name) for name in WEIGHT_PRESETS]
@@ -176,6 +197,12 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         markdown_table(*matrix_table(comparison)),
         "## Recommendation",
         "\n".join(f"- {line}" for line in recommendations(comparison)),
+        "## Memory anatomy",
+        "One device: params, grads (the params' shapes and dtypes), optimizer state (f32 master weights; moments "
+        "and other state), temporaries (XLA's memory analysis of the compiled step: the activations kept for the "
+        "backward and workspaces), their total per parameter against the rule of 18 bytes/param for "
+        "mixed-precision AdamW, and the measured peak (device memory statistics; n/a where not reported).",
+        markdown_table(*memory) if (memory := memory_table(comparison)) else "No run logged its memory anatomy.",
         "## Plots",
         *(f"![{plot.title}]({plot.file_name})" if plot.file_name else f"*{plot.title}: not drawn; {plot.reason}.*"
           for plot in plots),

@@ -17,6 +17,7 @@ import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
+from ls_jax.layers.config import REMAT_MODES
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
 from train.errors import (EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE, DataError,
@@ -48,6 +49,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-weights", action="store_const", const=True,
                        help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
                             "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
+    group.add_argument("--remat", choices=REMAT_MODES,
+                       help="gradient checkpointing of each Transformer layer: none; layer (keep each layer's input, "
+                            "recompute the layer in the backward); gemm-outputs (keep the matmul outputs, recompute "
+                            "the rest)")
     group.add_argument("--backend", choices=backend_lib.MODES,
                        help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
                             f"given, ${backend_lib.ENV_VAR} if set, else auto")
@@ -93,6 +98,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "grad_accum": 1,
     "precision": "auto",
     "master_weights": False,
+    "remat": "none",
     "backend": "auto",
     "seed": 0,
     "run_dir": None,

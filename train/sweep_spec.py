@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ls_jax.layers.config import REMAT_MODES
 from train.errors import UsageError
 from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
@@ -35,10 +36,9 @@ from train.report.scoring import WEIGHT_PRESETS
 
 TASKS = ("imdb", "wmt", "gpt")
 BACKENDS = ("auto", "ffi", "xla")
-REMAT = ("none", "layer", "gemm-outputs")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS, "optimizer": OPTIMIZERS, "precision": ("auto", *PRECISION_DTYPES), "backend": BACKENDS,
-    "remat": REMAT,
+    "remat": REMAT_MODES,
 }
 _COUNTS = ("batch_size", "max_tokens", "max_seq_len", "steps", "epochs")
 AXES = ("task", "device", "preset", "optimizer", "precision", "backend", "remat", *_COUNTS, "seed")

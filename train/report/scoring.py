@@ -235,6 +235,9 @@ def recommendation(comparison: Comparison, preset: str) -> str:
     """In words: the best converged run under ``preset`` and its margin over the runner-up."""
     ranked = comparison.ranked_under(preset)
     if not ranked:
+        if any(comparison.converged):
+            return (f"{preset}: no converged run could be scored: each lacks a weighted term (cost, energy or MFU; "
+                    "see the notes)")
         return f"{preset}: no converged run could be scored"
     scores, runs = comparison.matrix[preset], comparison.runs
     best = ranked[0]

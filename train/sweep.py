@@ -3,7 +3,8 @@
     python -m train.sweep [SPEC.toml] [--device NAME] [--dry-run]
 
 SPEC (`train.sweep_spec`; default: the embedded train/sweeps/cpu-default.toml) lists grids over task, device,
-preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name>, marked with
+preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name> (``{device}``
+in OUT stands for this machine's device, e.g. h100-sxm), marked with
 the sweep's name (sweep.json). Running the sweep again skips the finished runs, resumes an interrupted one from
 its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint.
 A run whose device axis names another device is not run here: its command is printed, and its run directory,
@@ -14,6 +15,7 @@ task (OUT/report, or OUT/report-<task>).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import shutil
@@ -211,8 +213,16 @@ def report(spec: Spec, names: Sequence[str]) -> int:
     return code
 
 
+def with_device_in_out(spec: Spec, device: Callable[[], str]) -> Spec:
+    """``{device}`` in the spec's out replaced by this machine's device, lower case (e.g. sweep-h100-sxm)."""
+    if "{device}" not in str(spec.out):
+        return spec
+    return dataclasses.replace(spec, out=Path(str(spec.out).replace("{device}", device().lower())))
+
+
 def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False) -> int:
     """Every grid in order (a ``from_best`` grid after the grids before it ran), then the report."""
+    spec = with_device_in_out(spec, device)
     sweep = Sweep(spec, device=device, runner=runner, dry_run=dry_run)
     done: dict[str, Point] = {}
     best: list[dict[str, Any] | None] = []

@@ -1,6 +1,6 @@
 """Run a grid of training runs, each in its own run directory, then compare them all.
 
-    python -m train.sweep [SPEC.toml] [--device NAME] [--dry-run]
+    python -m train.sweep [SPEC.toml] [--out DIR] [--device NAME] [--dry-run]
 
 SPEC (`train.sweep_spec`; default: the embedded train/sweeps/cpu-default.toml) lists grids over task, device,
 preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name> (``{device}``
@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("spec", nargs="?", type=Path, help=f"the sweep's TOML file (default {DEFAULT_SPEC.name})")
+    parser.add_argument("--out", type=Path, help="the sweep's directory instead of the spec's out")
     parser.add_argument("--device", help="this machine's device as the spec's device axis names it (default: "
                                          "detected: cpu, or the device table's name such as H100-SXM)")
     parser.add_argument("--dry-run", action="store_true", help="print what each run would do; run nothing")
@@ -276,6 +277,8 @@ def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) 
     args = build_parser().parse_args(argv)
     try:
         spec = load_spec(args.spec)
+        if args.out:
+            spec = dataclasses.replace(spec, out=args.out)
         device = (lambda: args.device) if args.device else detect_device
         return run_sweep(spec, device=device, runner=runner, dry_run=args.dry_run)
     except UsageError as err:

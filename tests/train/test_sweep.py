@@ -225,6 +225,9 @@ def test_run_directory_of_another_sweep_or_none_is_an_error(tmp_path, capsys):
     spec_file.write_text(spec.source)
     assert sweep.main([str(spec_file), "--device", "cpu"], runner=never) == 2
     assert f"error: {run_dir} belongs to sweep 'other', not 'tiny'" in capsys.readouterr().err
+    moved = tmp_path / "moved"  # --out elsewhere: a fresh directory, nothing of the other sweep's in the way
+    assert sweep.main([str(spec_file), "--device", "cpu", "--out", str(moved), "--dry-run"], runner=never) == 0
+    assert f"would run python -m train.imdb --run-dir {moved}/" in capsys.readouterr().out
     (run_dir / "sweep.json").unlink()
     (run_dir / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="was not made by a sweep"):

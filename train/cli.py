@@ -17,11 +17,13 @@ import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
+from ls_jax.layers.config import REMAT_MODES
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
 from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
                           DataError, Interrupted, UsageError)
 from train.loop import TrainResult
+from train import optimizer as optimizer_lib
 from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
 
@@ -30,7 +32,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, help="optimizer steps to train for")
-    group.add_argument("--optimizer", choices=OPTIMIZERS, help="ls_jax.optim fused optimizer (default adamw)")
+    group.add_argument("--optimizer", choices=OPTIMIZERS,
+                       help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
+                            "unfused baselines (default adamw)")
+    for name, meaning in (("b1", "first-moment decay"), ("b2", "AdamW: second-moment decay; Adan: gradient-difference "
+                          "decay"), ("b3", "Adan only: second-moment decay"), ("eps", "denominator epsilon")):
+        group.add_argument(f"--{name}", type=float, help=f"optimizer {meaning} (default: the optimizer's own)")
     group.add_argument("--lr", type=float, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
     group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
@@ -42,6 +49,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-weights", action="store_const", const=True,
                        help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
                             "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
+    group.add_argument("--remat", choices=REMAT_MODES,
+                       help="gradient checkpointing of each Transformer layer: none; layer (keep each layer's input, "
+                            "recompute the layer in the backward); gemm-outputs (keep the matmul outputs, recompute "
+                            "the rest)")
     group.add_argument("--backend", choices=backend_lib.MODES,
                        help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
                             f"given, ${backend_lib.ENV_VAR} if set, else auto")
@@ -79,6 +90,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 TRAINING_DEFAULTS: dict[str, Any] = {
     "steps": 1000,
     "optimizer": "adamw",
+    "b1": None,
+    "b2": None,
+    "b3": None,
+    "eps": None,
     "lr": 5e-4,
     "warmup_steps": 4000,
     "weight_decay": 1e-4,
@@ -86,6 +101,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "grad_accum": 1,
     "precision": "auto",
     "master_weights": False,
+    "remat": "none",
     "backend": "auto",
     "seed": 0,
     "run_dir": None,
@@ -145,6 +161,20 @@ def check_choice(config: Mapping[str, Any], key: str, choices: Iterable[str]) ->
     choices = tuple(choices)
     if config[key] is not None and config[key] not in choices:
         raise UsageError(f"--{key.replace('_', '-')} {config[key]}: unknown; choose from {', '.join(choices)}")
+
+
+def check_optimizer(config: Mapping[str, Any]) -> None:
+    """Raises UsageError for optimizer hyperparameters out of range or not of the optimizer, and for what an
+    unfused (optax) optimizer cannot do: master weights, a sharded (ZeRO-1) state."""
+    try:
+        optimizer_lib.hyperparameters(config["optimizer"], {key: config[key] for key in optimizer_lib.HYPERPARAMETERS})
+    except ValueError as err:
+        raise UsageError(f"--optimizer {config['optimizer']}: {err}") from None
+    if config["optimizer"] in optimizer_lib.UNFUSED:
+        for key in ("master_weights", "shard_optimizer"):
+            if config[key]:
+                raise UsageError(f"--{key.replace('_', '-')} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
+                                 f"{config['optimizer']} is optax's own")
 
 
 def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:

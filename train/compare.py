@@ -1,10 +1,11 @@
 """Compare training runs from any devices by time, cost, energy and utilization.
 
     python -m train.compare LOG_OR_DIR ... [--task T] [--baseline RUN] [--weights PRESET | --weights t,c,e,u]
-                                           [--out DIR]
+                                           [--quality-threshold Q] [--quality-margin F] [--out DIR]
 
 Reads run logs (docs/run-log.md; a directory is searched recursively for *.jsonl run logs), prints the tables
-and writes report.md with the tables and PNG plots to --out (default reports/<UTC time>/). The arithmetic lives
+and writes report.md with the tables (the score under all seven presets at once among them), a recommendation
+per preset, and PNG plots to --out (default reports/<UTC time>/). The arithmetic lives
 in train.report (reading, scoring, tables, plots); docs/compare.md explains the score.
 """
 
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from train import measured_utilization, runlog
-from train.report import plots, scoring, tables
+from train.report import plots, quality, scoring, tables
 from train.report import runs as run_logs
 
 EXIT_USAGE = 2
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Tables, a weighted score and plots comparing training runs (run.jsonl logs) from any devices.\n\n"
             "score = w_t*T + w_c*C + w_e*E - w_u*U, lower is better, where T, C, E, U are time, cost, energy\n"
             "and MFU, each divided by its maximum over the runs scored. A run whose cost, energy or MFU is null\n"
-            "is not scored while that term's weight is non-zero (never counted as zero). See docs/compare.md."
+            "is not scored while that term's weight is non-zero (never counted as zero). A run whose final quality\n"
+            "misses --quality-threshold or lies more than --quality-margin below the best run's did not converge:\n"
+            "it is shown and never ranked. See docs/compare.md."
         ),
         epilog=_presets_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -50,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", default=scoring.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
                         help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
                              f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")
+    thresholds = ", ".join(f"{task} {quality.METRICS[task].label} {value:g}"
+                           for task, value in quality.DEFAULT_THRESHOLDS.items())
+    parser.add_argument("--quality-threshold", type=float, metavar="Q",
+                        help=f"the final quality a run must reach to be ranked (perplexity: at most); default per "
+                             f"task: {thresholds}")
+    parser.add_argument("--quality-margin", type=float, metavar="F",
+                        help="a run more than this fraction worse than the best run's quality is not ranked "
+                             f"(default {quality.DEFAULT_MARGIN:g})")
     parser.add_argument("--out", type=Path, metavar="DIR", help="report directory (default: reports/<UTC time>/)")
     parser.add_argument("--counters", type=Path, metavar="FILE",
                         help="a counters result file (python -m train.bench counters): measured achieved occupancy "
@@ -66,7 +77,8 @@ def _load(args: argparse.Namespace) -> scoring.Comparison:
     runs, notes = run_logs.load_runs(args.logs)
     runs = run_logs.select_task(runs, args.task)
     baseline = run_logs.find_baseline(runs, args.baseline)
-    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes)
+    gate = quality.default_gate(runs[0].task, args.quality_threshold, args.quality_margin)
+    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes, gate=gate)
 
 
 def write_report(comparison: scoring.Comparison, out_dir: Path, command: str, extra: str = "") -> Path:
@@ -92,6 +104,9 @@ def print_summary(comparison: scoring.Comparison) -> None:
     print(tables.markdown_table(*tables.ratios_table(comparison)))
     print("\n" + tables.score_explanation(comparison))
     print(tables.markdown_table(*tables.score_table(comparison)) if comparison.ranking else "No run could be scored.")
+    print("\nScore under each preset (rank in parentheses):")
+    print(tables.markdown_table(*tables.matrix_table(comparison)))
+    print("\nRecommendation:\n" + "\n".join(f"  {line}" for line in tables.recommendations(comparison)))
     for note in comparison.notes:
         print(f"note: {note}", file=sys.stderr)
 

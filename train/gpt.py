@@ -202,7 +202,7 @@ def _check_config(config: Mapping[str, Any]) -> None:
 
 
 def _layer_overrides(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision]}
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config["remat"]}
     if config["dropout"] is not None:
         overrides.update(hidden_dropout_ratio=config["dropout"], attn_prob_dropout_ratio=config["dropout"])
     return overrides

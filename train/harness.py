@@ -22,12 +22,14 @@ import numpy as np
 import optax
 
 from ls_jax import backend as backend_lib
-from train import cli, peers, runlog
+from train import cli, memory, peers, runlog
 from train.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data import EpochStream
 from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, StopSignals, TrainResult, train
-from train.optimizer import make_optimizer
+from train import optimizer as optimizer_lib
+from train.compiled import optimizer_step_kernels
+from train.optimizer import HYPERPARAMETERS, make_optimizer
 from ls_jax.optim import shard_optimizer
 from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
 from train.precision import master_dtype, precision_signature
@@ -95,6 +97,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config = task.resolve_config(given, saved)
     config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
+    cli.check_optimizer(config)
     if config["distributed"]:
         if config["peer_timeout"] < 1:
             raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config['peer_timeout']}")
@@ -132,6 +135,20 @@ def make_layout(config: Mapping[str, Any], tx: optax.GradientTransformation, par
     return StateLayout(parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False))
 
 
+def optimizer_fields(config: Mapping[str, Any], tx: optax.GradientTransformation, state: TrainState,
+                     layout: StateLayout) -> dict[str, Any]:
+    """The run record's ``optimizer*`` keys: name, implementation, hyperparameters, kernels per step (counted when
+    the optimizer state is not sharded)."""
+    name = config["optimizer"]
+    kernels = None if layout.sharded_optimizer else optimizer_step_kernels(tx, state.params, state.opt_state)
+    return {
+        "optimizer": name,
+        "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
+        "optimizer_hyperparameters": optimizer_lib.hyperparameters(name, {k: config[k] for k in HYPERPARAMETERS}),
+        "optimizer_kernels_per_step": kernels,
+    }
+
+
 def param_count(params: Any) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
@@ -150,7 +167,7 @@ def _train(task: Task, run: Run) -> int:
         save_config(run_dir, {**config, "run_id": run.run_id})
         if not config["resume"]:
             run_log.write(runlog.run_record(
-                task.name, run, hardware, optimizer=config["optimizer"], model=setup.model_name,
+                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout), model=setup.model_name,
                 params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
                 config=setup.config_record,
             ))
@@ -196,7 +213,8 @@ def _prepare(task: Task, run: Run):
     signature = {**setup.model_signature, "optimizer": config["optimizer"], **precision_signature(config, precision)}
     param_dtype = master_dtype(config, precision)
     tx = make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
-                        clip_norm=config["clip_norm"], master_dtype=param_dtype)
+                        clip_norm=config["clip_norm"], master_dtype=param_dtype,
+                        **{key: config[key] for key in HYPERPARAMETERS})
     layout = make_layout(config, tx, parallel)
     state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)
@@ -255,6 +273,7 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
             f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
             f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
             f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
+            f"  memory      {memory.describe(s['memory'])}\n"
             f"  run log     {log_path}\n"
             f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
             f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"

@@ -28,7 +28,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _layer_overrides(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision]}
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config["remat"]}
     if config["dropout"] is not None:
         overrides.update(hidden_dropout_ratio=config["dropout"], attn_prob_dropout_ratio=config["dropout"])
     return overrides

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import jax
 from tqdm import tqdm
 
-from train import runlog
+from train import memory, runlog
 from train.checkpoints import Checkpoints, is_finite
 from train.errors import Interrupted
 from train.hardware import Hardware
@@ -359,6 +359,8 @@ class _Loop:
         for name in self.run_log.counted:  # a run stopped before its first step counted nothing
             self.counters.counts.setdefault(name, 0)
         summary = runlog.summary_record(self.counters, self.hardware, stop_reason, steps_done)
+        summary["memory"] = memory.anatomy(self.state.params, self.state.opt_state, self.compiler.memory_analysis(),
+                                           summary["peak_memory_bytes"])
         try:
             self.run_log.write(summary)
         except OSError as err:

@@ -46,7 +46,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "schema": (int,), "run_id": (str,), "task": (str,), "command": (str,), "started_at": (str,),
         "git_commit": _OPT_STR, "versions": (dict,), "host": (str,), "platform": (str,), "device_kind": (str,),
         "device_count": (int,), "peak_tflops_per_device": _OPT_NUM, "peak_source": _OPT_STR, "backend": (str,),
-        "precision": (str,), "optimizer": (str,), "model": (str,), "params": (int,), "batch": (dict,),
+        "precision": (str,), "optimizer": (str,), "optimizer_implementation": _OPT_STR,
+        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT, "model": (str,), "params": (int,), "batch": (dict,),
         "price_per_device_hour_usd": _OPT_NUM, "price_source": _OPT_STR, "energy_method": _OPT_STR,
         "data": (dict,), "config": (dict,),
     },
@@ -64,7 +65,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
         "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
         "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "final_loss": _OPT_NUM,
-        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM,
+        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
     },
 }
 # The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
@@ -72,7 +73,11 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
 QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
 # always writes them.
-LATER_KEYS: dict[str, frozenset[str]] = {"eval": frozenset({"perplexity"}), "summary": frozenset({"perplexity"})}
+LATER_KEYS: dict[str, frozenset[str]] = {
+    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step"}),
+    "eval": frozenset({"perplexity"}),
+    "summary": frozenset({"perplexity", "memory"}),
+}
 
 
 def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple[type, ...]]:
@@ -299,15 +304,15 @@ def energy_fields(joules: float | None, source: str | None) -> dict[str, Any]:
     return {"energy_j": joules, "energy_source": source if joules is not None else None}
 
 
-def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: str, model: str, params: int,
+def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[str, Any], model: str, params: int,
                batch: Mapping[str, Any], data: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``run`` record that opens a run log."""
+    """The ``run`` record that opens a run log; ``optimizer`` holds its ``optimizer*`` keys."""
     return {
         **identity(task, run.run_id, run.command, run.started_utc),
         **hardware.record_fields(),
         "backend": backend_lib.active_backend(),
         "precision": hardware.precision,
-        "optimizer": optimizer,
+        **optimizer,
         "model": model,
         "params": params,
         "batch": dict(batch),
@@ -375,4 +380,5 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "cost_usd": metrics_lib.cost_usd(train_time, hardware.device_count, hardware.price_per_device_hour),
         "final_loss": counters.last_loss,
         **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
+        "memory": None,
     }

@@ -69,6 +69,12 @@ class StepCompiler:
             for (key, before), compiled in zip(lowered.items(), pool.map(lambda item: item.compile(), lowered.values())):
                 self._store(key, before, compiled)
 
+    def memory_analysis(self) -> Any | None:
+        """XLA's memory analysis of the compiled step with the most temporaries, or None before any compiled."""
+        analyses = [compiled.memory_analysis() for compiled in self._compiled.values()]
+        analyses = [analysis for analysis in analyses if analysis is not None]
+        return max(analyses, key=lambda analysis: analysis.temp_size_in_bytes, default=None)
+
     def lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         """The step lowered for ``batch``'s shapes (arrays or ShapeDtypeStructs), the batch sharded along its rows."""
         sharding = self._parallel.rows_sharding(1)

@@ -14,7 +14,7 @@ from train.precision import PRECISION_DTYPES
 
 
 def model_config(config: Mapping[str, Any], vocab_size: int, precision: str) -> TransformerConfig:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision]}
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config["remat"]}
     if config["dropout"] is not None:
         overrides.update(
             hidden_dropout_ratio=config["dropout"],

@@ -60,6 +60,9 @@ def replace_checked(config: Any, overrides: dict[str, Any]) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
+REMAT_MODES = ("none", "layer", "gemm-outputs")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
     """One Transformer layer's shape, dropout, normalization and precision.
@@ -77,6 +80,9 @@ class LayerConfig:
       padding_idx: token id of padding (embeds to zero, masked as an attention key), or None.
       dtype: compute dtype (float32, bfloat16 or float16); parameters are float32.
       layer_norm_eps: added to the LayerNorm variance.
+      remat: gradient checkpointing of each layer in training: "none" keeps every activation the backward needs;
+        "layer" keeps only each layer's input and recomputes the layer in the backward; "gemm-outputs" keeps the
+        matmul outputs and recomputes the rest (LayerNorm, softmax, activations, dropout).
     """
 
     hidden_size: int
@@ -91,6 +97,7 @@ class LayerConfig:
     padding_idx: int | None = 0
     dtype: Any = jnp.bfloat16
     layer_norm_eps: float = 1e-5
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "nhead", "max_seq_len"):
@@ -105,6 +112,8 @@ class LayerConfig:
         for name in ("attn_prob_dropout_ratio", "activation_dropout_ratio", "hidden_dropout_ratio"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
         dtype = jnp.dtype(self.dtype)

@@ -76,6 +76,39 @@ class TransformerDecoderLayer(nn.Module):
         )
 
 
+class _PositionalEncoderLayer(TransformerEncoderLayer):
+    """The encoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
+
+    def __call__(self, x, key_mask, decode, deterministic, defer_residual):
+        return super().__call__(x, key_mask, decode=decode, deterministic=deterministic, defer_residual=defer_residual)
+
+
+class _PositionalDecoderLayer(TransformerDecoderLayer):
+    """The decoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
+
+    def __call__(self, x, cross_key_value, src_mask, decode, deterministic, defer_residual):
+        return super().__call__(x, cross_key_value, src_mask, decode=decode, deterministic=deterministic,
+                                defer_residual=defer_residual)
+
+
+# What the backward keeps of a checkpointed layer: its inputs only ("layer"), or also every matmul output.
+_REMAT_POLICIES = {"layer": None, "gemm-outputs": jax.checkpoint_policies.dots_saveable}
+
+
+def _layer(config: LayerConfig, decode: bool, plain: type[nn.Module], positional: type[nn.Module], *attributes,
+           name: str, arguments: tuple, static: tuple):
+    """Calls a layer as ``config.remat`` says: plain, or checkpointed (``nn.remat``, the switches ``static`` held
+    static). Cached decoding never checkpoints. The parameters are named and shaped alike either way."""
+    if config.remat == "none" or decode:
+        decode_, deterministic, defer_residual = static
+        return plain(config, *attributes, name=name)(*arguments, decode=decode_, deterministic=deterministic,
+                                                      defer_residual=defer_residual)
+    first_static = 1 + len(arguments)  # argument 0 is the module
+    layer = nn.remat(positional, policy=_REMAT_POLICIES[config.remat],
+                     static_argnums=tuple(range(first_static, first_static + len(static))))
+    return layer(config, *attributes, name=name)(*arguments, *static)
+
+
 def _final_layer_norm(config: LayerConfig, x: jax.Array | DeferredResidual) -> jax.Array:
     """A stack's output: the last layer's, normalized by "final_layer_norm" when pre-LN (a deferred x is formed
     in the same kernel and the sum dropped). Call it inside the stack's compact ``__call__``."""
@@ -106,9 +139,8 @@ class TransformerEncoder(nn.Module):
     ) -> jax.Array:
         """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding. Returns (B, S, H)."""
         for index in range(self.num_layers):
-            x = TransformerEncoderLayer(self.config, self.causal, name=f"layer_{index}")(
-                x, key_mask, decode=decode, deterministic=deterministic, defer_residual=True
-            )
+            x = _layer(self.config, decode, TransformerEncoderLayer, _PositionalEncoderLayer, self.causal,
+                       name=f"layer_{index}", arguments=(x, key_mask), static=(decode, deterministic, True))
         return _final_layer_norm(self.config, x)
 
 
@@ -143,14 +175,8 @@ class TransformerDecoder(nn.Module):
         # element L times, the gradient of a split one concatenation.
         layer_key_values = jax.lax.split(cross_key_value, (1,) * self.num_layers, axis=2)
         for index, key_value in enumerate(layer_key_values):
-            x = TransformerDecoderLayer(self.config, name=f"layer_{index}")(
-                x,
-                jnp.squeeze(key_value, 2),
-                src_mask,
-                decode=decode,
-                deterministic=deterministic,
-                defer_residual=True,
-            )
+            x = _layer(self.config, decode, TransformerDecoderLayer, _PositionalDecoderLayer, name=f"layer_{index}",
+                       arguments=(x, jnp.squeeze(key_value, 2), src_mask), static=(decode, deterministic, True))
         return _final_layer_norm(self.config, x)
 
     def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:

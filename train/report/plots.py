@@ -1,14 +1,16 @@
 """Figures of a `Comparison` (`train.report.scoring`), as PNG files drawn with matplotlib's Agg canvas (no display
 needed).
 
-* time vs cost and time vs energy: one point per run, marker and colour by device kind, labelled with the run's
-  row number; estimated energy is drawn hollow, measured energy filled;
+* the study's four: A cost vs energy, B energy vs time (slope = average power), C cost vs time, one point per run,
+  marker and colour by device kind, labelled with the run's row number, estimated energy drawn hollow and measured
+  energy filled; D final quality by precision and optimizer; a red cross marks a run that did not converge;
 * speedup by model size and batch: for each (model, batch) with runs of the baseline's configuration, the mean
   speedup of every other configuration over it (bars; 1 is the baseline configuration).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,8 +23,10 @@ from train.report.scoring import Comparison, speedups_by_model_and_batch
 from train.report.tables import Plot, si_scale, time_scale
 
 MARKERS = "osD^vP*Xh<>p"
-TIME_VS_COST = "time_vs_cost.png"
-TIME_VS_ENERGY = "time_vs_energy.png"
+COST_VS_ENERGY = "a_cost_vs_energy.png"
+ENERGY_VS_TIME = "b_energy_vs_time.png"
+COST_VS_TIME = "c_cost_vs_time.png"
+QUALITY = "d_quality_by_precision_and_optimizer.png"
 SPEEDUP = "speedup_by_model_and_batch.png"
 
 
@@ -38,63 +42,138 @@ def device_styles(runs: Sequence[Run]) -> dict[str, tuple[str, str]]:
     return {kind: (MARKERS[i % len(MARKERS)], f"C{i % 10}") for i, kind in enumerate(kinds)}
 
 
-def _scatter_against_time(comparison: Comparison, values: Sequence[float | None], quantity: str, unit: str,
-                          hollow: Sequence[bool], path: Path) -> None:
-    """Scatter of ``values`` (one per run, None to leave a run out) against training time."""
-    shown = [(index, run, value) for index, (run, value) in enumerate(zip(comparison.runs, values))
-             if value is not None]
-    longest = max(run.train_time_s for _, run, _ in shown)
-    largest = max(value for _, _, value in shown)
-    time_factor, time_unit = time_scale(longest)
-    value_factor, prefix = si_scale(largest)
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One axis of a scatter: a value per run (None leaves the run out), its name and unit."""
+
+    values: Sequence[float | None]
+    quantity: str
+    unit: str
+
+    def scale(self, largest: float) -> tuple[float, str]:
+        """(factor, label) to plot values up to ``largest`` in: minutes or hours for seconds, an SI prefix else."""
+        if self.unit == "s":
+            factor, unit = time_scale(largest)
+            return factor, f"{self.quantity} ({unit})"
+        factor, prefix = si_scale(largest)
+        return factor, f"{self.quantity} ({prefix}{self.unit})"
+
+
+def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Sequence[bool], path: Path) -> None:
+    """One point per run with both values, marker and colour by device kind, labelled #row; ``hollow`` points have
+    estimated energy; a red cross marks a run that did not converge."""
+    shown = [index for index in range(len(comparison.runs)) if x.values[index] is not None and y.values[index] is not None]
+    x_factor, x_label = x.scale(max(x.values[i] for i in shown))
+    y_factor, y_label = y.scale(max(y.values[i] for i in shown))
     styles = device_styles(comparison.runs)
     figure = _figure()
     axes = figure.add_subplot()
     labelled = set()
-    for index, run, value in shown:
+    for index in shown:
+        run = comparison.runs[index]
         marker, colour = styles[run.device_kind]
-        x, y = run.train_time_s / time_factor, value / value_factor
-        axes.scatter([x], [y], marker=marker, s=70, edgecolors=colour, linewidths=1.5,
+        px, py = x.values[index] / x_factor, y.values[index] / y_factor
+        axes.scatter([px], [py], marker=marker, s=70, edgecolors=colour, linewidths=1.5,
                      facecolors="none" if hollow[index] else colour,
                      label=None if run.device_kind in labelled else run.device_kind)
         labelled.add(run.device_kind)
-        axes.annotate(f"#{index + 1}", (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
+        if comparison.verdicts[index] is not None:
+            axes.scatter([px], [py], marker="x", s=110, color="red", linewidths=1.5)
+        axes.annotate(f"#{index + 1}", (px, py), xytext=(5, 5), textcoords="offset points", fontsize=8)
     handles, _ = axes.get_legend_handles_labels()
-    if any(hollow[index] for index, _, _ in shown):
+    if any(hollow[index] for index in shown):
         handles += [Line2D([], [], marker="o", linestyle="none", color="grey", label="measured energy"),
                     Line2D([], [], marker="o", linestyle="none", color="grey", markerfacecolor="none",
                            label="estimated energy")]
+    if any(comparison.verdicts[index] is not None for index in shown):
+        handles.append(Line2D([], [], marker="x", linestyle="none", color="red", label="not converged"))
     axes.legend(handles=handles, fontsize=8)
-    axes.set_xlabel(f"training time ({time_unit})")
-    axes.set_ylabel(f"{quantity} ({prefix}{unit})")
-    axes.set_title(f"Training time vs {quantity} (lower left is better)")
+    axes.set_xlabel(x_label)
+    axes.set_ylabel(y_label)
+    axes.set_title(title)
     axes.grid(alpha=0.3)
     # Room past the largest point for its label.
-    axes.set_xlim(0, 1.12 * longest / time_factor)
-    if largest > 0:
-        axes.set_ylim(0, 1.12 * largest / value_factor)
-    left_out = [f"#{index + 1}" for index, value in enumerate(values) if value is None]
+    axes.set_xlim(0, 1.12 * max(x.values[i] for i in shown) / x_factor or 1.0)
+    axes.set_ylim(0, 1.12 * max(y.values[i] for i in shown) / y_factor or 1.0)
+    left_out = [f"#{index + 1}" for index in range(len(comparison.runs)) if index not in shown]
     if left_out:
-        figure.text(0.01, 0.0, f"no {quantity} in the log of {', '.join(left_out)}", fontsize=7, va="bottom")
+        figure.text(0.01, 0.0, f"no {x.quantity} or {y.quantity} in the log of {', '.join(left_out)}", fontsize=7,
+                    va="bottom")
     figure.savefig(path, dpi=120)
 
 
-def plot_time_vs_cost(comparison: Comparison, path: Path) -> Plot:
-    title = "Training time vs cost"
-    costs = [run.cost_usd for run in comparison.runs]
-    if all(cost is None for cost in costs):
-        return Plot(title, None, "no run has a cost")
-    _scatter_against_time(comparison, costs, "cost", "USD", [False] * len(costs), path)
+def _axes(comparison: Comparison) -> dict[str, Axis]:
+    runs = comparison.runs
+    return {
+        "time": Axis([run.train_time_s for run in runs], "training time", "s"),
+        "cost": Axis([run.cost_usd for run in runs], "cost", "USD"),
+        "energy": Axis([run.energy_j for run in runs], "energy", "J"),
+    }
+
+
+def _pair_plot(comparison: Comparison, x: str, y: str, title: str, path: Path) -> Plot:
+    """Plot ``y`` against ``x`` (keys of `_axes`); not drawn when no run has both."""
+    axes = _axes(comparison)
+    if not any(a is not None and b is not None for a, b in zip(axes[x].values, axes[y].values)):
+        return Plot(title, None, f"no run has both {axes[x].quantity} and {axes[y].quantity}")
+    hollow = [run.energy_estimated and "energy" in (x, y) for run in comparison.runs]
+    _scatter(comparison, axes[x], axes[y], title, hollow, path)
     return Plot(title, path.name)
 
 
-def plot_time_vs_energy(comparison: Comparison, path: Path) -> Plot:
-    title = "Training time vs energy"
-    energies = [run.energy_j for run in comparison.runs]
-    if all(energy is None for energy in energies):
-        return Plot(title, None, "no run has an energy figure")
-    hollow = [run.energy_estimated for run in comparison.runs]
-    _scatter_against_time(comparison, energies, "energy", "J", hollow, path)
+def plot_cost_vs_energy(comparison: Comparison, path: Path) -> Plot:
+    return _pair_plot(comparison, "energy", "cost", "A: cost vs energy (lower left is better)", path)
+
+
+def plot_energy_vs_time(comparison: Comparison, path: Path) -> Plot:
+    return _pair_plot(comparison, "time", "energy", "B: energy vs training time (slope = average power)", path)
+
+
+def plot_cost_vs_time(comparison: Comparison, path: Path) -> Plot:
+    return _pair_plot(comparison, "time", "cost", "C: cost vs training time (slope = price per hour)", path)
+
+
+def plot_quality(comparison: Comparison, path: Path) -> Plot:
+    """D: every run's final quality, grouped by precision along x and coloured by optimizer; marker by backend;
+    a red cross marks a run that did not converge, the dashed line is the gate's threshold."""
+    metric = comparison.gate.metric
+    title = f"D: {metric.label} by precision and optimizer"
+    runs = comparison.runs
+    values = [getattr(run, metric.key) for run in runs]
+    if all(value is None for value in values):
+        return Plot(title, None, f"no run has a final {metric.label}")
+    precisions = list(dict.fromkeys(run.precision for run in runs))
+    optimizers = list(dict.fromkeys(run.optimizer for run in runs))
+    backends = list(dict.fromkeys(run.backend for run in runs))
+    width = 0.8 / len(optimizers)
+    figure = _figure()
+    axes = figure.add_subplot()
+    for index, (run, value) in enumerate(zip(runs, values)):
+        if value is None:
+            continue
+        slot = optimizers.index(run.optimizer)
+        position = precisions.index(run.precision) + (slot - (len(optimizers) - 1) / 2) * width
+        axes.scatter([position], [value], marker=MARKERS[backends.index(run.backend) % len(MARKERS)], s=60,
+                     color=f"C{slot % 10}")
+        if comparison.verdicts[index] is not None:
+            axes.scatter([position], [value], marker="x", s=110, color="red", linewidths=1.5)
+        axes.annotate(f"#{index + 1}", (position, value), xytext=(5, 3), textcoords="offset points", fontsize=7)
+    handles = [Line2D([], [], marker="o", linestyle="none", color=f"C{i % 10}", label=name)
+               for i, name in enumerate(optimizers)]
+    handles += [Line2D([], [], marker=MARKERS[i % len(MARKERS)], linestyle="none", color="grey", label=f"backend {name}")
+                for i, name in enumerate(backends)]
+    axes.axhline(comparison.gate.threshold, color="red", linestyle="--", linewidth=1)
+    handles.append(Line2D([], [], color="red", linestyle="--", label=f"threshold {comparison.gate.threshold:g}"))
+    if any(verdict is not None for verdict, value in zip(comparison.verdicts, values) if value is not None):
+        handles.append(Line2D([], [], marker="x", linestyle="none", color="red", label="not converged"))
+    axes.legend(handles=handles, fontsize=8)
+    axes.set_xticks(range(len(precisions)), precisions)
+    axes.set_xlim(-0.6, len(precisions) - 0.4)
+    axes.set_xlabel("precision")
+    axes.set_ylabel(f"final {metric.label}")
+    axes.set_title(title)
+    axes.grid(axis="y", alpha=0.3)
+    figure.savefig(path, dpi=120)
     return Plot(title, path.name)
 
 
@@ -130,7 +209,9 @@ def plot_speedups(comparison: Comparison, path: Path) -> Plot:
 def write_plots(comparison: Comparison, out_dir: Path) -> list[Plot]:
     """Draws every figure into ``out_dir``; a figure without data is reported as not drawn."""
     return [
-        plot_time_vs_cost(comparison, out_dir / TIME_VS_COST),
-        plot_time_vs_energy(comparison, out_dir / TIME_VS_ENERGY),
+        plot_cost_vs_energy(comparison, out_dir / COST_VS_ENERGY),
+        plot_energy_vs_time(comparison, out_dir / ENERGY_VS_TIME),
+        plot_cost_vs_time(comparison, out_dir / COST_VS_TIME),
+        plot_quality(comparison, out_dir / QUALITY),
         plot_speedups(comparison, out_dir / SPEEDUP),
     ]

@@ -48,6 +48,7 @@ class Run:
     bleu: float | None
     accuracy: float | None
     perplexity: float | None  # gpt; logs written before it was logged lack it
+    memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/memory.py); older logs lack it
 
     @property
     def configuration(self) -> tuple[str, int, str, str]:
@@ -57,6 +58,11 @@ class Run:
     @property
     def configuration_label(self) -> str:
         return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision}"
+
+    @property
+    def study_label(self) -> str:
+        """What the study's grid varies: device, backend, precision, optimizer and batch."""
+        return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision} {self.optimizer} {self.batch_label}"
 
     @property
     def batch_label(self) -> str:
@@ -140,10 +146,11 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         bleu=results["bleu"],
         accuracy=results["accuracy"],
         perplexity=results.get("perplexity"),
+        memory=results.get("memory"),
     )
 
 
-def _records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+def read_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
     """(line number, record) pairs of a JSONL file, and whether its last line was cut short.
 
     A process killed while writing leaves a partial last line; that line is dropped (its run then lacks a
@@ -184,7 +191,7 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
 
     A log normally holds one run; every ``run`` record starts a new one (e.g. logs concatenated with ``cat``).
     """
-    records, truncated = _records(path)
+    records, truncated = read_records(path)
     if not records:
         raise ValueError(f"{path}: holds no complete run-log record")
     number, first = records[0]

@@ -8,7 +8,9 @@
 
       score_i = w_t * T_i + w_c * C_i + w_e * E_i - w_u * U_i        (lower is better)
 
-  Missing values are never taken as zero: a run whose cost, energy or MFU is null in its log is not scored when
+  This is the study's normalization (its Table 5.4 divides each column of its Table 5.1 by the column's
+  maximum). Only runs that pass the quality gate (`train.report.quality`) are scored: a run that did not learn is
+  shown and never ranked. Missing values are never taken as zero: a run whose cost, energy or MFU is null in its log is not scored when
   that term has a non-zero weight (the notes say which runs and why), and the maxima run over the scored runs
   only. A term whose maximum is 0 (e.g. every run was free) is 0 for every run.
 
@@ -23,6 +25,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
+from train.report.quality import Gate, default_gate
 from train.report.runs import Run
 
 
@@ -123,12 +126,14 @@ def max_normalized(values: Sequence[float | None]) -> list[float | None]:
     return [None if value is None else (value / top if top > 0 else 0.0) for value in values]
 
 
-def weighted_scores(runs: Sequence[Run], weights: Weights) -> list[Score | None]:
-    """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the runs that have every weighted term; None for others.
+def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None) -> list[Score | None]:
+    """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the ``eligible`` runs (default all) that have every
+    weighted term; None for others.
 
     T, C, E, U are time, cost, energy and MFU, each divided by its maximum over the scored runs.
     """
-    scored = [index for index, run in enumerate(runs) if not missing_terms(run, weights)]
+    eligible = [True] * len(runs) if eligible is None else eligible
+    scored = [index for index, run in enumerate(runs) if eligible[index] and not missing_terms(run, weights)]
     columns = [max_normalized([getattr(runs[i], key) for i in scored])
                for key in ("train_time_s", "cost_usd", "energy_j", "mfu")]
     scores: list[Score | None] = [None] * len(runs)
@@ -151,6 +156,18 @@ class Comparison:
     ratios: list[Ratios]
     scores: list[Score | None]
     notes: list[str]
+    gate: Gate
+    verdicts: list[str | None]  # None: passed the quality gate; else why the run did not converge
+    matrix: dict[str, list[Score | None]]  # preset -> score of each run under it
+
+    @property
+    def converged(self) -> list[bool]:
+        return [verdict is None for verdict in self.verdicts]
+
+    def ranked_under(self, preset: str) -> list[int]:
+        """Indices of the runs scored under ``preset``, best first."""
+        scores = self.matrix[preset]
+        return sorted((i for i, score in enumerate(scores) if score is not None), key=lambda i: scores[i].value)
 
     @property
     def ranking(self) -> list[int]:
@@ -171,21 +188,28 @@ def _unequal_work_note(runs: Sequence[Run]) -> str | None:
 
 
 def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAULT_PRESET,
-            weights: Weights | None = None, notes: Iterable[str] = ()) -> Comparison:
-    """Ratios to ``runs[baseline]`` and weighted scores (preset ``weights_name`` unless ``weights`` is given)."""
+            weights: Weights | None = None, notes: Iterable[str] = (), gate: Gate | None = None) -> Comparison:
+    """Ratios to ``runs[baseline]``; weighted scores of the runs that pass ``gate`` (default: the task's,
+    `train.report.quality.default_gate`) under ``weights`` (preset ``weights_name`` unless given) and under every
+    preset (the score matrix)."""
     if not runs:
         raise ValueError("no run to compare")
     if not 0 <= baseline < len(runs):
         raise ValueError(f"baseline index {baseline} is out of range for {len(runs)} runs")
     if weights is None:
         weights_name, weights = parse_weights(weights_name)
-    scores = weighted_scores(runs, weights)
+    gate = gate or default_gate(runs[0].task)
+    verdicts = gate.verdicts(runs)
+    converged = [verdict is None for verdict in verdicts]
+    scores = weighted_scores(runs, weights, converged)
     notes = list(notes)
-    for index, run in enumerate(runs):
+    for index, (run, verdict) in enumerate(zip(runs, verdicts)):
+        if verdict is not None:
+            notes.append(f"#{index + 1} {run.run_id} did not converge ({verdict}): shown, never ranked")
         if not run.completed:
             notes.append(f"#{index + 1} {run.run_id} stopped early ({run.stop_reason}) after {run.steps} steps: its "
                          "totals cover only that part")
-        if scores[index] is None:
+        if scores[index] is None and converged[index]:
             missing = missing_terms(run, weights)
             names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
             notes.append(f"#{index + 1} {run.run_id} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
@@ -201,7 +225,29 @@ def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAU
         ratios=[ratios_to(runs[baseline], run) for run in runs],
         scores=scores,
         notes=notes,
+        gate=gate,
+        verdicts=verdicts,
+        matrix={name: weighted_scores(runs, preset, converged) for name, preset in WEIGHT_PRESETS.items()},
     )
+
+
+def recommendation(comparison: Comparison, preset: str) -> str:
+    """In words: the best converged run under ``preset`` and its margin over the runner-up."""
+    ranked = comparison.ranked_under(preset)
+    if not ranked:
+        if any(comparison.converged):
+            return (f"{preset}: no converged run could be scored: each lacks a weighted term (cost, energy or MFU; "
+                    "see the notes)")
+        return f"{preset}: no converged run could be scored"
+    scores, runs = comparison.matrix[preset], comparison.runs
+    best = ranked[0]
+    text = f"{preset}: #{best + 1} ({runs[best].study_label}), score {scores[best].value:.3f}"
+    if len(ranked) == 1:
+        return text + ", the only converged run scored"
+    second = ranked[1]
+    gap = scores[second].value - scores[best].value
+    return (text + f", {gap:.3f} below the runner-up #{second + 1} ({runs[second].study_label}, "
+            f"{scores[second].value:.3f})")
 
 
 @dataclasses.dataclass(frozen=True)

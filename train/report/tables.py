@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from train.report.runs import Run
-from train.report.scoring import Comparison
+from train.report.scoring import WEIGHT_PRESETS, Comparison, recommendation
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -57,14 +57,12 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
     header = ["#", "run", "device", "count", "backend", "precision", "optimizer", "model", "batch", "time", "cost",
-              "energy",
-              "throughput", "MFU", *quality]
+              "energy", "throughput", "MFU", *quality, "quality gate"]
     rows = []
     for index, run in enumerate(runs):
         row = [
             f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision,
-            run.optimizer, run.model,
-            run.batch_label, format_duration(run.train_time_s),
+            run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
             _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
@@ -72,6 +70,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
         row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
         row += [_optional(run.perplexity, lambda perplexity: f"{perplexity:.3f}")] if "perplexity" in quality else []
+        row.append("passed" if comparison.verdicts[index] is None else "NOT CONVERGED")
         rows.append(row)
     return header, rows
 
@@ -101,6 +100,50 @@ def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, *terms,
                      f"{score.value:.4f}"])
     return header, rows
+
+
+def matrix_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: every run's score under each of the seven presets, with its rank under that preset in
+    parentheses; runs that did not converge say so, runs lacking a weighted term show n/a."""
+    presets = list(comparison.matrix)
+    ranks = {name: {index: rank for rank, index in enumerate(comparison.ranked_under(name), 1)} for name in presets}
+    header = ["#", "configuration", "energy", *presets]
+    rows = []
+    for index, run in enumerate(comparison.runs):
+        energy = "n/a" if run.energy_j is None else ("estimated" if run.energy_estimated else "measured")
+        if comparison.verdicts[index] is not None:
+            cells = ["not converged"] * len(presets)
+        else:
+            cells = [_optional(comparison.matrix[name][index], lambda score: f"{score.value:.3f}")
+                     + (f" ({ranks[name][index]})" if index in ranks[name] else "") for name in presets]
+        rows.append([f"{index + 1}", run.study_label, energy, *cells])
+    return header, rows
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def memory_table(comparison: Comparison) -> tuple[list[str], list[list[str]]] | None:
+    """Header and rows: the memory anatomy of each run that logged one (None when none did)."""
+    header = ["#", "configuration", "params", "grads", "optimizer master", "optimizer moments", "temporaries",
+              "total", "B/param", "measured peak", "measured B/param"]
+    rows = []
+    for index, run in enumerate(comparison.runs):
+        memory = run.memory
+        if not memory:
+            continue
+        per_param = lambda key: _optional(memory[key], lambda value: f"{value:.1f}")  # noqa: E731
+        rows.append([f"{index + 1}", run.study_label, *(_mib(memory[key]) for key in (
+            "params_bytes", "grads_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes",
+            "total_bytes")), per_param("bytes_per_param"), _mib(memory["measured_peak_bytes"]),
+            per_param("measured_bytes_per_param")])
+    return (header, rows) if rows else None
+
+
+def recommendations(comparison: Comparison) -> list[str]:
+    """One sentence per preset: its best converged configuration and by how much it leads."""
+    return [recommendation(comparison, name) for name in WEIGHT_PRESETS]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -144,6 +187,22 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         "## Weighted score",
         score_explanation(comparison),
         markdown_table(*score_table(comparison)) if comparison.ranking else "No run could be scored (see the notes).",
+        "## Quality gate",
+        f"A run is ranked only when its final {comparison.gate.describe()}; the others are shown and marked "
+        "NOT CONVERGED.",
+        "## Score matrix: the seven weight strategies",
+        "Each column scores the converged runs under one preset (T, C, E, U divided by their maxima; lower is "
+        "better); the rank under that preset in parentheses. The energy column says whether the run's energy was "
+        "measured or estimated.",
+        markdown_table(*matrix_table(comparison)),
+        "## Recommendation",
+        "\n".join(f"- {line}" for line in recommendations(comparison)),
+        "## Memory anatomy",
+        "One device: params, grads (the params' shapes and dtypes), optimizer state (f32 master weights; moments "
+        "and other state), temporaries (XLA's memory analysis of the compiled step: the activations kept for the "
+        "backward and workspaces), their total per parameter against the rule of 18 bytes/param for "
+        "mixed-precision AdamW, and the measured peak (device memory statistics; n/a where not reported).",
+        markdown_table(*memory) if (memory := memory_table(comparison)) else "No run logged its memory anatomy.",
         "## Plots",
         *(f"![{plot.title}]({plot.file_name})" if plot.file_name else f"*{plot.title}: not drawn; {plot.reason}.*"
           for plot in plots),

@@ -1,0 +1,267 @@
+"""`python -m train.sweep`: grid expansion, the run directory of each run, skip and resume, other devices, the
+best run of earlier grids, and a clear error for every bad input. Training runs in this process (train.imdb.main)
+on a tiny model for a few steps."""
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train import imdb, runlog, sweep, sweep_spec
+from train.errors import UsageError
+
+COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"
+
+TINY = """
+name = "{name}"
+out = "{out}"
+[axes]
+task = "imdb"
+preset = "bert-tiny"
+max_seq_len = 16
+batch_size = 4
+steps = {steps}
+[flags]
+log_every = 1
+checkpoint_every = 1
+no_tensorboard = true
+vocab_size = 200
+[[grid]]
+optimizer = ["adan"]
+"""
+
+
+def tiny_spec(tmp_path, steps=2, name="tiny"):
+    return sweep_spec.parse(TINY.format(name=name, out=tmp_path / "out", steps=steps))
+
+
+class InProcess:
+    """Runs `python -m train.imdb ...` command lines in this process, recording them."""
+
+    def __init__(self):
+        self.commands = []
+
+    def __call__(self, command):
+        assert command[:3] == ["python", "-m", "train.imdb"]
+        self.commands.append(command)
+        with contextlib.redirect_stdout(io.StringIO()):
+            return imdb.main(command[3:])
+
+
+def never(command):
+    raise AssertionError(f"nothing should run here, got {command}")
+
+
+def run(spec, runner, device="cpu"):
+    return sweep.run_sweep(spec, device=lambda: device, runner=runner)
+
+
+# ------------------------------------------------------------------------------------------------ expansion
+
+
+def test_grid_expands_to_the_product_of_its_axes_plus_common_axes_and_flags():
+    spec = sweep_spec.parse("""
+name = "grid"
+[axes]
+task = "imdb"
+steps = 10
+[flags]
+lr = 1e-3
+no_tensorboard = true
+[[grid]]
+optimizer = ["optax-adamw", "adan"]
+precision = ["fp32", "bf16", "fp16"]
+backend = ["xla", "ffi"]
+[[grid]]
+optimizer = "adan"
+precision = "fp32"
+backend = "xla"
+seed = [1]
+[[grid]]
+optimizer = "adan"
+precision = "fp32"
+backend = "xla"
+""")
+    points = sweep_spec.points(spec)
+    assert len(points) == 2 * 3 * 2 + 1  # the third grid's one point is the first grid's: it runs once
+    names = [point.name for point in points]
+    assert len(set(names)) == len(names)
+    assert names[0] == "imdb-optax-adamw-fp32-xla-s10"
+    assert points[0].flags(spec.flags) == ["--optimizer", "optax-adamw", "--precision", "fp32", "--backend", "xla",
+                                           "--steps", "10", "--lr", "0.001", "--no-tensorboard"]
+    assert spec.out == Path("runs/grid")
+
+
+def test_from_best_fills_the_axes_it_leaves_out():
+    spec = sweep_spec.parse("""
+name = "best"
+[axes]
+task = "imdb"
+[[grid]]
+optimizer = ["optax-adamw", "adan"]
+precision = ["fp32", "bf16"]
+[[grid]]
+batch_size = [16, 64]
+from_best = "balance"
+""")
+    assert len(sweep_spec.points(spec)) == 4  # the best is not known yet
+    best = {"task": "imdb", "optimizer": "adan", "precision": "bf16"}
+    later = sweep_spec.points(spec, [None, best])[4:]
+    assert [point.name for point in later] == ["imdb-adan-bf16-b16", "imdb-adan-bf16-b64"]
+
+
+def test_best_point_is_the_best_converged_run_of_the_earlier_grids(tmp_path):
+    spec = sweep_spec.parse(f"""
+name = "devices"
+out = "{tmp_path}"
+[axes]
+task = "wmt"
+[[grid]]
+device = ["H100-SXM", "TPU-v3"]
+backend = ["ffi", "xla"]
+""")
+    points = {point.name: point for point in sweep_spec.points(spec)}
+    for name, fixture in (("wmt-H100-SXM-ffi", "h100-ffi"), ("wmt-H100-SXM-xla", "h100-xla"),
+                          ("wmt-TPU-v3-xla", "tpu-v3-8")):
+        (tmp_path / name).mkdir()
+        shutil.copy(COMPARE_DATA / fixture / "run.jsonl", tmp_path / name / "run.jsonl")
+    # The fixtures' balance ranking: the H100 with the fused kernels first (tests/train/test_compare.py).
+    assert sweep.best_point(spec, list(points.values()), "balance") == points["wmt-H100-SXM-ffi"].values
+
+
+@pytest.mark.parametrize("text, message", [
+    ('name = "x"\n[axes]\ntask = "imdb"\noptimizer = "adamx"', "optimizer = 'adamx' is not a known value; choose from"),
+    ('name = "x"\n[axes]\ntask = "imdb"\nprecison = "fp32"', "unknown axis 'precison'"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = []', "axis 'seed' has no values"),
+    ('name = "x"\ngrid = []', "the grid is empty"),
+    ('name = "x"\n[axes]\ntask = "imdb"\nsteps = 0', "steps = 0 must be an integer >= 1"),
+    ('name = "x"\n[axes]\ntask = "wmt"\nbatch_size = 8', "axis batch_size is not a flag of train.wmt"),
+    ('name = "x"\n[[grid]]\noptimizer = "adan"', "no task"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nfrom_best = "balance"', "needs a grid before it"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nsteps = 3', "[flags] sets 'steps'"),
+    ('name = "x"\n[axes\n', "not valid TOML"),
+    ('[axes]\ntask = "imdb"', "name = None must be"),
+])
+def test_bad_specs_are_one_clear_line(text, message):
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        sweep_spec.points(sweep_spec.parse(text))
+
+
+def test_cli_reports_bad_spec_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[axes]\ntask = "imdb"\nbackend = "cuda"\n')
+    assert sweep.main([str(bad)], runner=never) == 2
+    assert "error: " in (err := capsys.readouterr().err) and "backend = 'cuda' is not a known value" in err
+    assert sweep.main([str(tmp_path / "none.toml")], runner=never) == 2
+    assert "no such sweep spec file" in capsys.readouterr().err
+
+
+def test_device_in_out_is_this_machines_device():
+    spec = sweep_spec.parse('name = "x"\nout = "docs/results/sweep-{device}"\n[axes]\ntask = "imdb"')
+    assert sweep.with_device_in_out(spec, lambda: "H100-SXM").out == Path("docs/results/sweep-h100-sxm")
+    gpu = sweep.load_spec(sweep.DEFAULT_SPEC.parent / "bert-gpu.toml")
+    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[1].from_best == "balance"
+
+
+def test_default_spec_parses_and_expands_to_a_small_cpu_grid():
+    spec = sweep.load_spec(None)
+    points = sweep_spec.points(spec)
+    assert len(points) == 4 and {point.task for point in points} == {"imdb"}
+    assert {point.values["optimizer"] for point in points} == {"optax-adamw", "adan"}
+    assert all(point.values["backend"] == "xla" and point.device is None for point in points)
+
+
+# ------------------------------------------------------------------------------------------- running runs
+
+
+def test_run_skip_resume_and_extend(tmp_path, capsys):
+    spec = tiny_spec(tmp_path)
+    runner = InProcess()
+    assert run(spec, runner) == 0
+    run_dir = spec.out / "imdb-bert-tiny-adan-b4-l16-s2"
+    assert json.loads((run_dir / "sweep.json").read_text())["sweep"] == "tiny"
+    assert runlog.read(run_dir / "run.jsonl")[-1]["steps"] == 2
+    out = capsys.readouterr().out
+    assert "[1/1] imdb-bert-tiny-adan-b4-l16-s2: running: python -m train.imdb --run-dir" in out
+    assert "[1/1] imdb-bert-tiny-adan-b4-l16-s2: finished in" in out and (spec.out / "report" / "report.md").exists()
+
+    # Finished: skipped.
+    assert run(spec, never) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+
+    # Killed after the checkpoint at step 1 (no summary, no checkpoint 2): resumed from step 1.
+    records = runlog.read(run_dir / "run.jsonl")
+    (run_dir / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
+                                               if r["type"] == "run" or r.get("step", 99) <= 1))
+    shutil.rmtree(run_dir / "checkpoints" / "2")
+    assert sweep.run_state(run_dir, spec, sweep_spec.points(spec)[0]) == "interrupted"
+    assert run(spec, runner) == 0
+    assert runner.commands[-1][3:5] == ["--resume", str(run_dir)]
+    summary = runlog.read(run_dir / "run.jsonl")[-1]
+    assert summary["type"] == "summary" and summary["completed"] and summary["steps"] == 2
+    assert "resuming" in capsys.readouterr().out
+
+
+def test_stopped_before_its_first_checkpoint_starts_again(tmp_path):
+    spec = tiny_spec(tmp_path)
+    point = sweep_spec.points(spec)[0]
+    run_dir = spec.out / point.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "sweep.json").write_text(json.dumps({"sweep": "tiny", "point": point.values}))
+    (run_dir / "run.jsonl").write_text('{"type": "run", "schema": 1}\n')
+    assert sweep.run_state(run_dir, spec, point) == "restart"
+
+
+def test_run_directory_of_another_sweep_or_none_is_an_error(tmp_path, capsys):
+    spec = tiny_spec(tmp_path)
+    point = sweep_spec.points(spec)[0]
+    run_dir = spec.out / point.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "sweep.json").write_text(json.dumps({"sweep": "other", "point": point.values}))
+    spec_file = tmp_path / "tiny.toml"
+    spec_file.write_text(spec.source)
+    assert sweep.main([str(spec_file), "--device", "cpu"], runner=never) == 2
+    assert f"error: {run_dir} belongs to sweep 'other', not 'tiny'" in capsys.readouterr().err
+    moved = tmp_path / "moved"  # --out elsewhere: a fresh directory, nothing of the other sweep's in the way
+    assert sweep.main([str(spec_file), "--device", "cpu", "--out", str(moved), "--dry-run"], runner=never) == 0
+    assert f"would run python -m train.imdb --run-dir {moved}/" in capsys.readouterr().out
+    (run_dir / "sweep.json").unlink()
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="was not made by a sweep"):
+        sweep.run_state(run_dir, spec, point)
+
+
+def test_other_devices_print_commands_and_join_when_copied_back(tmp_path, capsys):
+    text = TINY.format(name="remote", out=tmp_path / "out", steps=2).replace(
+        'optimizer = ["adan"]', 'optimizer = ["adan"]\ndevice = ["TPU-v3", "H100-SXM"]')
+    spec = sweep_spec.parse(text)
+    assert run(spec, never) == 0
+    out = capsys.readouterr().out
+    assert "for TPU-v3, run there: python -m tpu.launch --tpu TPU_NAME --zone ZONE" in out
+    assert "for H100-SXM, run there: python -m train.imdb --run-dir imdb-H100-SXM-bert-tiny-adan-b4-l16-s2" in out
+    assert "2 runs are for other devices" in out
+
+    # The H100 run's directory copied back (a finished CPU-shaped log stands in for it).
+    copied = spec.out / "imdb-H100-SXM-bert-tiny-adan-b4-l16-s2"
+    copied.mkdir(parents=True)
+    imdb_log = _finished_imdb_log(tmp_path)
+    shutil.copy(imdb_log, copied / "run.jsonl")
+    assert run(spec, never) == 0
+    out = capsys.readouterr().out
+    assert "finished on H100-SXM, copied back" in out and "1 runs are for other devices" in out
+    assert (spec.out / "report" / "report.md").exists()
+
+
+def _finished_imdb_log(tmp_path):
+    """A finished imdb run log: the fixture H100 run recast as imdb (what matters is its shape)."""
+    records = [json.loads(line) for line in (COMPARE_DATA / "h100-ffi" / "run.jsonl").read_text().splitlines()]
+    records[0].update(task="imdb", batch={"batch_size": 4, "grad_accum": 1})
+    for key in ("tokens", "tokens_per_s", "target_tokens", "target_tokens_per_s"):
+        records[-1].pop(key)
+    records[-1].update(examples=1000, examples_per_s=10.0, accuracy=0.9, bleu=None)
+    path = tmp_path / "imdb-run.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records if record["type"] in ("run", "summary")))
+    return path

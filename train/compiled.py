@@ -1,0 +1,39 @@
+"""What XLA's compiled executables say about a run: how many kernels one optimizer step launches."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import optax
+
+import ls_jax.optim
+
+# Instructions of an ENTRY computation that launch no kernel: they name, pack or reinterpret buffers.
+_NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(", re.MULTILINE)
+
+
+def entry_kernels(hlo_text: str) -> int:
+    """Instructions of the ENTRY computation of optimized HLO text that launch work: each fusion, custom call
+    (an FFI kernel), copy or unfused op counts once. Work inside a loop body (a ``while``) counts as that one op."""
+    start = hlo_text.find("\nENTRY ")
+    if start < 0:
+        raise ValueError("the HLO text has no ENTRY computation")
+    body = hlo_text[start:]
+    end = body.find("\n}")
+    opcodes = _INSTRUCTION.findall(body[: end if end >= 0 else len(body)])
+    return sum(opcode not in _NOT_KERNELS for opcode in opcodes)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), tree)
+
+
+def optimizer_step_kernels(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> int:
+    """Kernels one optimizer step (``ls_jax.optim.fused_apply``: update and apply, gradients shaped as ``params``)
+    launches on this platform's default device, counted in the compiled HLO (`entry_kernels`)."""
+    step = jax.jit(lambda grads, state, weights: ls_jax.optim.fused_apply(tx, grads, state, weights))
+    compiled = step.lower(_abstract(params), _abstract(opt_state), _abstract(params)).compile()
+    return entry_kernels(compiled.as_text())

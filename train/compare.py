@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--task", help="compare the runs of this task (needed when the logs hold several tasks)")
     parser.add_argument("--baseline", metavar="RUN",
                         help="baseline run: run id, row number (#1 is the first run) or a unique substring of a "
-                             "run id or log path (default: the first run)")
+                             "run id or log path (default: the slowest run, the one with the lowest throughput)")
     parser.add_argument("--weights", default=scoring.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
                         help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
                              f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")

@@ -266,7 +266,13 @@ def test_missing_paths_are_clear_errors(tmp_path, capsys):
 
 
 def test_baseline_selection(runs):
-    assert run_logs.find_baseline(runs, None) == 0
+    slowest = min(range(len(runs)), key=lambda index: runs[index].throughput)
+    assert runs[slowest].throughput < min(run.throughput for i, run in enumerate(runs) if i != slowest)
+    assert run_logs.find_baseline(runs, None) == slowest, "by default the slowest run"
+    moved_last = [run for i, run in enumerate(runs) if i != slowest] + [runs[slowest]]
+    assert run_logs.find_baseline(moved_last, None) == len(runs) - 1, "wherever it stands"
+    unmeasured = [dataclasses.replace(run, throughput=None) for run in runs]
+    assert run_logs.find_baseline(unmeasured, None) == 0, "the first run where no run logs a throughput"
     assert run_logs.find_baseline(runs, "20260106T080000Z-e5d6f7") == 3
     assert run_logs.find_baseline(runs, "2") == 1
     assert run_logs.find_baseline(runs, "#3") == 2  # the form the tables print
@@ -349,3 +355,11 @@ def test_fixture_logs_pass_the_harness_schema(log):
 
     for record in runlog.read(log):
         runlog.validate(record, counted=("tokens", "target_tokens"))
+
+
+def test_points_at_one_place_share_one_label():
+    """Two runs with the same time and cost would print '#1' over '#2'; they get one label '#1 #2' instead."""
+    xs, ys = [10.0, 10.05, 50.0, 10.0], [3.0, 3.01, 1.0, 1.0]
+    places = plots._labels_by_place([0, 1, 2, 3], xs, ys, 1.0, 1.0)
+    assert sorted(places.values()) == [[0, 1], [2], [3]]
+    assert plots._labels_by_place([0, 2], xs, ys, 1.0, 1.0) == {(10.0, 3.0): [0], (50.0, 1.0): [2]}

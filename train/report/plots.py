@@ -59,6 +59,19 @@ class Axis:
         return factor, f"{self.quantity} ({prefix}{self.unit})"
 
 
+def _labels_by_place(shown: Sequence[int], xs: Sequence[float], ys: Sequence[float], x_factor: float,
+                     y_factor: float, resolution: float = 0.02) -> dict[tuple[float, float], list[int]]:
+    """Rows of the points drawn at one place (within ``resolution`` of each axis's largest value), so that points
+    on top of each other get one label listing them rather than labels on top of each other."""
+    x_step = resolution * max(xs[i] for i in shown) / x_factor or 1.0
+    y_step = resolution * max(ys[i] for i in shown) / y_factor or 1.0
+    places: dict[tuple[int, int], tuple[tuple[float, float], list[int]]] = {}
+    for index in shown:
+        px, py = xs[index] / x_factor, ys[index] / y_factor
+        places.setdefault((round(px / x_step), round(py / y_step)), ((px, py), []))[1].append(index)
+    return dict(places.values())
+
+
 def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Sequence[bool], path: Path) -> None:
     """One point per run with both values, marker and colour by device kind, labelled #row; ``hollow`` points have
     estimated energy; a red cross marks a run that did not converge."""
@@ -79,7 +92,9 @@ def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Seque
         labelled.add(run.device_kind)
         if comparison.verdicts[index] is not None:
             axes.scatter([px], [py], marker="x", s=110, color="red", linewidths=1.5)
-        axes.annotate(f"#{index + 1}", (px, py), xytext=(5, 5), textcoords="offset points", fontsize=8)
+    for (px, py), rows in _labels_by_place(shown, x.values, y.values, x_factor, y_factor).items():
+        axes.annotate(" ".join(f"#{index + 1}" for index in rows), (px, py), xytext=(5, 5),
+                      textcoords="offset points", fontsize=8)
     handles, _ = axes.get_legend_handles_labels()
     if any(hollow[index] for index in shown):
         handles += [Line2D([], [], marker="o", linestyle="none", color="grey", label="measured energy"),

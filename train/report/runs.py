@@ -278,9 +278,11 @@ def select_task(runs: Sequence[Run], task: str | None) -> list[Run]:
 
 def find_baseline(runs: Sequence[Run], spec: str | None) -> int:
     """Index of the baseline run: ``spec`` is a run id, a row number (``#1`` or ``1`` is the first) or a unique
-    substring of a run id or log path; None means the first run."""
+    substring of a run id or log path; None means the slowest run, the one with the lowest throughput (the first
+    run where no run logs one), so every other run's speedup reads as how much faster it is."""
     if spec is None:
-        return 0
+        measured = [index for index, run in enumerate(runs) if run.throughput is not None]
+        return min(measured, key=lambda index: runs[index].throughput) if measured else 0
     for index, run in enumerate(runs):
         if run.run_id == spec:
             return index

@@ -326,27 +326,27 @@ def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any =
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def free_memory_bytes(devices: Sequence[Any]) -> int | None:
-    """The smallest ``bytes_limit - bytes_in_use`` over ``devices`` now, or None where devices do not report memory."""
-    free = []
+def _memory_stats(devices: Sequence[Any]) -> list[dict[str, Any]]:
+    """Each device's ``memory_stats()``, leaving out devices that report none."""
+    reports = []
     for device in devices:
         try:
             stats = device.memory_stats()
         except Exception:  # noqa: BLE001 - not implemented on some platforms
             stats = None
-        if stats and "bytes_limit" in stats and "bytes_in_use" in stats:
-            free.append(int(stats["bytes_limit"]) - int(stats["bytes_in_use"]))
+        if stats:
+            reports.append(stats)
+    return reports
+
+
+def free_memory_bytes(devices: Sequence[Any]) -> int | None:
+    """The smallest ``bytes_limit - bytes_in_use`` over ``devices`` now, or None where devices do not report memory."""
+    free = [int(stats["bytes_limit"]) - int(stats["bytes_in_use"]) for stats in _memory_stats(devices)
+            if "bytes_limit" in stats and "bytes_in_use" in stats]
     return min(free) if free else None
 
 
 def peak_memory_bytes(devices: Sequence[Any]) -> int | None:
     """The largest ``peak_bytes_in_use`` over ``devices``, or None where devices do not report memory."""
-    peaks = []
-    for device in devices:
-        try:
-            stats = device.memory_stats()
-        except Exception:  # noqa: BLE001 - not implemented on some platforms
-            stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
+    peaks = [int(stats["peak_bytes_in_use"]) for stats in _memory_stats(devices) if "peak_bytes_in_use" in stats]
     return max(peaks) if peaks else None

@@ -61,7 +61,7 @@ def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
 def test_xla_flops_are_counted_before_optimization_and_by_the_host_where_the_device_has_no_analysis():
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):
-        lowered = compiler._lower(state, batch)
+        lowered = compiler.lower(state, batch)
         compiler.compiled(state, batch)
     before = lowered.cost_analysis()["flops"]
     assert compiler.xla_flops[StepCompiler.key(batch)] == before

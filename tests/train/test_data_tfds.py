@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from train import wmt_data
-from train.errors import DataError
+from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 
@@ -34,5 +34,5 @@ def test_unknown_language_is_named():
 
 def test_missing_package_gives_install_instructions(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
-    with pytest.raises(DataError, match="pip install"):
+    with pytest.raises(UsageError, match="pip install"):
         wmt_data.read_tfds_corpus("wmt14_translate/de-en", "de", "en")

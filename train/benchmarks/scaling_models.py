@@ -73,7 +73,8 @@ def build(name: str, rows: int, length: int) -> BenchModel:
 
 def _transformer(name: str, rows: int, length: int) -> BenchModel:
     rng = np.random.default_rng(0)
-    config = wmt_model.model_config({"preset": TRANSFORMER_PRESETS[name], "dropout": 0.1}, VOCAB, "bf16")
+    config = wmt_model.model_config({"preset": TRANSFORMER_PRESETS[name], "dropout": 0.1, "remat": "none"}, VOCAB,
+                                    "bf16")
     module = Transformer(config)
     tokens = rng.integers(4, VOCAB, size=(1, rows, length), dtype=np.int32)
     batch = {"src": tokens, "tgt_in": tokens, "labels": np.roll(tokens, -1, axis=-1)}

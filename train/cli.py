@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
+from ls_jax.ops import attention as attention_ops
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
 from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
@@ -179,7 +180,12 @@ def check_optimizer(config: Mapping[str, Any]) -> None:
 
 def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
     """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
-    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode."""
+    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode,
+    and for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1 (read when attention is traced, too late for one line)."""
+    try:
+        attention_ops.cudnn_enabled()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
         return config["backend"]
     try:

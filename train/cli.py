@@ -25,7 +25,6 @@ from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT
                           DataError, Interrupted, UsageError)
 from train.loop import TrainResult
 from train import optimizer as optimizer_lib
-from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
 
 
@@ -33,7 +32,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, help="optimizer steps to train for")
-    group.add_argument("--optimizer", choices=OPTIMIZERS,
+    group.add_argument("--optimizer", choices=optimizer_lib.OPTIMIZERS,
                        help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
                             "unfused baselines (default adamw)")
     for name, meaning in (("b1", "first-moment decay"), ("b2", "AdamW: second-moment decay; Adan: gradient-difference "

@@ -37,7 +37,6 @@ from ls_jax import backend
 from train import metrics, runlog
 from train.benchmarks import common, kernel_trace, workloads, zoo_steps
 from train.benchmarks.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
-from train.benchmarks.workloads import Workload
 
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
@@ -61,7 +60,7 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
-def measure(implementation: str, workload: Workload, steps: int, profile_steps: int = 0,
+def measure(implementation: str, workload: workloads.Workload, steps: int, profile_steps: int = 0,
             trace_dir: Path | None = None) -> dict[str, Any]:
     """Median step time and memory of one implementation of ``workload``; with ``profile_steps``, also the
     per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
@@ -192,7 +191,7 @@ class ResultFile:
 
 
 def run(
-    workload_list: list[Workload],
+    workload_list: list[workloads.Workload],
     implementations: list[str],
     steps: int,
     out: ResultFile,
@@ -216,7 +215,7 @@ def run(
                         largest_batch(implementation, model, memory_by_tokens, capacity))
 
 
-def measure_one(implementation: str, workload: Workload, steps: int, out: ResultFile, profile_steps: int = 0,
+def measure_one(implementation: str, workload: workloads.Workload, steps: int, out: ResultFile, profile_steps: int = 0,
                 trace_dir: Path | None = None) -> dict[str, Any] | None:
     """`measure` with the rates derived from it, added to ``out``; a failure (e.g. out of memory) is added as an
     error record and gives None."""

@@ -183,7 +183,7 @@ class ResultFile:
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
             "e2e",
-            {**self.header, "results": self.results, "speedup_vs_reference": table,
+            {**header_of(self.header, self.results), "results": self.results, "speedup_vs_reference": table,
              "speedup_vs_flax_cudnn": cudnn_table, "largest_batch_tokens_predicted": largest},
             self.path.parent,
         )
@@ -274,6 +274,14 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
                       "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
                       "ls_jax_attention_dropout": "per element"},
     }
+
+
+def header_of(header: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The header a result file holding ``results`` (keyed model/size/implementation) writes: the WMT ``setup``
+    only where it holds a WMT model's record."""
+    if any(workloads.is_wmt(key.split("/")[0]) for key in results):
+        return header
+    return {name: value for name, value in header.items() if name != "setup"}
 
 
 def speedups(results: dict[str, Any], against: tuple[str, ...] = workloads.PRIMARY_REFERENCES

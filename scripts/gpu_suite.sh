@@ -2,7 +2,8 @@
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
 #   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops attention optim e2e profile scaling
 #                                    counters flops multiprocess train
-# TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench; *_TIMEOUT bound the stages.
+# TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench (COUNTERS_ARGS and FLOPS_ARGS to those two
+# suites, whose flags differ); *_TIMEOUT bound the stages.
 # Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
 # docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
 set -uo pipefail
@@ -35,8 +36,10 @@ for name in "$@"; do
         timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
         --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops_transforms.py || status=1 ;;
-    counters|flops)  # Nsight Compute replays every kernel once per metric pass: minutes, not seconds
-      timeout ${COUNTERS_TIMEOUT:-540} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    counters)  # Nsight Compute replays every kernel once per metric pass: minutes, not seconds
+      timeout ${COUNTERS_TIMEOUT:-540} python3 -m train.bench counters ${COUNTERS_ARGS:-} || status=1 ;;
+    flops)  # one ncu run per implementation and batch size
+      timeout ${FLOPS_TIMEOUT:-1300} python3 -m train.bench flops ${FLOPS_ARGS:-} || status=1 ;;
     ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     multiprocess)  # 2 processes x 1 GPU against 1 process x 2 GPUs
       timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;

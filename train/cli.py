@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
+from ls_jax.ops import attention as attention_ops
 from train import metrics as metrics_lib
 from train.checkpoints import Checkpoints
 from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
                           DataError, Interrupted, UsageError)
 from train.loop import TrainResult
 from train import optimizer as optimizer_lib
-from train.optimizer import OPTIMIZERS
 from train.precision import PRECISION_DTYPES
 
 
@@ -32,7 +32,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, help="optimizer steps to train for")
-    group.add_argument("--optimizer", choices=OPTIMIZERS,
+    group.add_argument("--optimizer", choices=optimizer_lib.OPTIMIZERS,
                        help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
                             "unfused baselines (default adamw)")
     for name, meaning in (("b1", "first-moment decay"), ("b2", "AdamW: second-moment decay; Adan: gradient-difference "
@@ -179,7 +179,12 @@ def check_optimizer(config: Mapping[str, Any]) -> None:
 
 def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
     """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
-    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode."""
+    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode,
+    and for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1 (read when attention is traced, too late for one line)."""
+    try:
+        attention_ops.cudnn_enabled()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
         return config["backend"]
     try:

@@ -29,7 +29,6 @@ from train.hardware import Hardware, detect_hardware
 from train.loop import LoopConfig, StopSignals, TrainResult, train
 from train import optimizer as optimizer_lib
 from train.compiled import optimizer_step_kernels
-from train.optimizer import HYPERPARAMETERS, make_optimizer
 from ls_jax.optim import shard_optimizer
 from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
 from train.precision import master_dtype, precision_signature
@@ -98,6 +97,8 @@ def _start(task: Task, argv: list[str]) -> int:
     config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
     cli.check_optimizer(config)
+    if "peer_timeout" in given and not config["distributed"]:
+        raise cli.UsageError("--peer-timeout applies only to a --distributed run; add --distributed or drop it")
     if config["distributed"]:
         if config["peer_timeout"] < 1:
             raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config['peer_timeout']}")
@@ -144,7 +145,8 @@ def optimizer_fields(config: Mapping[str, Any], tx: optax.GradientTransformation
     return {
         "optimizer": name,
         "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
-        "optimizer_hyperparameters": optimizer_lib.hyperparameters(name, {k: config[k] for k in HYPERPARAMETERS}),
+        "optimizer_hyperparameters": optimizer_lib.hyperparameters(
+            name, {k: config[k] for k in optimizer_lib.HYPERPARAMETERS}),
         "optimizer_kernels_per_step": kernels,
     }
 
@@ -212,9 +214,9 @@ def _prepare(task: Task, run: Run):
     setup = task.setup(run, precision, parallel)
     signature = {**setup.model_signature, "optimizer": config["optimizer"], **precision_signature(config, precision)}
     param_dtype = master_dtype(config, precision)
-    tx = make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
-                        clip_norm=config["clip_norm"], master_dtype=param_dtype,
-                        **{key: config[key] for key in HYPERPARAMETERS})
+    tx = optimizer_lib.make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
+                                      clip_norm=config["clip_norm"], master_dtype=param_dtype,
+                                      **{key: config[key] for key in optimizer_lib.HYPERPARAMETERS})
     layout = make_layout(config, tx, parallel)
     state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)

@@ -2,7 +2,8 @@
 
 ``python -m train.compare ... --counters docs/results/counters-h100.json`` reads a counters result file and
 gives each run the counters measured on its device kind with its kernel backend (ls_jax_ffi for ``ffi`` runs,
-ls_jax_xla for ``xla`` runs); the utilization of a run without such a measurement stays its MFU and is labeled so.
+ls_jax_xla for ``xla`` runs), on the run's model where the file has it and else labeled as measured on another
+model; the utilization of a run without such a measurement stays its MFU and is labeled so.
 Both quantities are the kernel-time-weighted means over every profiled kernel (a short kernel weighs less than a
 long GEMM), of ``sm__warps_active.avg.pct_of_peak_sustained_active`` (achieved occupancy) and
 ``sm__throughput.avg.pct_of_peak_sustained_elapsed``.
@@ -17,12 +18,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 BACKEND_OF_IMPLEMENTATION = {"ls_jax_ffi": "ffi", "ls_jax_xla": "xla"}
+MODEL_OF_WORKLOAD = {"wmt-big-6e6d": "transformer-big", "bert-base": "bert-base"}
+"""The training model (``--preset``) each whole-model counters workload is; encoder-block is one layer of none."""
 
 
 class RunLike(Protocol):
     run_id: str
     device_kind: str
     backend: str
+    model: str
     mfu: float | None
 
 
@@ -43,27 +47,33 @@ def load(path: Path) -> list[Measured]:
     try:
         result: dict[str, Any] = json.loads(path.read_text())
         device_kind = result["environment"]["device_kind"]
-        workloads = result["workloads"]
+        totals = [(workload, implementation, record["total"])
+                  for workload, entry in result["workloads"].items()
+                  for implementation, record in entry["results"].items()]
+        measured = [Measured(device_kind, BACKEND_OF_IMPLEMENTATION[implementation], workload,
+                             total["achieved_occupancy_pct_time_weighted"], total["sm_throughput_pct_time_weighted"],
+                             str(path))
+                    for workload, implementation, total in totals if implementation in BACKEND_OF_IMPLEMENTATION
+                    and total.get("achieved_occupancy_pct_time_weighted") is not None
+                    and total.get("sm_throughput_pct_time_weighted") is not None]
     except FileNotFoundError:
         raise ValueError(f"--counters {path}: no such file; python -m train.bench counters writes one") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"--counters {path}: not a counters result file (python -m train.bench counters): {err}") \
-            from None
-    measured = []
-    for workload, entry in workloads.items():
-        for implementation, record in entry["results"].items():
-            total = record["total"]
-            occupancy, throughput = total.get("achieved_occupancy_pct_time_weighted"), total.get(
-                "sm_throughput_pct_time_weighted")
-            if implementation in BACKEND_OF_IMPLEMENTATION and occupancy is not None and throughput is not None:
-                measured.append(Measured(device_kind, BACKEND_OF_IMPLEMENTATION[implementation], workload,
-                                         occupancy, throughput, str(path)))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"--counters {path}: not a counters result file (python -m train.bench counters): "
+                         f"{type(err).__name__} {err}") from None
     return measured
 
 
+def same_model(measured: Measured, run: RunLike) -> bool:
+    """Whether the counters' workload is the run's model (``MODEL_OF_WORKLOAD``)."""
+    return MODEL_OF_WORKLOAD.get(measured.workload) == run.model
+
+
 def for_run(run: RunLike, measured: Sequence[Measured]) -> Measured | None:
-    """The first measurement of the run's device kind and kernel backend, if any."""
-    return next((m for m in measured if m.device_kind == run.device_kind and m.backend == run.backend), None)
+    """The measurement of the run's device kind and kernel backend, on the run's model when there is one, else the
+    first on another model (`table` labels it so); None when none has its device kind and backend."""
+    fitting = [m for m in measured if m.device_kind == run.device_kind and m.backend == run.backend]
+    return next((m for m in fitting if same_model(m, run)), fitting[0] if fitting else None)
 
 
 def table(runs: Sequence[RunLike], measured: Sequence[Measured]) -> tuple[list[str], list[list[str]]]:
@@ -76,6 +86,7 @@ def table(runs: Sequence[RunLike], measured: Sequence[Measured]) -> tuple[list[s
         if match is None:
             rows.append([f"#{index + 1}", run.run_id, "MFU (no counters for this device and backend)", "-", "-", mfu])
         else:
-            rows.append([f"#{index + 1}", run.run_id, f"measured (ncu, {match.workload})",
+            where = match.workload if same_model(match, run) else f"{match.workload}, not {run.model}"
+            rows.append([f"#{index + 1}", run.run_id, f"measured (ncu, {where})",
                          f"{match.achieved_occupancy_pct:.1f}%", f"{match.sm_throughput_pct:.1f}%", mfu])
     return header, rows

@@ -1,10 +1,12 @@
 """Memory anatomy of a training step: where the bytes of one device go, against the measured peak.
 
-    params + grads + optimizer state (master weights, moments) + temporaries (activations kept for the backward,
-    workspaces) ~ peak
+    params + optimizer state (master weights, moments) + temporaries (gradients, activations kept for the
+    backward, workspaces) ~ peak
 
 Parameters and optimizer state are the train state's arrays; gradients have the params' shapes and dtypes (the
-step casts them so); temporaries are XLA's buffer assignment of the compiled step (``memory_analysis()``). Bytes
+step casts them so); temporaries are XLA's buffer assignment of the compiled step (``memory_analysis()``). Inside one
+jitted step the gradients are temporaries, so their bytes are reported as a part of the temporaries and are not
+added to the total a second time. Bytes
 per parameter are set against the rule for mixed-precision AdamW: 16-bit params (2) and grads (2), f32 master
 weights (4) and two f32 moments (8), 16 bytes, plus about 2 for activations at small batch: 18 bytes/param.
 """
@@ -51,13 +53,14 @@ def anatomy(params: Any, opt_state: Any, analysis: Any | None, measured_peak: in
     master, moments = optimizer_bytes(opt_state)
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
     xla_peak = None if analysis is None else int(getattr(analysis, "peak_memory_in_bytes", 0)) or None
-    parts = {"params_bytes": param_bytes, "grads_bytes": param_bytes, "optimizer_master_bytes": master,
-             "optimizer_moments_bytes": moments, "temporaries_bytes": temp}
-    total = None if temp is None else sum(parts.values())
+    parts = {"params_bytes": param_bytes, "optimizer_master_bytes": master, "optimizer_moments_bytes": moments,
+             "temporaries_bytes": temp}
+    total = None if temp is None else sum(parts.values())  # the gradients are inside the temporaries
     per_param = lambda value: None if value is None or count == 0 else value / count  # noqa: E731
     return {
         "param_count": count,
         **parts,
+        "grads_bytes": param_bytes,
         "total_bytes": total,
         "xla_peak_bytes": xla_peak,
         "measured_peak_bytes": measured_peak,
@@ -72,8 +75,8 @@ def describe(memory: dict[str, Any]) -> str:
     """One line: the parts in MiB and the bytes per parameter against the rule."""
     mib = lambda value: "n/a" if value is None else f"{value / 2**20:,.1f} MiB"  # noqa: E731
     ratio = lambda value: "n/a" if value is None else f"{value:.1f}"  # noqa: E731
-    return (f"params {mib(memory['params_bytes'])}, grads {mib(memory['grads_bytes'])}, optimizer "
-            f"{mib(memory['optimizer_master_bytes'])} master + {mib(memory['optimizer_moments_bytes'])} moments, "
-            f"temporaries {mib(memory['temporaries_bytes'])}; {ratio(memory['bytes_per_param'])} B/param "
+    return (f"params {mib(memory['params_bytes'])}, optimizer {mib(memory['optimizer_master_bytes'])} master + "
+            f"{mib(memory['optimizer_moments_bytes'])} moments, temporaries {mib(memory['temporaries_bytes'])} "
+            f"(grads {mib(memory['grads_bytes'])} of them); {ratio(memory['bytes_per_param'])} B/param "
             f"({ratio(memory['state_bytes_per_param'])} for the state; rule {memory['rule_bytes_per_param']}), "
             f"measured peak {mib(memory['measured_peak_bytes'])}")

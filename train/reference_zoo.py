@@ -153,16 +153,18 @@ class ReferenceBert(nn.Module):
         embed = lambda rows, name: nn.Embed(rows, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
                                             name=name)
         positions = jnp.arange(input_ids.shape[1])[None, :]
-        x = (embed(cfg.vocab_size, "word_embedding")(input_ids)
-             + embed(cfg.max_positions, "position_embedding")(positions)
-             + embed(self.type_vocab_size, "token_type_embedding")(jnp.zeros_like(input_ids)))
-        x = nn.LayerNorm(epsilon=1e-12, dtype=cfg.dtype, name="embedding_layer_norm")(x)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        for index in range(cfg.num_layers):
-            x = BertLayer(cfg, name=f"layer_{index}")(x, lengths, deterministic)
-        pooled = jnp.tanh(nn.Dense(cfg.hidden_size, dtype=cfg.dtype, kernel_init=INITIALIZER, name="pooler")(x[:, 0]))
-        pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-        return nn.Dense(self.num_labels, dtype=cfg.dtype, kernel_init=INITIALIZER, name="classifier")(pooled)
+        with jax.named_scope("encoder"):  # the stages of train.bench profile (kernel_trace.stage)
+            x = (embed(cfg.vocab_size, "word_embedding")(input_ids)
+                 + embed(cfg.max_positions, "position_embedding")(positions)
+                 + embed(self.type_vocab_size, "token_type_embedding")(jnp.zeros_like(input_ids)))
+            x = nn.LayerNorm(epsilon=1e-12, dtype=cfg.dtype, name="embedding_layer_norm")(x)
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+            for index in range(cfg.num_layers):
+                x = BertLayer(cfg, name=f"layer_{index}")(x, lengths, deterministic)
+        with jax.named_scope("output_projection"):
+            pooler = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, kernel_init=INITIALIZER, name="pooler")
+            pooled = nn.Dropout(cfg.dropout_rate)(jnp.tanh(pooler(x[:, 0])), deterministic=deterministic)
+            return nn.Dense(self.num_labels, dtype=cfg.dtype, kernel_init=INITIALIZER, name="classifier")(pooled)
 
 
 class GPTBlock(nn.Module):
@@ -192,8 +194,11 @@ class ReferenceGPT(nn.Module):
                           name="token_embedding")
         positions = nn.Embed(cfg.max_positions, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
                              name="position_embedding")
-        x = tokens(input_ids) + positions(jnp.arange(input_ids.shape[1])[None, :])
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-        for index in range(cfg.num_layers):
-            x = GPTBlock(cfg, name=f"layer_{index}")(x, deterministic)
-        return tokens.attend(nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name="final_layer_norm")(x))
+        with jax.named_scope("decoder"):  # the stages of train.bench profile (kernel_trace.stage)
+            x = tokens(input_ids) + positions(jnp.arange(input_ids.shape[1])[None, :])
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+            for index in range(cfg.num_layers):
+                x = GPTBlock(cfg, name=f"layer_{index}")(x, deterministic)
+            x = nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name="final_layer_norm")(x)
+        with jax.named_scope("output_projection"):
+            return tokens.attend(x)

@@ -118,8 +118,8 @@ def detect_device() -> str:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                             cwd=Path(__file__).resolve().parents[1])
     if result.returncode != 0:
-        raise UsageError(f"could not detect this machine's device ({result.stderr.strip().splitlines()[-1:]}); "
-                         "pass --device NAME")
+        last_line = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        raise UsageError(f"could not detect this machine's device ({last_line}); pass --device NAME")
     return result.stdout.strip()
 
 

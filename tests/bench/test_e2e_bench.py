@@ -74,7 +74,15 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]
                         / timed["tiny-2e2d/1024/ls_jax_xla"]["step_time_s"])
     assert (tmp_path / "e2e-cpu.png").stat().st_size > 0
+    assert report["setup"]["vocab"] == transformer_steps.VOCAB  # a WMT model ran: its setup is written
     assert report["target_basis_tflops"] is None and timed["tiny-2e2d/1024/reference"]["mfu_vs_target_basis"] is None
+
+
+def test_the_wmt_setup_is_written_only_with_a_wmt_record():
+    header = {"peak_tflops": None, "setup": {"vocab": transformer_steps.VOCAB}, "zoo_setup": {"dropout": 0.1}}
+    zoo_only = {"bert-base/512/flax": {}, "gpt2-small/1024/ls_jax_xla": {}}
+    assert e2e.header_of(header, zoo_only) == {"peak_tflops": None, "zoo_setup": {"dropout": 0.1}}
+    assert e2e.header_of(header, {**zoo_only, "big-6e6d/8192/reference": {}}) == header
 
 
 def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():

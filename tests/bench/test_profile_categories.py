@@ -137,3 +137,14 @@ def test_profile_prints_the_stages_side_by_side(capsys):
     assert next(line for line in lines if line.startswith("encoder forward")).split()[-2:] == ["1.00", "0.50"]
     stage_table = lines[next(i for i, line in enumerate(lines) if line.startswith("stage")):]
     assert next(line for line in stage_table if line.startswith("optimizer")).split()[-2:] == ["6.00", "3.00"]
+
+
+@pytest.mark.parametrize("name, part", [("bert-tiny", "encoder"), ("gpt2-tiny", "decoder")])
+def test_the_plain_flax_zoo_steps_attribute_their_ops_to_stages(name, part):
+    from train.benchmarks import zoo_steps
+
+    model = zoo_steps.MODELS[name]
+    batch = zoo_steps.make_batch(name, model.rows, model.seq_lens[0], seed=0)
+    step = zoo_steps.build_step("flax", name, batch)
+    stages = {kernel_trace.stage(op_name) for op_name in kernel_trace.hlo_op_names(step.compiled.as_text()).values()}
+    assert {f"{part} forward", f"{part} backward", "output projection + loss"} <= stages, stages

@@ -1,5 +1,6 @@
 """train.measured_utilization and ``train.compare --counters``: measured occupancy attached to the runs it fits."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def test_runs_get_measured_counters_of_their_device_and_backend_else_mfu_labeled
     by_run = {row[1]: row for row in rows}
     ffi = next(run for run in runs if run.device_kind == H100 and run.backend == "ffi")
     xla = next(run for run in runs if run.device_kind == H100 and run.backend == "xla")
-    assert by_run[ffi.run_id][2:5] == ["measured (ncu, wmt-big-6e6d)", "31.0%", "62.0%"]
+    # The runs train transformer-base; the counters were measured on Transformer big: labeled as another model.
+    assert by_run[ffi.run_id][2:5] == ["measured (ncu, wmt-big-6e6d, not transformer-base)", "31.0%", "62.0%"]
     assert by_run[xla.run_id][2].startswith("MFU (no counters")
     assert len(rows) == len(runs) and header[3] == "achieved occupancy"
 
@@ -46,12 +48,34 @@ def test_compare_cli_writes_the_utilization_section(tmp_path, capsys):
     assert compare.main([str(DATA), "--baseline", "h100-xla", "--out", str(out),
                          "--counters", str(_counters_file(tmp_path))]) == 0
     report = (out / "report.md").read_text()
-    assert "## Utilization: measured counters or MFU" in report and "measured (ncu, wmt-big-6e6d)" in report
+    assert "## Utilization: measured counters or MFU" in report
+    assert "measured (ncu, wmt-big-6e6d, not transformer-base)" in report
     assert "31.0%" in capsys.readouterr().out
 
 
+def test_a_measurement_on_the_runs_own_model_is_preferred(tmp_path):
+    runs, _ = run_logs.load_runs([str(DATA)])
+    ffi = next(run for run in runs if run.device_kind == H100 and run.backend == "ffi")
+    other = measured_utilization.Measured(H100, "ffi", "bert-base", 10.0, 20.0, "c.json")
+    own = measured_utilization.Measured(H100, "ffi", "wmt-big-6e6d", 30.0, 40.0, "c.json")
+    transformer_big = dataclasses.replace(ffi, model="transformer-big")
+    assert measured_utilization.for_run(transformer_big, [other, own]) is own
+    assert measured_utilization.for_run(ffi, [other, own]) is other  # no measurement of its model: the first
+    _, rows = measured_utilization.table([transformer_big, ffi], [other, own])
+    assert rows[0][2] == "measured (ncu, wmt-big-6e6d)"
+    assert rows[1][2] == f"measured (ncu, bert-base, not {ffi.model})"
+
+
+MALFORMED = [
+    '{"environment": {"device_kind": "H100"}, "workloads": {"bert-base": {}}}',  # no results
+    '{"environment": {"device_kind": "H100"}, "workloads": {"bert-base": {"results": {"ls_jax_ffi": {}}}}}',  # total
+    '{"environment": {"device_kind": "H100"}, "workloads": ["bert-base"]}',
+]
+
+
 @pytest.mark.parametrize("content, message", [(None, "no such file"), ("{not json", "not a counters result file"),
-                                              ('{"suite": "e2e"}', "not a counters result file")])
+                                              ('{"suite": "e2e"}', "not a counters result file"),
+                                              *((content, "not a counters result file") for content in MALFORMED)])
 def test_bad_counters_file_is_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "counters.json"
     if content is not None:

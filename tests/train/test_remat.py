@@ -4,6 +4,7 @@ activations for the backward (the residuals of ``jax.vjp``); on a GPU the compil
 import contextlib
 import dataclasses
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 
 from ls_jax.layers import LayerConfig
 from ls_jax.layers.transformer import TransformerDecoder, TransformerEncoder
-from train import imdb, runlog
+from train import imdb, imdb_model, runlog
 
 MODES = ("none", "gemm-outputs", "layer")
 BASE = LayerConfig(hidden_size=32, intermediate_size=128, nhead=4, max_seq_len=16, dtype=jnp.float32)
@@ -70,6 +71,10 @@ def test_train_cli_takes_remat(tmp_path, capsys):
     assert code == 0
     records = runlog.read(run_dir / "run.jsonl")
     assert "--remat layer" in records[0]["command"] and records[-1]["completed"]
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["remat"] == "layer"  # what the run resolved, and what resuming it builds the model from
+    model_cfg, _ = imdb_model.build_model(saved, vocab_size=64, precision="fp32", rng=jax.random.PRNGKey(0))
+    assert model_cfg.layer.remat == "layer"
     with pytest.raises(SystemExit) as exit_info:
         imdb.main(["--remat", "some", "--run-dir", str(tmp_path / "bad")])
     assert exit_info.value.code == 2 and "invalid choice: 'some'" in capsys.readouterr().err

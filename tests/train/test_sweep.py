@@ -265,3 +265,13 @@ def _finished_imdb_log(tmp_path):
     path = tmp_path / "imdb-run.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records if record["type"] in ("run", "summary")))
     return path
+
+
+def test_a_device_that_cannot_be_detected_is_one_line_with_the_childs_last_error(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "nosuchplatform")  # the child's jax.devices() fails on it
+    with pytest.raises(UsageError) as raised:
+        sweep.detect_device()
+    message = str(raised.value)
+    assert message.startswith("could not detect this machine's device (RuntimeError: ")
+    assert "nosuchplatform" in message and "\n" not in message
+    assert message.endswith("; pass --device NAME")

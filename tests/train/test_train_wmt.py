@@ -284,6 +284,20 @@ def test_kernels_variable_applies_when_backend_flag_is_absent(tmp_path, monkeypa
     assert "LS_JAX_KERNELS='fast' is not a kernel mode" in capsys.readouterr().err
 
 
+def test_a_bad_cudnn_attention_variable_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LS_JAX_CUDNN_ATTENTION", "yes")
+    assert wmt.main(["--run-dir", str(tmp_path / "r"), "--backend", "xla"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: LS_JAX_CUDNN_ATTENTION must be 0") and "'yes'" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_peer_timeout_without_distributed_is_refused(tmp_path, capsys):
+    assert wmt.main(["--run-dir", str(tmp_path / "r"), "--peer-timeout", "30"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --peer-timeout applies only to a --distributed run; add --distributed or drop it"]
+
+
 def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
     from train import cli
     monkeypatch.setenv("LS_JAX_KERNELS", "xla")

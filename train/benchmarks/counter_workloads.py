@@ -24,16 +24,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from train.benchmarks import common, transformer_steps
+from train.benchmarks import common, transformer_steps, zoo_steps
 from train.reference_model import EncoderLayer, ReferenceConfig
 
-ENCODER_SHAPE = transformer_steps.ModelShape(hidden=768, intermediate=3072, heads=12, encoder_layers=12,
+_BERT_BASE = zoo_steps.MODELS["bert-base"]
+ENCODER_SHAPE = transformer_steps.ModelShape(hidden=_BERT_BASE.hidden, intermediate=_BERT_BASE.intermediate,
+                                             heads=_BERT_BASE.heads, encoder_layers=_BERT_BASE.layers,
                                              decoder_layers=0)
 WARMUP_CALLS = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class CounterWorkload:
+    """What one counters workload runs: ``layers`` layers, its default shape, and whether it is a whole train step."""
+
     layers: int
     default_batch: int
     default_seq_len: int
@@ -41,9 +45,10 @@ class Workload:
 
 
 WORKLOADS = {
-    "wmt-big-6e6d": Workload(layers=12, default_batch=16, default_seq_len=transformer_steps.SEQ_LEN, whole_step=True),
-    "bert-base": Workload(layers=12, default_batch=1, default_seq_len=512, whole_step=False),
-    "encoder-block": Workload(layers=1, default_batch=16, default_seq_len=128, whole_step=False),
+    "wmt-big-6e6d": CounterWorkload(layers=12, default_batch=16, default_seq_len=transformer_steps.SEQ_LEN,
+                                    whole_step=True),
+    "bert-base": CounterWorkload(layers=12, default_batch=1, default_seq_len=512, whole_step=False),
+    "encoder-block": CounterWorkload(layers=1, default_batch=16, default_seq_len=128, whole_step=False),
 }
 
 

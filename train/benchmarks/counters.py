@@ -116,6 +116,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--keep", type=Path, help="keep each implementation's ncu CSV, HLO and command here")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
+    if spec.whole_step and args.seq_len is not None:
+        parser.error(f"--seq-len applies to the encoder workloads; {args.workload} is a whole training step of its "
+                     f"own shape ({spec.default_batch} x {spec.default_seq_len}): drop --seq-len")
     batch, seq_len = args.batch or spec.default_batch, args.seq_len or spec.default_seq_len
     implementations = args.implementations.split(",")
     try:

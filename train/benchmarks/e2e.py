@@ -37,7 +37,6 @@ from ls_jax import backend
 from train import metrics, runlog
 from train.benchmarks import common, kernel_trace, workloads, zoo_steps
 from train.benchmarks.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
-from train.benchmarks.workloads import Workload
 
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
@@ -61,7 +60,7 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
-def measure(implementation: str, workload: Workload, steps: int, profile_steps: int = 0,
+def measure(implementation: str, workload: workloads.Workload, steps: int, profile_steps: int = 0,
             trace_dir: Path | None = None) -> dict[str, Any]:
     """Median step time and memory of one implementation of ``workload``; with ``profile_steps``, also the
     per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
@@ -184,7 +183,7 @@ class ResultFile:
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
             "e2e",
-            {**self.header, "results": self.results, "speedup_vs_reference": table,
+            {**header_of(self.header, self.results), "results": self.results, "speedup_vs_reference": table,
              "speedup_vs_flax_cudnn": cudnn_table, "largest_batch_tokens_predicted": largest},
             self.path.parent,
         )
@@ -192,7 +191,7 @@ class ResultFile:
 
 
 def run(
-    workload_list: list[Workload],
+    workload_list: list[workloads.Workload],
     implementations: list[str],
     steps: int,
     out: ResultFile,
@@ -216,7 +215,7 @@ def run(
                         largest_batch(implementation, model, memory_by_tokens, capacity))
 
 
-def measure_one(implementation: str, workload: Workload, steps: int, out: ResultFile, profile_steps: int = 0,
+def measure_one(implementation: str, workload: workloads.Workload, steps: int, out: ResultFile, profile_steps: int = 0,
                 trace_dir: Path | None = None) -> dict[str, Any] | None:
     """`measure` with the rates derived from it, added to ``out``; a failure (e.g. out of memory) is added as an
     error record and gives None."""
@@ -275,6 +274,14 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
                       "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
                       "ls_jax_attention_dropout": "per element"},
     }
+
+
+def header_of(header: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
+    """The header a result file holding ``results`` (keyed model/size/implementation) writes: the WMT ``setup``
+    only where it holds a WMT model's record."""
+    if any(workloads.is_wmt(key.split("/")[0]) for key in results):
+        return header
+    return {name: value for name, value in header.items() if name != "setup"}
 
 
 def speedups(results: dict[str, Any], against: tuple[str, ...] = workloads.PRIMARY_REFERENCES

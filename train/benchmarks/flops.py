@@ -146,6 +146,15 @@ def plot(points: dict[str, list[dict[str, Any]]], summary: dict[str, Any], path:
     plt.close(figure)
 
 
+def batch_sizes(text: str) -> list[int] | None:
+    """The batch sizes of a comma-separated list, or None when one is not a whole number > 0."""
+    try:
+        batches = [int(item) for item in text.split(",")]
+    except ValueError:
+        return None
+    return batches if all(batch > 0 for batch in batches) else None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench flops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,13 +166,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one batch size may run under ncu")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
+    batches = batch_sizes(args.batches)
+    if batches is None:
+        parser.error(f"--batches {args.batches}: give comma-separated whole numbers > 0, e.g. 16,32,64")
     if args.counters is not None and not args.counters.is_file():
         parser.error(f"--counters {args.counters}: no such file; run python -m train.bench counters first")
     try:
         ncu = ncu_run.find_ncu(args.ncu)
     except FileNotFoundError as err:
         parser.error(str(err))
-    batches = [int(b) for b in args.batches.split(",")]
     metrics, missing = ncu_run.split_supported(ncu_report.FLOP_METRICS, ncu_run.available_metrics(ncu))
     points: dict[str, list[dict[str, Any]]] = {}
     environment: dict[str, Any] = {}

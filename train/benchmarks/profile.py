@@ -25,6 +25,9 @@ from train.benchmarks import common, e2e, workloads
 from train.benchmarks.kernel_trace import CATEGORIES, STAGES, reanalyze
 
 
+DEFAULT_TOKENS = 8192
+
+
 def workload_of(model: str, tokens: int, seq_len: int | None, rows: int | None) -> workloads.Workload:
     """The profiled workload: a WMT model at ``tokens`` target tokens, BERT or GPT-2 at ``seq_len`` (default: the
     model's longest length) and ``rows`` rows (default: the model's); raises ValueError on a bad shape."""
@@ -34,11 +37,22 @@ def workload_of(model: str, tokens: int, seq_len: int | None, rows: int | None) 
     return workloads.zoo_workload(model, max(lengths) if seq_len is None else seq_len, rows)
 
 
+def shape_flags_of_another_family(args: argparse.Namespace) -> str:
+    """The shape flags given that the model's family does not take ("" when none): --tokens for BERT and GPT-2,
+    --seq-len and --rows for a WMT model."""
+    if workloads.is_wmt(args.model):
+        given = [flag for flag, value in (("--seq-len", args.seq_len), ("--rows", args.rows)) if value is not None]
+    else:
+        given = ["--tokens"] if args.tokens is not None else []
+    return " and ".join(given)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="big-6e6d", choices=workloads.MODEL_ORDER)
-    parser.add_argument("--tokens", type=int, default=8192, help="WMT models: target tokens per step")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"WMT models: target tokens per step (default {DEFAULT_TOKENS})")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="BERT and GPT-2: sequence length (default: the model's longest benchmarked length)")
     parser.add_argument("--rows", type=int, default=None, help="BERT and GPT-2: rows per batch (default: the model's)")
@@ -67,8 +81,13 @@ def main(argv: list[str]) -> int:
     if set(implementations) - set(own):
         parser.error(f"{args.model} has no implementation {', '.join(sorted(set(implementations) - set(own)))}; "
                      f"its implementations are {', '.join(own)}")
+    misplaced = shape_flags_of_another_family(args)
+    if misplaced:
+        parser.error(f"{misplaced} does not apply to {args.model}: WMT models take --tokens, BERT and GPT-2 take "
+                     f"--seq-len and --rows")
     try:
-        workload = workload_of(args.model, args.tokens, args.seq_len, args.rows)
+        workload = workload_of(args.model, DEFAULT_TOKENS if args.tokens is None else args.tokens, args.seq_len,
+                               args.rows)
     except ValueError as err:
         parser.error(str(err))
     if jax.default_backend() != "gpu":

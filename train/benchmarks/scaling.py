@@ -46,7 +46,6 @@ from jax.sharding import Mesh
 from ls_jax import backend
 from ls_jax.optim import shard_optimizer
 from train.benchmarks import common, overlap, scaling_models, scaling_pieces
-from train.benchmarks.scaling_pieces import Pending
 from train.optimizer import make_optimizer
 from train.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.step import TrainState, make_train_step
@@ -90,7 +89,7 @@ def _state(params: Any, tx: Any, sharded: Any, layout: StateLayout) -> TrainStat
 
 
 def step_row(key: tuple, model: scaling_models.BenchModel, params: Any, mode: str, devices: list[Any],
-             steps: int) -> Pending:
+             steps: int) -> scaling_pieces.Pending:
     """The compiled step of ``model`` on ``devices``, timed over 5 samples of ``steps`` steps after warm-up."""
     parallel = DataParallel(Mesh(np.asarray(devices), (DATA_AXIS,)))
     tx, sharded = _optimizer(mode, len(devices))
@@ -128,10 +127,10 @@ def step_row(key: tuple, model: scaling_models.BenchModel, params: Any, mode: st
             "optimizer_state_bytes_per_device": opt_bytes,
         }
 
-    return Pending(key, compiler.lower(holder["state"], batch), finish)
+    return scaling_pieces.Pending(key, compiler.lower(holder["state"], batch), finish)
 
 
-def allreduce_probe(devices: list[Any], num_bytes: int) -> Pending:
+def allreduce_probe(devices: list[Any], num_bytes: int) -> scaling_pieces.Pending:
     """Bus bandwidth of a bf16 psum of ``num_bytes`` per device: 2 (N - 1) / N * bytes / time."""
     n = len(devices)
     like = jax.ShapeDtypeStruct((num_bytes // 2,), jnp.bfloat16)
@@ -145,12 +144,13 @@ def allreduce_probe(devices: list[Any], num_bytes: int) -> Pending:
         return {"devices": n, "bytes": num_bytes, "ms": ms, "bus_gb_per_s": bus, "datasheet_gb_per_s": sheet,
                 "fraction_of_datasheet": None if sheet is None else bus / sheet}
 
-    return Pending(pending.key, pending.lowered, finish)
+    return scaling_pieces.Pending(pending.key, pending.lowered, finish)
 
 
-def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tuple[list[Pending], dict]:
+def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tuple[list[scaling_pieces.Pending], dict]:
     """Every measurement the run makes (lowered, not compiled) and each model's layers and rest of the params."""
-    pending: list[Pending] = [allreduce_probe(devices[:n], args.allreduce_mb << 20) for n in counts if n > 1]
+    pending: list[scaling_pieces.Pending] = [allreduce_probe(devices[:n], args.allreduce_mb << 20)
+                                             for n in counts if n > 1]
     shapes: dict[str, Any] = {}
     for name in args.models.split(","):
         rows, length = scaling_models.rows_and_length(name, args.tokens_per_device, args.bert_batch, args.bert_length)
@@ -177,7 +177,7 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
 
 
 def _split_pieces(name: str, implementation: str, model: scaling_models.BenchModel, params: Any,
-                  device: Any) -> list[Pending]:
+                  device: Any) -> list[scaling_pieces.Pending]:
     tx, _ = _optimizer("replicated", 1)
     layout = StateLayout(DataParallel(Mesh(np.asarray([device]), (DATA_AXIS,))))
     state = _state(params, tx, None, layout)

@@ -17,13 +17,12 @@ import numpy as np
 from ls_jax.layers.transformer import TransformerDecoderLayer, TransformerEncoderLayer
 from ls_jax.models import BertForSequenceClassification, Transformer
 from train import imdb_model, wmt_model
+from train.benchmarks import transformer_steps, zoo_steps
 
+BERT_VOCAB = zoo_steps.MODELS["bert-base"].vocab
 TRANSFORMER_PRESETS = {"big-6e6d": "transformer-big", "tiny-2e2d": "transformer-tiny"}
 BERT_PRESETS = {"bert-base": "bert-base", "bert-tiny": "bert-tiny"}
 MODELS = (*TRANSFORMER_PRESETS, *BERT_PRESETS)
-VOCAB = 32768
-BERT_VOCAB = 30522
-SENTENCE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +57,7 @@ class BenchModel:
 def rows_and_length(name: str, tokens_per_device: int, bert_batch: int, bert_length: int) -> tuple[int, int]:
     """One device's (rows, tokens per row) of model ``name``."""
     if name in TRANSFORMER_PRESETS:
-        return tokens_per_device // SENTENCE, SENTENCE
+        return tokens_per_device // transformer_steps.SEQ_LEN, transformer_steps.SEQ_LEN
     return bert_batch, bert_length
 
 
@@ -73,10 +72,10 @@ def build(name: str, rows: int, length: int) -> BenchModel:
 
 def _transformer(name: str, rows: int, length: int) -> BenchModel:
     rng = np.random.default_rng(0)
-    config = wmt_model.model_config({"preset": TRANSFORMER_PRESETS[name], "dropout": 0.1, "remat": "none"}, VOCAB,
-                                    "bf16")
+    config = wmt_model.model_config({"preset": TRANSFORMER_PRESETS[name], "dropout": 0.1, "remat": "none"},
+                                     transformer_steps.VOCAB, "bf16")
     module = Transformer(config)
-    tokens = rng.integers(4, VOCAB, size=(1, rows, length), dtype=np.int32)
+    tokens = rng.integers(4, transformer_steps.VOCAB, size=(1, rows, length), dtype=np.int32)
     batch = {"src": tokens, "tgt_in": tokens, "labels": np.roll(tokens, -1, axis=-1)}
     layer = config.layer
     x = jnp.zeros((rows, length, layer.hidden_size), jnp.bfloat16)

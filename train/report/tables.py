@@ -126,8 +126,8 @@ def _mib(value: float | None) -> str:
 
 def memory_table(comparison: Comparison) -> tuple[list[str], list[list[str]]] | None:
     """Header and rows: the memory anatomy of each run that logged one (None when none did)."""
-    header = ["#", "configuration", "params", "grads", "optimizer master", "optimizer moments", "temporaries",
-              "total", "B/param", "measured peak", "measured B/param"]
+    header = ["#", "configuration", "params", "optimizer master", "optimizer moments", "temporaries",
+              "grads (in temporaries)", "total", "B/param", "measured peak", "measured B/param"]
     rows = []
     for index, run in enumerate(comparison.runs):
         memory = run.memory
@@ -135,7 +135,7 @@ def memory_table(comparison: Comparison) -> tuple[list[str], list[list[str]]] | 
             continue
         per_param = lambda key: _optional(memory[key], lambda value: f"{value:.1f}")  # noqa: E731
         rows.append([f"{index + 1}", run.study_label, *(_mib(memory[key]) for key in (
-            "params_bytes", "grads_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes",
+            "params_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes", "grads_bytes",
             "total_bytes")), per_param("bytes_per_param"), _mib(memory["measured_peak_bytes"]),
             per_param("measured_bytes_per_param")])
     return (header, rows) if rows else None

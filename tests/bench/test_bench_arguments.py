@@ -1,0 +1,40 @@
+"""Shape flags that a suite cannot use are one argparse error line (exit 2), before any ncu or GPU work."""
+
+import pytest
+
+from train.benchmarks import counters, flops, profile
+
+
+def _refused(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "python -m"))]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+@pytest.mark.parametrize("batches", ["16,x", "16,0", "-4", "16,,32"])
+def test_flops_refuses_batches_that_are_not_whole_numbers_above_zero(batches, tmp_path, capsys):
+    line = _refused(flops.main, ["--batches", batches, "--out", str(tmp_path)], capsys)
+    assert f"--batches {batches}: give comma-separated whole numbers > 0" in line
+
+
+def test_flops_batch_sizes_parse_a_good_list():
+    assert flops.batch_sizes("16,32,256") == [16, 32, 256]
+
+
+def test_counters_refuses_a_seq_len_for_a_whole_wmt_step(tmp_path, capsys):
+    line = _refused(counters.main, ["--workload", "wmt-big-6e6d", "--seq-len", "64", "--out", str(tmp_path)], capsys)
+    assert "--seq-len applies to the encoder workloads; wmt-big-6e6d is a whole training step" in line
+
+
+@pytest.mark.parametrize("model, flags, named", [
+    ("bert-base", ["--tokens", "4096"], "--tokens"),
+    ("gpt2-small", ["--tokens", "4096"], "--tokens"),
+    ("big-6e6d", ["--seq-len", "128"], "--seq-len"),
+    ("big-6e6d", ["--seq-len", "128", "--rows", "8"], "--seq-len and --rows"),
+])
+def test_profile_refuses_the_shape_flags_of_another_family(model, flags, named, tmp_path, capsys):
+    line = _refused(profile.main, ["--model", model, *flags, "--out", str(tmp_path)], capsys)
+    assert f"error: {named} does not apply to {model}" in line

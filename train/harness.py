@@ -97,7 +97,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config["backend"] = cli.kernel_mode(config, given)
     task.check_config(config)
     cli.check_optimizer(config)
-    if "peer_timeout" in given and not config["distributed"]:
+    if given.get("peer_timeout") is not None and not config["distributed"]:
         raise cli.UsageError("--peer-timeout applies only to a --distributed run; add --distributed or drop it")
     if config["distributed"]:
         if config["peer_timeout"] < 1:

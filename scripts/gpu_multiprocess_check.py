@@ -1,9 +1,9 @@
-"""2 processes x 1 GPU train exactly as 1 process x 2 GPUs: `python scripts/gpu_multiprocess_check.py`.
+"""N processes x 1 GPU train exactly as 1 process x N GPUs: `python scripts/gpu_multiprocess_check.py --gpus 0,1`.
 
 Runs ``python -m train.<task>`` on the same global batch twice, dropout off and fp32: once as one process seeing
-both GPUs, once as two processes on localhost, each seeing one GPU (CUDA_VISIBLE_DEVICES) and joined by
+the N GPUs of ``--gpus``, once as N processes on localhost, each seeing one GPU (CUDA_VISIBLE_DEVICES) and joined by
 ``jax.distributed`` (``--distributed``, the coordinator variables). The per-interval training losses of the two
-runs must agree to ``--rtol``. Writes ``multiprocess-<device>.json`` (both loss curves, device counts, the largest
+runs must agree to ``--rtol``. Writes ``multiprocess-<device>x<N>.json`` (both loss curves, device counts, the largest
 relative difference, the verdict) to ``--out`` and exits 1 when they differ.
 """
 
@@ -65,8 +65,8 @@ def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, t
     return {**_run_summary(run_dir), "wall_s": time.perf_counter() - started}
 
 
-def two_processes(task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int,
-                  cpu: bool) -> dict:
+def process_per_gpu(task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int,
+                    cpu: bool) -> dict:
     port, started = _free_port(), time.perf_counter()
     processes = [
         subprocess.Popen(_command(task, run_dir, steps, backend, "--distributed"), cwd=ROOT,
@@ -81,7 +81,7 @@ def two_processes(task: str, run_dir: Path, steps: int, backend: str, gpus: list
             if process.poll() is None:
                 process.kill()
     if any(codes):
-        raise SystemExit(f"the 2-process run failed with exit codes {codes}")
+        raise SystemExit(f"the {len(gpus)}-process run failed with exit codes {codes}")
     return {**_run_summary(run_dir), "wall_s": time.perf_counter() - started}
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default="imdb,wmt")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--backend", default="ffi", choices=("ffi", "xla"))
-    parser.add_argument("--gpus", default="0,1", help="the two GPUs (CUDA_VISIBLE_DEVICES indices)")
+    parser.add_argument("--gpus", default="0,1", help="the GPUs (CUDA_VISIBLE_DEVICES indices)")
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("--timeout", type=int, default=400, help="seconds per run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
@@ -111,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         for task in args.tasks.split(","):
             single = one_process(task, Path(scratch) / f"{task}-one", args.steps, args.backend, args.gpus,
                                  args.timeout, args.cpu)
-            multi = two_processes(task, Path(scratch) / f"{task}-two", args.steps, args.backend, gpus, args.timeout,
-                                  args.cpu)
+            multi = process_per_gpu(task, Path(scratch) / f"{task}-per-gpu", args.steps, args.backend, gpus,
+                                    args.timeout, args.cpu)
             verdict = compare(single["losses"], multi["losses"], args.rtol)
-            checks.append({"task": task, "one_process_two_gpus": single, "two_processes_one_gpu_each": multi,
+            checks.append({"task": task, "one_process_all_gpus": single, "one_process_per_gpu": multi,
                            **verdict})
             print(f"{task}: max relative loss difference {verdict['max_relative_difference']}, "
                   f"{'match' if verdict['match'] else 'MISMATCH'}", flush=True)
     device = "cpu" if args.cpu else _device_kind()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"multiprocess-{device}.json"
-    path.write_text(json.dumps({"backend": args.backend, "precision": "fp32", "dropout": 0, "steps": args.steps,
+    path = args.out / f"multiprocess-{device}x{len(gpus)}.json"
+    path.write_text(json.dumps({"backend": args.backend, "gpus": len(gpus), "precision": "fp32", "dropout": 0, "steps": args.steps,
                                 "rtol": args.rtol, "device": device, "checks": checks}, indent=2) + "\n")
     print(f"wrote {path}")
     return 0 if all(check["match"] for check in checks) else 1

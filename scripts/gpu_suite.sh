@@ -41,7 +41,7 @@ for name in "$@"; do
     flops)  # one ncu run per implementation and batch size
       timeout ${FLOPS_TIMEOUT:-1300} python3 -m train.bench flops ${FLOPS_ARGS:-} || status=1 ;;
     ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
-    multiprocess)  # 2 processes x 1 GPU against 1 process x 2 GPUs
+    multiprocess)  # N processes x 1 GPU against 1 process x N GPUs (MULTIPROCESS_ARGS=--gpus 0,1,2,3)
       timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;

@@ -10,14 +10,14 @@ The last ``keep`` checkpoints are kept. `Checkpoints.save` returns once the chec
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -109,16 +109,37 @@ def _state_bytes(state: Any) -> int:
     return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)))
 
 
-@contextlib.contextmanager
-def _quiet_orbax() -> Iterator[None]:
-    """Orbax logs a failed background write with its whole traceback; `Checkpoints.save` reports it in one line."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+class _WriteFailureEcho(logging.Filter):
+    """Drops the records orbax's writer threads and asyncio log for a failed write (a disk error at their root):
+    `Checkpoints.save` reports that failure in one line, and the other writers of the same checkpoint fail with
+    it, some after ``save`` has returned."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and _os_error(record.exc_info[1]) is not None)
+
+
+_ECHO_FILTER = _WriteFailureEcho()
+
+
+def _filter_write_failure_logs() -> None:
+    for name in ("absl", "asyncio"):
+        if _ECHO_FILTER not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_ECHO_FILTER)
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """When a save fails, TensorStore's completion callbacks of the other writers raise RuntimeError('Event loop
+    is closed') into the void once orbax has closed that save's event loop: those are dropped, others printed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_ls_jax_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._ls_jax_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def remove_partial_checkpoints(directory: Path) -> list[Path]:
@@ -141,7 +162,10 @@ class Checkpoints:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory).resolve()
         self._saved_form = saved_form or (lambda state: state)
+        self._write_failed = False
         remove_partial_checkpoints(self.directory)  # what a crash cut short; nothing writes before the run opens
+        _filter_write_failure_logs()
+        _quiet_closed_loop_callbacks()
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
@@ -162,18 +186,17 @@ class Checkpoints:
         progress = {**progress, "checksum": checksum(state)}
         existed = step in self._manager.all_steps()
         try:
-            with _quiet_orbax():
-                self._manager.save(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            progress=ocp.args.JsonSave(progress)),
-                    force=True,
-                )
-                self._manager.wait_until_finished()
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)),
+                force=True,
+            )
+            self._manager.wait_until_finished()
         except Exception as err:  # orbax wraps the writer's OSError in its own and asyncio's errors
             cause = _os_error(err)
             if cause is None:
                 raise
+            self._write_failed = True
             self._remove_partial(step, keep_final=existed)
             raise CheckpointWriteError(cause.errno, self._write_advice(step, state, cause)) from err
 
@@ -240,5 +263,11 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the writes in flight and releases the writer. The other writers of a save that failed (and
+        was reported as a `CheckpointWriteError`) may fail after it with a disk error of their own: not raised."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        except Exception as err:
+            if not (self._write_failed and _os_error(err) is not None):
+                raise

@@ -30,7 +30,8 @@ from train.loop import LoopConfig, StopSignals, TrainResult, train
 from train import optimizer as optimizer_lib
 from train.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
-from train.parallel import DATA_AXIS, DataParallel, StateLayout, initialize_distributed
+from train.parallel import (DATA_AXIS, DataParallel, StateLayout, from_process_zero, initialize_distributed,
+                            wait_for_processes)
 from train.precision import master_dtype, precision_signature
 from train.rundir import Run, load_saved_config, prepare_run_dir, restore_latest, save_config
 from train.runlog import RunLog
@@ -103,8 +104,9 @@ def _start(task: Task, argv: list[str]) -> int:
         if config["peer_timeout"] < 1:
             raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config['peer_timeout']}")
         initialize_distributed(heartbeat_timeout_s=2 * config["peer_timeout"])  # the peer watch speaks first
-    run_id = saved["run_id"] if saved else runlog.new_run_id()
+    run_id = saved["run_id"] if saved else from_process_zero("run_id", runlog.new_run_id())
     run_dir = prepare_run_dir(config, run_id)
+    wait_for_processes("run directory checked")  # before process 0 starts the run log there
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
     resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
     with peers.watching(config["distributed"], run_dir / CHECKPOINT_DIR, resume, config["peer_timeout"]):

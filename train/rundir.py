@@ -55,7 +55,7 @@ def prepare_run_dir(config: Mapping[str, Any], run_id: str) -> Path:
             raise UsageError(f"{run_dir} already holds a run; pass --resume {run_dir} or another --run-dir")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
+        probe = run_dir / f".write-test-{jax.process_index()}"  # one per process: they check at once
         probe.write_text("")
         probe.unlink()
     except OSError as err:

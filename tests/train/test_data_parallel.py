@@ -75,17 +75,19 @@ def _free_port() -> int:
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one_process(one_device, tmp_path):
-    run_dir, port = tmp_path / "multi", _free_port()
-    command = [sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), "--steps", "6", "--distributed"]
+    """Without --run-dir: both processes must agree on one new runs/<run id> and check it at the same time."""
+    port = _free_port()
+    command = [sys.executable, "-m", "train.imdb", *COMMON, "--steps", "6", "--distributed"]
     processes = [
-        subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                  JAX_PROCESS_ID=str(rank)))
+        subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(1, PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank)))
         for rank in range(2)
     ]
     outputs = [process.communicate(timeout=600) for process in processes]
     for process, (_, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
     assert _device_count(run_dir) == 2
     np.testing.assert_allclose(_losses(run_dir), _losses(one_device), rtol=1e-5)
 

@@ -61,21 +61,21 @@ def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
 def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     assert e2e.main(["--quick", "--models", "wmt", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "e2e-cpu.json").read_text())
-    assert set(report["results"]) == {"tiny-2e2d/1024/reference", "tiny-2e2d/1024/ls_jax_xla"}
+    assert set(report["results"]) == {"tiny-2e2d/256/reference", "tiny-2e2d/256/ls_jax_xla"}
     for record in report["results"].values():
         assert record["step_time_s"] > 0 and record["memory_bytes"] > 0
         assert record["steps_timed"] == 2 * record["steps_per_sample"] == 2 * e2e.STEPS_PER_SAMPLE
         assert 0 < record["host_dispatch_s"] < record["init_compile_and_first_step_s"]
         assert math.isfinite(record["first_loss"]) and math.isfinite(record["loss_after_timing"])
         assert record["flops_per_step"] > 0
-        assert record["commit"] and record["run"] == report["results"]["tiny-2e2d/1024/reference"]["run"]
-    ratio = report["speedup_vs_reference"]["tiny-2e2d/1024"]["ls_jax_xla"]
+        assert record["commit"] and record["run"] == report["results"]["tiny-2e2d/256/reference"]["run"]
+    ratio = report["speedup_vs_reference"]["tiny-2e2d/256"]["ls_jax_xla"]
     timed = report["results"]
-    assert math.isclose(ratio, timed["tiny-2e2d/1024/reference"]["step_time_s"]
-                        / timed["tiny-2e2d/1024/ls_jax_xla"]["step_time_s"])
+    assert math.isclose(ratio, timed["tiny-2e2d/256/reference"]["step_time_s"]
+                        / timed["tiny-2e2d/256/ls_jax_xla"]["step_time_s"])
     assert (tmp_path / "e2e-cpu.png").stat().st_size > 0
     assert report["setup"]["vocab"] == transformer_steps.VOCAB  # a WMT model ran: its setup is written
-    assert report["target_basis_tflops"] is None and timed["tiny-2e2d/1024/reference"]["mfu_vs_target_basis"] is None
+    assert report["target_basis_tflops"] is None and timed["tiny-2e2d/256/reference"]["mfu_vs_target_basis"] is None
 
 
 def test_the_wmt_setup_is_written_only_with_a_wmt_record():

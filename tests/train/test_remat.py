@@ -23,7 +23,7 @@ RNGS = {"dropout": jax.random.PRNGKey(3)}
 def _encoder_loss(remat, causal=False):
     model = TransformerEncoder(dataclasses.replace(BASE, remat=remat), 3, causal=causal)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 32))
-    params = model.init({"params": jax.random.PRNGKey(0)}, x)
+    params = jax.jit(model.init)({"params": jax.random.PRNGKey(0)}, x)
     return params, lambda p: jnp.mean(model.apply(p, x, deterministic=False, rngs=RNGS) ** 2)
 
 
@@ -31,14 +31,14 @@ def _decoder_loss(remat):
     model = TransformerDecoder(dataclasses.replace(BASE, remat=remat), 2)
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 32))
     encoded = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
-    params = model.init({"params": jax.random.PRNGKey(0)}, x, encoded)
+    params = jax.jit(model.init)({"params": jax.random.PRNGKey(0)}, x, encoded)
     return params, lambda p: jnp.mean(model.apply(p, x, encoded, deterministic=False, rngs=RNGS) ** 2)
 
 
 def residual_bytes(loss, params):
-    """Bytes ``jax.vjp`` keeps for the backward: the arrays its pullback closes over."""
-    _, pullback = jax.vjp(loss, params)
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(pullback))
+    """Bytes ``jax.vjp`` keeps for the backward: the arrays its pullback closes over (traced, not run)."""
+    pullback = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pullback))
 
 
 @pytest.mark.parametrize("build", [_encoder_loss, lambda remat: _encoder_loss(remat, causal=True), _decoder_loss],

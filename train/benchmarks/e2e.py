@@ -39,6 +39,7 @@ from train.benchmarks import common, kernel_trace, workloads, zoo_steps
 from train.benchmarks.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
 
 STEPS_PER_SAMPLE = 20
+QUICK_TOKENS = 256  # target tokens of the WMT step in a --quick run
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
 dispatch of its first step (`host_dispatch_seconds`, recorded with every measurement), which a training loop hides
 by running steps ahead: 20 steps spread that cost thinly over the sample."""
@@ -372,7 +373,7 @@ def main(argv: list[str]) -> int:
     common.add_out_argument(parser, "e2e")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run (CPU): each family of --models as its tiny model ("
-                             + ", ".join(workloads.QUICK_MODELS.values()) + "), WMT at 1024 tokens, 2 samples; "
+                             + ", ".join(workloads.QUICK_MODELS.values()) + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
                              "without a GPU, no ls_jax_ffi or flax_cudnn")
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)
@@ -382,7 +383,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown implementation: {', '.join(unknown)}; known: {', '.join(implementations_known)}")
     try:
         models = workloads.expand_models(args.models.split(","), quick=args.quick)
-        token_counts = [1024] if args.quick else [int(t) for t in args.tokens.split(",")]
+        token_counts = [QUICK_TOKENS] if args.quick else [int(t) for t in args.tokens.split(",")]
         seq_lens = None if args.quick or not args.seq_lens else [int(n) for n in args.seq_lens.split(",")]
         workload_list = workloads.workloads(models, token_counts, seq_lens, None if args.quick else args.rows)
     except ValueError as err:

@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else _device_kind()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"multiprocess-{device}x{len(gpus)}.json"
-    path.write_text(json.dumps({"backend": args.backend, "gpus": len(gpus), "precision": "fp32", "dropout": 0, "steps": args.steps,
-                                "rtol": args.rtol, "device": device, "checks": checks}, indent=2) + "\n")
+    path.write_text(json.dumps({"backend": args.backend, "gpus": len(gpus), "precision": "fp32", "dropout": 0,
+                                "steps": args.steps, "rtol": args.rtol, "device": device, "checks": checks},
+                               indent=2) + "\n")
     print(f"wrote {path}")
     return 0 if all(check["match"] for check in checks) else 1
 

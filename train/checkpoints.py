@@ -122,6 +122,7 @@ _ECHO_FILTER = _WriteFailureEcho()
 
 
 def _filter_write_failure_logs() -> None:
+    """Puts `_WriteFailureEcho` on the loggers of orbax (absl) and asyncio, once per process."""
     for name in ("absl", "asyncio"):
         if _ECHO_FILTER not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(_ECHO_FILTER)
@@ -263,11 +264,15 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the writes in flight and releases the writer. The other writers of a save that failed (and
-        was reported as a `CheckpointWriteError`) may fail after it with a disk error of their own: not raised."""
+        """Waits for the writes in flight and releases the writer. After a save that failed (and was reported as a
+        `CheckpointWriteError`), its other writers may fail later with a disk error of their own, not raised, and
+        may have recreated directories of the partial checkpoint after `save` removed it: removed again."""
         try:
             self._manager.wait_until_finished()
             self._manager.close()
         except Exception as err:
             if not (self._write_failed and _os_error(err) is not None):
                 raise
+        finally:
+            if self._write_failed:
+                remove_partial_checkpoints(self.directory)

@@ -82,7 +82,8 @@ def test_library_builds_for_sm80_and_exports_every_target(built):
 def test_second_build_of_the_same_sources_is_cached(built):
     again = build.build(("sm_80", "sm_80"), cache_dir=built.path.parents[1])
     assert again.cached and again.path == built.path and again.archs == ("sm_80",)
-    assert build.cache_key(build.find_nvcc(), ("sm_80", "sm_90"), "") != build.cache_key(build.find_nvcc(), ("sm_80",), "")
+    nvcc = build.find_nvcc()
+    assert build.cache_key(nvcc, ("sm_80", "sm_90"), "") != build.cache_key(nvcc, ("sm_80",), "")
 
 
 def test_each_architecture_gets_machine_code_and_the_newest_also_ptx():

@@ -39,10 +39,10 @@ from train.benchmarks import common, kernel_trace, workloads, zoo_steps
 from train.benchmarks.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
 
 STEPS_PER_SAMPLE = 20
-QUICK_TOKENS = 256  # target tokens of the WMT step in a --quick run
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
 dispatch of its first step (`host_dispatch_seconds`, recorded with every measurement), which a training loop hides
 by running steps ahead: 20 steps spread that cost thinly over the sample."""
+QUICK_TOKENS = 256  # target tokens of the WMT step in a --quick run
 TARGET_BASIS_TFLOPS = 790.0
 """The bf16 rate the project's end-to-end targets state MFU against: about what a large bf16 GEMM sustains on an
 H100 or H200 SXM (docs/results has the measured rates), where the datasheet's dense peak is 989.4."""
@@ -373,7 +373,8 @@ def main(argv: list[str]) -> int:
     common.add_out_argument(parser, "e2e")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run (CPU): each family of --models as its tiny model ("
-                             + ", ".join(workloads.QUICK_MODELS.values()) + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
+                             + ", ".join(workloads.QUICK_MODELS.values())
+                             + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
                              "without a GPU, no ls_jax_ffi or flax_cudnn")
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)

@@ -45,26 +45,27 @@ def initialize_distributed(heartbeat_timeout_s: int = 100) -> None:
                                shutdown_timeout_seconds=heartbeat_timeout_s)
 
 
+def job_client() -> Any:
+    """The key-value store client of this ``jax.distributed`` job (JAX has no public accessor for it)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 def from_process_zero(key: str, value: str, timeout_s: int = 300) -> str:
     """``value`` as process 0 has it, in every process of the job (through the job's key-value store); ``value``
     itself with one process. Every process must call it with the same ``key``."""
     if jax.process_count() == 1:
         return value
-    from jax._src import distributed  # the job's key-value store client; JAX has no public accessor for it
-
-    client = distributed.global_state.client
     if jax.process_index() == 0:
-        client.key_value_set(f"ls_jax/{key}", value)
-    return client.blocking_key_value_get(f"ls_jax/{key}", timeout_s * 1000)
+        job_client().key_value_set(f"ls_jax/{key}", value)
+    return job_client().blocking_key_value_get(f"ls_jax/{key}", timeout_s * 1000)
 
 
 def wait_for_processes(name: str, timeout_s: int = 300) -> None:
     """Returns once every process of the job has called it with ``name`` (no-op with one process)."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier(f"ls_jax/{name}", timeout_s * 1000)
+    if jax.process_count() > 1:
+        job_client().wait_at_barrier(f"ls_jax/{name}", timeout_s * 1000)
 
 
 def process_counts(environ: Mapping[str, str]) -> dict[str, int]:

@@ -31,6 +31,7 @@ import jax
 from train.checkpoints import complete_steps, remove_partial_checkpoints
 from train.cli import USER_ERRORS
 from train.errors import EXIT_PEER_LOST, Interrupted
+from train.parallel import job_client
 
 KEY_PREFIX = "ls_jax/alive/"
 DONE = "done"
@@ -104,13 +105,12 @@ def watch_job(checkpoint_dir: Path, resume_command: str, timeout_s: float) -> Pe
     process by `stop_run`."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed  # the job's key-value store client; JAX has no public accessor for it
 
     def on_lost(process: int, reason: str) -> None:
         stop_run(process, reason, num_processes=jax.process_count(), checkpoint_dir=checkpoint_dir,
                  resume_command=resume_command)
 
-    return PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(), timeout_s,
+    return PeerWatch(job_client(), jax.process_index(), jax.process_count(), timeout_s,
                      on_lost).start()
 
 

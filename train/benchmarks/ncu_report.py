@@ -31,8 +31,10 @@ HALF_OPS = {f"smsp__sass_thread_inst_executed_op_h{op}_pred_on.sum": 2 if op == 
             for op in ("add", "mul", "fma")}
 SINGLE_OPS = {f"smsp__sass_thread_inst_executed_op_f{op}_pred_on.sum": 2 if op == "fma" else 1
               for op in ("add", "mul", "fma")}
-# Tensor-core math ops (GEMMs and fused attention): the sass op counters above never see them.
-TENSOR_OPS = ("sm__ops_path_tensor_src_bf16_dst_fp32.sum", "sm__ops_path_tensor_src_fp16_dst_fp32.sum")
+# Tensor-core math ops (GEMMs and fused attention): the sass op counters above never see them. Hopper counts fp16
+# sources over every accumulator type in one counter, and fp32 GEMMs run on the tensor cores as tf32.
+TENSOR_OPS = ("sm__ops_path_tensor_src_bf16_dst_fp32.sum", "sm__ops_path_tensor_src_fp16.sum",
+              "sm__ops_path_tensor_src_tf32_dst_fp32.sum")
 
 METRICS = (TIME, DRAM_READ, DRAM_WRITE, SM_THROUGHPUT, OCCUPANCY, INSTRUCTIONS, WARPS_LAUNCHED, IPC, GLOBAL_LOADS,
            GLOBAL_STORES, *HALF_OPS, *SINGLE_OPS, *TENSOR_OPS)

@@ -15,13 +15,16 @@ from train import metrics, signature
 from train.errors import UsageError
 from train.precision import PRECISION_DTYPES
 
-# bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU.
+# bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU; bert-small and bert-medium are the
+# compact BERT shapes of the same names (4 and 8 layers of width 512), which train from scratch on one GPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "bert-tiny": dict(
         base="bert-base",
         layer=dict(hidden_size=128, intermediate_size=512, nhead=2, max_seq_len=128),
         num_layers=2,
     ),
+    "bert-small": dict(base="bert-base", layer=dict(hidden_size=512, intermediate_size=2048, nhead=8), num_layers=4),
+    "bert-medium": dict(base="bert-base", layer=dict(hidden_size=512, intermediate_size=2048, nhead=8), num_layers=8),
     "bert-base": dict(base="bert-base", layer={}),
     "bert-large": dict(base="bert-large", layer={}),
 }

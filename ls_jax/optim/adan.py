@@ -140,7 +140,7 @@ def adan(
     _engine.check_nonnegative("weight_decay", weight_decay, schedule_ok=True)
     _engine.check_positive_int("restart_every", restart_every)
     scalars = _scalars(b1, b2, b3, eps, eps_root, restart_every)
-    rule = _engine.Rule("adan", AdanState, SCALARS, scalars, _moments, _direction)
+    rule = _engine.Rule("adan", AdanState, SCALARS, scalars, _moments, _direction, replaced=(3,))
     return _engine.workspace_transformation(
         rule,
         learning_rate=learning_rate,

@@ -199,3 +199,24 @@ def test_update_is_in_place_under_donation():
     param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
     assert memory.alias_size_in_bytes >= param_bytes + 4 * workspace_bytes
     assert memory.temp_size_in_bytes < workspace_bytes
+
+
+@pytest.mark.parametrize("name", ["adan", "adamw"])
+def test_xla_step_updates_the_workspaces_in_place(name):
+    """The XLA implementation under donation: no copy of a whole workspace. Adan's previous-gradient buffer was
+    copied before each leaf's write (45 copies, 18 GiB of temporaries for BERT-base) until it was written after
+    the other moments' updates; this tree has BERT-base's leaf shapes at a quarter of its width."""
+    shapes = [(7632, 192), (512, 192), (2, 192)]
+    for _ in range(12):
+        shapes += [(192, 3, 3, 64), (3, 3, 64), (3, 64, 192), (192,), (192, 768), (768,), (768, 192), (192,)]
+        shapes += [(192,)] * 4
+    params = {f"p{i:03d}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+    tx = {"adan": lo.adan, "adamw": lo.adamw}[name](1e-3, weight_decay=0.01, max_grad_norm=1.0)
+    state = jax.eval_shape(tx.init, params)
+    with backend.use("xla"):
+        compiled = jax.jit(_update_then_apply(tx), donate_argnums=(1, 2)).lower(params, state, params).compile()
+    size = jax.tree.leaves(state)[1].size  # (count, first moment, ...): every moment is one workspace
+    workspace = f"f32[{size}]"
+    copies = [line.strip()[:120] for line in compiled.as_text().splitlines() if f"= {workspace}" in line and " copy(" in line]
+    assert not copies, copies
+    assert compiled.memory_analysis().temp_size_in_bytes < 2 * size * 4

@@ -16,6 +16,7 @@ from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compi
 from ls_jax import backend
 from train import compare, imdb, runlog
 from train.errors import EXIT_DATA, EXIT_USAGE
+from train.imdb_model import preset_config
 from train.report import runs as run_logs
 
 FLOP_TOLERANCE = 0.05
@@ -200,3 +201,10 @@ def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
     imdb.TASK.check_config(config)
     assert imdb.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
     assert imdb.Schedule.resolve(imdb.resolve_config({}), steps_per_epoch=7).eval_every == 7
+
+
+@pytest.mark.parametrize("name, layers", [("bert-small", 4), ("bert-medium", 8)])
+def test_compact_presets_have_their_published_shapes(name, layers):
+    cfg = preset_config(name, vocab_size=1000, num_labels=2)
+    assert (cfg.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.nhead) == (layers, 512, 2048, 8)
+    assert cfg.layer.hidden_size // cfg.layer.nhead == 64

@@ -14,14 +14,16 @@
     batch_size = [16, 64]        # converged run of the grids before it under that preset
     from_best = "balance"
 
-Axes (`AXES`): task, device, preset, optimizer, precision, backend, remat, batch_size, max_tokens, max_seq_len,
-steps, epochs, seed. A run's point is its value on each axis that is set; its name joins them.
+Axes (`AXES`): task, device, preset, optimizer, lr, precision, backend, remat, batch_size, max_tokens,
+max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
+at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis that is set; its name joins them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -41,11 +43,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "remat": REMAT_MODES,
 }
 _COUNTS = ("batch_size", "max_tokens", "max_seq_len", "steps", "epochs")
-AXES = ("task", "device", "preset", "optimizer", "precision", "backend", "remat", *_COUNTS, "seed")
+AXES = ("task", "device", "preset", "optimizer", "lr", "precision", "backend", "remat", *_COUNTS, "seed")
 # Axes that are not a flag of the training command.
 _NOT_FLAGS = ("task", "device")
 # The short form of an axis in a run's name.
-_SHORT = {"batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e", "seed": "seed",
+_SHORT = {"lr": "lr", "batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e", "seed": "seed",
           "remat": "remat-"}
 _TASK_AXES = {"max_tokens": ("wmt",), "max_seq_len": ("imdb", "gpt"), "batch_size": ("imdb", "gpt")}
 
@@ -130,6 +132,8 @@ def _check_value(key: str, value: Any, where: str) -> None:
         raise UsageError(f"{where}: {key} = {value!r} is not a known value; choose from {', '.join(_CHOICES[key])}")
     if key in _COUNTS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise UsageError(f"{where}: {key} = {value!r} must be an integer >= 1")
+    if key == "lr" and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf):
+        raise UsageError(f"{where}: lr = {value!r} must be a number > 0")
     if key == "seed" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise UsageError(f"{where}: seed = {value!r} must be an integer >= 0")
     if key in ("preset", "device") and (not isinstance(value, str) or not value):
@@ -190,7 +194,8 @@ def parse(text: str, source: Path | None = None) -> Spec:
     flags = document.get("flags", {})
     clashing = [key for key in flags if key in AXES or key in ("run_dir", "resume")]
     if clashing:
-        raise UsageError(f"{where}: [flags] sets {clashing[0]!r}, which the sweep sets itself (use an axis)")
+        raise UsageError(f"{where}: [flags] sets {clashing[0]!r}, which the sweep sets itself: set it in [axes] "
+                         "or a [[grid]] instead")
     out = document.get("out", f"runs/{name}")
     if not isinstance(out, str) or not out:
         raise UsageError(f"{where}: out = {out!r} must be a directory path")

@@ -68,8 +68,8 @@ name = "grid"
 [axes]
 task = "imdb"
 steps = 10
-[flags]
 lr = 1e-3
+[flags]
 no_tensorboard = true
 [[grid]]
 optimizer = ["optax-adamw", "adan"]
@@ -89,9 +89,9 @@ backend = "xla"
     assert len(points) == 2 * 3 * 2 + 1  # the third grid's one point is the first grid's: it runs once
     names = [point.name for point in points]
     assert len(set(names)) == len(names)
-    assert names[0] == "imdb-optax-adamw-fp32-xla-s10"
-    assert points[0].flags(spec.flags) == ["--optimizer", "optax-adamw", "--precision", "fp32", "--backend", "xla",
-                                           "--steps", "10", "--lr", "0.001", "--no-tensorboard"]
+    assert names[0] == "imdb-optax-adamw-lr0.001-fp32-xla-s10"
+    assert points[0].flags(spec.flags) == ["--optimizer", "optax-adamw", "--lr", "0.001", "--precision", "fp32",
+                                           "--backend", "xla", "--steps", "10", "--no-tensorboard"]
     assert spec.out == Path("runs/grid")
 
 
@@ -111,6 +111,31 @@ from_best = "balance"
     best = {"task": "imdb", "optimizer": "adan", "precision": "bf16"}
     later = sweep_spec.points(spec, [None, best])[4:]
     assert [point.name for point in later] == ["imdb-adan-bf16-b16", "imdb-adan-bf16-b64"]
+
+
+def test_each_optimizer_at_its_own_lr_and_from_best_carries_the_best_ones():
+    spec = sweep_spec.parse("""
+name = "lr"
+[axes]
+task = "imdb"
+[[grid]]
+optimizer = "optax-adamw"
+lr = 3e-4
+precision = ["fp32", "bf16"]
+[[grid]]
+optimizer = "adan"
+lr = [1e-4, 5e-5]
+precision = ["fp32", "bf16"]
+[[grid]]
+batch_size = 64
+from_best = "balance"
+""")
+    names = [point.name for point in sweep_spec.points(spec)]
+    assert names == ["imdb-optax-adamw-lr0.0003-fp32", "imdb-optax-adamw-lr0.0003-bf16", "imdb-adan-lr0.0001-fp32",
+                     "imdb-adan-lr0.0001-bf16", "imdb-adan-lr5e-05-fp32", "imdb-adan-lr5e-05-bf16"]
+    best = sweep_spec.points(spec)[3].values
+    (later,) = sweep_spec.points(spec, [None, None, best])[6:]
+    assert later.flags({}) == ["--optimizer", "adan", "--lr", "0.0001", "--precision", "bf16", "--batch-size", "64"]
 
 
 def test_best_point_is_the_best_converged_run_of_the_earlier_grids(tmp_path):
@@ -142,6 +167,9 @@ backend = ["ffi", "xla"]
     ('name = "x"\n[[grid]]\noptimizer = "adan"', "no task"),
     ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nfrom_best = "balance"', "needs a grid before it"),
     ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nsteps = 3', "[flags] sets 'steps'"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nlr = 1e-3', "[flags] sets 'lr', which the sweep sets itself"),
+    ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
+    ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
     ('name = "x"\n[axes\n', "not valid TOML"),
     ('[axes]\ntask = "imdb"', "name = None must be"),
 ])
@@ -163,7 +191,7 @@ def test_device_in_out_is_this_machines_device():
     spec = sweep_spec.parse('name = "x"\nout = "docs/results/sweep-{device}"\n[axes]\ntask = "imdb"')
     assert sweep.with_device_in_out(spec, lambda: "H100-SXM").out == Path("docs/results/sweep-h100-sxm")
     gpu = sweep.load_spec(sweep.DEFAULT_SPEC.parent / "bert-gpu.toml")
-    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[1].from_best == "balance"
+    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[2].from_best == "balance"
 
 
 def test_default_spec_parses_and_expands_to_a_small_cpu_grid():

@@ -121,12 +121,30 @@ def build(workload: str, implementation: str, batch: int, seq_len: int) -> Compi
         return encoder_stack(implementation, spec.layers, batch, seq_len)
 
 
-def profiler_range(start: bool) -> None:
-    """cuProfilerStart / cuProfilerStop of the CUDA driver: the range ``ncu --profile-from-start off`` profiles."""
-    driver = ctypes.CDLL("libcuda.so.1")
-    status = driver.cuProfilerStart() if start else driver.cuProfilerStop()
+def _driver_call(driver: ctypes.CDLL, name: str, *args: Any) -> None:
+    status = getattr(driver, name)(*args)
     if status != 0:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned CUDA error {status}")
+        raise RuntimeError(f"{name} returned CUDA error {status}")
+
+
+def profiler_range(start: bool) -> None:
+    """cuProfilerStart / cuProfilerStop of the CUDA driver: the range ``ncu --profile-from-start off`` profiles.
+
+    The calling thread has no current CUDA context (XLA makes its context current only on its own threads), and
+    the profiler API acts on the current one: the device's primary context, the one XLA runs on, is made current
+    around the call. Without it the driver returns an error, and under ncu the process crashes."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _driver_call(driver, "cuDeviceGet", ctypes.byref(device), 0)
+    _driver_call(driver, "cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+    try:
+        _driver_call(driver, "cuCtxPushCurrent_v2", context)
+        try:
+            _driver_call(driver, "cuProfilerStart" if start else "cuProfilerStop")
+        finally:
+            _driver_call(driver, "cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+    finally:
+        _driver_call(driver, "cuDevicePrimaryCtxRelease_v2", device)
 
 
 def run_child(workload: str, implementation: str, batch: int, seq_len: int, hlo_path: Path, env_path: Path) -> None:

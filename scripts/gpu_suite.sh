@@ -34,7 +34,7 @@ for name in "$@"; do
     sanitizer)  # GEMM autotuning under memcheck takes minutes per GEMM: the sanitizer checks kernels, not speed
       XLA_FLAGS="$XLA_FLAGS --xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_PREALLOCATE=false \
         timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck \
-        --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
+        --target-processes application-only --error-exitcode 3 python3 scripts/sanitize_kernels.py || status=1 ;;
     cpu-compat) JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops_transforms.py || status=1 ;;
     counters)  # Nsight Compute replays every kernel once per metric pass: minutes, not seconds
       timeout ${COUNTERS_TIMEOUT:-540} python3 -m train.bench counters ${COUNTERS_ARGS:-} || status=1 ;;

@@ -73,12 +73,16 @@ def split_supported(metrics: Iterable[str], available: set[str] | None) -> tuple
 
 def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[str],
                 max_kernels: int | None = None) -> list[str]:
-    """ncu, gated on the child's profiler range, all processes, raw CSV in base units, demangled kernel names;
-    ``max_kernels`` stops profiling after that many kernels (``--launch-count``)."""
+    """ncu, gated on the child's profiler range, raw CSV in base units, demangled kernel names; ``max_kernels``
+    stops profiling after that many kernels (``--launch-count``).
+
+    Only the child itself is profiled (``--target-processes application-only``): the processes it starts (the
+    kernel library's ``nvidia-smi`` query, ``git``) crash with ncu injected into them, and the child then fails."""
     limit = [] if max_kernels is None else ["--launch-count", str(max_kernels)]
     return [
         ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics),
-        "--target-processes", "all", "--profile-from-start", "off", "--kernel-name-base", "demangled", *limit,
+        "--target-processes", "application-only", "--profile-from-start", "off", "--kernel-name-base", "demangled",
+        *limit,
         "--log-file", str(log_file), *child,
     ]
 

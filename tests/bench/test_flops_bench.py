@@ -47,3 +47,14 @@ def test_whole_steps_compare_a_counters_file_with_the_hand_count():
     assert result["estimated"]["flops"] == estimate.flops
     assert result["implementations"]["reference"]["flops_over_estimate"] == pytest.approx(2.0)
     assert result["implementations"]["reference"]["dram_over_minimum"] == pytest.approx(3.0)
+
+
+def test_an_encoder_stack_of_fewer_layers_is_counted_at_its_own_depth():
+    block = flops.encoder_block_estimate(1, 512)
+    entry = {"batch": 1, "seq_len": 512, "layers": 2, "results": {
+        "reference": {"total": {"flops_tensor": 2.0 * block.flops, "flops_half": 0.0, "flops_single": 0.0,
+                                "dram_read_bytes": block.dram_bytes, "dram_write_bytes": 0.0}}}}
+    result = flops.whole_steps({"workloads": {"bert-base": entry}})["bert-base"]
+    assert result["estimated"]["flops"] == pytest.approx(2 * block.flops)
+    assert result["implementations"]["reference"]["flops_over_estimate"] == pytest.approx(1.0)
+    assert flops.workload_estimate("bert-base", 1, 512).flops == pytest.approx(12 * block.flops)

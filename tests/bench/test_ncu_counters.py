@@ -29,6 +29,21 @@ def test_parse_skips_prof_lines_and_reads_thousands_separators(kernels):
     assert "Block Size" not in kernels[0].metrics
 
 
+def test_parse_reads_the_requested_metrics_among_the_raw_pages_word_attributes():
+    lines = SAMPLE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    extra = ['"launch__func_cache_config"', '""'] + ['"CachePreferNone"'] * (len(lines) - start - 2)
+    text = "\n".join([*lines[:start], *(f"{line},{cell}" for line, cell in zip(lines[start:], extra))])
+    requested = [ncu_report.DRAM_READ, ncu_report.TIME]
+    kernels = ncu_report.parse_csv(text, requested)
+    assert [set(k.metrics) for k in kernels] == [set(requested)] * 4
+    assert kernels[0].metrics[ncu_report.DRAM_READ] == 12_582_912
+    with pytest.raises(ValueError, match="'CachePreferNone' is not a number"):
+        ncu_report.parse_csv(text)
+    with pytest.raises(ValueError, match="no column for dram__bytes_written.sum"):
+        ncu_report.parse_csv(text, ["dram__bytes_written.sum"])
+
+
 @pytest.mark.parametrize("text, unit, value", [
     ("1,234.5", "byte", 1234.5), ("2", "Kbyte", 2e3), ("1.5", "Mbyte", 1.5e6), ("3", "usecond", 3e3),
     ("7", "msecond", 7e6), ("80.5", "%", 80.5), ("", "byte", None), ("n/a", "inst", None),
@@ -134,6 +149,11 @@ def test_a_kernel_limit_is_passed_to_ncu_and_said_in_the_result(tmp_path):
     assert "--launch-count" not in ncu_run.ncu_command("/bin/ncu", ["a.sum"], tmp_path / "l", ["python"])
     assert counters.sampled(True, None).startswith("every kernel of one training step")
     assert "first 500 kernels" in counters.sampled(True, 500)
+    assert "of 2 of the model's 12 identical layers" in counters.sampled(False, None, 2, 12)
+    assert "identical layers" not in counters.sampled(False, None, 12, 12)
+    command = ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"), layers=2)
+    assert command[command.index("--layers") + 1] == "2"
+    assert "--layers" not in ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"))
 
 
 def _script(path, body):

@@ -108,8 +108,8 @@ def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) ->
     return Compiled(grad, lambda: grad(params, x, rng))
 
 
-def build(workload: str, implementation: str, batch: int, seq_len: int) -> Compiled:
-    """The workload compiled for ``implementation``'s kernel mode."""
+def build(workload: str, implementation: str, batch: int, seq_len: int, layers: int | None = None) -> Compiled:
+    """The workload compiled for ``implementation``'s kernel mode; ``layers`` overrides an encoder stack's depth."""
     from ls_jax import backend
 
     spec = WORKLOADS[workload]
@@ -118,7 +118,7 @@ def build(workload: str, implementation: str, batch: int, seq_len: int) -> Compi
             data = transformer_steps.make_batch(batch, seed=0)
             step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data)
             return Compiled(step.compiled, lambda: step.run(data))
-        return encoder_stack(implementation, spec.layers, batch, seq_len)
+        return encoder_stack(implementation, layers or spec.layers, batch, seq_len)
 
 
 def _driver_call(driver: ctypes.CDLL, name: str, *args: Any) -> None:
@@ -147,9 +147,10 @@ def profiler_range(start: bool) -> None:
         _driver_call(driver, "cuDevicePrimaryCtxRelease_v2", device)
 
 
-def run_child(workload: str, implementation: str, batch: int, seq_len: int, hlo_path: Path, env_path: Path) -> None:
+def run_child(workload: str, implementation: str, batch: int, seq_len: int, hlo_path: Path, env_path: Path,
+              layers: int | None = None) -> None:
     """Compile, warm up, write the HLO and the environment record, then one call inside the profiler range."""
-    fn = build(workload, implementation, batch, seq_len)
+    fn = build(workload, implementation, batch, seq_len, layers)
     hlo_path.write_text(fn.compiled.as_text())
     env_path.write_text(json.dumps(common.environment()))
     for _ in range(WARMUP_CALLS):
@@ -165,10 +166,11 @@ def main() -> None:
     parser.add_argument("implementation", choices=transformer_steps.IMPLEMENTATIONS)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--layers", type=int, help="encoder workloads: layers of the stack (default: the workload's)")
     parser.add_argument("--hlo", type=Path, required=True, help="where to write the compiled HLO text")
     parser.add_argument("--env", type=Path, required=True, help="where to write the environment record (JSON)")
     args = parser.parse_args()
-    run_child(args.workload, args.implementation, args.batch, args.seq_len, args.hlo, args.env)
+    run_child(args.workload, args.implementation, args.batch, args.seq_len, args.hlo, args.env, args.layers)
 
 
 if __name__ == "__main__":

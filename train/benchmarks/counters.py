@@ -44,9 +44,12 @@ def summarize(kernels: list[ncu_report.Kernel], hlo: str) -> dict[str, Any]:
             "stages": ncu_report.by_category(kernels, stage_of)}
 
 
-def sampled(whole_step: bool, max_kernels: int | None) -> str:
-    """What the counters cover, in words."""
+def sampled(whole_step: bool, max_kernels: int | None, layers: int | None = None,
+            model_layers: int | None = None) -> str:
+    """What the counters cover, in words (``layers`` of the model's ``model_layers`` when fewer were run)."""
     call = "training step" if whole_step else "forward + backward call"
+    if layers is not None and layers != model_layers:
+        call += f" of {layers} of the model's {model_layers} identical layers"
     which = "every kernel" if max_kernels is None else f"the first {max_kernels} kernels (a partial call)"
     return (f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
             "pass and flushes the caches before each replay")
@@ -108,6 +111,9 @@ def main(argv: list[str]) -> int:
                         help="positions per sequence (encoder workloads); default: the workload's")
     parser.add_argument("--implementations", default="reference,ls_jax_ffi",
                         help="comma-separated; the first is the reference the others are divided by")
+    parser.add_argument("--layers", type=int,
+                        help="encoder workloads: profile this many of the model's identical layers (a shorter ncu "
+                             "run with the same per-layer counters); default: all")
     parser.add_argument("--ncu", help="path of the ncu executable (default: ncu on PATH or in the CUDA toolkit)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds one implementation may run under ncu")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="result directory (default docs/results)")
@@ -119,6 +125,9 @@ def main(argv: list[str]) -> int:
     if spec.whole_step and args.seq_len is not None:
         parser.error(f"--seq-len applies to the encoder workloads; {args.workload} is a whole training step of its "
                      f"own shape ({spec.default_batch} x {spec.default_seq_len}): drop --seq-len")
+    if args.layers is not None and (spec.whole_step or not 1 <= args.layers <= spec.layers):
+        parser.error(f"--layers takes 1 to {spec.layers} for an encoder workload; {args.workload} "
+                     + ("is a whole training step: drop --layers" if spec.whole_step else f"has {spec.layers}"))
     batch, seq_len = args.batch or spec.default_batch, args.seq_len or spec.default_seq_len
     implementations = args.implementations.split(",")
     try:
@@ -129,14 +138,15 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         root = args.keep or Path(scratch)
         profiles = {impl: ncu_run.profile(ncu, metrics, args.workload, impl, batch, seq_len, root / impl, args.timeout,
-                                          args.max_kernels)
+                                          args.max_kernels, args.layers)
                     for impl in implementations}
     results = {impl: summarize(p.kernels, p.hlo) for impl, p in profiles.items()}
     ratios = normalised(results, implementations[0])
     environment = profiles[implementations[0]].environment
     entry = {
-        "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "reference": implementations[0],
-        "sampled": sampled(spec.whole_step, args.max_kernels),
+        "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "layers": args.layers or spec.layers,
+        "reference": implementations[0],
+        "sampled": sampled(spec.whole_step, args.max_kernels, args.layers, spec.layers),
         "metrics": metrics, "metrics_not_available": missing,
         "ncu_wall_s": {impl: p.wall_s for impl, p in profiles.items()},
         "results": results, "normalised": ratios,

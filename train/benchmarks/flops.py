@@ -42,14 +42,15 @@ def encoder_block_estimate(batch: int, seq_len: int) -> hand_count.Count:
     return hand_count.encoder_block(batch, seq_len, shape.hidden, shape.intermediate, shape.heads)
 
 
-def workload_estimate(workload: str, batch: int, seq_len: int) -> hand_count.Count:
-    """The hand count of a counters workload: a WMT step (optimizer included) or an encoder stack (no optimizer)."""
+def workload_estimate(workload: str, batch: int, seq_len: int, layers: int | None = None) -> hand_count.Count:
+    """The hand count of a counters workload: a WMT step (optimizer included) or an encoder stack (no optimizer) of
+    ``layers`` layers (default: the workload's)."""
     spec = WORKLOADS[workload]
     if spec.whole_step:
         shape = MODELS[workload.removeprefix("wmt-")]
         return hand_count.training_step(batch, SEQ_LEN, SEQ_LEN, shape.hidden, shape.intermediate, shape.heads,
                                         shape.encoder_layers, shape.decoder_layers, VOCAB)
-    return encoder_block_estimate(batch, seq_len).times(spec.layers)
+    return encoder_block_estimate(batch, seq_len).times(layers or spec.layers)
 
 
 def fit_slope(estimated: list[float], observed: list[float]) -> dict[str, float] | None:
@@ -79,7 +80,7 @@ def whole_steps(counters_result: dict[str, Any]) -> dict[str, Any]:
     """Each workload of a counters result file against its hand count: measured / estimated FLOPs and bytes."""
     comparison = {}
     for workload, entry in counters_result["workloads"].items():
-        estimate = workload_estimate(workload, entry["batch"], entry["seq_len"])
+        estimate = workload_estimate(workload, entry["batch"], entry["seq_len"], entry.get("layers"))
         comparison[workload] = {"estimated": count_record(estimate), "implementations": {}}
         for impl, record in entry["results"].items():
             observed = measured(record["total"])

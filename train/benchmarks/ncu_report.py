@@ -68,9 +68,11 @@ def parse_number(text: str, unit: str) -> float | None:
     return value * _UNIT_SCALE.get(unit.strip().lower(), 1.0)
 
 
-def parse_csv(text: str) -> list[Kernel]:
+def parse_csv(text: str, metrics: Iterable[str] | None = None) -> list[Kernel]:
     """The kernels of an ``ncu --csv --page raw`` report; lines before the header (``==PROF==`` notes, program
-    output) are skipped. Raises ValueError naming what is missing when the text holds no such report."""
+    output) are skipped. ``metrics``: the requested metrics, the columns read (the raw page adds launch and device
+    attributes, some of them words such as "CachePreferNone"); default every metric column. Raises ValueError naming
+    what is missing when the text holds no such report or a requested metric's column."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
@@ -80,8 +82,14 @@ def parse_csv(text: str) -> list[Kernel]:
     header, units, records = rows[0], rows[1], [row for row in rows[2:] if len(row) == len(rows[0])]
     if "Kernel Name" not in header:
         raise ValueError(f"the ncu CSV header has no 'Kernel Name' column: {header[:6]}")
-    first_metric = next((i for i, name in enumerate(header) if "__" in name), len(header))
-    metric_columns = range(first_metric, len(header))
+    if metrics is None:
+        first_metric = next((i for i, name in enumerate(header) if "__" in name), len(header))
+        metric_columns = range(first_metric, len(header))
+    else:
+        missing = [metric for metric in metrics if metric not in header]
+        if missing:
+            raise ValueError(f"the ncu CSV has no column for {', '.join(missing)}")
+        metric_columns = [header.index(metric) for metric in metrics]
     name_column, id_column = header.index("Kernel Name"), header.index("ID")
     return [
         Kernel(

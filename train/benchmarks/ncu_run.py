@@ -76,8 +76,8 @@ def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[st
     """ncu, gated on the child's profiler range, raw CSV in base units, demangled kernel names; ``max_kernels``
     stops profiling after that many kernels (``--launch-count``).
 
-    Only the child itself is profiled (``--target-processes application-only``): the processes it starts (the
-    kernel library's ``nvidia-smi`` query, ``git``) crash with ncu injected into them, and the child then fails."""
+    Only the child itself is profiled (``--target-processes application-only``): with ncu injected into the
+    processes it starts too (the kernel library's build checks, ``git``), ncu ended in a segmentation fault."""
     limit = [] if max_kernels is None else ["--launch-count", str(max_kernels)]
     return [
         ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics),
@@ -87,18 +87,20 @@ def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[st
     ]
 
 
-def child_command(workload: str, implementation: str, batch: int, seq_len: int, work_dir: Path) -> list[str]:
+def child_command(workload: str, implementation: str, batch: int, seq_len: int, work_dir: Path,
+                  layers: int | None = None) -> list[str]:
     # -X faulthandler: a crash of the child under ncu prints the Python stack that caused it
     return [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, workload, implementation, "--batch", str(batch), "--seq-len",
-            str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"), "--env", str(work_dir / "environment.json")]
+            str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"), "--env", str(work_dir / "environment.json"),
+            *([] if layers is None else ["--layers", str(layers)])]
 
 
 def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,
-            work_dir: Path, timeout_s: float, max_kernels: int | None = None) -> Profile:
+            work_dir: Path, timeout_s: float, max_kernels: int | None = None, layers: int | None = None) -> Profile:
     """Runs the child under ncu (killing its process group after ``timeout_s``) and parses the report."""
     work_dir.mkdir(parents=True, exist_ok=True)
     log_file = work_dir / "ncu.csv"
-    child = child_command(workload, implementation, batch, seq_len, work_dir)
+    child = child_command(workload, implementation, batch, seq_len, work_dir, layers)
     command = ncu_command(ncu, metrics, log_file, child, max_kernels)
     (work_dir / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
@@ -116,5 +118,5 @@ def profile(ncu: str, metrics: list[str], workload: str, implementation: str, ba
         tail = "\n".join(report.splitlines()[-5:])
         raise RuntimeError(f"ncu exited with {returncode} for {workload}/{implementation}; the end of {log_file}:\n"
                            f"{tail}\n(ERR_NVGPUCTRPERM means the GPU's performance counters need admin rights)")
-    return Profile(kernels=parse_csv(report), hlo=(work_dir / "step.hlo.txt").read_text(),
+    return Profile(kernels=parse_csv(report, metrics), hlo=(work_dir / "step.hlo.txt").read_text(),
                    environment=json.loads((work_dir / "environment.json").read_text()), wall_s=wall_s)

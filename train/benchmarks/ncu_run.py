@@ -104,7 +104,10 @@ def profile(ncu: str, metrics: list[str], workload: str, implementation: str, ba
     command = ncu_command(ncu, metrics, log_file, child, max_kernels)
     (work_dir / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
-    process = subprocess.Popen(command, start_new_session=True, cwd=REPO_ROOT)  # the child imports this tree
+    # Without preallocation XLA holds only the memory it uses: ncu saves and restores what a kernel can reach before
+    # each replay, and with XLA's default pool (75% of the GPU) no kernel of a BERT-base step finished in minutes.
+    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    process = subprocess.Popen(command, start_new_session=True, cwd=REPO_ROOT, env=environment)  # imports this tree
     try:
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ ROOT %input_reduce_fusion = f32[] fusion(%c), kind=kInput, metadata={op_name="ji
 @pytest.mark.parametrize("kernel, op_name, category", [
     ("void ls::(anonymous namespace)::layer_norm_bwd_kernel<__nv_bfloat16, float, 8>(float const*)", "", "LayerNorm"),
     ("void ls::(anonymous namespace)::softmax_fwd_group_kernel<__nv_bfloat16, 4>(int)", "", "softmax"),
+    ("void ls::<unnamed>::layer_norm_fwd_kernel<__nv_bfloat16, float, 8>(float const*)", "", "LayerNorm"),
     ("void ls::(anonymous namespace)::cross_entropy_bwd_kernel<float>(float*)", "", "criterion"),
     ("void ls::(anonymous namespace)::embed_grad_kernel<__nv_bfloat16, 8>(__nv_bfloat16 const*)", "", "embedding"),
     ("void ls::(anonymous namespace)::step_kernel<(ls::(anonymous namespace)::Algorithm)0>(ls::LeafTable)", "",

@@ -60,7 +60,8 @@ _SCOPE_RULES = (
     ("dropout/elementwise", re.compile(r"Dropout|dropout|random_bits|threefry|philox")),
 )
 _COPY = re.compile(r"copy|transpose", re.IGNORECASE)
-_LS_KERNEL = re.compile(r"\bls::(?:\(anonymous namespace\)::)?(\w+)_kernel\b")
+# The anonymous namespace is "(anonymous namespace)" in a jax.profiler trace; some demanglers write "<unnamed>".
+_LS_KERNEL = re.compile(r"\bls::(?:\(anonymous namespace\)::|<unnamed>::)?(\w+)_kernel\b")
 # ls_jax's CUDA kernels (ffi_kernels/csrc) by the start of their function names.
 _LS_KERNEL_PREFIXES = (
     ("attention", "attention"),

@@ -57,8 +57,8 @@ class StepCompiler:
         Tracing runs here, one shape after another (it reads the kernel mode of this thread); the XLA
         compilations, which release the GIL, then run side by side in threads.
         """
-        # Nothing runs while XLA compiles: on a 2-core CPU, a collective of the state's initialization still in
-        # flight waited 5 minutes for its second device while the compilations held the threads, and aborted.
+        # Nothing runs while XLA compiles: on a 2-core CPU a collective still in flight from the state's
+        # initialization once waited 5 minutes for its second device while the compilations ran, and aborted.
         jax.block_until_ready(state)
         lowered = {}
         for shapes in global_shapes:

@@ -16,7 +16,8 @@
 
 Axes (`AXES`): task, device, preset, optimizer, lr, precision, backend, remat, batch_size, max_tokens,
 max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
-at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis that is set; its name joins them.
+at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
+that is set; its name joins them.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ AXES = ("task", "device", "preset", "optimizer", "lr", "precision", "backend", "
 # Axes that are not a flag of the training command.
 _NOT_FLAGS = ("task", "device")
 # The short form of an axis in a run's name.
-_SHORT = {"lr": "lr", "batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e", "seed": "seed",
-          "remat": "remat-"}
+_SHORT = {"lr": "lr", "batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e",
+          "seed": "seed", "remat": "remat-"}
 _TASK_AXES = {"max_tokens": ("wmt",), "max_seq_len": ("imdb", "gpt"), "batch_size": ("imdb", "gpt")}
 
 

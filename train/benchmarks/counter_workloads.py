@@ -130,9 +130,9 @@ def _driver_call(driver: ctypes.CDLL, name: str, *args: Any) -> None:
 def profiler_range(start: bool) -> None:
     """cuProfilerStart / cuProfilerStop of the CUDA driver: the range ``ncu --profile-from-start off`` profiles.
 
-    The calling thread has no current CUDA context (XLA makes its context current only on its own threads), and
-    the profiler API acts on the current one: the device's primary context, the one XLA runs on, is made current
-    around the call. Without it the driver returns an error, and under ncu the process crashes."""
+    The profiler API acts on the calling thread's current CUDA context, and this thread has none (XLA makes its
+    context current only on its own threads): the device's primary context, the one XLA runs on, is made current
+    around the call."""
     driver = ctypes.CDLL("libcuda.so.1")
     device, context = ctypes.c_int(), ctypes.c_void_p()
     _driver_call(driver, "cuDeviceGet", ctypes.byref(device), 0)

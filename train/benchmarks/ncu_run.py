@@ -90,8 +90,8 @@ def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[st
 def child_command(workload: str, implementation: str, batch: int, seq_len: int, work_dir: Path,
                   layers: int | None = None) -> list[str]:
     # -X faulthandler: a crash of the child under ncu prints the Python stack that caused it
-    return [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, workload, implementation, "--batch", str(batch), "--seq-len",
-            str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"), "--env", str(work_dir / "environment.json"),
+    return [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, workload, implementation, "--batch", str(batch),
+            "--seq-len", str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"), "--env", str(work_dir / "environment.json"),
             *([] if layers is None else ["--layers", str(layers)])]
 
 

@@ -96,6 +96,9 @@ def cases(dtype: Any) -> dict[str, Case]:
         "embed[sinusoidal]": forward_backward(
             lambda t: ops.embed(tokens, t, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
             normal(10, (101, 72), dtype)),
+        "embed[one id everywhere: runs split into chunks]": forward_backward(
+            lambda t: ops.embed(jnp.zeros((5, 203), jnp.int32), t, dropout_rate=0.1, seed=seed),
+            normal(24, (2, 72), dtype)),
         "label_smoothed_cross_entropy": forward_backward(
             lambda logits: ops.label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=0),
             normal(11, (2, 3, 1003), dtype)),

@@ -5,12 +5,15 @@
 //
 // Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort),
 // giving the permutation `order` and the tokens in that order (sorted_tokens, for the padding test), and marks
-// where each run of equal ids ends (run_end). embed_grad_kernel gives
-// each sorted position that starts a run to one warp, which adds the gradient rows of the run in token order (f32
-// registers) and writes the sum to that position of an (n, H) f32 output (zeros elsewhere). The wrapper scatters
-// those sums into the table, where XLA adds them in place to the table's other gradients (a tied output
-// projection's). Cost: one pass over dy and one (n, H) write; no table-sized buffer per lookup. A token
-// occurring k times is summed serially by one warp (k rows deep, kGradEntriesInFlight loads at a time).
+// where each run of equal ids ends (run_end). The sorted positions are cut into chunks of at most kChunk: a chunk
+// starts where a run starts and at every multiple of kChunk inside a run. embed_chunk_kernel gives each chunk
+// start one warp, which adds the chunk's gradient rows in token order (f32 registers) into that position of an
+// (n, H) f32 output; embed_merge_kernel then adds, in order, the later chunk sums of every run longer than its
+// first chunk into the run's first position. The wrapper scatters the run sums into the table, where XLA adds
+// them in place to the table's other gradients (a tied output projection's). Cost: one pass over dy, one (n, H)
+// write and a read of the later chunk sums; no table-sized buffer per lookup. A token occurring k times costs
+// one warp at most kChunk rows plus k / kChunk chunk sums in the merge: BERT's segment embedding, one id at
+// every position of the batch, is no longer summed by one warp.
 //
 // Targets (tokens, positions, order, run_end int32 (n) or (B, L); table (V, H), pos_table (P, H) f32 or the
 // output dtype; seed uint32[2]; attributes token_scale: f32, has_padding: bool, padding_id: i64,
@@ -19,9 +22,9 @@
 //   ls_embed_pos_fwd(tokens, positions, table, pos_table, seed) -> y (..., H)
 //   ls_embed_grad(dy (n, H), sorted_tokens, order, run_end, seed) -> sums f32 (n, H)
 //     with order the token positions in the order of their sorted clipped ids, sorted_tokens[k] =
-//     tokens[order[k]], run_end[k] the end of the run of
-//     equal ids starting at k (k where none starts there), token_scale multiplying the sums (scale for the
-//     token table, 1 for the position table).
+//     tokens[order[k]], run_end[k] the end of the run of equal ids starting at k (k where none starts there);
+//     sums[k] at a run start k is the run's sum times token_scale (scale for the token table, 1 for the
+//     position table), the other rows are scratch.
 #include "rows.cuh"
 
 namespace ls {
@@ -31,10 +34,13 @@ constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kBlocksPerSm = 4;
 // The backward gives a warp to each sorted position (slot), a lane a 16-byte column vector (grid.y covers rows
-// wider than a warp), and launches all of them. A slot reads its run end, its first token positions and their
-// tokens at once (the positions are read before the run end is known), then the dy rows: two memory latencies
-// per slot, not the four of a chain run end -> position -> token -> row.
-constexpr int kGradEntriesInFlight = 2;  // rows of a run loaded before they are added, in order
+// wider than a warp), and launches all of them. Lane j of a slot reads entry slot + j's token position, token and
+// whether a chunk starts after it, all at once; one ballot then gives the chunk's length and the entries reach
+// every lane by shuffles: two memory latencies before the dy rows, not a chain run end -> position -> row.
+constexpr int kChunk = 32;                // entries summed by one warp: one per lane
+constexpr int kGradEntriesInFlight = 4;   // dy rows of a chunk loaded before they are added, in order
+constexpr int kMergeSumsInFlight = 4;     // chunk sums of a run loaded before they are added, in order
+constexpr unsigned kFullWarp = 0xffffffffu;
 
 struct Padding {
   bool enabled;
@@ -180,35 +186,45 @@ ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuf
 
 // ---- backward -------------------------------------------------------------------------------------------
 
-// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows order[k..run_end[k]) (a run of equal
-// ids when k starts one, else empty), added in that (token) order; zeros for an empty run.
+// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows order[k..chunk end) when a chunk
+// starts at k (k starts a run or is a multiple of kChunk), added in that (token) order; zeros elsewhere (the
+// wrapper converts every row). A chunk ends at the next run start or multiple of kChunk. One warp per k;
+// blockDim.x == 32.
 template <typename D, int W>
 __global__ void __launch_bounds__(kBlockThreads)
-    embed_grad_kernel(const D* __restrict__ dy, const int32_t* __restrict__ sorted_tokens,
-                      const int32_t* __restrict__ order, const int32_t* __restrict__ run_end, float* __restrict__ sums,
-                      int64_t n, int64_t cols, float token_scale, Padding padding, DropoutParams params) {
+    embed_chunk_kernel(const D* __restrict__ dy, const int32_t* __restrict__ sorted_tokens,
+                       const int32_t* __restrict__ order, const int32_t* __restrict__ run_end,
+                       float* __restrict__ sums, int64_t n, int64_t cols, float token_scale, Padding padding,
+                       DropoutParams params) {
   constexpr int kE = kGradEntriesInFlight;
-  const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + threadIdx.x;
+  const int lane = static_cast<int>(threadIdx.x);
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (slot >= n || vector >= cols / W) return;
+  if (slot >= n) return;  // the whole warp: slot depends on threadIdx.y only
+  const int64_t entry = slot + lane;
+  const int32_t entry_position = entry < n ? order[entry] : 0;
+  const int32_t entry_token = entry < n ? sorted_tokens[entry] : 0;
+  const int64_t after = entry + 1;
+  const bool boundary_after = after >= n || after % kChunk == 0 || run_end[after] > after;
+  const bool starts = slot % kChunk == 0 || run_end[slot] > slot;
+  // Among the 32 positions after slot one is a multiple of kChunk, so the ballot is never empty.
+  const int length = __ffs(__ballot_sync(kFullWarp, boundary_after));
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + lane;
+  const bool has_columns = vector < cols / W;
   const bool drop = params.enabled();
   const Dropout dropout = drop ? Dropout::load(params) : Dropout{};
   float sum[W];
 #pragma unroll
   for (int e = 0; e < W; ++e) sum[e] = 0.0f;
-  const int64_t end = min(static_cast<int64_t>(run_end[slot]), n);
-  int64_t first = slot;
-  do {  // the first pass runs before `end` arrives: its index loads only need k < n
+  for (int first = 0; starts && first < length; first += kE) {  // warp-uniform bounds: all lanes shuffle
     int64_t index[kE];
     bool used[kE];
     float d[kE][W];
 #pragma unroll
     for (int u = 0; u < kE; ++u) {
-      const int64_t k = first + u;
-      const bool exists = k < n;
-      const int32_t token_position = exists ? order[k] : 0;
-      const int32_t token = exists ? sorted_tokens[k] : 0;
-      used[u] = k < end && !padding.is_pad(token);
+      const int j = first + u;
+      const int32_t token_position = __shfl_sync(kFullWarp, entry_position, j & 31);
+      const int32_t token = __shfl_sync(kFullWarp, entry_token, j & 31);
+      used[u] = j < length && has_columns && !padding.is_pad(token);
       index[u] = static_cast<int64_t>(token_position) * cols + vector * W;
       if (used[u]) load_floats<W>(dy + index[u], d[u]);
     }
@@ -219,11 +235,51 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int e = 0; e < W; ++e) sum[e] += d[u][e];
     }
-    first += kE;
-  } while (first < end);
+  }
+  if (!has_columns) return;
 #pragma unroll
   for (int e = 0; e < W; ++e) sum[e] *= token_scale;
   store_floats<W>(sums + slot * cols + vector * W, sum);
+}
+
+// For each run start k whose run reaches past its first chunk: sums[k] += sums[m] for the later chunk starts m
+// (the multiples of kChunk in (k, run_end[k])), in order. Other rows are left as they are (the wrapper reads
+// only run starts). One warp per k.
+template <int W>
+__global__ void __launch_bounds__(kBlockThreads)
+    embed_merge_kernel(const int32_t* __restrict__ run_end, float* __restrict__ sums, int64_t n, int64_t cols) {
+  constexpr int kM = kMergeSumsInFlight;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (slot >= n) return;
+  const int64_t end = run_end[slot];
+  const int64_t later = (slot / kChunk + 1) * kChunk;
+  const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + threadIdx.x;
+  if (later >= end || vector >= cols / W) return;  // not a run start, or its run is one chunk
+  float total[W];
+  load_floats<W>(sums + slot * cols + vector * W, total);
+  for (int64_t first = later; first < end; first += kM * kChunk) {
+    float partial[kM][W];
+#pragma unroll
+    for (int u = 0; u < kM; ++u) {
+      const int64_t m = first + u * kChunk;
+      if (m < end) load_floats<W>(sums + m * cols + vector * W, partial[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kM; ++u) {
+      if (first + u * kChunk >= end) continue;
+#pragma unroll
+      for (int e = 0; e < W; ++e) total[e] += partial[u][e];
+    }
+  }
+  store_floats<W>(sums + slot * cols + vector * W, total);
+}
+
+// Blocks of 32 lanes across rows of `vectors` column vectors (grid.y).
+ffi::Error column_blocks(int64_t vectors, int64_t cols, unsigned& blocks) {
+  const int64_t needed = ceil_div(vectors, int64_t{32});
+  LS_RETURN_IF_ERROR(require(needed <= 65535, "rows of " + std::to_string(cols) + " elements are too long"));
+  blocks = static_cast<unsigned>(needed);
+  return ffi::Error::Success();
 }
 
 template <typename D, int W>
@@ -231,12 +287,22 @@ ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* sorted_t
                        const int32_t* run_end, float* sums, int64_t n, int64_t cols, float token_scale,
                        Padding padding, DropoutParams params) {
   const dim3 block(32, kBlockThreads / 32);
-  const int64_t chunks = ceil_div(cols / W, int64_t{32});
-  LS_RETURN_IF_ERROR(require(chunks <= 65535, "rows of " + std::to_string(cols) + " elements are too long"));
-  const int64_t slot_blocks = ceil_div(n, int64_t{block.y});  // every slot at once: n < 2**31 was checked
-  embed_grad_kernel<D, W><<<dim3(static_cast<unsigned>(slot_blocks), static_cast<unsigned>(chunks)), block, 0,
-                            stream>>>(dy, sorted_tokens, order, run_end, sums, n, cols, token_scale, padding, params);
-  return launch_error("embed_grad_kernel");
+  const auto slot_blocks = static_cast<unsigned>(ceil_div(n, int64_t{block.y}));  // n < 2**31 was checked
+  unsigned chunk_columns = 0;
+  LS_RETURN_IF_ERROR(column_blocks(cols / W, cols, chunk_columns));
+  embed_chunk_kernel<D, W><<<dim3(slot_blocks, chunk_columns), block, 0, stream>>>(
+      dy, sorted_tokens, order, run_end, sums, n, cols, token_scale, padding, params);
+  LS_RETURN_IF_ERROR(launch_error("embed_chunk_kernel"));
+  if (n <= kChunk) return ffi::Error::Success();  // every run is one chunk
+  constexpr int kF = kVecWidth<float>;           // the merge reads f32 rows, in 16-byte vectors where they allow
+  const bool vector = cols % kF == 0 && is_aligned(sums, 16);
+  unsigned merge_columns = 0;
+  LS_RETURN_IF_ERROR(column_blocks(vector ? cols / kF : cols, cols, merge_columns));
+  if (vector)
+    embed_merge_kernel<kF><<<dim3(slot_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
+  else
+    embed_merge_kernel<1><<<dim3(slot_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
+  return launch_error("embed_merge_kernel");
 }
 
 ffi::Error embed_grad(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer sorted_tokens, ffi::AnyBuffer order,

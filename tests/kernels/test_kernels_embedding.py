@@ -68,3 +68,21 @@ def test_embed_gradient_of_a_repeated_token_is_deterministic():
     dtable = np.asarray(first[1][0])
     untouched = np.setdiff1d(np.arange(VOCAB), [5, 11])
     assert not np.any(dtable[untouched]) and np.all(np.any(dtable[[5, 11]] != 0, axis=1))
+
+
+@pytest.mark.parametrize("hidden, dtype", [(768, BF16), (33, F32)])
+def test_embed_gradient_of_long_runs_split_into_chunks(hidden, dtype):
+    """Runs far longer than a warp's chunk, starting off chunk boundaries: one id at every position (BERT's
+    segment ids), and ids -3 and -1 clipped into the padding id's row among real padding tokens."""
+    rng = np.random.default_rng(7)
+    mixed = rng.choice([PAD, -3, -1, 1, 2], size=(5, 61))
+    for tokens in (jnp.zeros((9, 203), jnp.int32), jnp.asarray(mixed, jnp.int32)):
+        table = normal(3, (VOCAB, hidden), F32)
+        cotangent = random_cotangent(4, jnp.zeros(tokens.shape + (hidden,), dtype))
+        run = value_and_grads(
+            lambda t: ops.embed(tokens, t, padding_id=PAD, dropout_rate=0.1, seed=seed_array(5), dtype=dtype)
+        )
+        first, second = (on_backend("ffi", run, (table,), cotangent)[1][0] for _ in range(2))
+        np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+        want = on_backend("xla", run, (table,), cotangent)[1][0]
+        assert_backends_agree(first, want, dtype, "embed gradient")

@@ -71,7 +71,7 @@ def test_xla_flops_are_counted_before_optimization_and_by_the_host_where_the_dev
 
 @pytest.mark.gpu
 def test_xla_flops_of_a_gpu_step_count_its_matmuls():
-    """On a GPU the compiled step's matmuls are cuBLAS calls its cost analysis counts as 0; the count taken before
+    """On a GPU the compiled step's cost analysis misses matmuls that became cuBLAS calls; the count taken before
     optimization must still agree with the analytic (matmul) count."""
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):
@@ -81,8 +81,8 @@ def test_xla_flops_of_a_gpu_step_count_its_matmuls():
     print(f"analytic {analytic:.4g}, before optimization {xla}, compiled {optimized}")
     assert xla is not None
     assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)
-    assert optimized is None or optimized < 0.7 * xla, (
-        f"the compiled step's analysis counts {optimized} FLOPs of {xla}: its cuBLAS matmuls are expected to count 0, "
+    assert optimized is None or optimized < (1 - FLOP_TOLERANCE) * xla, (
+        f"the compiled step's analysis counts {optimized} FLOPs of {xla}: it is expected to miss cuBLAS matmuls, "
         "which is why the count is taken before optimization")
 
 

@@ -191,7 +191,7 @@ def test_device_in_out_is_this_machines_device():
     spec = sweep_spec.parse('name = "x"\nout = "docs/results/sweep-{device}"\n[axes]\ntask = "imdb"')
     assert sweep.with_device_in_out(spec, lambda: "H100-SXM").out == Path("docs/results/sweep-h100-sxm")
     gpu = sweep.load_spec(sweep.DEFAULT_SPEC.parent / "bert-gpu.toml")
-    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[2].from_best == "balance"
+    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[1].from_best == "balance"
 
 
 def test_default_spec_parses_and_expands_to_a_small_cpu_grid():

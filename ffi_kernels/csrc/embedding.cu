@@ -243,8 +243,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // For each run start k whose run reaches past its first chunk: sums[k] += sums[m] for the later chunk starts m
-// (the multiples of kChunk in (k, run_end[k])), in order. Other rows are left as they are (the wrapper reads
-// only run starts). One warp per k.
+// (the multiples of kChunk in (k, run_end[k])), in order. Other rows are left as they are (the wrapper's scatter
+// keeps only run starts). One warp per k.
 template <int W>
 __global__ void __launch_bounds__(kBlockThreads)
     embed_merge_kernel(const int32_t* __restrict__ run_end, float* __restrict__ sums, int64_t n, int64_t cols) {

@@ -116,7 +116,8 @@ def test_ncu_command_profiles_only_the_marked_range_of_every_process(tmp_path):
     command = ncu_run.ncu_command("/bin/ncu", ["a.sum", "b.sum"], tmp_path / "log.csv", ["python", "-m", "x"])
     joined = " ".join(command)
     for flags in ("--csv --page raw", "--print-units base", "--metrics a.sum,b.sum",
-                  "--target-processes application-only", "--profile-from-start off", f"--log-file {tmp_path / 'log.csv'}"):
+                  "--target-processes application-only", "--profile-from-start off",
+                  f"--log-file {tmp_path / 'log.csv'}"):
         assert flags in joined
     assert command[-3:] == ["python", "-m", "x"]
 

@@ -91,8 +91,8 @@ def child_command(workload: str, implementation: str, batch: int, seq_len: int, 
                   layers: int | None = None) -> list[str]:
     # -X faulthandler: a crash of the child under ncu prints the Python stack that caused it
     return [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, workload, implementation, "--batch", str(batch),
-            "--seq-len", str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"), "--env", str(work_dir / "environment.json"),
-            *([] if layers is None else ["--layers", str(layers)])]
+            "--seq-len", str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"),
+            "--env", str(work_dir / "environment.json"), *([] if layers is None else ["--layers", str(layers)])]
 
 
 def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,

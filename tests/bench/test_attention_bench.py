@@ -20,3 +20,11 @@ def test_the_unfused_peak_grows_with_length_at_a_constant_token_count():
         assert xla["peak_bytes"] == xla["xla_bytes"] > xla["temp_bytes"] > 0
     # (B, H, L, L) probabilities: 8 x 32^2 against 256^2 elements per head, 8 times as many.
     assert long["xla"]["temp_bytes"] > 4 * short["xla"]["temp_bytes"]
+
+
+def test_kernel_times_print_each_variants_largest_kernels():
+    result = {"ffi": {"kernel_ms": {"sdpa_fprop": 0.5, "sdpa_bprop": 1.25, "bias": 0.01}},
+              "ffi_dropout": {"kernel_ms": {"sdpa_bprop_dropout": 2.0}}}
+    lines = attention_bench._format_kernels(result, shown=2).splitlines()
+    assert [line.split() for line in lines] == [["ffi", "0.500", "ms", "sdpa_fprop"], ["ffi", "1.250", "ms", "sdpa_bprop"],
+                                                ["ffi_dropout", "2.000", "ms", "sdpa_bprop_dropout"]]

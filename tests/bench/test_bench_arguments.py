@@ -29,6 +29,16 @@ def test_counters_refuses_a_seq_len_for_a_whole_wmt_step(tmp_path, capsys):
     assert "--seq-len applies to the encoder workloads; wmt-big-6e6d is a whole training step" in line
 
 
+@pytest.mark.parametrize("workload, layers, says", [
+    ("wmt-big-6e6d", "3", "an even number from 2 to 12 for wmt-big-6e6d (half encoder, half decoder layers), got 3"),
+    ("wmt-big-6e6d", "14", "an even number from 2 to 12"),
+    ("bert-base", "13", "--layers takes 1 to 12 for bert-base, got 13"),
+])
+def test_counters_refuses_a_layer_count_the_workload_cannot_run(workload, layers, says, tmp_path, capsys):
+    line = _refused(counters.main, ["--workload", workload, "--layers", layers, "--out", str(tmp_path)], capsys)
+    assert says in line
+
+
 @pytest.mark.parametrize("model, flags, named", [
     ("bert-base", ["--tokens", "4096"], "--tokens"),
     ("gpt2-small", ["--tokens", "4096"], "--tokens"),

@@ -97,7 +97,10 @@ def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     from ls_jax import optim
 
     batch = transformer_steps.make_batch(4, seed=0)
-    train_step = transformer_steps.ls_jax_step("tiny-2e2d", batch)
+    train_step = transformer_steps.build_step("ls_jax_xla", "tiny-2e2d", batch, layers_each=1)
+    paths = [[key.key for key in path] for path, _ in jax.tree_util.tree_leaves_with_path(train_step.state[0])]
+    assert sorted({"/".join(path[:2]) for path in paths if path[1].startswith("layer_")}) == [
+        "decoder/layer_0", "encoder/layer_0"]  # the model's widths at the depth asked for
     initial_params = jax.tree.map(np.asarray, train_step.state[0])  # the steps donate the state's buffers
     for _ in range(2):
         assert math.isfinite(float(train_step.run(batch)))

@@ -58,3 +58,9 @@ def test_an_encoder_stack_of_fewer_layers_is_counted_at_its_own_depth():
     assert result["estimated"]["flops"] == pytest.approx(2 * block.flops)
     assert result["implementations"]["reference"]["flops_over_estimate"] == pytest.approx(1.0)
     assert flops.workload_estimate("bert-base", 1, 512).flops == pytest.approx(12 * block.flops)
+
+
+def test_a_wmt_step_of_fewer_layers_is_counted_with_half_encoder_half_decoder_layers():
+    assert flops.workload_estimate("wmt-big-6e6d", 128, 64, 2) == hand_count.training_step(
+        128, 64, 64, 1024, 4096, 16, 1, 1, 32768)
+    assert flops.workload_estimate("wmt-big-6e6d", 128, 64, 12) == flops.workload_estimate("wmt-big-6e6d", 128, 64)

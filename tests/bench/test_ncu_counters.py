@@ -152,6 +152,8 @@ def test_a_kernel_limit_is_passed_to_ncu_and_said_in_the_result(tmp_path):
     assert "first 500 kernels" in counters.sampled(True, 500)
     assert "of 2 of the model's 12 identical layers" in counters.sampled(False, None, 2, 12)
     assert "identical layers" not in counters.sampled(False, None, 12, 12)
+    assert "training step of the model with 1 encoder and 1 decoder layers of its 6 + 6" in counters.sampled(
+        True, None, 2, 12)
     command = ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"), layers=2)
     assert command[command.index("--layers") + 1] == "2"
     assert "--layers" not in ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"))

@@ -1,5 +1,6 @@
 """train.benchmarks.kernel_trace: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
 
+import jax
 import pytest
 
 from train.benchmarks import kernel_trace
@@ -69,12 +70,22 @@ def test_reanalyze_recomputes_a_result_file_from_kept_traces(tmp_path):
     result_path.write_text(json.dumps({"environment": {"device_kind": "H100"}, "steps": 3,
                                        "results": {"ls_jax_xla": {"stale": True}}}))
 
+    stage_dir = tmp_path / "traces" / "ls_jax_xla" / kernel_trace.STAGE_TRACE_DIR
+    (stage_dir / "run").mkdir(parents=True)
+    (stage_dir / kernel_trace.HLO_FILENAME).write_text(
+        '%custom-call.2 = bf16[8] custom-call(%a), metadata={op_name="jit(step)/jvp(M)/encoder/layer_0/ln"}\n')
+    stage_events = [events[0], {"ph": "X", "pid": 7, "name": "ls::layer_norm_fwd_kernel", "ts": 0.0, "dur": 6000.0,
+                                "args": {"hlo_op": "custom-call.2"}}]
+    with gzip.open(stage_dir / "run" / "host.trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": stage_events}, handle)
+
     result = kernel_trace.reanalyze(result_path, tmp_path / "traces")
     assert result["environment"] == {"device_kind": "H100"}
     summary = result["results"]["ls_jax_xla"]
     assert summary["ms_per_step"]["LayerNorm"] == pytest.approx(1.0)
     assert summary["kernels_per_step"] == pytest.approx(1 / 3)
     assert summary["top_kernels"][0]["op_name"] == "jit(step)/decoder/layer_norm/add"
+    assert summary["stage_ms_per_step"]["encoder forward"] == pytest.approx(2.0)  # from the stage trace
 
 
 def test_a_kernel_inside_a_cuda_graph_is_found_by_its_name_not_the_command_buffer():
@@ -94,11 +105,29 @@ def test_a_kernel_inside_a_cuda_graph_is_found_by_its_name_not_the_command_buffe
      "output projection + loss"),
     ("jit(step)/transpose(jvp(criterion))/jit(log_softmax)/exp", "output projection + loss"),
     ("jit(step)/optimizer/jit(clip)/max", "optimizer"),
+    ("jit(step)/jvp(BertForSequenceClassification)/embeddings/layer_norm/ffi_call", "encoder forward"),
+    ("jit(step)/transpose(jvp(BertForSequenceClassification))/pooler/dot_general", "output projection + loss"),
+    ("jit(step)/jvp(GPTLMHeadModel)/embedding/ffi_call", "decoder forward"),
+    ("jit(step)/transpose(jvp(GPTLMHeadModel))/embedding.attend/dot_general", "output projection + loss"),
     ("jit(step)/jit(_threefry_split)/slice", "unattributed"),
     ("", "unattributed"),
 ])
 def test_stage_from_name_scopes(op_name, stage):
     assert kernel_trace.stage(op_name) == stage
+
+
+def test_a_stage_follows_the_instruction_that_launched_a_shared_kernel():
+    hlo = "\n".join([
+        '%fusion.1 = bf16[8] fusion(%a), metadata={op_name="jit(step)/jvp(M)/encoder/layer_0/add"}',
+        '%fusion.7 = bf16[8] fusion(%a), metadata={op_name="jit(step)/transpose(jvp(M))/decoder/layer_1/add"}',
+    ])
+    op_names = kernel_trace.hlo_op_names(hlo)
+    # one kernel compiled for both identical fusions, named after the first
+    kernels = [{"name": "fusion_1", "ts": 0.0, "dur": 1000.0, "args": {"hlo_op": "fusion.1"}},
+               {"name": "fusion_1", "ts": 1000.0, "dur": 3000.0, "args": {"hlo_op": "fusion.7"}}]
+    stages = kernel_trace.stage_breakdown(kernels, op_names, steps=1)
+    assert stages["encoder forward"] == pytest.approx(1.0)
+    assert stages["decoder backward"] == pytest.approx(3.0)
 
 
 def test_stage_breakdown_of_a_synthetic_trace():
@@ -149,3 +178,23 @@ def test_the_plain_flax_zoo_steps_attribute_their_ops_to_stages(name, part):
     step = zoo_steps.build_step("flax", name, batch)
     stages = {kernel_trace.stage(op_name) for op_name in kernel_trace.hlo_op_names(step.compiled.as_text()).values()}
     assert {f"{part} forward", f"{part} backward", "output projection + loss"} <= stages, stages
+
+
+def test_step_breakdown_traces_the_stages_from_a_recompiled_step_and_hands_its_state_back(tmp_path):
+    from train.benchmarks import transformer_steps
+
+    def step(state, batch):
+        loss, grad = jax.value_and_grad(lambda w: jax.numpy.sum((batch * w) ** 2))(state)
+        return state - 0.1 * grad, loss
+
+    batch = jax.numpy.arange(4.0)
+    train_step = transformer_steps.compile_step(step, jax.numpy.ones(4), batch)
+    train_step.run(batch)
+    before = train_step.state
+
+    result = kernel_trace.step_breakdown(train_step, batch, steps=1, trace_dir=tmp_path)
+    assert list(result["stage_ms_per_step"]) == list(kernel_trace.STAGES)
+    assert (tmp_path / kernel_trace.STAGE_TRACE_DIR / kernel_trace.HLO_FILENAME).read_text().startswith("HloModule")
+    # the staged step ran on the step's state (donating it) and handed back the state it advanced
+    assert before.is_deleted()
+    assert float(train_step.state[1]) == pytest.approx(0.8 ** 5, rel=1e-6)  # 5 steps of w *= 1 - 0.2 b^2

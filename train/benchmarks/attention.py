@@ -20,6 +20,8 @@ so a variant whose memory is linear in L keeps its peak while the unfused one gr
 docs/results/attention-<device>.json.
 
 ``--quick`` divides batch and length by 8 (at least 1 and 16): a smoke test that runs on CPU with xla alone.
+``--kernel-times`` also traces a few passes of each variant with ``jax.profiler`` and records the device time of each
+kernel (``kernel_ms``, per pass): which kernels dropout makes slower.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 
 from ls_jax import backend, ops
 from ls_jax.ops import attention_cudnn
-from train.benchmarks import common
+from train.benchmarks import common, kernel_trace
 
 DTYPE = jnp.bfloat16
 DROPOUT = 0.1
@@ -45,6 +47,7 @@ CASES: tuple[tuple[int, int, int, int], ...] = tuple(
     for length in (512, 1024, 2048, 4096)
 )
 QUICK_DIVISOR = 8
+TRACED_PASSES = 5
 
 
 def _normal(seed: int, shape: Sequence[int], dtype: Any) -> jax.Array:
@@ -82,9 +85,10 @@ def _xla_bytes(memory: Any) -> int | None:
 
 
 def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, quick: bool,
-            on_gpu: bool) -> dict[str, Any]:
+            on_gpu: bool, kernel_times: bool = False) -> dict[str, Any]:
     """Median time of one forward + backward of ``op`` traced in kernel mode ``mode``, its FFI targets and the
-    pass's peak memory (XLA's bytes plus the cuDNN handlers' workspace)."""
+    pass's peak memory (XLA's bytes plus the cuDNN handlers' workspace); with ``kernel_times``, the device time per
+    pass of each GPU kernel from a trace of `TRACED_PASSES` passes."""
 
     def run(primals, cotangent):
         out, vjp = jax.vjp(op, *primals)
@@ -102,7 +106,12 @@ def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, qui
         timing = common.time_call(lambda: fn(primals, cotangent), **sampling)
     workspace = attention_cudnn.workspace_peak_bytes() if with_workspace else None
     xla_bytes = _xla_bytes(memory)
+    per_kernel = {}
+    if kernel_times and on_gpu:
+        traced = kernel_trace.trace_gpu_kernels(lambda: fn(primals, cotangent), TRACED_PASSES)
+        per_kernel = {"kernel_ms": kernel_trace.kernel_time_by_name(traced, TRACED_PASSES)}
     return {
+        **per_kernel,
         "median_ms": 1e3 * timing["median_s"],
         "p10_ms": 1e3 * timing["p10_s"],
         "p90_ms": 1e3 * timing["p90_s"],
@@ -114,14 +123,14 @@ def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, qui
     }
 
 
-def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool) -> dict[str, Any]:
+def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool, kernel_times: bool = False) -> dict[str, Any]:
     batch, length, heads, head_dim = shape
     if quick:
         batch, length = max(batch // QUICK_DIVISOR, 1), max(length // QUICK_DIVISOR, 16)
     primals = (_normal(0, (batch, length, 3, heads, head_dim), DTYPE), _normal(1, (3, heads, head_dim), jnp.float32))
     result: dict[str, Any] = {"batch": batch, "length": length, "heads": heads, "head_dim": head_dim}
     for name, (mode, op) in variants(on_gpu).items():
-        result[name] = measure(op, mode, primals, quick, on_gpu)
+        result[name] = measure(op, mode, primals, quick, on_gpu, kernel_times)
     if "cudnn" in result:
         reference_ms = result["cudnn"]["median_ms"]
         for name in ("ffi", "ffi_dropout", "xla"):
@@ -141,6 +150,15 @@ def _format_row(result: dict[str, Any]) -> str:
     return f"{shape:<18} " + " | ".join(cells)
 
 
+def _format_kernels(result: dict[str, Any], shown: int = 4) -> str:
+    """Each variant's largest kernels, device ms per pass."""
+    lines = []
+    for name in ("ffi", "ffi_dropout", "xla", "cudnn"):
+        per_kernel = result.get(name, {}).get("kernel_ms", {})
+        lines += [f"    {name:<12} {ms:8.3f} ms  {kernel[:100]}" for kernel, ms in list(per_kernel.items())[:shown]]
+    return "\n".join(lines)
+
+
 def _parse_case(text: str) -> tuple[int, int, int, int]:
     parts = text.split(",")
     if len(parts) != 4 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
@@ -155,14 +173,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="batch and length / 8, few samples (runs on CPU)")
     parser.add_argument("--cases", nargs="+", type=_parse_case, metavar="B,L,H,D",
                         help="shapes to run (default: " + " ".join(",".join(map(str, c)) for c in CASES) + ")")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also trace each variant and record its device time per kernel (GPU)")
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)
     on_gpu = backend.cuda_visible()
     print(f"self-attention forward + backward, {jnp.dtype(DTYPE).name}; variants: {', '.join(variants(on_gpu))}")
     results = []
     for shape in args.cases or CASES:
-        results.append(run_case(shape, on_gpu, args.quick))
+        results.append(run_case(shape, on_gpu, args.quick, args.kernel_times))
         print(_format_row(results[-1]), flush=True)
+        if args.kernel_times:
+            print(_format_kernels(results[-1]), flush=True)
     payload = {"quick": args.quick, "dtype": jnp.dtype(DTYPE).name, "dropout_rate": DROPOUT, "cases": results}
     print(f"wrote {common.write_result('attention', payload, args.out)}")
     return 0

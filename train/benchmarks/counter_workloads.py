@@ -2,7 +2,8 @@
 
 Workloads (each built for the plain Flax ``reference`` or ls_jax as ``ls_jax_xla`` / ``ls_jax_ffi``):
   wmt-big-6e6d   one training step of `train.benchmarks.transformer_steps` (Transformer big, 6+6 layers, AdamW),
-                 ``batch`` sentences of 64 source and 64 target tokens;
+                 ``batch`` sentences of 64 source and 64 target tokens (``--layers 2N``: N encoder + N decoder
+                 layers of the same widths, embedding, output projection, loss and optimizer included);
   bert-base      forward + backward of a 12-layer BERT-base-shaped encoder stack (H 768, F 3072, 12 heads, pre-LN,
                  ReLU, dropout 0.1) on (batch, seq_len) positions, no embedding or optimizer;
   encoder-block  the same for one layer: the block whose FLOPs `train.benchmarks.hand_count` counts.
@@ -89,7 +90,12 @@ class _LsJaxStack(nn.Module):
 
 
 def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) -> Compiled:
-    """Forward + backward (gradients of params and input) of ``layers`` encoder blocks on (batch, seq_len, 768)."""
+    """Forward + backward (the loss, and gradients of params and input) of ``layers`` encoder blocks on
+    (batch, seq_len, 768).
+
+    The loss is returned as a training step returns it: with gradients alone, the last block's second feed-forward
+    GEMM feeds nothing but the discarded loss, and XLA drops its forward product (8 of the 74 x tokens x H^2 FLOPs
+    of a BERT-base block at 128 positions)."""
     shape = ENCODER_SHAPE
     if implementation == "reference":
         config = ReferenceConfig(vocab_size=1, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -104,19 +110,21 @@ def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) ->
         return jnp.sum(model.apply(p, inputs, rngs={"dropout": rng}).astype(jnp.float32))
 
     rng = jax.random.PRNGKey(3)  # made here: a key made inside the measured call would add its kernels
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, rng).compile()
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x, rng).compile()
     return Compiled(grad, lambda: grad(params, x, rng))
 
 
 def build(workload: str, implementation: str, batch: int, seq_len: int, layers: int | None = None) -> Compiled:
-    """The workload compiled for ``implementation``'s kernel mode; ``layers`` overrides an encoder stack's depth."""
+    """The workload compiled for ``implementation``'s kernel mode; ``layers`` overrides its depth (a whole step's
+    encoder and decoder layers together, half each)."""
     from ls_jax import backend
 
     spec = WORKLOADS[workload]
     with backend.use(transformer_steps.kernel_mode(implementation)):
         if spec.whole_step:
             data = transformer_steps.make_batch(batch, seed=0)
-            step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data)
+            step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data,
+                                                None if layers is None else layers // 2)
             return Compiled(step.compiled, lambda: step.run(data))
         return encoder_stack(implementation, layers or spec.layers, batch, seq_len)
 

@@ -49,7 +49,8 @@ def sampled(whole_step: bool, max_kernels: int | None, layers: int | None = None
     """What the counters cover, in words (``layers`` of the model's ``model_layers`` when fewer were run)."""
     call = "training step" if whole_step else "forward + backward call"
     if layers is not None and layers != model_layers:
-        call += f" of {layers} of the model's {model_layers} identical layers"
+        call += (f" of the model with {layers // 2} encoder and {layers // 2} decoder layers of its {model_layers // 2} + "
+                 f"{model_layers // 2}" if whole_step else f" of {layers} of the model's {model_layers} identical layers")
     which = "every kernel" if max_kernels is None else f"the first {max_kernels} kernels (a partial call)"
     return (f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
             "pass and flushes the caches before each replay")
@@ -112,8 +113,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--implementations", default="reference,ls_jax_ffi",
                         help="comma-separated; the first is the reference the others are divided by")
     parser.add_argument("--layers", type=int,
-                        help="encoder workloads: profile this many of the model's identical layers (a shorter ncu "
-                             "run with the same per-layer counters); default: all")
+                        help="profile this many of the model's layers (a shorter ncu run with the same per-layer "
+                             "counters): identical layers of an encoder workload, or an even number of a WMT step's "
+                             "(half encoder, half decoder); default: all")
     parser.add_argument("--ncu", help="path of the ncu executable (default: ncu on PATH or in the CUDA toolkit)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds one implementation may run under ncu")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="result directory (default docs/results)")
@@ -125,9 +127,12 @@ def main(argv: list[str]) -> int:
     if spec.whole_step and args.seq_len is not None:
         parser.error(f"--seq-len applies to the encoder workloads; {args.workload} is a whole training step of its "
                      f"own shape ({spec.default_batch} x {spec.default_seq_len}): drop --seq-len")
-    if args.layers is not None and (spec.whole_step or not 1 <= args.layers <= spec.layers):
-        parser.error(f"--layers takes 1 to {spec.layers} for an encoder workload; {args.workload} "
-                     + ("is a whole training step: drop --layers" if spec.whole_step else f"has {spec.layers}"))
+    if args.layers is not None:
+        if spec.whole_step and not (2 <= args.layers <= spec.layers and args.layers % 2 == 0):
+            parser.error(f"--layers takes an even number from 2 to {spec.layers} for {args.workload} (half encoder, "
+                         f"half decoder layers), got {args.layers}")
+        if not spec.whole_step and not 1 <= args.layers <= spec.layers:
+            parser.error(f"--layers takes 1 to {spec.layers} for {args.workload}, got {args.layers}")
     batch, seq_len = args.batch or spec.default_batch, args.seq_len or spec.default_seq_len
     implementations = args.implementations.split(",")
     try:

@@ -43,13 +43,15 @@ def encoder_block_estimate(batch: int, seq_len: int) -> hand_count.Count:
 
 
 def workload_estimate(workload: str, batch: int, seq_len: int, layers: int | None = None) -> hand_count.Count:
-    """The hand count of a counters workload: a WMT step (optimizer included) or an encoder stack (no optimizer) of
-    ``layers`` layers (default: the workload's)."""
+    """The hand count of a counters workload: a WMT step (optimizer included; ``layers`` split half encoder, half
+    decoder) or an encoder stack (no optimizer) of ``layers`` layers (default: the workload's)."""
     spec = WORKLOADS[workload]
     if spec.whole_step:
         shape = MODELS[workload.removeprefix("wmt-")]
+        encoder_layers, decoder_layers = ((shape.encoder_layers, shape.decoder_layers) if layers is None
+                                          else (layers // 2, layers // 2))
         return hand_count.training_step(batch, SEQ_LEN, SEQ_LEN, shape.hidden, shape.intermediate, shape.heads,
-                                        shape.encoder_layers, shape.decoder_layers, VOCAB)
+                                        encoder_layers, decoder_layers, VOCAB)
     return encoder_block_estimate(batch, seq_len).times(layers or spec.layers)
 
 

@@ -8,9 +8,12 @@ function name (``ls::..._kernel``). The categories are GEMM, attention (fused at
 softmax, dropout/elementwise, embedding, criterion, optimizer, copies/transposes, other, and idle (the step's wall
 time on the device not covered by any kernel).
 
-The same kernels are also attributed to the stages of a training step (`stage`), from the name scopes of their
+Kernels are also attributed to the stages of a training step (`stage`), from the name scopes of their
 ``op_name``: ``encoder`` / ``decoder`` scopes (and the embeddings they own), ``output_projection`` and
-``criterion``, ``optimizer``; the backward pass is what JAX names ``transpose(jvp(...))``.
+``criterion``, ``optimizer``; the backward pass is what JAX names ``transpose(jvp(...))``. Inside a CUDA graph (an
+XLA command buffer) a kernel's trace event names only the graph, and the kernels of cuBLAS GEMMs and FFI custom calls
+have no name of their own to look up, so the stages come from a second trace of the same step compiled without
+command buffers (`STAGE_COMPILER_OPTIONS`), where every kernel's event names the instruction that launched it.
 """
 
 from __future__ import annotations
@@ -46,8 +49,16 @@ STAGES = (
     "optimizer",
     "unattributed",
 )
-_STAGE_SCOPES = {"encoder": "encoder", "source_embedding": "encoder", "decoder": "decoder",
-                 "target_embedding": "decoder"}
+HLO_FILENAME = "step.hlo.txt"
+STAGE_TRACE_DIR = "stages"
+STAGE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+"""XLA options of the stage trace's compile: no command buffers, so each kernel event names its HLO instruction."""
+STAGE_WARMUP_STEPS = 2
+# The part of the model a scope belongs to; BERT's "embeddings" feed its encoder, GPT-2's "embedding" its decoder.
+_STAGE_SCOPES = {"encoder": "encoder", "source_embedding": "encoder", "embeddings": "encoder", "decoder": "decoder",
+                 "target_embedding": "decoder", "embedding": "decoder"}
+# Scopes of the output projection and loss: the logits of a tied table are its ``.attend``, BERT's head the rest.
+_OUTPUT_SCOPES = {"criterion", "output_projection", "pooler", "classifier"}
 _TRANSFORM_WRAPPER = re.compile(r"^(?:\w+\()+|\)+$")  # "transpose(jvp(criterion))" -> "criterion"
 _GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|gmma|matmul", re.IGNORECASE)
 _ATTENTION_KERNEL = re.compile(r"fmha|flash|fprop_attn|bprop_attn", re.IGNORECASE)
@@ -109,14 +120,14 @@ def categorize(kernel: str, op_name: str) -> str:
 
 
 def stage(op_name: str) -> str:
-    """The training-step stage of an HLO instruction from its ``op_name`` scopes: ``optimizer`` first, then
-    ``criterion`` / ``output_projection``, then the outermost of ``encoder`` / ``decoder`` (forward, or backward
-    under a ``transpose(...)`` scope); "unattributed" where none applies (e.g. an FFI kernel without an HLO op)."""
+    """The training-step stage of an HLO instruction from its ``op_name`` scopes: ``optimizer`` first, then the
+    output projection and loss, then the outermost of ``encoder`` / ``decoder`` (forward, or backward under a
+    ``transpose(...)`` scope); "unattributed" where none applies (e.g. a kernel without an HLO op)."""
     scopes = op_name.split("/")
     segments = [_TRANSFORM_WRAPPER.sub("", scope) for scope in scopes]
     if "optimizer" in segments:
         return "optimizer"
-    if "criterion" in segments or "output_projection" in segments:
+    if any(segment in _OUTPUT_SCOPES or segment.endswith(".attend") for segment in segments):
         return "output projection + loss"
     part = next((_STAGE_SCOPES[segment] for segment in segments if segment in _STAGE_SCOPES), None)
     if part is None:
@@ -126,7 +137,12 @@ def stage(op_name: str) -> str:
 
 
 def _trace_events(log_dir: Path) -> list[dict[str, Any]]:
-    files = sorted(log_dir.rglob("*.trace.json.gz")) or sorted(log_dir.rglob("perfetto_trace.json.gz"))
+    """The events of the trace kept in ``log_dir`` (not of the stage trace in its ``stages`` subdirectory)."""
+
+    def own(pattern: str) -> list[Path]:
+        return sorted(f for f in log_dir.rglob(pattern) if f.relative_to(log_dir).parts[0] != STAGE_TRACE_DIR)
+
+    files = own("*.trace.json.gz") or own("perfetto_trace.json.gz")
     if not files:
         raise FileNotFoundError(f"jax.profiler wrote no trace JSON under {log_dir}")
     with gzip.open(files[-1], "rt") as handle:
@@ -165,6 +181,15 @@ def event_op_name(event: dict[str, Any], op_names: dict[str, str]) -> str:
     return op_names.get(str(event.get("args", {}).get("hlo_op", "")), "")
 
 
+def launching_op_name(event: dict[str, Any], op_names: dict[str, str]) -> str:
+    """The ``op_name`` of the instruction that launched a kernel, in a trace without command buffers.
+
+    There the event's ``hlo_op`` comes first: XLA compiles one kernel for fusions with identical bodies and names it
+    after one of them, so a kernel name stands for every layer's copy of a fusion, and the scopes of only one."""
+    launched_by = op_names.get(str(event.get("args", {}).get("hlo_op", "")))
+    return launched_by if launched_by is not None else event_op_name(event, op_names)
+
+
 def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
     """Milliseconds per step in each category (trace timestamps are microseconds)."""
     per_category = dict.fromkeys(CATEGORIES, 0.0)
@@ -178,10 +203,10 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
 
 
 def stage_breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
-    """Milliseconds of kernel time per step in each of `STAGES`."""
+    """Milliseconds of kernel time per step in each of `STAGES` (a trace without command buffers)."""
     per_stage = dict.fromkeys(STAGES, 0.0)
     for event in kernels:
-        per_stage[stage(event_op_name(event, op_names))] += event["dur"]
+        per_stage[stage(launching_op_name(event, op_names))] += event["dur"]
     return {name: microseconds / 1e3 / steps for name, microseconds in per_stage.items()}
 
 
@@ -206,19 +231,30 @@ def kernel_time_by_name(kernels: list[dict[str, Any]], calls: int) -> dict[str, 
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
-HLO_FILENAME = "step.hlo.txt"
-
-
-def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | None = None) -> dict[str, Any]:
-    """Category breakdown of ``steps`` traced calls of a `transformer_steps.TrainStep` (already warmed up).
-
-    With ``trace_dir``, the trace and the compiled HLO stay there (for Perfetto, or `reanalyze`)."""
-    hlo = train_step.compiled.as_text()
+def _traced(run: Callable[[], Any], hlo: str, steps: int, trace_dir: Path | None) -> list[dict[str, Any]]:
+    """Kernel events of ``steps`` calls of ``run``; with ``trace_dir``, the trace and ``hlo`` stay there."""
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         (trace_dir / HLO_FILENAME).write_text(hlo)
-    kernels = trace_gpu_kernels(lambda: train_step.run(batch), steps, trace_dir)
-    return summarize(kernels, hlo_op_names(hlo), steps)
+    return trace_gpu_kernels(run, steps, trace_dir)
+
+
+def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | None = None) -> dict[str, Any]:
+    """Category breakdown of ``steps`` traced calls of a `transformer_steps.TrainStep` (already warmed up), and
+    its stage breakdown from ``steps`` traced calls of the same step compiled without command buffers.
+
+    With ``trace_dir``, both traces and their compiled HLO stay there (for Perfetto, or `reanalyze`); the stage
+    trace in its ``stages`` subdirectory."""
+    hlo = train_step.compiled.as_text()
+    kernels = _traced(lambda: train_step.run(batch), hlo, steps, trace_dir)
+    staged = train_step.recompiled(STAGE_COMPILER_OPTIONS)
+    for _ in range(STAGE_WARMUP_STEPS):
+        staged.run(batch)
+    staged_hlo = staged.compiled.as_text()
+    stage_kernels = _traced(lambda: staged.run(batch), staged_hlo, steps,
+                            None if trace_dir is None else trace_dir / STAGE_TRACE_DIR)
+    train_step.state = staged.state
+    return summarize(kernels, hlo_op_names(hlo), steps, stage_kernels, hlo_op_names(staged_hlo))
 
 
 def reanalyze(result_path: Path, trace_root: Path) -> dict[str, Any]:
@@ -226,21 +262,40 @@ def reanalyze(result_path: Path, trace_root: Path) -> dict[str, Any]:
     (``--trace-dir``: one directory per implementation), keeping the file's environment; returns the new file."""
     result = json.loads(result_path.read_text())
     for implementation in result["results"]:
-        directory = trace_root / implementation
-        kernels = gpu_kernel_events(_trace_events(directory))
-        op_names = hlo_op_names((directory / HLO_FILENAME).read_text())
-        result["results"][implementation] = summarize(kernels, op_names, result["steps"])
+        kernels, op_names = _kept_trace(trace_root / implementation)
+        stage_dir = trace_root / implementation / STAGE_TRACE_DIR
+        stage_kernels, stage_op_names = _kept_trace(stage_dir) if stage_dir.is_dir() else (kernels, op_names)
+        result["results"][implementation] = summarize(kernels, op_names, result["steps"], stage_kernels,
+                                                      stage_op_names)
     return result
 
 
-def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, Any]:
-    """The breakdown of ``steps`` traced steps, the kernel count and the largest kernels with their categories."""
+def _kept_trace(directory: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The kernel events and HLO op names of a trace kept by `step_breakdown` in ``directory``."""
+    return gpu_kernel_events(_trace_events(directory)), hlo_op_names((directory / HLO_FILENAME).read_text())
+
+
+def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
+              stage_kernels: list[dict[str, Any]] | None = None,
+              stage_op_names: dict[str, str] | None = None) -> dict[str, Any]:
+    """The breakdown of ``steps`` traced steps, the kernel count and the largest kernels with their categories;
+    the stages from ``stage_kernels`` (the trace without command buffers) where given, else from ``kernels``."""
     ms = breakdown(kernels, op_names, steps)
-    op_name_of = {event["name"]: event_op_name(event, op_names) for event in kernels}
-    top = [
-        {"kernel": name, "ms_per_step": time, "category": categorize(name, op_name_of[name]),
-         "op_name": op_name_of[name]}
-        for name, time in list(kernel_time_by_name(kernels, steps).items())[:40]
-    ]
+    top = [{**entry, "category": categorize(entry["kernel"], entry["op_name"])}
+           for entry in _largest_with_op_names(kernels, op_names, steps, 40)]
+    if stage_kernels is None:
+        stage_kernels, stage_op_names = kernels, op_names
+    unattributed = [event for event in stage_kernels if stage(launching_op_name(event, stage_op_names or {})) ==
+                    "unattributed"]
     return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
-            "stage_ms_per_step": stage_breakdown(kernels, op_names, steps), "top_kernels": top}
+            "stage_ms_per_step": stage_breakdown(stage_kernels, stage_op_names or {}, steps),
+            "unattributed_kernels": _largest_with_op_names(unattributed, stage_op_names or {}, steps, 10),
+            "top_kernels": top}
+
+
+def _largest_with_op_names(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
+                           count: int) -> list[dict[str, Any]]:
+    """The ``count`` kernel names with the most time per step, each with the op_name of one of its events."""
+    op_name_of = {event["name"]: event_op_name(event, op_names) for event in kernels}
+    return [{"kernel": name, "ms_per_step": time, "op_name": op_name_of[name]}
+            for name, time in list(kernel_time_by_name(kernels, steps).items())[:count]]

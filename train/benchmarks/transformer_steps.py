@@ -65,10 +65,15 @@ class TrainStep:
 
     compiled: Any
     state: Any
+    lowered: Any = None
 
     def run(self, batch) -> jax.Array:
         self.state, loss = self.compiled(self.state, batch)
         return loss
+
+    def recompiled(self, compiler_options: dict[str, Any]) -> TrainStep:
+        """The same step compiled again with XLA ``compiler_options``, on this step's state (which it donates)."""
+        return TrainStep(self.lowered.compile(compiler_options=compiler_options), self.state, self.lowered)
 
     def memory_bytes(self) -> int:
         """Device memory the step needs: arguments + outputs - donated aliases + temporaries (XLA's analysis)."""
@@ -86,7 +91,8 @@ LossFn = Callable[[Any, Any, jax.Array], jax.Array]
 
 
 def compile_step(step: Callable[..., Any], state: Any, batch) -> TrainStep:
-    return TrainStep(jax.jit(step, donate_argnums=0).lower(state, batch).compile(), state)
+    lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+    return TrainStep(lowered.compile(), state, lowered)
 
 
 def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
@@ -155,11 +161,12 @@ def reference_step(shape: ModelShape, batch) -> TrainStep:
     return optax_adamw_step(loss_fn, params, batch)
 
 
-def ls_jax_step(name: str, batch) -> TrainStep:
+def ls_jax_step(name: str, batch, layers_each: int | None = None) -> TrainStep:
     from ls_jax import ops
     from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 
-    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16)
+    depth = {} if layers_each is None else {"num_encoder_layers": layers_each, "num_decoder_layers": layers_each}
+    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16, **depth)
     model = Transformer(config)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
 
@@ -185,11 +192,15 @@ def train_flops(name: str, sentences: int) -> float:
     )
 
 
-def build_step(implementation: str, name: str, batch) -> TrainStep:
-    """The compiled step of ``implementation`` for model ``name`` (a key of MODELS) at ``batch``'s shape."""
+def build_step(implementation: str, name: str, batch, layers_each: int | None = None) -> TrainStep:
+    """The compiled step of ``implementation`` for model ``name`` (a key of MODELS) at ``batch``'s shape; with
+    ``layers_each``, the model's widths with that many encoder and as many decoder layers."""
     if implementation == "reference":
-        return reference_step(MODELS[name], batch)
-    return ls_jax_step(name, batch)
+        shape = MODELS[name]
+        if layers_each is not None:
+            shape = dataclasses.replace(shape, encoder_layers=layers_each, decoder_layers=layers_each)
+        return reference_step(shape, batch)
+    return ls_jax_step(name, batch, layers_each)
 
 
 def kernel_mode(implementation: str) -> str:

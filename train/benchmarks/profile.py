@@ -9,7 +9,8 @@ ls_jax_ffi; BERT's and GPT-2's flax, flax_cudnn, ls_jax_xla and ls_jax_ffi) is m
 steps, its kernels attributed to categories by `train.benchmarks.kernel_trace`. Writes
 docs/results/profile-<device>.json for a WMT model (profile-<model>-<seq_len>-<device>.json for BERT and GPT-2)
 and prints the breakdowns side by side: by kernel category, and by stage of the step (encoder and decoder forward,
-output projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it.
+output projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it. The
+stages come from a second trace of the step compiled without command buffers (`kernel_trace.step_breakdown`).
 """
 
 from __future__ import annotations

@@ -26,5 +26,6 @@ def test_kernel_times_print_each_variants_largest_kernels():
     result = {"ffi": {"kernel_ms": {"sdpa_fprop": 0.5, "sdpa_bprop": 1.25, "bias": 0.01}},
               "ffi_dropout": {"kernel_ms": {"sdpa_bprop_dropout": 2.0}}}
     lines = attention_bench._format_kernels(result, shown=2).splitlines()
-    assert [line.split() for line in lines] == [["ffi", "0.500", "ms", "sdpa_fprop"], ["ffi", "1.250", "ms", "sdpa_bprop"],
+    assert [line.split() for line in lines] == [["ffi", "0.500", "ms", "sdpa_fprop"],
+                                                ["ffi", "1.250", "ms", "sdpa_bprop"],
                                                 ["ffi_dropout", "2.000", "ms", "sdpa_bprop_dropout"]]

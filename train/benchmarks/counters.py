@@ -49,8 +49,9 @@ def sampled(whole_step: bool, max_kernels: int | None, layers: int | None = None
     """What the counters cover, in words (``layers`` of the model's ``model_layers`` when fewer were run)."""
     call = "training step" if whole_step else "forward + backward call"
     if layers is not None and layers != model_layers:
-        call += (f" of the model with {layers // 2} encoder and {layers // 2} decoder layers of its {model_layers // 2} + "
-                 f"{model_layers // 2}" if whole_step else f" of {layers} of the model's {model_layers} identical layers")
+        half, model_half = layers // 2, model_layers // 2
+        call += (f" of the model with {half} encoder and {half} decoder layers of its {model_half} + {model_half}"
+                 if whole_step else f" of {layers} of the model's {model_layers} identical layers")
     which = "every kernel" if max_kernels is None else f"the first {max_kernels} kernels (a partial call)"
     return (f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
             "pass and flushes the caches before each replay")

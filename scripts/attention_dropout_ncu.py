@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from train.benchmarks import common, ncu_report, ncu_run  # noqa: E402
 
 DROPOUT = 0.1
 WARMUP_PASSES = 3
+TIMEOUT_S = 300
 EXTRA_METRICS = (
     "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
@@ -76,7 +78,16 @@ def profile(ncu: str, metrics: list[str], case: tuple[int, int, int, int], rate:
     command = ncu_run.ncu_command(ncu, metrics, log_file, [sys.executable, __file__, "--child", "--rate", str(rate),
                                                            "--case", ",".join(map(str, case))])
     environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    subprocess.run(command, check=True, cwd=REPO_ROOT, env=environment, timeout=300)
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, start_new_session=True)
+    try:
+        returncode = process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # ncu and the program it profiles
+        process.wait()
+        raise SystemExit(f"ncu ran past {TIMEOUT_S} s at dropout {rate}; try a smaller --case") from None
+    if returncode != 0:
+        tail = "\n".join(log_file.read_text().splitlines()[-5:]) if log_file.exists() else ""
+        raise SystemExit(f"ncu exited with {returncode} at dropout {rate}; the end of its log:\n{tail}")
     return ncu_report.parse_csv(log_file.read_text(), metrics)
 
 
@@ -98,6 +109,7 @@ def main() -> None:
                   for rate in (0.0, DROPOUT)}
     kernels = {name: [{"kernel": k.name, **k.metrics} for k in found] for name, found in passes.items()}
     environment = common.environment()
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"attention-dropout-ncu-{common.device_slug(environment['device_kind'])}.json"
     out.write_text(json.dumps({"environment": environment, "case": dict(zip("BLHD", case)), "metrics": metrics,
                                "metrics_not_available": missing, "passes": kernels}, indent=2) + "\n")

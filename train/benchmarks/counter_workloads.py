@@ -174,7 +174,9 @@ def main() -> None:
     parser.add_argument("implementation", choices=transformer_steps.IMPLEMENTATIONS)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--layers", type=int, help="encoder workloads: layers of the stack (default: the workload's)")
+    parser.add_argument("--layers", type=int,
+                        help="layers to build: an encoder stack's, or a WMT step's encoder and decoder layers together "
+                             "(default: the workload's)")
     parser.add_argument("--hlo", type=Path, required=True, help="where to write the compiled HLO text")
     parser.add_argument("--env", type=Path, required=True, help="where to write the environment record (JSON)")
     args = parser.parse_args()

@@ -202,11 +202,16 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
 
 
-def stage_breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int) -> dict[str, float]:
-    """Milliseconds of kernel time per step in each of `STAGES` (a trace without command buffers)."""
+OpNameOf = Callable[[dict[str, Any], dict[str, str]], str]
+
+
+def stage_breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
+                    op_name_of: OpNameOf = launching_op_name) -> dict[str, float]:
+    """Milliseconds of kernel time per step in each of `STAGES`; ``op_name_of`` finds a kernel's instruction
+    (`launching_op_name` in a trace without command buffers, `event_op_name` in one with them)."""
     per_stage = dict.fromkeys(STAGES, 0.0)
     for event in kernels:
-        per_stage[stage(launching_op_name(event, op_names))] += event["dur"]
+        per_stage[stage(op_name_of(event, op_names))] += event["dur"]
     return {name: microseconds / 1e3 / steps for name, microseconds in per_stage.items()}
 
 
@@ -248,12 +253,14 @@ def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | No
     hlo = train_step.compiled.as_text()
     kernels = _traced(lambda: train_step.run(batch), hlo, steps, trace_dir)
     staged = train_step.recompiled(STAGE_COMPILER_OPTIONS)
-    for _ in range(STAGE_WARMUP_STEPS):
-        staged.run(batch)
-    staged_hlo = staged.compiled.as_text()
-    stage_kernels = _traced(lambda: staged.run(batch), staged_hlo, steps,
-                            None if trace_dir is None else trace_dir / STAGE_TRACE_DIR)
-    train_step.state = staged.state
+    try:
+        for _ in range(STAGE_WARMUP_STEPS):
+            staged.run(batch)
+        staged_hlo = staged.compiled.as_text()
+        stage_kernels = _traced(lambda: staged.run(batch), staged_hlo, steps,
+                                None if trace_dir is None else trace_dir / STAGE_TRACE_DIR)
+    finally:
+        train_step.state = staged.state  # the staged step donated the state it was given
     return summarize(kernels, hlo_op_names(hlo), steps, stage_kernels, hlo_op_names(staged_hlo))
 
 
@@ -264,7 +271,7 @@ def reanalyze(result_path: Path, trace_root: Path) -> dict[str, Any]:
     for implementation in result["results"]:
         kernels, op_names = _kept_trace(trace_root / implementation)
         stage_dir = trace_root / implementation / STAGE_TRACE_DIR
-        stage_kernels, stage_op_names = _kept_trace(stage_dir) if stage_dir.is_dir() else (kernels, op_names)
+        stage_kernels, stage_op_names = _kept_trace(stage_dir) if stage_dir.is_dir() else (None, None)
         result["results"][implementation] = summarize(kernels, op_names, result["steps"], stage_kernels,
                                                       stage_op_names)
     return result
@@ -283,19 +290,20 @@ def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     ms = breakdown(kernels, op_names, steps)
     top = [{**entry, "category": categorize(entry["kernel"], entry["op_name"])}
            for entry in _largest_with_op_names(kernels, op_names, steps, 40)]
-    if stage_kernels is None:
-        stage_kernels, stage_op_names = kernels, op_names
-    unattributed = [event for event in stage_kernels if stage(launching_op_name(event, stage_op_names or {})) ==
-                    "unattributed"]
+    op_name_of: OpNameOf = launching_op_name
+    if stage_kernels is None:  # a trace with command buffers only: a kernel's own name is what finds its instruction
+        stage_kernels, stage_op_names, op_name_of = kernels, op_names, event_op_name
+    stage_op_names = stage_op_names or {}
+    unattributed = [event for event in stage_kernels if stage(op_name_of(event, stage_op_names)) == "unattributed"]
     return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
-            "stage_ms_per_step": stage_breakdown(stage_kernels, stage_op_names or {}, steps),
-            "unattributed_kernels": _largest_with_op_names(unattributed, stage_op_names or {}, steps, 10),
+            "stage_ms_per_step": stage_breakdown(stage_kernels, stage_op_names, steps, op_name_of),
+            "unattributed_kernels": _largest_with_op_names(unattributed, stage_op_names, steps, 10, op_name_of),
             "top_kernels": top}
 
 
-def _largest_with_op_names(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
-                           count: int) -> list[dict[str, Any]]:
+def _largest_with_op_names(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int, count: int,
+                           op_name_of: OpNameOf = event_op_name) -> list[dict[str, Any]]:
     """The ``count`` kernel names with the most time per step, each with the op_name of one of its events."""
-    op_name_of = {event["name"]: event_op_name(event, op_names) for event in kernels}
-    return [{"kernel": name, "ms_per_step": time, "op_name": op_name_of[name]}
+    op_name_by_kernel = {event["name"]: op_name_of(event, op_names) for event in kernels}
+    return [{"kernel": name, "ms_per_step": time, "op_name": op_name_by_kernel[name]}
             for name, time in list(kernel_time_by_name(kernels, steps).items())[:count]]

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -73,22 +70,9 @@ def child(case: tuple[int, int, int, int], rate: float) -> None:
 def profile(ncu: str, metrics: list[str], case: tuple[int, int, int, int], rate: float,
             work_dir: Path) -> list[ncu_report.Kernel]:
     """The kernels of one pass at dropout ``rate``, profiled by ncu in a child process."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log_file = work_dir / "ncu.csv"
-    command = ncu_run.ncu_command(ncu, metrics, log_file, [sys.executable, __file__, "--child", "--rate", str(rate),
-                                                           "--case", ",".join(map(str, case))])
-    environment = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, start_new_session=True)
-    try:
-        returncode = process.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # ncu and the program it profiles
-        process.wait()
-        raise SystemExit(f"ncu ran past {TIMEOUT_S} s at dropout {rate}; try a smaller --case") from None
-    if returncode != 0:
-        tail = "\n".join(log_file.read_text().splitlines()[-5:]) if log_file.exists() else ""
-        raise SystemExit(f"ncu exited with {returncode} at dropout {rate}; the end of its log:\n{tail}")
-    return ncu_report.parse_csv(log_file.read_text(), metrics)
+    child = [sys.executable, __file__, "--child", "--rate", str(rate), "--case", ",".join(map(str, case))]
+    report, _ = ncu_run.run_under_ncu(ncu, metrics, child, work_dir, TIMEOUT_S, f"attention at dropout {rate}")
+    return ncu_report.parse_csv(report, metrics)
 
 
 def main() -> None:

@@ -95,12 +95,13 @@ def child_command(workload: str, implementation: str, batch: int, seq_len: int, 
             "--env", str(work_dir / "environment.json"), *([] if layers is None else ["--layers", str(layers)])]
 
 
-def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,
-            work_dir: Path, timeout_s: float, max_kernels: int | None = None, layers: int | None = None) -> Profile:
-    """Runs the child under ncu (killing its process group after ``timeout_s``) and parses the report."""
+def run_under_ncu(ncu: str, metrics: list[str], child: list[str], work_dir: Path, timeout_s: float, what: str,
+                  max_kernels: int | None = None) -> tuple[str, float]:
+    """Runs ``child`` under ncu (killing its process group after ``timeout_s``); returns ncu's report and the wall
+    seconds. ``what`` names the run in the errors: a timeout (TimeoutError) or a failing ncu (RuntimeError, with the
+    end of its log)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     log_file = work_dir / "ncu.csv"
-    child = child_command(workload, implementation, batch, seq_len, work_dir, layers)
     command = ncu_command(ncu, metrics, log_file, child, max_kernels)
     (work_dir / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
@@ -113,13 +114,22 @@ def profile(ncu: str, metrics: list[str], workload: str, implementation: str, ba
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-        raise TimeoutError(f"{workload}/{implementation} batch {batch} ran past {timeout_s:.0f} s under ncu; use a "
-                           "smaller --batch or fewer metrics") from None
+        raise TimeoutError(f"{what} ran past {timeout_s:.0f} s under ncu; use a smaller --batch (or --case) or fewer "
+                           "metrics") from None
     wall_s = time.perf_counter() - start
     report = log_file.read_text() if log_file.exists() else ""
     if returncode != 0:
         tail = "\n".join(report.splitlines()[-5:])
-        raise RuntimeError(f"ncu exited with {returncode} for {workload}/{implementation}; the end of {log_file}:\n"
+        raise RuntimeError(f"ncu exited with {returncode} for {what}; the end of {log_file}:\n"
                            f"{tail}\n(ERR_NVGPUCTRPERM means the GPU's performance counters need admin rights)")
+    return report, wall_s
+
+
+def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,
+            work_dir: Path, timeout_s: float, max_kernels: int | None = None, layers: int | None = None) -> Profile:
+    """Runs the counters child under ncu and parses the report."""
+    child = child_command(workload, implementation, batch, seq_len, work_dir, layers)
+    report, wall_s = run_under_ncu(ncu, metrics, child, work_dir, timeout_s,
+                                   f"{workload}/{implementation} batch {batch}", max_kernels)
     return Profile(kernels=parse_csv(report, metrics), hlo=(work_dir / "step.hlo.txt").read_text(),
                    environment=json.loads((work_dir / "environment.json").read_text()), wall_s=wall_s)

@@ -198,3 +198,34 @@ def test_step_breakdown_traces_the_stages_from_a_recompiled_step_and_hands_its_s
     # the staged step ran on the step's state (donating it) and handed back the state it advanced
     assert before.is_deleted()
     assert float(train_step.state[1]) == pytest.approx(0.8 ** 5, rel=1e-6)  # 5 steps of w *= 1 - 0.2 b^2
+
+
+def test_the_stage_figure_stacks_each_implementations_stages(tmp_path):
+    import matplotlib.image
+
+    from train.benchmarks import profile
+
+    stages = {name: float(i + 1) for i, name in enumerate(kernel_trace.STAGES)}
+    breakdowns = {"reference": {"stage_ms_per_step": stages},
+                  "ls_jax_ffi": {"stage_ms_per_step": {name: ms / 2 for name, ms in stages.items()}},
+                  "old_trace": {"ms_per_step": {}}}  # a breakdown without stages gets no bar
+    path = tmp_path / "profile-h100.png"
+    profile.plot_stages(breakdowns, "title", path)
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 1000
+    assert (image[..., :3] < 0.9).any()  # something was drawn
+    profile.plot_stages({"old_trace": {"ms_per_step": {}}}, "title", tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_profiles_of_one_shape_run_one_after_another_add_up():
+    from train.benchmarks import profile, workloads
+
+    workload = profile.workload_of("bert-base", 8192, 512, None)
+    other_shape = profile.workload_of("bert-base", 8192, 128, None)
+    records = {workload.key("ls_jax_ffi"): {"profile": "ffi"}, workload.key("flax"): {"profile": "flax"},
+               workload.key("ls_jax_xla"): {"step_time_s": 0.04},  # timed by e2e alone: no profile
+               other_shape.key("flax_cudnn"): {"profile": "another shape"}}
+    found = profile.profiled_records(records, workload, workloads.implementations_of("bert-base"))
+    assert {impl: record["profile"] for impl, record in found.items()} == {"flax": "flax", "ls_jax_ffi": "ffi"}
+    assert list(found) == ["flax", "ls_jax_ffi"]  # the model's order, whichever ran first

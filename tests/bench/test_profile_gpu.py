@@ -37,3 +37,21 @@ def test_attention_kernel_times_show_the_cudnn_kernels_of_each_variant():
         kernels = result[variant]["kernel_ms"]
         assert any("sdpa" in name or "flash" in name for name in kernels), (variant, list(kernels))
         assert 0 < sum(kernels.values()) <= 1.5 * result[variant]["median_ms"]
+
+
+@pytest.mark.parametrize("implementation", ["reference", "ls_jax_ffi"])
+def test_encoder_and_decoder_stages_each_keep_their_own_layers_kernels(implementation):
+    """XLA compiles one kernel for identical fusions of the encoder and the decoder layer and names it after one of
+    them; the stages must follow the launching instruction, not the kernel name. At big widths an encoder layer does
+    12 H^2 of GEMM work per token, a decoder layer 16 H^2 (its cross-attention), so each encoder stage should take
+    about 3/4 of its decoder stage; by kernel name, one of the two took the shared kernels of both."""
+    from train.benchmarks import transformer_steps
+
+    batch = transformer_steps.make_batch(32, seed=0)
+    with backend.use(transformer_steps.kernel_mode(implementation)):
+        step = transformer_steps.build_step(implementation, "big-6e6d", batch, layers_each=1)
+        for _ in range(3):
+            step.run(batch)
+        stages = kernel_trace.step_breakdown(step, batch, STEPS)["stage_ms_per_step"]
+    for encoder, decoder in (("encoder forward", "decoder forward"), ("encoder backward", "decoder backward")):
+        assert 0.45 < stages[encoder] / stages[decoder] < 1.0, stages

@@ -7,10 +7,12 @@ Each implementation of the model (`train.benchmarks.workloads`: the WMT Transfor
 ls_jax_ffi; BERT's and GPT-2's flax, flax_cudnn, ls_jax_xla and ls_jax_ffi) is measured as ``e2e`` measures it
 (its step time is added to docs/results/e2e-<device>.json) and then traced with ``jax.profiler`` for a few more
 steps, its kernels attributed to categories by `train.benchmarks.kernel_trace`. Writes
-docs/results/profile-<device>.json for a WMT model (profile-<model>-<seq_len>-<device>.json for BERT and GPT-2)
-and prints the breakdowns side by side: by kernel category, and by stage of the step (encoder and decoder forward,
-output projection + loss, decoder and encoder backward, optimizer), as LightSeq2's step breakdown shows it. The
-stages come from a second trace of the step compiled without command buffers (`kernel_trace.step_breakdown`).
+docs/results/profile-<device>.json for a WMT model (profile-<model>-<seq_len>-<device>.json for BERT and GPT-2),
+which holds every implementation profiled at that shape into the same --out (so ``--implementations`` subsets run
+one after another add up), and prints the breakdowns side by side: by kernel category, and by stage of the step
+(encoder and decoder forward, output projection + loss, decoder and encoder backward, optimizer), as LightSeq2's
+step breakdown shows it, also drawn as one stacked bar per implementation next to the JSON (.png). The stages come
+from a second trace of the step compiled without command buffers (`kernel_trace.step_breakdown`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def main(argv: list[str]) -> int:
         result = reanalyze(args.reanalyze, args.trace_dir)
         args.reanalyze.write_text(json.dumps(result, indent=2) + "\n")
         print_breakdowns(result["results"], {})
+        plot_stages(result["results"], _title(result), args.reanalyze.with_suffix(".png"))
         return 0
     own = workloads.implementations_of(args.model)
     implementations = own if args.implementations is None else args.implementations.split(",")
@@ -96,15 +99,25 @@ def main(argv: list[str]) -> int:
     measurements = e2e.ResultFile.open(args.out, e2e.header(), fresh=False)
     e2e.run([workload], implementations, args.steps, measurements, profile_steps=args.profile_steps,
             trace_dir=args.trace_dir)
-    results = {impl: measurements.results[workload.key(impl)] for impl in implementations}
+    results = profiled_records(measurements.results, workload, own)
     breakdowns = {impl: record["profile"] for impl, record in results.items() if "profile" in record}
     written = common.write_result("profile", {**profile_header(workload), "steps": args.profile_steps,
                                               "results": breakdowns},
                                   args.out, stem=profile_stem(workload))
     print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()
                                   if "step_time_s" in record})
-    print(f"wrote {written} and {measurements.path}")
+    plot_stages(breakdowns, _title({**profile_header(workload), "environment": common.environment()}),
+                written.with_suffix(".png"))
+    print(f"wrote {written} (and its .png) and {measurements.path}")
     return 0
+
+
+def profiled_records(records: dict[str, Any], workload: workloads.Workload,
+                     implementations: list[str]) -> dict[str, Any]:
+    """The e2e records of ``implementations`` at ``workload``'s shape that carry a profile, in that order: every
+    implementation profiled into one --out, so that subsets run one after another add up to one profile file."""
+    return {impl: records[workload.key(impl)] for impl in implementations
+            if "profile" in records.get(workload.key(impl), {})}
 
 
 def profile_header(workload: workloads.Workload) -> dict[str, Any]:
@@ -138,3 +151,38 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
         for name in STAGES:
             row = [breakdowns[impl]["stage_ms_per_step"][name] for impl in with_stages]
             print(f"{name:26s}" + "".join(f"{value:16.2f}" for value in row))
+
+
+def _title(result: dict[str, Any]) -> str:
+    """The figure's title: model, shape and device of a profile result."""
+    shape = (f"{result['target_tokens']} target tokens" if "target_tokens" in result
+             else f"{result['batch_rows']} x {result['seq_len']} tokens")
+    return f"{result['model']}, {shape}, {result['environment']['device_kind']}: kernel time per step by stage"
+
+
+def plot_stages(breakdowns: dict[str, Any], title: str, path: Path) -> None:
+    """One horizontal bar per implementation with stages, its stages stacked left to right in the step's order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [impl for impl in breakdowns if "stage_ms_per_step" in breakdowns[impl]]
+    if not shown:
+        return
+    figure, axes = plt.subplots(figsize=(11, 1.2 + 0.6 * len(shown)))
+    left = [0.0] * len(shown)
+    for name in STAGES:
+        widths = [breakdowns[impl]["stage_ms_per_step"][name] for impl in shown]
+        axes.barh(shown, widths, left=left, label=name)
+        left = [start + width for start, width in zip(left, widths)]
+    for row, total in enumerate(left):
+        axes.text(total, row, f" {total:.1f} ms", va="center")
+    axes.invert_yaxis()  # the first implementation on top
+    axes.set_xlabel("kernel ms per step")
+    axes.set_xlim(0, max(left) * 1.12)
+    axes.set_title(title)
+    axes.legend(ncol=4, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 / len(shown)))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)

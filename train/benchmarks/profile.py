@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     e2e.run([workload], implementations, args.steps, measurements, profile_steps=args.profile_steps,
             trace_dir=args.trace_dir)
     results = profiled_records(measurements.results, workload, own)
-    breakdowns = {impl: record["profile"] for impl, record in results.items() if "profile" in record}
+    breakdowns = {impl: record["profile"] for impl, record in results.items()}
     written = common.write_result("profile", {**profile_header(workload), "steps": args.profile_steps,
                                               "results": breakdowns},
                                   args.out, stem=profile_stem(workload))

@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
         result = reanalyze(args.reanalyze, args.trace_dir)
         args.reanalyze.write_text(json.dumps(result, indent=2) + "\n")
         print_breakdowns(result["results"], {})
-        plot_stages(result["results"], _title(result), args.reanalyze.with_suffix(".png"))
+        plot_stages(result["results"], _title(result, result["environment"]["device_kind"]),
+                    args.reanalyze.with_suffix(".png"))
         return 0
     own = workloads.implementations_of(args.model)
     implementations = own if args.implementations is None else args.implementations.split(",")
@@ -106,8 +107,7 @@ def main(argv: list[str]) -> int:
                                   args.out, stem=profile_stem(workload))
     print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()
                                   if "step_time_s" in record})
-    plot_stages(breakdowns, _title({**profile_header(workload), "environment": common.environment()}),
-                written.with_suffix(".png"))
+    plot_stages(breakdowns, _title(profile_header(workload), jax.devices()[0].device_kind), written.with_suffix(".png"))
     print(f"wrote {written} (and its .png) and {measurements.path}")
     return 0
 
@@ -153,11 +153,11 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
             print(f"{name:26s}" + "".join(f"{value:16.2f}" for value in row))
 
 
-def _title(result: dict[str, Any]) -> str:
-    """The figure's title: model, shape and device of a profile result."""
-    shape = (f"{result['target_tokens']} target tokens" if "target_tokens" in result
-             else f"{result['batch_rows']} x {result['seq_len']} tokens")
-    return f"{result['model']}, {shape}, {result['environment']['device_kind']}: kernel time per step by stage"
+def _title(header: dict[str, Any], device_kind: str) -> str:
+    """The figure's title: the model and shape of a `profile_header` and the device."""
+    shape = (f"{header['target_tokens']} target tokens" if "target_tokens" in header
+             else f"{header['batch_rows']} x {header['seq_len']} tokens")
+    return f"{header['model']}, {shape}, {device_kind}: kernel time per step by stage"
 
 
 def plot_stages(breakdowns: dict[str, Any], title: str, path: Path) -> None:

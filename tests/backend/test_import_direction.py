@@ -32,17 +32,17 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
 
 
 @pytest.mark.parametrize("importer, imported", [
-    ("train.loop", "ffi_kernels"),
-    ("train.benchmarks.ops", "ffi_kernels.build"),
+    ("train.harness.loop", "ffi_kernels"),
+    ("train.bench.ops", "ffi_kernels.build"),
     ("tpu.launch", "ffi_kernels"),
     ("ls_jax.layers.attention", "ffi_kernels"),
     ("ls_jax.models.bert", "ffi_kernels"),
     ("ls_jax.ops.dropout", "ls_jax.layers"),
     ("ls_jax.ops.attention", "ls_jax.models.gpt"),
-    ("ls_jax.ops", "train.loop"),
+    ("ls_jax.ops", "train.harness.loop"),
     ("ls_jax.optim.adan", "ls_jax.layers.common"),
     ("ls_jax.layers.common", "ls_jax.models"),
-    ("ls_jax.models.transformer", "train.metrics"),
+    ("ls_jax.models.transformer", "train.costs.metrics"),
     ("ls_jax", "train"),
     ("ls_jax.backend", "ls_jax.ops"),
     ("ffi_kernels.build", "ls_jax.backend"),
@@ -60,7 +60,7 @@ def test_forbidden_imports_name_the_rule(importer, imported):
     ("ls_jax.models.bert", "ls_jax.layers"),
     ("ls_jax.models.bert", "ls_jax.ops"),
     ("train.wmt", "ls_jax.models"),
-    ("train.loop", "ls_jax.optim"),
+    ("train.harness.loop", "ls_jax.optim"),
     ("tpu.launch", "train.wmt"),
     ("train.wmt", "jax.numpy"),
     ("ffi_kernels", "ffi_kernels.build"),
@@ -96,7 +96,7 @@ SYNTHETIC = {
     "ls_jax/optim/__init__.py": """\
         import importlib
         def suite():
-            return importlib.import_module("train.loop")
+            return importlib.import_module("train.harness.loop")
         """,
     "ls_jax/layers/__init__.py": "",
     "ls_jax/layers/common.py": """\
@@ -109,8 +109,8 @@ SYNTHETIC = {
     "ls_jax/models/__init__.py": "from . import gpt\n",
     "ls_jax/models/gpt.py": "from ls_jax.layers import common\nfrom ..ops import attention\n",
     "train/__init__.py": "",
-    "train/loop.py": "from ls_jax.models import gpt\nfrom ffi_kernels import build\n",
-    "train/bench.py": "import importlib\nSUITE = importlib.import_module('train.loop')\n",
+    "train/harness/loop.py": "from ls_jax.models import gpt\nfrom ffi_kernels import build\n",
+    "train/bench/suites.py": "import importlib\nSUITE = importlib.import_module('train.harness.loop')\n",
     "tpu/launch.py": "import subprocess\nimport ffi_kernels\n",
 }
 
@@ -123,16 +123,16 @@ def test_the_checker_reports_each_forbidden_import_of_a_synthetic_package(tmp_pa
         ("ls_jax/layers/common.py", 4, "ffi_kernels.build"),  # inside a function
         ("ls_jax/ops/attention.py", 1, "ls_jax.layers"),  # relative
         ("ls_jax/ops/typing_only.py", 3, "ls_jax.models"),  # under TYPE_CHECKING
-        ("ls_jax/optim/__init__.py", 3, "train.loop"),  # importlib.import_module
+        ("ls_jax/optim/__init__.py", 3, "train.harness.loop"),  # importlib.import_module
         ("tpu/launch.py", 2, "ffi_kernels"),
-        ("train/loop.py", 2, "ffi_kernels"),
+        ("train/harness/loop.py", 2, "ffi_kernels"),
     }
 
 
 def test_a_violation_names_file_line_and_rule(tmp_path):
-    _write_package(tmp_path, {"train/__init__.py": "", "train/loop.py": "import os\nimport ffi_kernels\n"})
+    _write_package(tmp_path, {"train/__init__.py": "", "train/harness/loop.py": "import os\nimport ffi_kernels\n"})
     (violation,) = imports.violations(tmp_path)
     assert str(violation) == (
-        "train/loop.py:2: train.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, ls_jax.optim import "
+        "train/harness/loop.py:2: train.harness.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, ls_jax.optim import "
         "ffi_kernels"
     )

@@ -1,5 +1,5 @@
 """A tiny harness task (linear regression, compiles in about a second) for end-to-end tests of resume, signals,
-NaN and full-disk handling through `train.harness.run_training`: ``python -m helpers.toy_task FLAGS`` with
+NaN and full-disk handling through `train.harness.training.run_training`: ``python -m helpers.toy_task FLAGS`` with
 ``PYTHONPATH=tests``.
 
 Task flags: ``--eval-seconds S`` makes every evaluation print ``evaluating`` and take S seconds (so a test can
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import cli, harness
-from train.data import EpochStream
+from train.harness import cli, training as harness
+from train.data.stream import EpochStream
 
 FEATURES = 4
 ROWS = 8

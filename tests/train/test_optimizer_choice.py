@@ -11,9 +11,13 @@ import optax
 import pytest
 
 import ls_jax.optim
-from train import cli, compiled, imdb, runlog
-from train.errors import UsageError
-from train.optimizer import DEFAULT_HYPERPARAMETERS, hyperparameters, implementation, make_optimizer
+from train.harness import cli
+from train.costs import compiled
+from train.imdb import task as imdb
+from train.records import runlog
+from train.harness.errors import UsageError
+from train.harness.optimizer import DEFAULT_HYPERPARAMETERS, hyperparameters, implementation, make_optimizer
+from train.harness.training import run_training
 
 SCHEDULE = optax.constant_schedule(1e-2)
 
@@ -126,7 +130,7 @@ def test_optimizer_step_kernels_counts_the_compiled_update():
 def test_run_record_names_the_optimizer_that_ran(tmp_path):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = imdb.main(["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
+        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
                           "--max-seq-len", "16", "--optimizer", "optax-adan", "--b3", "0.95", "--run-dir", str(run_dir)])
     assert code == 0
     run = runlog.read(run_dir / "run.jsonl")[0]
@@ -137,6 +141,6 @@ def test_run_record_names_the_optimizer_that_ran(tmp_path):
 
 
 def test_bad_optimizer_flag_is_one_line(tmp_path, capsys):
-    code = imdb.main(["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
+    code = run_training(imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
     assert code == 2
     assert "error: --optimizer adamw: --b3 is an Adan hyperparameter" in capsys.readouterr().err

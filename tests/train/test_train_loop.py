@@ -9,14 +9,15 @@ import numpy as np
 import optax
 import pytest
 
-from train import loop, runlog
-from train.checkpoints import Checkpoints
-from train.hardware import Hardware
-from train.optimizer import inverse_sqrt_schedule
-from train.parallel import DATA_AXIS, DataParallel, StateLayout
-from train.precision import parse_precision, precision_signature
-from train.step import DynamicLossScale, TrainState, make_train_step
-from train.step_compiler import StepCompiler
+from train.harness import loop
+from train.records import runlog
+from train.records.checkpoints import Checkpoints
+from train.costs.hardware import Hardware
+from train.harness.optimizer import inverse_sqrt_schedule
+from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
+from train.harness.precision import parse_precision, precision_signature
+from train.harness.step import DynamicLossScale, TrainState, make_train_step
+from train.harness.step_compiler import StepCompiler
 
 FEATURES = 4
 TRUE_W = np.arange(1.0, FEATURES + 1, dtype=np.float32)
@@ -222,7 +223,7 @@ def test_xla_flops_are_known_only_without_accumulation():
 
 
 def test_precision_choice_follows_the_device():
-    from train import metrics
+    from train.costs import metrics
 
     v100, h100 = metrics.find_device("Tesla V100-SXM2-16GB"), metrics.find_device("NVIDIA H100 80GB HBM3")
     assert parse_precision("auto", "cpu", None) == "fp32"

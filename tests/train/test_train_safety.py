@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import toy_task
-from train import runlog
+from train.records import runlog
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--no-progress", "--no-tensorboard"]

@@ -8,8 +8,10 @@ import pytest
 
 from test_data_text import write_corpus
 from ls_jax.models import Transformer, TransformerConfig
-from train import metrics, wmt, wmt_data, wmt_model
-from train.parallel import DataParallel
+from train.costs import metrics
+from train.wmt import task as wmt, data as wmt_data, model as wmt_model
+from train.harness.parallel import DataParallel
+from train.harness.training import run_training
 
 MIB = 2**20
 
@@ -95,5 +97,5 @@ def test_the_budget_is_the_flag_else_half_the_free_memory(evaluator_parts):
 
 
 def test_decode_memory_must_be_positive(capsys):
-    assert wmt.main(["--decode-memory", "0"]) == 2
+    assert run_training(wmt.TASK, ["--decode-memory", "0"]) == 2
     assert "--decode-memory must be >= 1" in capsys.readouterr().err

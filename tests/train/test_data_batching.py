@@ -5,7 +5,7 @@ import pytest
 
 from train.wmt import data as ip
 from train.data.stream import host_rows
-from train.harness.errors import UsageError
+from train.errors import UsageError
 
 PAD, BOS, EOS = 0, 1, 2
 

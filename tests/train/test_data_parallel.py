@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.harness.parallel import process_counts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import pytest
 import sentencepiece as spm
 
 from train.wmt import data as wmt_data, synthetic as wmt_synthetic
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 from train.data import tokenizer as tokenizer_lib
 
 

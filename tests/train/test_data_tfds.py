@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from train.wmt import data as wmt_data
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from train.gpt import data as gpt_data, synthetic as gpt_synthetic
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.gpt.data import IGNORE_LABEL, DataError, PackedRows
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None

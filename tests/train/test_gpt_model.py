@@ -19,7 +19,7 @@ from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
 from train.gpt import data as gpt_data, model as gpt_model, synthetic as gpt_synthetic
 from train.costs import metrics
 from train.gpt.data import IGNORE_LABEL
-from train.harness.errors import UsageError
+from train.errors import UsageError
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (LayerNorm, softmax, GELU, loss, optimizer): docs/flops.md
 

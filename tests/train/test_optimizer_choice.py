@@ -12,10 +12,11 @@ import pytest
 
 import ls_jax.optim
 from train.harness import cli
+from train.harness.config import TrainingConfig
 from train.costs import compiled
 from train.imdb import task as imdb
 from train.records import runlog
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.harness.optimizer import DEFAULT_HYPERPARAMETERS, hyperparameters, implementation, make_optimizer
 from train.harness.training import run_training
 
@@ -87,7 +88,7 @@ def test_implementation_names_what_runs():
     ({"optimizer": "optax-adan", "shard_optimizer": True}, "--shard-optimizer needs a fused optimizer"),
 ])
 def test_check_optimizer_rejects_what_cannot_run(flags, message):
-    config = {**cli.TRAINING_DEFAULTS, **flags}
+    config = TrainingConfig(**flags)
     with pytest.raises(UsageError, match=message):
         cli.check_optimizer(config)
 

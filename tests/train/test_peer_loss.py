@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from train.harness import peers
 from train.records.checkpoints import Checkpoints, complete_steps, remove_partial_checkpoints
-from train.harness.errors import EXIT_PEER_LOST
+from train.errors import EXIT_PEER_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_TIMEOUT = 10

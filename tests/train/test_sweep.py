@@ -13,7 +13,7 @@ import pytest
 from train.imdb import task as imdb
 from train.records import runlog
 from train.sweep import runner as sweep, spec as sweep_spec
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.harness.training import run_training
 
 COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"

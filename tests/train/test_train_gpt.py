@@ -18,10 +18,11 @@ from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compi
 from ls_jax import backend
 from ls_jax.models import hf
 from train.compare import report as compare
+from train.gpt import config as gpt_config
 from train.gpt import task as gpt, data as gpt_data, synthetic as gpt_synthetic
 from train.records import runlog
 from train.data import tokenizer as tokenizer_lib
-from train.harness.errors import EXIT_DATA, EXIT_USAGE
+from train.errors import EXIT_DATA, EXIT_USAGE
 from train.gpt.samples import SAMPLES_FILENAME
 from train.compare import runs as run_logs
 from train.harness.training import run_training
@@ -306,10 +307,10 @@ def test_help_lists_the_options_and_presets(capsys):
 
 
 def test_resolved_defaults_follow_the_data():
-    assert gpt.resolve_config({})["preset"] == "gpt2-tiny"
-    real = gpt.resolve_config({"data": "text:x", "steps": 100})
-    assert (real["preset"], real["max_seq_len"], real["warmup_steps"]) == ("gpt2-small", 1024, 10)
-    resumed = gpt.resolve_config({"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8,
-                                                   "warmup_steps": 2})
-    assert (resumed["preset"], resumed["steps"], resumed["warmup_steps"]) == ("gpt2-tiny", 8, 2)
-    assert gpt.resolve_config({"init_from": "d"})["preset"] is None
+    assert gpt_config.resolve_config({}).preset == "gpt2-tiny"
+    real = gpt_config.resolve_config({"data": "text:x", "steps": 100})
+    assert (real.preset, real.max_seq_len, real.warmup_steps) == ("gpt2-small", 1024, 10)
+    resumed = gpt_config.resolve_config({"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8,
+                                                          "warmup_steps": 2, "run_id": "r"})
+    assert (resumed.preset, resumed.steps, resumed.warmup_steps) == ("gpt2-tiny", 8, 2)
+    assert gpt_config.resolve_config({"init_from": "d"}).preset is None

@@ -15,9 +15,10 @@ import test_train_runlog
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
 from train.compare import report as compare
+from train.imdb import config as imdb_config
 from train.imdb import task as imdb
 from train.records import runlog
-from train.harness.errors import EXIT_DATA, EXIT_USAGE
+from train.errors import EXIT_DATA, EXIT_USAGE
 from train.imdb.model import preset_config
 from train.compare import runs as run_logs
 from train.harness.training import run_training
@@ -200,10 +201,10 @@ def test_help_says_every_batch_has_one_shape(capsys):
 
 
 def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
-    config = imdb.resolve_config({"eval_every": 0})
+    config = imdb_config.resolve_config({"eval_every": 0})
     imdb.TASK.check_config(config)
-    assert imdb.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
-    assert imdb.Schedule.resolve(imdb.resolve_config({}), steps_per_epoch=7).eval_every == 7
+    assert imdb_config.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
+    assert imdb_config.Schedule.resolve(imdb_config.resolve_config({}), steps_per_epoch=7).eval_every == 7
 
 
 @pytest.mark.parametrize("name, layers", [("bert-small", 4), ("bert-medium", 8)])

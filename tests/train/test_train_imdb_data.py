@@ -10,7 +10,7 @@ import pytest
 
 from train.data import stream as data_lib
 from train.imdb import data as imdb_data, synthetic as imdb_synthetic
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 POSITIVE = set(imdb_synthetic.POSITIVE_ADJECTIVES) | {word for pair in imdb_synthetic.POSITIVE_VERBS for word in pair}

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from test_train_imdb import QUIET, WORDS, check_log_schema, csv_data  # noqa: E402,F401 - csv_data is a fixture
 from ls_jax.models import BertForSequenceClassification  # noqa: E402
 from train.imdb import task as imdb, data as imdb_data, model as imdb_model  # noqa: E402
+from train.imdb import config as imdb_config
 from train.records import runlog
 from train.harness.training import run_training
 
@@ -47,7 +48,7 @@ def bert_dir(tmp_path_factory):
 def test_init_from_gives_transformers_logits_on_the_same_text(bert_dir):
     directory, reference = bert_dir
     texts = ["The movie was NOT very good", "a truly awful films", "fun", " ".join(WORDS)]  # the last one is cut
-    config = imdb.resolve_config({"init_from": str(directory)})
+    config = imdb_config.resolve_config({"init_from": str(directory)})
     vocabulary = imdb_data.HuggingFaceVocabulary.load(directory)
     model_cfg, params = imdb_model.build_model(config, vocabulary.size, "fp32", jax.random.PRNGKey(0))
     encoded = imdb_data.encode_split(vocabulary, imdb_data.Split(texts, np.zeros(4, np.int64), "t"), max_len=16)

@@ -2,7 +2,6 @@
 task (`helpers.toy_task`): a finished run resumed, a non-finite update, signals outside the step loop, a full
 disk, damaged checkpoint files."""
 
-import json
 import os
 import signal
 import subprocess

@@ -25,7 +25,7 @@ from ls_jax.optim import master
 from train.records import runlog
 from train.data import tokenizer
 from train.wmt import task as wmt
-from train.harness.errors import EXIT_DATA, EXIT_USAGE
+from train.errors import EXIT_DATA, EXIT_USAGE
 from train.harness.training import run_training
 
 REPO = Path(__file__).resolve().parents[2]

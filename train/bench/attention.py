@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax

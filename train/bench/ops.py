@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax

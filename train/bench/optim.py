@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import re
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax

@@ -4,14 +4,14 @@ device-hour and the energy meter."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 from train.costs import metrics as metrics_lib
-from train.harness.errors import UsageError
-from train.harness.precision import parse_precision
+from train.errors import UsageError
+from train.costs.precision import parse_precision
 
 
 @dataclasses.dataclass
@@ -78,10 +78,10 @@ class Hardware:
         return None if np.isnan(gathered).any() else float(np.sum(gathered))
 
 
-def detect_hardware(config: Mapping[str, Any]) -> Hardware:
-    """`Hardware.detect` for the flags ``--precision``, ``--device-name`` and ``--price-per-hour``."""
+def detect_hardware(precision: str, device_name: str | None, price_per_hour: float | None) -> Hardware:
+    """`Hardware.detect` for the flags ``--precision``, ``--device-name`` and ``--price-per-hour``; a bad value is a
+    UsageError."""
     try:
-        return Hardware.detect(config["precision"], device_name=config["device_name"],
-                               price_override=config["price_per_hour"])
+        return Hardware.detect(precision, device_name=device_name, price_override=price_per_hour)
     except ValueError as err:
         raise UsageError(str(err)) from err

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from train.harness.errors import UsageError
+from train.errors import UsageError
 
 
 def import_tfds() -> ModuleType:

@@ -39,7 +39,7 @@ import numpy as np
 from train.gpt import synthetic as gpt_synthetic
 from train.data import tokenizer as tokenizer_lib
 from train.data.stream import EpochStream, fixed_eval_plan, host_rows, import_tfds, plan_fixed_epoch
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 
 IGNORE_LABEL = -1
 SPLITS = ("train", "valid")

@@ -22,6 +22,10 @@ from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
 from ls_jax.ops import label_smoothed_cross_entropy
 from train.gpt import data as gpt_data
 from train.gpt.data import IGNORE_LABEL, HuggingFaceTokenizer, PackedRows
+from train.costs.precision import PRECISION_DTYPES
+from train.errors import UsageError
+from train.gpt.config import GptConfig, check_sequence_fits
+from train.harness import resume
 
 Params = Any
 Batch = Mapping[str, jax.Array]
@@ -238,3 +242,30 @@ def sample_texts(model: GPTLMHeadModel, params: Params, tokenizer: gpt_data.Toke
         ends = np.flatnonzero(new == tokenizer.eos_id)
         texts.append(tokenizer.decode(ids[1:] + list(new[: ends[0] if len(ends) else len(new)])))
     return texts
+
+
+def layer_overrides(config: GptConfig, precision: str) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    if config.dropout is not None:
+        overrides.update(hidden_dropout_ratio=config.dropout, attn_prob_dropout_ratio=config.dropout)
+    return overrides
+
+
+def load_checkpoint(config: GptConfig, precision: str) -> Pretrained:
+    """The --init-from checkpoint, its rows fitting its positions.
+
+    Raises:
+      UsageError: the directory holds another model, weights that do not fit, or too few positions.
+    """
+    directory = config.init_from
+    try:
+        pretrained = init_from(directory, **layer_overrides(config, precision))
+    except ValueError as err:
+        raise UsageError(f"--init-from {directory}: {err}") from err
+    check_sequence_fits(config.max_seq_len, pretrained.config.layer.max_seq_len, f"the checkpoint {directory}",
+                        "lower --max-seq-len")
+    return pretrained
+
+
+def model_signature(config: GptConfig, model_cfg: GPTConfig) -> dict[str, Any]:
+    return resume.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)

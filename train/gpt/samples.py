@@ -12,7 +12,8 @@ import jax
 
 from ls_jax.models.gpt import GPTLMHeadModel
 from train.gpt import data as gpt_data, model as gpt_model
-from train.harness.errors import UsageError
+from train.errors import UsageError
+from train.gpt.config import GptConfig
 
 SAMPLES_FILENAME = "samples.txt"
 SAMPLE_SEED_OFFSET = 7919  # the samples' key is the run's seed folded with this, apart from init and dropout keys
@@ -33,7 +34,7 @@ class Sampler:
     path: Path
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], model: GPTLMHeadModel, tokenizer: gpt_data.Tokenizer,
+    def from_config(cls, config: GptConfig, model: GPTLMHeadModel, tokenizer: gpt_data.Tokenizer,
                     run_dir: Path) -> Sampler:
         """``--samples`` texts cycling through ``--prompt`` (default: new documents).
 
@@ -42,19 +43,19 @@ class Sampler:
             ``--top-k`` exceeds the vocabulary.
         """
         vocab_size = model.config.vocab_size
-        if config["top_k"] is not None and config["top_k"] > vocab_size:
-            raise UsageError(f"--top-k {config['top_k']} exceeds the model's {vocab_size} tokens")
-        given = config["prompt"] or [""]
-        prompts = tuple(given[i % len(given)] for i in range(config["samples"]))
+        if config.top_k is not None and config.top_k > vocab_size:
+            raise UsageError(f"--top-k {config.top_k} exceeds the model's {vocab_size} tokens")
+        given = config.prompt or [""]
+        prompts = tuple(given[i % len(given)] for i in range(config.samples))
         positions = model.config.layer.max_seq_len
         for prompt in dict.fromkeys(prompts):
             length = 1 + len(tokenizer.encode([prompt])[0])  # the end-of-document id opens every prompt
-            if length + config["sample_tokens"] > positions:
+            if length + config.sample_tokens > positions:
                 raise UsageError(f"--prompt {prompt!r} is {length} tokens (an end-of-document id first); with "
-                                 f"--sample-tokens {config['sample_tokens']} that is more than the model's "
+                                 f"--sample-tokens {config.sample_tokens} that is more than the model's "
                                  f"{positions} positions; shorten the prompt or lower --sample-tokens")
-        return cls(model, tokenizer, prompts, config["sample_tokens"], config["temperature"], config["top_k"],
-                   config["seed"], run_dir / SAMPLES_FILENAME)
+        return cls(model, tokenizer, prompts, config.sample_tokens, config.temperature, config.top_k,
+                   config.seed, run_dir / SAMPLES_FILENAME)
 
     def generate(self, params: Any) -> list[str]:
         if not self.prompts:

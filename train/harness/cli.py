@@ -1,7 +1,7 @@
 """The command line every training entry point shares: the common flags and their defaults, the ``--help``
 epilog, range checks of the values, and the exit codes.
 
-Exit codes (`train.harness.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
+Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
 loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
 written; 6 another process of a multi-process run was lost; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
 prints one line naming the cause and what to do.
@@ -21,11 +21,13 @@ from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
 from train.costs import metrics as metrics_lib
 from train.records.checkpoints import Checkpoints
-from train.harness.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
+from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
                           DataError, Interrupted, UsageError)
 from train.harness.loop import TrainResult
 from train.harness import optimizer as optimizer_lib
-from train.harness.precision import PRECISION_DTYPES
+from train.costs.precision import PRECISION_DTYPES
+from train.harness import config as config_lib
+from train.harness.config import TrainingConfig, flag
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,97 +89,62 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                             "this long (train.harness.peers)")
 
 
-TRAINING_DEFAULTS: dict[str, Any] = {
-    "steps": 1000,
-    "optimizer": "adamw",
-    "b1": None,
-    "b2": None,
-    "b3": None,
-    "eps": None,
-    "lr": 5e-4,
-    "warmup_steps": 4000,
-    "weight_decay": 1e-4,
-    "clip_norm": 0.0,
-    "grad_accum": 1,
-    "precision": "auto",
-    "master_weights": False,
-    "remat": "none",
-    "backend": "auto",
-    "seed": 0,
-    "run_dir": None,
-    "resume": None,
-    "log_every": 100,
-    "eval_every": 0,
-    "checkpoint_every": 1000,
-    "keep_checkpoints": 3,
-    "progress": True,
-    "tensorboard": True,
-    "price_per_hour": None,
-    "device_name": None,
-    "shard_optimizer": False,
-    "distributed": False,
-    "peer_timeout": 60,
-}
-
-
-def defaults_epilog(defaults: Mapping[str, Any], synthetic: Mapping[str, Any], real: Mapping[str, Any],
-                    notes: str = "") -> str:
-    """The ``--help`` epilog of an entry point: its defaults, those that depend on the data, then ``notes``."""
+def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, Any], notes: str = "") -> str:
+    """The ``--help`` epilog of an entry point: its defaults, those that ``real_data`` replaces, then ``notes``."""
 
     def line(values: Mapping[str, Any]) -> str:
-        return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+        return ", ".join(f"{flag(k)} {v}" for k, v in values.items() if v is not None and not isinstance(v, bool))
 
-    by_data = set(synthetic) | set(real)
-    common = {k: v for k, v in defaults.items() if v is not None and not isinstance(v, bool) and k not in by_data}
+    defaults = config_lib.defaults(config_type)
     return (
-        f"defaults: {line(common)}\n"
-        f"with --data synthetic: {line(synthetic)}\n"
-        f"with real data: {line(real)}\n"
+        f"defaults: {line({k: v for k, v in defaults.items() if k not in real_data})}\n"
+        f"with --data synthetic: {line({k: defaults[k] for k in real_data})}\n"
+        f"with real data: {line(real_data)}\n"
         f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
     )
 
 
-def check_ranges(config: Mapping[str, Any], *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
+def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
                  fractions: Iterable[str] = ()) -> None:
-    """Raises UsageError naming the flag when a set option is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
-    def flag(key: str) -> str:
-        return "--" + key.replace("_", "-")
-
-    for key in at_least_one:
-        if config[key] is not None and config[key] < 1:
-            raise UsageError(f"{flag(key)} must be >= 1, got {config[key]}")
-    for key in non_negative:
-        if config[key] is not None and config[key] < 0:
-            raise UsageError(f"{flag(key)} must be >= 0, got {config[key]}")
-    for key in fractions:
-        if config[key] is not None and not 0.0 <= config[key] < 1.0:
-            raise UsageError(f"{flag(key)} must be in [0, 1), got {config[key]}")
-    if not (math.isfinite(config["lr"]) and config["lr"] > 0):
-        raise UsageError(f"--lr must be a finite number > 0, got {config['lr']}")
+    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    for name, ok, rule in [*((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
+                           *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
+                           *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions)]:
+        value = getattr(config, name)
+        if value is not None and not ok(value):
+            raise UsageError(f"{flag(name)} must be {rule}, got {value}")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
 
 
-def check_choice(config: Mapping[str, Any], key: str, choices: Iterable[str]) -> None:
-    """Raises UsageError, one line listing ``choices``, when the set option ``key`` is not one of them."""
+def check_choice(config: TrainingConfig, name: str, choices: Iterable[str]) -> None:
+    """Raises UsageError, one line listing ``choices``, when the set field ``name`` is not one of them."""
     choices = tuple(choices)
-    if config[key] is not None and config[key] not in choices:
-        raise UsageError(f"--{key.replace('_', '-')} {config[key]}: unknown; choose from {', '.join(choices)}")
+    value = getattr(config, name)
+    if value is not None and value not in choices:
+        raise UsageError(f"{flag(name)} {value}: unknown; choose from {', '.join(choices)}")
 
 
-def check_optimizer(config: Mapping[str, Any]) -> None:
+def hyperparameters(config: TrainingConfig) -> dict[str, float | None]:
+    """The optimizer's hyperparameter flags (``--b1`` ...), by name."""
+    return {name: getattr(config, name) for name in optimizer_lib.HYPERPARAMETERS}
+
+
+def check_optimizer(config: TrainingConfig) -> None:
     """Raises UsageError for optimizer hyperparameters out of range or not of the optimizer, and for what an
     unfused (optax) optimizer cannot do: master weights, a sharded (ZeRO-1) state."""
     try:
-        optimizer_lib.hyperparameters(config["optimizer"], {key: config[key] for key in optimizer_lib.HYPERPARAMETERS})
+        optimizer_lib.hyperparameters(config.optimizer, hyperparameters(config))
     except ValueError as err:
-        raise UsageError(f"--optimizer {config['optimizer']}: {err}") from None
-    if config["optimizer"] in optimizer_lib.UNFUSED:
-        for key in ("master_weights", "shard_optimizer"):
-            if config[key]:
-                raise UsageError(f"--{key.replace('_', '-')} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
-                                 f"{config['optimizer']} is optax's own")
+        raise UsageError(f"--optimizer {config.optimizer}: {err}") from None
+    if config.optimizer in optimizer_lib.UNFUSED:
+        for name in ("master_weights", "shard_optimizer"):
+            if getattr(config, name):
+                raise UsageError(f"{flag(name)} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
+                                 f"{config.optimizer} is optax's own")
 
 
-def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
+def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
     """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
     configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode,
     and for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1 (read when attention is traced, too late for one line)."""
@@ -186,7 +153,7 @@ def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
     except ValueError as err:
         raise UsageError(str(err)) from None
     if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
-        return config["backend"]
+        return config.backend
     try:
         return backend_lib.requested_mode()
     except ValueError as err:
@@ -194,7 +161,7 @@ def kernel_mode(config: Mapping[str, Any], given: Mapping[str, Any]) -> str:
 
 
 def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:
-    """The exit code of `train.harness.errors` for how the run ended, with one line saying what happened and what to do."""
+    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do."""
     saved = checkpoints.all_steps()
     kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint"
     if result.stop_reason == "nan":

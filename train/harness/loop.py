@@ -27,12 +27,14 @@ from tqdm import tqdm
 from train.costs import memory
 from train.records import runlog
 from train.records.checkpoints import Checkpoints, is_finite
-from train.harness.errors import Interrupted
+from train.errors import Interrupted
 from train.costs.hardware import Hardware
 from train.harness.parallel import DataParallel
 from train.records.runlog import RunLog
 from train.harness.step import Batch, TrainState
 from train.harness.step_compiler import StepCompiler
+from train.harness import progress
+from train.harness.progress import Counters, Interval
 
 
 @dataclasses.dataclass
@@ -43,49 +45,6 @@ class LoopConfig:
     checkpoint_every: int = 1000
     progress_bar: bool = True
     started_at: float = dataclasses.field(default_factory=time.monotonic)  # process start, for wall_time_s
-
-
-@dataclasses.dataclass
-class Counters:
-    """Totals over the whole run (all resumed segments): saved in checkpoints, reported in the summary."""
-
-    train_time_s: float = 0.0
-    wall_time_s: float = 0.0
-    counts: dict[str, int] = dataclasses.field(default_factory=dict)
-    flops: float = 0.0
-    xla_flops: float = 0.0
-    xla_flops_known: bool = True
-    energy_j: float | None = 0.0
-    step_times: list[float] = dataclasses.field(default_factory=list)
-    last_loss: float | None = None
-    last_eval: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Counters:
-        return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class Interval:
-    """Sums over the steps since the last interval record."""
-
-    steps: int = 0
-    time_s: float = 0.0
-    flops: float = 0.0
-    totals: dict[str, float] = dataclasses.field(default_factory=dict)
-    counts: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    def add(self, step_time: float, flops: float, totals: Mapping[str, float], counts: Mapping[str, int]) -> None:
-        self.steps += 1
-        self.time_s += step_time
-        self.flops += flops
-        for key, value in totals.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
-        for key, value in counts.items():
-            self.counts[key] = self.counts.get(key, 0) + value
 
 
 class BatchStream(Protocol):
@@ -213,7 +172,7 @@ class _Loop:
         self.counters.energy_j = self._energy()
 
     def _log_interval(self, step: int, metrics: Mapping[str, float]) -> None:
-        record = runlog.interval_record(
+        record = progress.interval_record(
             step, self.interval, elapsed_s=self.counters.train_time_s, lr=float(self.lr_fn(step - 1)),
             grad_norm=metrics["grad_norm"], loss_scale=metrics["loss_scale"] if self.fp16 else None,
             hardware=self.hardware, energy_j=self._energy(),
@@ -359,7 +318,7 @@ class _Loop:
         self._close_counters()
         for name in self.run_log.counted:  # a run stopped before its first step counted nothing
             self.counters.counts.setdefault(name, 0)
-        summary = runlog.summary_record(self.counters, self.hardware, stop_reason, steps_done)
+        summary = progress.summary_record(self.counters, self.hardware, stop_reason, steps_done)
         summary["memory"] = memory.anatomy(self.state.params, self.state.opt_state, self.compiler.memory_analysis(),
                                            summary["peak_memory_bytes"])
         try:

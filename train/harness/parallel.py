@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ls_jax.optim import ShardedOptimizer
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.harness.step import Batch, TrainState
 
 DATA_AXIS = "data"

@@ -7,7 +7,7 @@ a stack trace. `PeerWatch` notices first: each process publishes a counter in th
 that every other process's counter moved within ``timeout`` seconds. When one has not, or the store itself is gone
 (the coordinator, process 0, died), the survivor removes any checkpoint left half-written (orbax writes into a
 temporary directory that it renames when complete), prints one line naming the lost process and the command that
-resumes the run, and exits with `train.harness.errors.EXIT_PEER_LOST` at once, without the shutdown barrier that would wait
+resumes the run, and exits with `train.errors.EXIT_PEER_LOST` at once, without the shutdown barrier that would wait
 for the lost process. ``jax.distributed.initialize`` is given a heartbeat timeout of twice ``timeout``
 (`train.harness.parallel.initialize_distributed`), so this watch speaks first.
 
@@ -30,7 +30,7 @@ import jax
 
 from train.records.checkpoints import complete_steps, remove_partial_checkpoints
 from train.harness.cli import USER_ERRORS
-from train.harness.errors import EXIT_PEER_LOST, Interrupted
+from train.errors import EXIT_PEER_LOST, Interrupted
 from train.harness.parallel import job_client
 
 KEY_PREFIX = "ls_jax/alive/"

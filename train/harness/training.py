@@ -15,7 +15,6 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -23,7 +22,7 @@ import numpy as np
 import optax
 
 from ls_jax import backend as backend_lib
-from train.harness import cli, peers
+from train.harness import cli, peers, progress
 from train.costs import memory
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
@@ -35,8 +34,11 @@ from train.costs.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
 from train.harness.parallel import (DATA_AXIS, DataParallel, StateLayout, from_process_zero, initialize_distributed,
                             wait_for_processes)
-from train.harness.precision import master_dtype, precision_signature
-from train.records.rundir import Run, load_saved_config, prepare_run_dir, restore_latest, save_config
+from train.costs.precision import master_dtype, precision_signature
+from train.records.rundir import load_saved_config, prepare_run_dir, save_config
+from train.harness import config as config_lib
+from train.harness import resume
+from train.harness.config import Run, TrainingConfig
 from train.records.runlog import RunLog
 from train.harness.step import LossFn, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
@@ -75,8 +77,8 @@ class Task:
     counted: tuple[str, ...]  # what a step counts (tokens, examples): the run log's throughput keys
     metric: str  # the quality metric the final summary names (BLEU, accuracy)
     build_parser: Callable[[], argparse.ArgumentParser]  # the task's flags and `cli.add_training_arguments`
-    resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], dict[str, Any]]  # (given, saved)
-    check_config: Callable[[Mapping[str, Any]], None]  # raises UsageError naming a flag out of range
+    resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
+    check_config: Callable[[Any], None]  # raises UsageError naming a flag out of range
     setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
     throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
@@ -98,23 +100,24 @@ def _start(task: Task, argv: list[str]) -> int:
     started_at, started_utc = time.monotonic(), runlog.utc_now()
     given = vars(task.build_parser().parse_args(argv))
     saved = load_saved_config(given["resume"]) if given.get("resume") else None
+    config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
-    config["backend"] = cli.kernel_mode(config, given)
+    config = config.replace(backend=cli.kernel_mode(config, given))
     task.check_config(config)
     cli.check_optimizer(config)
-    if given.get("peer_timeout") is not None and not config["distributed"]:
+    if given.get("peer_timeout") is not None and not config.distributed:
         raise cli.UsageError("--peer-timeout applies only to a --distributed run; add --distributed or drop it")
-    if config["distributed"]:
-        if config["peer_timeout"] < 1:
-            raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config['peer_timeout']}")
-        initialize_distributed(heartbeat_timeout_s=2 * config["peer_timeout"])  # the peer watch speaks first
+    if config.distributed:
+        if config.peer_timeout < 1:
+            raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config.peer_timeout}")
+        initialize_distributed(heartbeat_timeout_s=2 * config.peer_timeout)  # the peer watch speaks first
     run_id = saved["run_id"] if saved else from_process_zero("run_id", runlog.new_run_id())
-    run_dir = prepare_run_dir(config, run_id)
+    run_dir = prepare_run_dir(config.resume, config.run_dir, run_id)
     wait_for_processes("run directory checked")  # before process 0 starts the run log there
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
     resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
-    with peers.watching(config["distributed"], run_dir / CHECKPOINT_DIR, resume, config["peer_timeout"]):
-        with backend_lib.use(config["backend"]):
+    with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume, config.peer_timeout):
+        with backend_lib.use(config.backend):
             backend_lib.active_backend()
             return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
@@ -135,24 +138,24 @@ def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: b
     return jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
 
 
-def make_layout(config: Mapping[str, Any], tx: optax.GradientTransformation, parallel: DataParallel) -> StateLayout:
+def make_layout(config: TrainingConfig, tx: optax.GradientTransformation, parallel: DataParallel) -> StateLayout:
     """Replicated state, or with ``--shard-optimizer`` the optimizer state split over the data axis (ZeRO-1)."""
-    if not config["shard_optimizer"]:
+    if not config.shard_optimizer:
         return StateLayout(parallel)
     return StateLayout(parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False))
 
 
-def optimizer_fields(config: Mapping[str, Any], tx: optax.GradientTransformation, state: TrainState,
+def optimizer_fields(config: TrainingConfig, tx: optax.GradientTransformation, state: TrainState,
                      layout: StateLayout) -> dict[str, Any]:
     """The run record's ``optimizer*`` keys: name, implementation, hyperparameters, kernels per step (counted when
     the optimizer state is not sharded)."""
-    name = config["optimizer"]
+    name = config.optimizer
     kernels = None if layout.sharded_optimizer else optimizer_step_kernels(tx, state.params, state.opt_state)
     return {
         "optimizer": name,
         "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
         "optimizer_hyperparameters": optimizer_lib.hyperparameters(
-            name, {k: config[k] for k in optimizer_lib.HYPERPARAMETERS}),
+            name, cli.hyperparameters(config)),
         "optimizer_kernels_per_step": kernels,
     }
 
@@ -171,10 +174,10 @@ def _train(task: Task, run: Run) -> int:
             return 0
         setup, state, stream, counters, hardware, checkpoints, tx, signature, layout = prepared
         config, run_dir = run.config, run.run_dir
-        run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config["tensorboard"])
-        save_config(run_dir, {**config, "run_id": run.run_id})
-        if not config["resume"]:
-            run_log.write(runlog.run_record(
+        run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
+        save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
+        if not config.resume:
+            run_log.write(progress.run_record(
                 task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout), model=setup.model_name,
                 params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
                 config=setup.config_record,
@@ -198,8 +201,8 @@ def _train(task: Task, run: Run) -> int:
             checkpoints=checkpoints,
             model_signature=signature,
             config=LoopConfig(
-                num_steps=setup.steps, log_every=config["log_every"], eval_every=setup.eval_every,
-                checkpoint_every=setup.checkpoint_every, progress_bar=config["progress"], started_at=run.started_at,
+                num_steps=setup.steps, log_every=config.log_every, eval_every=setup.eval_every,
+                checkpoint_every=setup.checkpoint_every, progress_bar=config.progress, started_at=run.started_at,
             ),
             counters=counters,
             signals=signals,
@@ -213,25 +216,25 @@ def _prepare(task: Task, run: Run):
     run finished at or beyond ``--steps`` (it says so, and its run log is left as it is). A run stopped at its
     last step before its final evaluation ended resumes into that evaluation."""
     config, run_dir = run.config, run.run_dir
-    hardware = detect_hardware(config)
+    hardware = detect_hardware(config.precision, config.device_name, config.price_per_hour)
     precision = hardware.precision
     parallel = DataParallel.over_all_devices()
 
     setup = task.setup(run, precision, parallel)
-    signature = {**setup.model_signature, "optimizer": config["optimizer"], **precision_signature(config, precision)}
-    param_dtype = master_dtype(config, precision)
-    tx = optimizer_lib.make_optimizer(config["optimizer"], setup.learning_rate, weight_decay=config["weight_decay"],
-                                      clip_norm=config["clip_norm"], master_dtype=param_dtype,
-                                      **{key: config[key] for key in optimizer_lib.HYPERPARAMETERS})
+    signature = {**setup.model_signature, "optimizer": config.optimizer, **precision_signature(config.master_weights, precision)}
+    param_dtype = master_dtype(config.master_weights, precision)
+    tx = optimizer_lib.make_optimizer(config.optimizer, setup.learning_rate, weight_decay=config.weight_decay,
+                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
+                                      **cli.hyperparameters(config))
     layout = make_layout(config, tx, parallel)
     state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
-    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config["keep_checkpoints"], saved_form=layout.to_saved)
+    checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
-    if config["resume"]:
-        saved, step, position, counters = restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
+    if config.resume:
+        saved, step, position, counters = resume.restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
         state = layout.from_saved(saved)
-        if step >= setup.steps and _finished(run_dir):
-            _say_nothing_to_do(task, run_dir, step, setup.steps)
+        if step >= setup.steps and resume.finished(run_dir):
+            resume.say_nothing_to_do(task.name, run_dir, step, setup.steps)
             checkpoints.close()
             hardware.energy.close()
             return None
@@ -240,21 +243,6 @@ def _prepare(task: Task, run: Run):
             print(f"resuming {run_dir} at step {step}", file=sys.stderr)
         stream = stream.at(position)
     return setup, state, stream, counters, hardware, checkpoints, tx, signature, layout
-
-
-def _finished(run_dir: Path) -> bool:
-    """Whether the run log ends with the summary of a finished run (its final evaluation done)."""
-    path = run_dir / runlog.LOG_FILENAME
-    records = runlog.read(path) if path.exists() else []
-    return bool(records) and records[-1]["type"] == "summary" and records[-1]["completed"]
-
-
-def _say_nothing_to_do(task: Task, run_dir: Path, step: int, steps: int) -> None:
-    """A resumed run already at (or past) its ``--steps``: the run log stays as it is, summary included."""
-    if jax.process_index() == 0:
-        print(f"{run_dir} is already at step {step} (--steps {steps}): nothing to train; to train longer, "
-              f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --steps {max(steps, step) * 2}",
-              file=sys.stderr)
 
 
 def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:

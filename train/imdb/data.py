@@ -34,7 +34,7 @@ from train.imdb import synthetic as imdb_synthetic
 from train.data import tokenizer as tokenizer_lib
 from train.data import stream as data_lib
 from train.data.stream import EpochStream, host_rows, import_tfds
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -332,6 +332,15 @@ def make_batch(data: Encoded, indices: np.ndarray) -> dict[str, np.ndarray]:
         "input_ids": np.where(real[..., None], data.input_ids[safe], data.pad_id).astype(np.int32),
         "labels": np.where(real, data.labels[safe], FILL_LABEL).astype(np.int32),
     }
+
+
+@dataclasses.dataclass
+class Prepared:
+    """The encoded splits, the vocabulary that encoded them and the facts logged in the run record."""
+
+    vocabulary: Vocabulary
+    splits: dict[str, Encoded]  # train, valid and/or test
+    stats: dict[str, Any]
 
 
 @dataclasses.dataclass

@@ -12,29 +12,15 @@ import optax
 from ls_jax.layers import LayerConfig
 from ls_jax.models import BertConfig, BertForSequenceClassification, hf
 from train.costs import metrics
-from train.harness import signature
-from train.harness.errors import UsageError
-from train.harness.precision import PRECISION_DTYPES
+from train.harness import resume
+from train.errors import UsageError
+from train.costs.precision import PRECISION_DTYPES
+from train.imdb.config import PRESETS, ImdbConfig
 
-# bert-tiny is bert-base shrunk to train from scratch in minutes on a CPU; bert-small and bert-medium are the
-# compact BERT shapes of the same names (4 and 8 layers of width 512), which train from scratch on one GPU.
-PRESETS: dict[str, dict[str, Any]] = {
-    "bert-tiny": dict(
-        base="bert-base",
-        layer=dict(hidden_size=128, intermediate_size=512, nhead=2, max_seq_len=128),
-        num_layers=2,
-    ),
-    "bert-small": dict(base="bert-base", layer=dict(hidden_size=512, intermediate_size=2048, nhead=8), num_layers=4),
-    "bert-medium": dict(base="bert-base", layer=dict(hidden_size=512, intermediate_size=2048, nhead=8), num_layers=8),
-    "bert-base": dict(base="bert-base", layer={}),
-    "bert-large": dict(base="bert-large", layer={}),
-}
-
-
-def _layer_overrides(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config["remat"]}
-    if config["dropout"] is not None:
-        overrides.update(hidden_dropout_ratio=config["dropout"], attn_prob_dropout_ratio=config["dropout"])
+def _layer_overrides(config: ImdbConfig, precision: str) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    if config.dropout is not None:
+        overrides.update(hidden_dropout_ratio=config.dropout, attn_prob_dropout_ratio=config.dropout)
     return overrides
 
 
@@ -46,27 +32,27 @@ def preset_config(name: str, *, vocab_size: int, num_labels: int, **layer_overri
     return BertConfig.preset(preset["base"], layer=layer, vocab_size=vocab_size, num_labels=num_labels, **depth)
 
 
-def build_model(config: Mapping[str, Any], vocab_size: int, precision: str, rng: jax.Array
+def build_model(config: ImdbConfig, vocab_size: int, precision: str, rng: jax.Array
                 ) -> tuple[BertConfig, dict[str, Any] | None]:
     """(model config, pretrained params or None for a random initialization)."""
     overrides = _layer_overrides(config, precision)
-    if not config["init_from"]:
-        return preset_config(config["preset"], vocab_size=vocab_size, num_labels=config["num_labels"] or 2,
+    if not config.init_from:
+        return preset_config(config.preset, vocab_size=vocab_size, num_labels=config.num_labels or 2,
                              **overrides), None
     try:
-        model_cfg, params = hf.load_pretrained(config["init_from"], rng=rng, **overrides)
+        model_cfg, params = hf.load_pretrained(config.init_from, rng=rng, **overrides)
     except ValueError as err:
-        raise UsageError(f"--init-from {config['init_from']}: {err}") from err
+        raise UsageError(f"--init-from {config.init_from}: {err}") from err
     if not isinstance(model_cfg, BertConfig):
-        raise UsageError(f"--init-from {config['init_from']} holds a {type(model_cfg).__name__}, not a BERT model")
+        raise UsageError(f"--init-from {config.init_from} holds a {type(model_cfg).__name__}, not a BERT model")
     if vocab_size > model_cfg.vocab_size:
-        raise UsageError(f"--init-from {config['init_from']}: the tokenizer has {vocab_size} tokens but the model "
+        raise UsageError(f"--init-from {config.init_from}: the tokenizer has {vocab_size} tokens but the model "
                          f"only {model_cfg.vocab_size} embeddings")
     return model_cfg, params
 
 
-def model_signature(config: Mapping[str, Any], model_cfg: BertConfig) -> dict[str, Any]:
-    stack = signature.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)
+def model_signature(config: ImdbConfig, model_cfg: BertConfig) -> dict[str, Any]:
+    stack = resume.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)
     return {**stack, "num_labels": model_cfg.num_labels}
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from train.compare import report as compare
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR
-from train.harness.errors import EXIT_USAGE, UsageError
+from train.errors import EXIT_USAGE, UsageError
 from train.compare import runs as run_logs
 from train.compare import scoring
 from train.sweep.spec import Point, Spec, parse, points

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ls_jax.layers.config import REMAT_MODES
-from train.harness.errors import UsageError
+from train.errors import UsageError
 from train.harness.optimizer import OPTIMIZERS
-from train.harness.precision import PRECISION_DTYPES
+from train.costs.precision import PRECISION_DTYPES
 from train.compare.scoring import WEIGHT_PRESETS
 
 TASKS = ("imdb", "wmt", "gpt")

@@ -31,14 +31,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from train.data import tokenizer as tokenizer_lib
 from train.wmt import synthetic as wmt_synthetic
 from train.data.stream import EpochStream, host_rows, import_tfds
-from train.harness.errors import DataError, UsageError
+from train.errors import DataError, UsageError
 
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
@@ -294,6 +294,17 @@ def token_counts(data: ParallelData, indices: np.ndarray) -> dict[str, int]:
     source = int(data.src.lengths[real].sum()) + len(real)
     target = int(data.tgt.lengths[real].sum()) + len(real)
     return {"tokens": source + target, "target_tokens": target}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One run's data, encoded and length-filtered."""
+
+    processor: Any  # sentencepiece
+    train: ParallelData
+    eval_sets: dict[str, ParallelData]  # valid, test
+    references: dict[str, list[str]]  # the raw target sentences kept, per split (BLEU references)
+    stats: dict[str, Any]
 
 
 @dataclasses.dataclass

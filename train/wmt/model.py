@@ -10,28 +10,29 @@ import jax.numpy as jnp
 from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 from ls_jax.ops import label_smoothed_cross_entropy
 from train.costs import metrics
-from train.harness import signature
-from train.harness.precision import PRECISION_DTYPES
+from train.harness import resume
+from train.costs.precision import PRECISION_DTYPES
+from train.wmt.config import WmtConfig
 
 
-def model_config(config: Mapping[str, Any], vocab_size: int, precision: str) -> TransformerConfig:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config["remat"]}
-    if config["dropout"] is not None:
+def model_config(config: WmtConfig, vocab_size: int, precision: str) -> TransformerConfig:
+    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    if config.dropout is not None:
         overrides.update(
-            hidden_dropout_ratio=config["dropout"],
-            attn_prob_dropout_ratio=config["dropout"],
-            activation_dropout_ratio=config["dropout"],
+            hidden_dropout_ratio=config.dropout,
+            attn_prob_dropout_ratio=config.dropout,
+            activation_dropout_ratio=config.dropout,
         )
-    return TransformerConfig.preset(config["preset"], vocab_size, **overrides)
+    return TransformerConfig.preset(config.preset, vocab_size, **overrides)
 
 
-def model_signature(config: Mapping[str, Any], model_cfg: TransformerConfig) -> dict[str, Any]:
+def model_signature(config: WmtConfig, model_cfg: TransformerConfig) -> dict[str, Any]:
     """What a checkpoint must agree on with the run restoring it (the harness adds optimizer and precision)."""
     layer = model_cfg.layer
     return {
-        "preset": config["preset"],
+        "preset": config.preset,
         "vocab_size": model_cfg.vocab_size,
-        **signature.layer_signature(layer),
+        **resume.layer_signature(layer),
         "encoder_layers": model_cfg.num_encoder_layers,
         "decoder_layers": model_cfg.num_decoder_layers,
     }

@@ -3,13 +3,13 @@ and the parts of a checkpoint's model signature that depend on it."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
 import ls_jax.optim
 from train.costs import metrics as metrics_lib
-from train.harness.errors import UsageError
+from train.errors import UsageError
 
 PRECISION_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
@@ -33,27 +33,27 @@ def parse_precision(value: str, platform: str, spec: metrics_lib.DeviceSpec | No
     return value
 
 
-def master_dtype(config: Mapping[str, Any], precision: str) -> Any:
+def master_dtype(master_weights: bool, precision: str) -> Any:
     """The 16-bit param dtype of ``--master-weights`` (the compute dtype), or None without it.
 
     Raises:
       UsageError: ``--master-weights`` with fp32 compute.
     """
-    if not config["master_weights"]:
+    if not master_weights:
         return None
     if precision == "fp32":
         raise UsageError("--master-weights needs --precision bf16 or fp16: with fp32 compute the params are f32")
     return PRECISION_DTYPES[precision]
 
 
-def precision_signature(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
+def precision_signature(master_weights: bool, precision: str) -> dict[str, Any]:
     """The entries of a checkpoint's model signature that change the train state's structure with the precision.
 
     ``master_weights`` appears only when set, so checkpoints written before the flag existed still resume; for
     bf16 params it names the master's form, int16 low halves (``ls_jax.optim.master``), which the f32 masters of
     checkpoints written before that form do not restore into."""
     signature: dict[str, Any] = {"fp16_loss_scaling": precision == "fp16"}
-    if config["master_weights"]:
-        split = ls_jax.optim.master.is_split(master_dtype(config, precision))
+    if master_weights:
+        split = ls_jax.optim.master.is_split(master_dtype(master_weights, precision))
         signature["master_weights"] = "int16 low halves" if split else True
     return signature

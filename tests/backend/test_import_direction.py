@@ -1,6 +1,7 @@
-"""DESIGN.md's one direction of imports (ffi_kernels <- ls_jax.ops <- ls_jax.layers <- ls_jax.models <- train, tpu;
-only the ops, the optimizer and the backend reach ffi_kernels), checked over the source with helpers.imports, and
-the checker itself on a small package with forbidden imports."""
+"""docs/architecture.md's one direction of imports (ffi_kernels <- ls_jax.ops <- ls_jax.layers <- ls_jax.models <-
+train's layers <- tpu; only the ops, the optimizer and the backend reach ffi_kernels) and the absence of import
+cycles, checked over the source with helpers.imports, and the checker itself on small packages with forbidden
+imports and a cycle."""
 
 import textwrap
 from pathlib import Path
@@ -14,7 +15,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_packages_import_in_one_direction():
     found = imports.violations(REPO)
-    assert not found, "imports against DESIGN.md's layering:\n" + "\n".join(map(str, found))
+    assert not found, "imports against docs/architecture.md's layering:\n" + "\n".join(map(str, found))
+
+
+def test_no_module_imports_itself_through_others():
+    """Every import counts, those under TYPE_CHECKING and inside functions too."""
+    edges = imports.module_edges(REPO, ["ffi_kernels", "ls_jax", "train", "tpu"])
+    assert len(edges) > 120 and sum(map(len, edges.values())) > 300  # the scan saw the tree
+    assert imports.cycles(edges) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_type_checking_import(tmp_path):
+    _write_package(tmp_path, {
+        "train/__init__.py": "",
+        "train/a.py": "from train import b\n",
+        "train/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from train.c import Thing\n",
+        "train/c.py": "def f():\n    from train.a import x\n",
+        "train/d.py": "from train import a, b\n",
+    })
+    assert imports.cycles(imports.module_edges(tmp_path, ["train"])) == [["train.a", "train.b", "train.c"]]
 
 
 def test_the_checker_sees_every_link_of_the_chain_in_the_source():
@@ -29,6 +48,10 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
     assert linked("ls_jax.layers", "ls_jax.ops")
     assert linked("ls_jax.models", "ls_jax.layers")
     assert linked("train", "ls_jax.models")
+    assert linked("train.records", "train.errors")
+    assert linked("train.harness", "train.records")
+    assert linked("train.wmt", "train.harness")
+    assert linked("train.bench", "train.wmt")
 
 
 @pytest.mark.parametrize("importer, imported", [
@@ -46,6 +69,11 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
     ("ls_jax", "train"),
     ("ls_jax.backend", "ls_jax.ops"),
     ("ffi_kernels.build", "ls_jax.backend"),
+    ("train.records.rundir", "train.harness.loop"),
+    ("train.costs.metrics", "train.harness.config"),
+    ("train.harness.training", "train.wmt.task"),
+    ("train.wmt.model", "train.bench.e2e"),
+    ("train.reference.zoo", "train.harness.step"),
 ])
 def test_forbidden_imports_name_the_rule(importer, imported):
     assert imports.check_import(importer, imported) is not None
@@ -64,6 +92,9 @@ def test_forbidden_imports_name_the_rule(importer, imported):
     ("tpu.launch", "train.wmt"),
     ("train.wmt", "jax.numpy"),
     ("ffi_kernels", "ffi_kernels.build"),
+    ("train.harness.loop", "train.records.runlog"),
+    ("train.sweep.runner", "train.compare.scoring"),
+    ("train.bench.e2e", "train.reference.zoo"),
 ])
 def test_allowed_imports_pass(importer, imported):
     assert imports.check_import(importer, imported) is None

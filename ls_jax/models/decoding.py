@@ -1,4 +1,5 @@
-"""Greedy and beam-search decoding for ``ls_jax.models.Transformer`` with the KV cache.
+"""Greedy and beam-search decoding for ``ls_jax.models.Transformer`` with the KV cache, and for any encoder-decoder
+Flax module with the same decoding interface (`Seq2Seq`).
 
 Both return (B, max_len) int32 target tokens without the leading BOS: each row ends with EOS followed by
 PAD, or fills all ``max_len`` positions when no EOS was produced; PAD and BOS are never generated. Each step
@@ -9,26 +10,40 @@ feeds only the newest token; earlier positions' keys and values come from the ca
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from ls_jax.layers.transformer import SOURCE_CACHE_NAMES
 from ls_jax.models.tokens import BOS_ID, EOS_ID, PAD_ID, check_tokens
-from ls_jax.models.transformer import Transformer
 
 Params = Any
 Cache = Any
 
 
-def _check_max_len(model: Transformer, max_len: int) -> None:
-    limit = model.config.layer.max_seq_len
+class Seq2Seq(Protocol):
+    """What decoding calls, as ``ls_jax.models.Transformer`` defines them (through ``apply(..., method=NAME)``):
+
+      encode(src (B, S)) -> (encoded, src_mask)
+      init_cache(encoded, src_mask, max_len)        creates the "cache" collection (run with mutable=["cache"])
+      decode(tokens (B, 1)) -> logits (B, 1, V)     one position, extending the cache
+
+    and ``max_target_len``, the most target positions it can decode. Cache entries named in
+    ``SOURCE_CACHE_NAMES`` and scalars are the same for every hypothesis of a row; the others have one row per
+    hypothesis."""
+
+    @property
+    def max_target_len(self) -> int: ...
+
+
+def _check_max_len(model: Seq2Seq, max_len: int) -> None:
+    limit = model.max_target_len
     if not 1 <= max_len <= limit:
         raise ValueError(f"max_len must be in [1, max_seq_len={limit}], got {max_len}")
 
 
-def _start_decoding(model: Transformer, params: Params, src_tokens: jax.Array, max_len: int, copies: int) -> Cache:
+def _start_decoding(model: Seq2Seq, params: Params, src_tokens: jax.Array, max_len: int, copies: int) -> Cache:
     """Encodes the source, repeats each row ``copies`` times (one per beam) and builds the decode cache."""
     encoded, src_mask = model.apply({"params": params}, src_tokens, method="encode")
     encoded = jnp.repeat(encoded, copies, axis=0)
@@ -37,7 +52,7 @@ def _start_decoding(model: Transformer, params: Params, src_tokens: jax.Array, m
     return state["cache"]
 
 
-def _next_logits(model: Transformer, params: Params, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+def _next_logits(model: Seq2Seq, params: Params, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
     """Feeds tokens (N,) as the next position: -> (logits (N, V) f32, extended cache).
 
     PAD and BOS get -inf: a decoder never emits them (PAD only fills the output after EOS).
@@ -50,14 +65,14 @@ def _next_logits(model: Transformer, params: Params, cache: Cache, tokens: jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len"))
-def greedy_decode(model: Transformer, params: Params, src_tokens: jax.Array, *, max_len: int) -> jax.Array:
+def greedy_decode(model: Seq2Seq, params: Params, src_tokens: jax.Array, *, max_len: int) -> jax.Array:
     """The most probable next token at every step, until every row has produced EOS or ``max_len`` tokens.
 
     Args:
-      model: the Transformer (its config fixes the compute dtype and max_seq_len).
+      model: the Transformer, or another `Seq2Seq` (it fixes the compute dtype and max_target_len).
       params: its "params" collection.
       src_tokens: (B, S) integer source tokens, PAD-padded.
-      max_len: most target tokens to generate, at most ``max_seq_len``.
+      max_len: most target tokens to generate, at most ``model.max_target_len``.
 
     Returns:
       (B, max_len) int32.
@@ -113,7 +128,7 @@ def _gather_cache(cache: Cache, beam_index: jax.Array) -> Cache:
 
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty"))
 def beam_search(
-    model: Transformer,
+    model: Seq2Seq,
     params: Params,
     src_tokens: jax.Array,
     *,

@@ -94,6 +94,11 @@ class GPTLMHeadModel(nn.Module):
         )
         self.decoder = TransformerEncoder(cfg.layer, cfg.num_layers, causal=True)
 
+    @property
+    def max_positions(self) -> int:
+        """The most positions a row (or a decoding cache) holds: ``layer.max_seq_len``."""
+        return self.config.layer.max_seq_len
+
     def __call__(
         self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, deterministic: bool = True
     ) -> jax.Array:

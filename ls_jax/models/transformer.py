@@ -104,6 +104,11 @@ class Transformer(nn.Module):
         if not cfg.tie_output:
             self.output_projection = Dense(cfg.vocab_size, use_bias=False, dtype=cfg.layer.dtype)
 
+    @property
+    def max_target_len(self) -> int:
+        """The most target positions decoding may fill: ``layer.max_seq_len``."""
+        return self.config.layer.max_seq_len
+
     def _embedding(self) -> TransformerEmbedding:
         cfg = self.config
         return TransformerEmbedding(

@@ -106,6 +106,7 @@ def setup(run, precision: str, parallel) -> TaskSetup:
         eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every,
         model_signature={"toy": FEATURES},
+        implementation="flax",  # a plain JAX model, no fused op
         model_name="toy",
         batch_record={"rows": ROWS},
         data_record={"source": "toy"},

@@ -15,6 +15,7 @@ from train.compare import report as compare
 from train.compare import plots, quality, scoring
 from train.compare import runs as run_logs
 from train.compare.tables import runs_table
+from train.records import runlog
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
 RESULTS = Path(__file__).parents[2] / "docs" / "results"
@@ -51,6 +52,9 @@ def runs():
 def test_fixture_logs_load_in_directory_order(runs):
     assert [run.device_kind for run in runs] == ["cpu", "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3", "TPU v3"]
     assert [run.backend for run in runs] == ["xla", "ffi", "xla", "xla"]
+    # written before the run record named the implementation: the tasks trained ls_jax's models then
+    assert all("implementation" not in runlog.read(run.source)[0] for run in runs)
+    assert [run.implementation for run in runs] == ["ls_jax"] * 4
     assert [run.train_time_s for run in runs] == [entry["time"] for entry in ORDER]
     assert [run.energy_estimated for run in runs] == [False, False, False, True]
     assert runs[3].device_count == 8 and runs[3].batch_label == "8192 tokens"
@@ -148,9 +152,9 @@ def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs
     groups = scoring.speedups_by_model_and_batch([cpu, ffi, xla, tpu, repeat, *bigger], baseline=2)
     reference = (H100_XLA["time"] + 320.0) / 2
     assert [(g.model, g.configuration_label) for g in groups] == [
-        ("transformer-base", "NVIDIA H100 80GB HBM3 x1 ffi bf16"),
-        ("transformer-base", "TPU v3 x8 xla bf16"),
-        ("transformer-big", "NVIDIA H100 80GB HBM3 x1 ffi bf16"),
+        ("transformer-base", "NVIDIA H100 80GB HBM3 x1 ls_jax ffi bf16"),
+        ("transformer-base", "TPU v3 x8 ls_jax xla bf16"),
+        ("transformer-big", "NVIDIA H100 80GB HBM3 x1 ls_jax ffi bf16"),
     ]
     assert [g.speedup for g in groups] == pytest.approx(
         [reference / H100_FFI["time"], reference / TPU_V3["time"], H100_XLA["time"] / H100_FFI["time"]])
@@ -290,7 +294,8 @@ def test_baseline_selection(runs):
 
 def test_several_tasks_need_a_choice(tmp_path, runs):
     records = _lines("h100-ffi")
-    records[0].update(task="imdb", run_id="imdb-run", batch={"batch_size": 32, "grad_accum": 1}, optimizer="adamw")
+    records[0].update(task="imdb", run_id="imdb-run", batch={"batch_size": 32, "grad_accum": 1}, optimizer="adamw",
+                      implementation="flax")
     for key in ("tokens", "tokens_per_s", "target_tokens", "target_tokens_per_s"):
         del records[-1][key]
     records[-1].update(examples=75_000, examples_per_s=412.5, accuracy=0.9312, bleu=None)
@@ -305,6 +310,8 @@ def test_several_tasks_need_a_choice(tmp_path, runs):
     assert rows[0][-1] == "passed"
     assert rows[0][header.index("throughput")] == "412 examples/s"
     assert rows[0][header.index("optimizer")] == "adamw"  # the fixture ran adan
+    assert rows[0][header.index("implementation")] == "flax" and chosen[0].study_label.startswith(
+        "NVIDIA H100 80GB HBM3 x1 flax ffi bf16 adamw")
     with pytest.raises(ValueError, match="no run of task 'gpt'"):
         run_logs.select_task(chosen, "gpt")
 

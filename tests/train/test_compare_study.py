@@ -97,7 +97,7 @@ def test_recommendation_names_the_best_and_its_lead(study):
     comparison = scoring.compare(study)
     lines = tables.recommendations(comparison)
     assert len(lines) == 7
-    assert lines[0].startswith("balance: #1 (NVIDIA H100 80GB HBM3 x1 ffi bf16 adan ")
+    assert lines[0].startswith("balance: #1 (NVIDIA H100 80GB HBM3 x1 ls_jax ffi bf16 adan ")
     assert "score 0.350, 0.150 below the runner-up #2" in lines[0]
     nothing = scoring.compare(study, gate=quality.default_gate("imdb", threshold=0.99))
     assert scoring.recommendation(nothing, "balance") == "balance: no converged run could be scored"

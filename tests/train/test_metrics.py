@@ -40,7 +40,8 @@ def tiny_transformer_step():
     state = TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
                                    jax.random.PRNGKey(1), fp16=False)
     parallel = DataParallel.over_all_devices()
-    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, 0.1), tx, axis_name=DATA_AXIS),
+    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, wmt_model.make_criterion("ls_jax", 0.1)), tx,
+                                            axis_name=DATA_AXIS),
                             StateLayout(parallel), state)
     shape = (1, 32, 24)
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}

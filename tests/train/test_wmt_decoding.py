@@ -39,7 +39,8 @@ def evaluator(parts, decode_memory_mib):
     data, model, _, directory = parts
     config = wmt_config.resolve_config({"data": f"text:{directory}", "decode": "beam", "beam_size": 2,
                                  "max_tokens": 4096, "decode_memory": decode_memory_mib})
-    return Evaluator(model, data, config, DataParallel.over_all_devices())
+    return Evaluator(model, model.config, wmt_model.make_criterion("ls_jax", config.label_smoothing), data, config,
+                     DataParallel.over_all_devices())
 
 
 def decode_batches(evaluator):

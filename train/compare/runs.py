@@ -26,6 +26,7 @@ class Run:
     task: str
     device_kind: str
     device_count: int
+    implementation: str  # whose model: "ls_jax" or "flax" (the plain baseline)
     backend: str
     precision: str
     optimizer: str
@@ -51,18 +52,18 @@ class Run:
     memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/costs/memory.py); older logs lack it
 
     @property
-    def configuration(self) -> tuple[str, int, str, str]:
-        """What a speedup compares: device kind and count, kernel backend, precision."""
-        return self.device_kind, self.device_count, self.backend, self.precision
+    def configuration(self) -> tuple[str, int, str, str, str]:
+        """What a speedup compares: device kind and count, implementation, kernel backend, precision."""
+        return self.device_kind, self.device_count, self.implementation, self.backend, self.precision
 
     @property
     def configuration_label(self) -> str:
-        return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision}"
+        return f"{self.device_kind} x{self.device_count} {self.implementation} {self.backend} {self.precision}"
 
     @property
     def study_label(self) -> str:
-        """What the study's grid varies: device, backend, precision, optimizer and batch."""
-        return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision} {self.optimizer} {self.batch_label}"
+        """What the study's grid varies: device, implementation, backend, precision, optimizer and batch."""
+        return f"{self.configuration_label} {self.optimizer} {self.batch_label}"
 
     @property
     def batch_label(self) -> str:
@@ -124,6 +125,8 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         task=config["task"],
         device_kind=config["device_kind"],
         device_count=config["device_count"],
+        # Logs written before the run record named it trained ls_jax's models, the only ones the tasks had then.
+        implementation=config.get("implementation", "ls_jax"),
         backend=config["backend"],
         precision=config["precision"],
         optimizer=config["optimizer"],

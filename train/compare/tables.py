@@ -56,13 +56,13 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     runs = comparison.runs
     quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
-    header = ["#", "run", "device", "count", "backend", "precision", "optimizer", "model", "batch", "time", "cost",
-              "energy", "throughput", "MFU", *quality, "quality gate"]
+    header = ["#", "run", "device", "count", "implementation", "backend", "precision", "optimizer", "model", "batch",
+              "time", "cost", "energy", "throughput", "MFU", *quality, "quality gate"]
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision,
-            run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
+            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.implementation, run.backend,
+            run.precision, run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
             _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
@@ -77,11 +77,13 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def ratios_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: speedup, cost ratio and energy ratio of each run against the baseline."""
-    header = ["#", "run", "device", "backend", "precision", "speedup", "cost ratio", "energy ratio", ""]
+    header = ["#", "run", "device", "implementation", "backend", "precision", "speedup", "cost ratio", "energy ratio",
+              ""]
     rows = []
     for index, (run, ratios) in enumerate(zip(comparison.runs, comparison.ratios)):
         rows.append([
-            f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, f"{ratios.speedup:.2f}x",
+            f"{index + 1}", run.run_id, run.device_kind, run.implementation, run.backend, run.precision,
+            f"{ratios.speedup:.2f}x",
             _optional(ratios.cost, lambda ratio: f"{ratio:.2f}x"),
             _optional(ratios.energy, lambda ratio: f"{ratio:.2f}x"),
             "baseline" if index == comparison.baseline else "",
@@ -91,13 +93,14 @@ def ratios_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: the scored runs ranked best first, with their normalized terms."""
-    header = ["rank", "#", "run", "device", "backend", "precision", "T", "C", "E", "U", "score"]
+    header = ["rank", "#", "run", "device", "implementation", "backend", "precision", "T", "C", "E", "U", "score"]
     rows = []
     for rank, index in enumerate(comparison.ranking, 1):
         run, score = comparison.runs[index], comparison.scores[index]
         terms = [_optional(term, lambda value: f"{value:.3f}")
                  for term in (score.time, score.cost, score.energy, score.utilization)]
-        rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, *terms,
+        rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.implementation, run.backend,
+                     run.precision, *terms,
                      f"{score.value:.4f}"])
     return header, rows
 

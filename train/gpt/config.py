@@ -32,6 +32,7 @@ class GptConfig(TrainingConfig):
     max_seq_len: int = 64
     batch_size: int = 32
     # model
+    implementation: str = "ls_jax"  # cli.IMPLEMENTATIONS
     preset: str | None = "gpt2-tiny"
     positions: int | None = None  # the preset's
     init_from: str | None = None
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "device count)")
 
     group = parser.add_argument_group("model")
+    cli.add_implementation_argument(group, "the GPT-2 of train/reference/zoo.py, written as Hugging Face's Flax "
+                                           "GPT-2 is (--init-from weights map onto it)")
     group.add_argument("--preset", help=f"GPT-2 shape of a randomly initialized model: {', '.join(PRESETS)}")
     group.add_argument("--positions", type=int,
                        help="learned positions of a randomly initialized model (default: the preset's, 256 for "
@@ -159,6 +162,7 @@ def check_config(config: GptConfig) -> None:
         non_negative=("warmup_steps", "weight_decay", "clip_norm", "eval_every", "samples", "temperature"),
         fractions=("valid_fraction", "dropout"),
     )
+    cli.check_implementation(config.implementation, config.remat)
     if config.warmup_steps >= config.steps:
         raise UsageError(f"--warmup-steps {config.warmup_steps} leaves no step of the {config.steps} to train "
                          "at the peak rate")

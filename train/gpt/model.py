@@ -1,4 +1,5 @@
-"""The model side of ``python -m train.gpt``: configurations, loss, FLOPs, evaluation, sampling, GPT-2 import.
+"""The model side of ``python -m train.gpt``: configurations, the model of ``--implementation`` (ls_jax's GPT-2 or
+the plain Flax one of `train.reference.zoo`), loss, FLOPs, evaluation, sampling, GPT-2 import.
 
 Batches are those of `train.gpt.data`: ``input_ids`` and ``labels`` (rows, L), labels `IGNORE_LABEL` where no
 loss is taken.
@@ -12,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,9 @@ from train.costs.precision import PRECISION_DTYPES
 from train.errors import UsageError
 from train.gpt.config import GptConfig, check_sequence_fits
 from train.harness import resume
+from train.reference import from_ls_jax
+from train.reference.losses import label_smoothed_sums
+from train.reference.zoo import ReferenceGPT
 
 Params = Any
 Batch = Mapping[str, jax.Array]
@@ -43,6 +48,29 @@ def preset_config(name: str, *, vocab_size: int, **layer_overrides: Any) -> GPTC
     """
     config = GPTConfig.preset(name, vocab_size=vocab_size)
     return dataclasses.replace(config, layer=replace_checked(config.layer, layer_overrides))
+
+
+def build_model(implementation: str, model_cfg: GPTConfig) -> nn.Module:
+    """ls_jax's GPT-2 of ``model_cfg``, or (``flax``) the plain Flax one of the same shape, dropout and dtype. Both
+    take ``(input_ids, deterministic=...)``, decode with ``init_cache``/``decode`` and name their positions
+    ``max_positions``.
+
+    Raises:
+      ValueError: the plain Flax GPT-2 cannot compute this model (another activation, dropout, normalization).
+    """
+    if implementation == "ls_jax":
+        return GPTLMHeadModel(model_cfg)
+    layer = model_cfg.layer
+    if model_cfg.embedding_dropout not in (None, layer.hidden_dropout_ratio):
+        raise ValueError(f"the plain Flax gpt cannot compute this model: embedding dropout "
+                         f"{model_cfg.embedding_dropout} (the reference's: the hidden dropout)")
+    return ReferenceGPT(from_ls_jax.zoo_config(layer, kind="gpt", vocab_size=model_cfg.vocab_size,
+                                               num_layers=model_cfg.num_layers))
+
+
+def params_for(implementation: str, params: Params) -> Params:
+    """ls_jax GPT-2 parameters (e.g. imported from Hugging Face) in the layout of ``implementation``'s model."""
+    return params if implementation == "ls_jax" else from_ls_jax.gpt_params(params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +111,24 @@ def lm_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]
     return nll_sum, count
 
 
-def make_loss_fn(model: GPTLMHeadModel) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
+def plain_lm_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`lm_sums` written with optax (`train.reference.losses`): the plain Flax baseline's criterion."""
+    _, nll_sum, count = label_smoothed_sums(logits, labels, epsilon=0.0, ignore_label=IGNORE_LABEL)
+    return nll_sum, count
+
+
+LMSums = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+LM_SUMS: dict[str, LMSums] = {"ls_jax": lm_sums, "flax": plain_lm_sums}  # the criterion of each implementation
+
+
+def make_loss_fn(model: nn.Module, sums: LMSums = lm_sums
+                 ) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
     """The harness' ``loss_fn(params, micro_batch, rng) -> (loss_sum, weight, sums)``: summed next-token NLL over
-    the labels that count, their number, and ``{"nll": loss_sum}``; dropout is drawn from ``rng``."""
+    the labels that count (by ``sums``), their number, and ``{"nll": loss_sum}``; dropout is drawn from ``rng``."""
 
     def loss_fn(params, batch, rng):
         logits = model.apply({"params": params}, batch["input_ids"], deterministic=False, rngs={"dropout": rng})
-        nll_sum, count = lm_sums(logits, batch["labels"])
+        nll_sum, count = sums(logits, batch["labels"])
         return nll_sum, count, {"nll": nll_sum}
 
     return loss_fn
@@ -141,20 +180,21 @@ def perplexity(nll_per_token: float) -> float:
 class Evaluator:
     """Loss and perplexity of the current parameters on held-out packed rows, in batches of ``rows`` rows.
 
-    ``put_batch`` places a host's numpy batch on the devices (the harness' sharding; default: as is).
-    ``__call__(state, final)`` returns one record per split: the validation split during training and at the end.
+    ``sums`` is the model's criterion (`LM_SUMS`); ``put_batch`` places a host's numpy batch on the devices (the
+    harness' sharding; default: as is). ``__call__(state, final)`` returns one record per split: the validation
+    split during training and at the end.
     """
 
-    def __init__(self, model: GPTLMHeadModel, splits: Mapping[str, PackedRows], rows: int, *,
+    def __init__(self, model: nn.Module, splits: Mapping[str, PackedRows], rows: int, *, sums: LMSums = lm_sums,
                  put_batch: Callable[[dict[str, np.ndarray]], Any] = lambda batch: batch,
                  process_index: int = 0, process_count: int = 1):
         self.splits, self.rows, self.put_batch = splits, rows, put_batch
         self.process_index, self.process_count = process_index, process_count
 
-        def sums(params, batch):
-            return lm_sums(model.apply({"params": params}, batch["input_ids"], deterministic=True), batch["labels"])
+        def batch_sums(params, batch):
+            return sums(model.apply({"params": params}, batch["input_ids"], deterministic=True), batch["labels"])
 
-        self._sums = jax.jit(sums)
+        self._sums = jax.jit(batch_sums)
 
     def evaluate_split(self, params: Params, name: str) -> dict[str, Any]:
         """``{"split", "loss", "nll", "perplexity", "tokens"}``: mean NLL per label over every row of the split."""
@@ -201,7 +241,7 @@ def _generate(model, params, prompt, rng, *, max_new_tokens, temperature, top_k)
     return tokens.T
 
 
-def generate(model: GPTLMHeadModel, params: Params, prompt: jax.Array | np.ndarray, *, max_new_tokens: int,
+def generate(model: nn.Module, params: Params, prompt: jax.Array | np.ndarray, *, max_new_tokens: int,
              rng: jax.Array, temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
     """``max_new_tokens`` ids continuing each row of ``prompt`` (B, P), (B, max_new_tokens) int32.
 
@@ -214,7 +254,7 @@ def generate(model: GPTLMHeadModel, params: Params, prompt: jax.Array | np.ndarr
       ValueError: an empty prompt, P + max_new_tokens beyond the model's positions, or a bad temperature/top_k.
     """
     prompt = jnp.asarray(prompt, jnp.int32)
-    limit = model.config.layer.max_seq_len
+    limit = model.max_positions
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must have shape (batch, length >= 1), got {prompt.shape}; start it with the "
                          "end-of-document id for unprompted samples")
@@ -229,7 +269,7 @@ def generate(model: GPTLMHeadModel, params: Params, prompt: jax.Array | np.ndarr
                      top_k=top_k)
 
 
-def sample_texts(model: GPTLMHeadModel, params: Params, tokenizer: gpt_data.Tokenizer, prompts: Sequence[str], *,
+def sample_texts(model: nn.Module, params: Params, tokenizer: gpt_data.Tokenizer, prompts: Sequence[str], *,
                  max_new_tokens: int, rng: jax.Array, temperature: float = 1.0, top_k: int | None = None
                  ) -> list[str]:
     """One continuation per prompt (a new document when the prompt is ""), as text: the prompt follows an

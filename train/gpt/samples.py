@@ -8,9 +8,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 
-from ls_jax.models.gpt import GPTLMHeadModel
 from train.gpt import data as gpt_data, model as gpt_model
 from train.errors import UsageError
 from train.gpt.config import GptConfig
@@ -24,7 +24,7 @@ class Sampler:
     """Generates ``len(prompts)`` texts from the current parameters (`train.gpt.model.sample_texts`), prints them
     and writes them to ``path``; deterministic in ``seed``."""
 
-    model: GPTLMHeadModel
+    model: nn.Module  # ls_jax's GPT-2 or the plain Flax one (`train.gpt.model.build_model`)
     tokenizer: gpt_data.Tokenizer
     prompts: tuple[str, ...]  # one per sample; "" starts a new document
     max_new_tokens: int
@@ -34,7 +34,7 @@ class Sampler:
     path: Path
 
     @classmethod
-    def from_config(cls, config: GptConfig, model: GPTLMHeadModel, tokenizer: gpt_data.Tokenizer,
+    def from_config(cls, config: GptConfig, model: nn.Module, tokenizer: gpt_data.Tokenizer,
                     run_dir: Path) -> Sampler:
         """``--samples`` texts cycling through ``--prompt`` (default: new documents).
 
@@ -47,7 +47,7 @@ class Sampler:
             raise UsageError(f"--top-k {config.top_k} exceeds the model's {vocab_size} tokens")
         given = config.prompt or [""]
         prompts = tuple(given[i % len(given)] for i in range(config.samples))
-        positions = model.config.layer.max_seq_len
+        positions = model.max_positions
         for prompt in dict.fromkeys(prompts):
             length = 1 + len(tokenizer.encode([prompt])[0])  # the end-of-document id opens every prompt
             if length + config.sample_tokens > positions:

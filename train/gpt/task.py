@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ls_jax.models.gpt import GPTLMHeadModel
 from train.data import tokenizer as tokenizer_lib
 from train.errors import UsageError
 from train.gpt import config as gpt_config
@@ -106,13 +105,17 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     model_cfg = pretrained.config if pretrained else gpt_model.preset_config(
         config.preset, vocab_size=data.tokenizer.size, max_seq_len=positions,
         **gpt_model.layer_overrides(config, precision))
-    model = GPTLMHeadModel(model_cfg)
+    try:
+        model = gpt_model.build_model(config.implementation, model_cfg)
+    except ValueError as err:
+        raise UsageError(f"--implementation flax with --init-from {config.init_from}: {err}") from err
+    sums = gpt_model.LM_SUMS[config.implementation]
     stream = gpt_data.LMBatchStream(
         data=data.splits["train"], rows=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
     )
     evaluator = gpt_model.Evaluator(
-        model, data.splits, config.batch_size, put_batch=lambda batch: parallel.put_batch(batch, row_axis=0),
+        model, data.splits, config.batch_size, sums=sums, put_batch=lambda batch: parallel.put_batch(batch, row_axis=0),
         process_index=jax.process_index(), process_count=jax.process_count(),
     )
     sampler = Sampler.from_config(config, model, data.tokenizer, run.run_dir)
@@ -125,8 +128,8 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     return TaskSetup(
         init_params=init_params,
         init_rng=jax.random.PRNGKey(config.seed),
-        pretrained_params=pretrained.params if pretrained else None,
-        loss_fn=gpt_model.make_loss_fn(model),
+        pretrained_params=gpt_model.params_for(config.implementation, pretrained.params) if pretrained else None,
+        loss_fn=gpt_model.make_loss_fn(model, sums),
         stream=stream,
         batch_shapes=[{name: (shape, jnp.int32) for name in ("input_ids", "labels")} for shape in stream.shapes()],
         flops_fn=gpt_model.make_flops_fn(model_cfg),
@@ -136,6 +139,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every,
         model_signature=gpt_model.model_signature(config, model_cfg),
+        implementation=config.implementation,
         model_name=resume.model_name(config),
         batch_record={"batch_size": config.batch_size, "grad_accum": config.grad_accum,
                       "seq_len": config.max_seq_len},

@@ -30,6 +30,26 @@ from train.harness import config as config_lib
 from train.harness.config import TrainingConfig, flag
 
 
+IMPLEMENTATIONS = ("flax", "ls_jax")
+"""What ``--implementation`` chooses: the plain Flax baseline of train/reference/ (written as Hugging Face's Flax
+models are, compiled by XLA) or the ls_jax model, whose non-GEMM work runs in the fused ops."""
+
+
+def add_implementation_argument(group: argparse._ArgumentGroup, baseline: str) -> None:
+    """``--implementation`` in a task's model group; ``baseline`` names the task's plain Flax model."""
+    group.add_argument("--implementation", choices=IMPLEMENTATIONS,
+                       help=f"ls_jax: the ls_jax model (fused ops: CUDA kernels or XLA, see --backend); flax: "
+                            f"{baseline}, plain Flax compiled by XLA; the same harness, optimizer, data, checkpoints "
+                            "and evaluation (default ls_jax)")
+
+
+def check_implementation(implementation: str, remat: str) -> None:
+    """Raises UsageError for what the plain Flax baseline cannot do: gradient checkpointing (``--remat``)."""
+    if implementation == "flax" and remat != "none":
+        raise UsageError(f"--remat {remat} needs --implementation ls_jax: the plain Flax baseline has no gradient "
+                         "checkpointing")
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")

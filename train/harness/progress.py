@@ -58,15 +58,18 @@ class Interval:
             self.counts[key] = self.counts.get(key, 0) + value
 
 
-def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[str, Any], model: str, params: int,
-               batch: Mapping[str, Any], data: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``run`` record that opens a run log; ``optimizer`` holds its ``optimizer*`` keys."""
+def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[str, Any], implementation: str,
+               model: str, params: int, batch: Mapping[str, Any], data: Mapping[str, Any],
+               config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``run`` record that opens a run log; ``optimizer`` holds its ``optimizer*`` keys, ``implementation``
+    says whose model trained (flax: the plain baseline, ls_jax: the fused one)."""
     return {
         **identity(task, run.run_id, run.command, run.started_utc),
         **hardware.record_fields(),
         "backend": backend_lib.active_backend(),
         "precision": hardware.precision,
         **optimizer,
+        "implementation": implementation,
         "model": model,
         "params": params,
         "batch": dict(batch),

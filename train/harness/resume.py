@@ -19,6 +19,11 @@ from train.records.checkpoints import CheckpointCorruptError, CheckpointMismatch
 from train.errors import UsageError
 
 
+# Signature keys added after checkpoints were written without them, and the value such a checkpoint has: before
+# --implementation every task trained the ls_jax model.
+SIGNATURE_LATER_KEYS: dict[str, Any] = {"implementation": "ls_jax"}
+
+
 def model_name(config: Any) -> str:
     """The preset's name, or the directory name of the pretrained model given by ``--init-from``."""
     return config.preset or Path(config.init_from).name
@@ -45,7 +50,8 @@ def restore_latest(
     ``damaged-checkpoints/`` in the run directory. The run log is left as it is (see `train.records.runlog.truncate_for_resume`).
 
     Raises:
-      UsageError: no checkpoint, none that verifies, or one written for another model or vocabulary.
+      UsageError: no checkpoint, none that verifies, or one written for another model, implementation or
+        vocabulary.
     """
     steps = checkpoints.all_steps()
     if not steps:
@@ -54,9 +60,10 @@ def restore_latest(
     damaged = []
     for step in reversed(steps):
         try:
-            restored, progress = checkpoints.restore(step, abstract, model_signature)
+            restored, progress = checkpoints.restore(step, abstract, model_signature, later_keys=SIGNATURE_LATER_KEYS)
         except CheckpointMismatchError as err:
-            raise UsageError(f"{err}; a resumed run needs the vocabulary and model it was trained with") from err
+            raise UsageError(f"{err}; a resumed run needs the vocabulary, model and implementation it was trained "
+                             "with") from err
         except CheckpointCorruptError as err:
             if jax.process_index() == 0:
                 print(f"warning: skipping checkpoint {step} in {checkpoints.directory}: {err}", file=sys.stderr)

@@ -61,7 +61,9 @@ class TaskSetup:
     steps: int
     eval_every: int  # 0: only at the end
     checkpoint_every: int
-    model_signature: dict[str, Any]  # what a checkpoint must agree on (the harness adds optimizer and precision)
+    model_signature: dict[str, Any]  # what a checkpoint must agree on (the harness adds the implementation,
+    # optimizer and precision)
+    implementation: str  # the model's implementation, `cli.IMPLEMENTATIONS`: the run record's and the signature's
     model_name: str  # the run record's model, batch, data and config
     batch_record: dict[str, Any]
     data_record: dict[str, Any]
@@ -178,7 +180,8 @@ def _train(task: Task, run: Run) -> int:
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
         if not config.resume:
             run_log.write(progress.run_record(
-                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout), model=setup.model_name,
+                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout),
+                implementation=setup.implementation, model=setup.model_name,
                 params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
                 config=setup.config_record,
             ))
@@ -221,7 +224,8 @@ def _prepare(task: Task, run: Run):
     parallel = DataParallel.over_all_devices()
 
     setup = task.setup(run, precision, parallel)
-    signature = {**setup.model_signature, "optimizer": config.optimizer, **precision_signature(config.master_weights, precision)}
+    signature = {**setup.model_signature, "implementation": setup.implementation, "optimizer": config.optimizer,
+                 **precision_signature(config.master_weights, precision)}
     param_dtype = master_dtype(config.master_weights, precision)
     tx = optimizer_lib.make_optimizer(config.optimizer, setup.learning_rate, weight_decay=config.weight_decay,
                                       clip_norm=config.clip_norm, master_dtype=param_dtype,

@@ -31,6 +31,7 @@ class ImdbConfig(TrainingConfig):
     batch_size: int = 32
     epochs: int = 3
     # model
+    implementation: str = "ls_jax"  # cli.IMPLEMENTATIONS
     preset: str | None = "bert-tiny"
     init_from: str | None = None
     num_labels: int | None = None  # 2, or the checkpoint's
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=int, help="passes over the training examples (--steps overrides it)")
 
     group = parser.add_argument_group("model")
+    cli.add_implementation_argument(group, "the BERT of train/reference/zoo.py, written as Hugging Face's Flax BERT "
+                                           "is (--init-from weights map onto it)")
     group.add_argument("--preset", help=f"BERT shape for a randomly initialized model: {', '.join(PRESETS)}")
     group.add_argument("--init-from", metavar="DIR",
                        help="a local Hugging Face BERT directory (config.json, model.safetensors or "
@@ -140,6 +143,7 @@ def check_config(config: ImdbConfig) -> None:
         fractions=("valid_fraction", "dropout"),
     )
     cli.check_choice(config, "preset", PRESETS)
+    cli.check_implementation(config.implementation, config.remat)
     if config.max_seq_len < 2:
         raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config.max_seq_len}")
     if config.init_from and config.num_labels is not None:

@@ -7,13 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ls_jax.models import BertForSequenceClassification
 from train.data import stream as data_lib
 from train.data.stream import host_rows
 from train.harness.parallel import DataParallel
 from train.harness.step import TrainState
 from train.imdb import data as imdb_data
-from train.imdb.model import classification_sums
+from train.imdb.model import Classifier, classification_sums
 
 
 
@@ -24,15 +23,12 @@ class Evaluator:
     evaluation split.
     """
 
-    def __init__(self, model: BertForSequenceClassification, data: imdb_data.Prepared, batch_size: int,
-                 parallel: DataParallel):
+    def __init__(self, classifier: Classifier, data: imdb_data.Prepared, batch_size: int, parallel: DataParallel):
         self.data, self.batch_size, self.parallel = data, batch_size, parallel
         self.splits = [name for name in imdb_data.SPLITS if name != "train" and name in data.splits]
-        pad_id = data.vocabulary.pad_id
 
         def sums(params, batch):
-            input_ids = batch["input_ids"]
-            logits = model.apply({"params": params}, input_ids, input_ids != pad_id, deterministic=True)
+            logits = classifier.logits(params, batch["input_ids"], deterministic=True)
             return classification_sums(logits, batch["labels"])
 
         self._sums = jax.jit(sums, out_shardings=parallel.replicated)

@@ -1,10 +1,12 @@
-"""BERT for ``python -m train.imdb``: the presets, the model from a preset or a local Hugging Face checkpoint, the
-classification loss and the FLOPs of a step."""
+"""BERT for ``python -m train.imdb``: the model from a preset or a local Hugging Face checkpoint, as ls_jax's BERT or
+the plain Flax one (`Classifier`), the classification loss and the FLOPs of a step."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -12,10 +14,13 @@ import optax
 from ls_jax.layers import LayerConfig
 from ls_jax.models import BertConfig, BertForSequenceClassification, hf
 from train.costs import metrics
-from train.harness import resume
-from train.errors import UsageError
 from train.costs.precision import PRECISION_DTYPES
+from train.errors import UsageError
+from train.harness import resume
 from train.imdb.config import PRESETS, ImdbConfig
+from train.reference import from_ls_jax
+from train.reference.zoo import ReferenceBert, ZooConfig
+
 
 def _layer_overrides(config: ImdbConfig, precision: str) -> dict[str, Any]:
     overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
@@ -51,6 +56,65 @@ def build_model(config: ImdbConfig, vocab_size: int, precision: str, rng: jax.Ar
     return model_cfg, params
 
 
+@dataclasses.dataclass(frozen=True)
+class Classifier:
+    """A BERT for sequence classification, ls_jax's or the plain Flax one of `train.reference.zoo` (written as
+    Hugging Face's Flax BERT is), called one way on right-padded rows."""
+
+    module: nn.Module
+    implementation: str  # "ls_jax" or "flax"
+    pad_id: int
+
+    def logits(self, params: Any, input_ids: jax.Array, *, deterministic: bool,
+               rng: jax.Array | None = None) -> jax.Array:
+        """input_ids (B, T) int, each row's tokens then ``pad_id`` -> logits (B, num_labels); dropout from
+        ``rng`` unless ``deterministic``."""
+        rngs = None if rng is None else {"dropout": rng}
+        real = input_ids != self.pad_id
+        if self.implementation == "flax":  # padding as each row's length, as the reference's attention takes it
+            lengths = jnp.sum(real, axis=-1, dtype=jnp.int32)
+            return self.module.apply({"params": params}, input_ids, lengths, deterministic, rngs=rngs)
+        return self.module.apply({"params": params}, input_ids, real, deterministic=deterministic, rngs=rngs)
+
+    def init(self, key: jax.Array, seq_len: int) -> Any:
+        """Random parameters for rows of ``seq_len`` tokens."""
+        return self.module.init(key, jnp.ones((1, seq_len), jnp.int32), None)["params"]
+
+
+def build_classifier(config: ImdbConfig, model_cfg: BertConfig, pretrained: Any, pad_id: int
+                     ) -> tuple[Classifier, Any]:
+    """The model of ``--implementation`` for ``model_cfg``, and the pretrained parameters (None: random) in its
+    layout.
+
+    Raises:
+      UsageError: the plain Flax BERT cannot compute this checkpoint's model (another activation, dropout).
+    """
+    if config.implementation == "ls_jax":
+        return Classifier(BertForSequenceClassification(model_cfg), "ls_jax", pad_id), pretrained
+    try:
+        reference = reference_config(model_cfg)
+    except ValueError as err:
+        raise UsageError(f"--implementation flax with --init-from {config.init_from}: {err}") from err
+    module = ReferenceBert(reference, num_labels=model_cfg.num_labels, type_vocab_size=model_cfg.type_vocab_size)
+    params = None if pretrained is None else from_ls_jax.bert_params(pretrained)
+    return Classifier(module, "flax", pad_id), params
+
+
+def reference_config(model_cfg: BertConfig) -> ZooConfig:
+    """The plain Flax BERT's configuration for ``model_cfg`` (`train.reference.from_ls_jax.zoo_config`).
+
+    Raises:
+      ValueError: the model differs from what the reference fixes, or its classifier dropout differs from the
+        hidden dropout (the reference drops the pooled vector by the hidden ratio).
+    """
+    layer = model_cfg.layer
+    if model_cfg.classifier_dropout not in (None, layer.hidden_dropout_ratio):
+        raise ValueError(f"the plain Flax bert cannot compute this model: classifier dropout "
+                         f"{model_cfg.classifier_dropout} (the reference's: the hidden dropout)")
+    return from_ls_jax.zoo_config(layer, kind="bert", vocab_size=model_cfg.vocab_size,
+                                  num_layers=model_cfg.num_layers)
+
+
 def model_signature(config: ImdbConfig, model_cfg: BertConfig) -> dict[str, Any]:
     stack = resume.stack_signature(config, model_cfg.vocab_size, model_cfg.layer, model_cfg.num_layers)
     return {**stack, "num_labels": model_cfg.num_labels}
@@ -67,16 +131,13 @@ def classification_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array
     return jnp.sum(jnp.where(real, losses, 0.0)), jnp.sum(real), jnp.sum(correct)
 
 
-def make_loss_fn(model: BertForSequenceClassification, pad_id: int):
+def make_loss_fn(classifier: Classifier):
     """The loop's loss: summed cross entropy per example, with the training accuracy as a reported sum."""
 
     def loss_fn(params, batch, rng):
-        input_ids = batch["input_ids"]
-        logits = model.apply(
-            {"params": params}, input_ids, input_ids != pad_id, deterministic=False, rngs={"dropout": rng}
-        )
+        logits = classifier.logits(params, batch["input_ids"], deterministic=False, rng=rng)
         loss_sum, examples, correct = classification_sums(logits, batch["labels"])
-        return loss_sum, examples, {"nll": loss_sum, "accuracy": correct}
+        return loss_sum, examples, {"nll": loss_sum}
 
     return loss_fn
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.models import BertConfig, BertForSequenceClassification
+from ls_jax.models import BertConfig
 from train.data import tokenizer as tokenizer_lib
 from train.errors import DataError, UsageError
 from train.harness import resume
@@ -40,7 +40,7 @@ from train.imdb import config as imdb_config
 from train.imdb import data as imdb_data
 from train.imdb.config import ImdbConfig, Schedule
 from train.imdb.evaluate import Evaluator
-from train.imdb.model import build_model, make_flops_fn, make_loss_fn, model_signature
+from train.imdb.model import build_classifier, build_model, make_flops_fn, make_loss_fn, model_signature
 
 
 
@@ -103,7 +103,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     _check_shapes(config, model_cfg, parallel)
     check_labels(data, model_cfg.num_labels,
                  "the checkpoint's config.json sets them" if config.init_from else "set --num-labels")
-    model = BertForSequenceClassification(model_cfg)
+    classifier, pretrained = build_classifier(config, model_cfg, pretrained, data.vocabulary.pad_id)
     stream = imdb_data.BatchStream(
         data.splits["train"], batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
@@ -111,26 +111,24 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     schedule = Schedule.resolve(config, stream.steps_per_epoch)
     rows, seq_len = config.batch_size, config.max_seq_len
 
-    def init_params(key: jax.Array) -> Any:
-        return model.init(key, jnp.ones((1, seq_len), jnp.int32))["params"]
-
     return TaskSetup(
-        init_params=init_params,
+        init_params=lambda key: classifier.init(key, seq_len),
         init_rng=model_key,
         pretrained_params=pretrained,
-        loss_fn=make_loss_fn(model, data.vocabulary.pad_id),
+        loss_fn=make_loss_fn(classifier),
         stream=stream,
         batch_shapes=[{
             "input_ids": ((config.grad_accum, rows, seq_len), jnp.int32),
             "labels": ((config.grad_accum, rows), jnp.int32),
         }],
         flops_fn=make_flops_fn(model_cfg),
-        evaluate=Evaluator(model, data, config.batch_size, parallel),
+        evaluate=Evaluator(classifier, data, config.batch_size, parallel),
         learning_rate=linear_warmup_decay(config.lr, schedule.warmup_steps, schedule.steps),
         steps=schedule.steps,
         eval_every=schedule.eval_every,
         checkpoint_every=schedule.checkpoint_every,
         model_signature=model_signature(config, model_cfg),
+        implementation=config.implementation,
         model_name=resume.model_name(config),
         batch_record={"batch_size": config.batch_size, "grad_accum": config.grad_accum},
         data_record={"source": config.data, **data.stats},

@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -231,8 +231,12 @@ class Checkpoints:
         restored = self._manager.restore(step, args=ocp.args.Composite(progress=ocp.args.JsonRestore()))
         return restored["progress"]
 
-    def restore(self, step: int, abstract_state: Any, model: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def restore(self, step: int, abstract_state: Any, model: dict[str, Any], *,
+                later_keys: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """The state and progress saved at ``step``, restored onto ``abstract_state``'s shapes and shardings.
+
+        ``later_keys`` are signature keys added after checkpoints were written without them, with the value such a
+        checkpoint has: a checkpoint lacking one is compared as if it held that value.
 
         Raises:
           CheckpointMismatchError: the checkpoint's ``model`` signature differs from ``model``.
@@ -243,6 +247,8 @@ class Checkpoints:
         except Exception as err:  # a truncated or overwritten JSON file, a missing item
             raise CheckpointCorruptError(f"its progress record cannot be read ({type(err).__name__})") from err
         saved = progress.get("model")
+        if saved is not None:
+            saved = {**(later_keys or {}), **saved}
         if saved != model:
             differences = ", ".join(
                 f"{key}: checkpoint {saved.get(key)!r} vs now {model.get(key)!r}"

@@ -39,7 +39,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "git_commit": _OPT_STR, "versions": (dict,), "host": (str,), "platform": (str,), "device_kind": (str,),
         "device_count": (int,), "peak_tflops_per_device": _OPT_NUM, "peak_source": _OPT_STR, "backend": (str,),
         "precision": (str,), "optimizer": (str,), "optimizer_implementation": _OPT_STR,
-        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT, "model": (str,), "params": (int,), "batch": (dict,),
+        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT,
+        "implementation": (str,), "model": (str,), "params": (int,), "batch": (dict,),
         "price_per_device_hour_usd": _OPT_NUM, "price_source": _OPT_STR, "energy_method": _OPT_STR,
         "data": (dict,), "config": (dict,),
     },
@@ -66,7 +67,8 @@ QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
 # always writes them.
 LATER_KEYS: dict[str, frozenset[str]] = {
-    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step"}),
+    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step",
+                      "implementation"}),
     "eval": frozenset({"perplexity"}),
     "summary": frozenset({"perplexity", "memory"}),
 }

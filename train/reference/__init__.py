@@ -3,4 +3,6 @@ ls_jax code, the same architectures and FLOPs as ls_jax's models.
 
   transformer   the WMT encoder-decoder Transformer
   zoo           BERT and GPT-2
+  losses        their criterion, label-smoothed cross entropy with optax
+  from_ls_jax   ls_jax's models as the references: their configurations and BERT and GPT-2 parameters
 """

@@ -13,7 +13,8 @@ cores, all compiled by XLA:
 The architectures match ``ls_jax.models.BertForSequenceClassification`` (post-LN, exact GELU, LayerNorm eps 1e-12,
 learned positions, token types, tanh pooler) and ``ls_jax.models.GPTLMHeadModel`` (pre-LN, tanh GELU, final
 LayerNorm, logits tied to the token table) with the same parameter count, so each pair does the same FLOPs.
-Parameters are float32 and every matmul runs in ``dtype`` (bf16 mixed precision).
+Parameters are float32 and every matmul runs in ``dtype`` (bf16 mixed precision). GPT-2 decodes incrementally
+with a key/value cache (``init_cache``, ``decode``), as ls_jax's GPT-2 does.
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ class SelfAttention(nn.Module):
     causal: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, lengths: jax.Array | None, deterministic: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, lengths: jax.Array | None, deterministic: bool, decode: bool = False
+                 ) -> jax.Array:
         cfg = self.config
         heads = (cfg.num_heads, cfg.hidden_size // cfg.num_heads)
         project = lambda name: nn.DenseGeneral(heads, dtype=cfg.dtype, kernel_init=INITIALIZER, name=name)(x)
         query, key, value = project("query"), project("key"), project("value")
-        if cfg.attention == "einsum":
+        if decode:
+            context = self._cached_attention(query, key, value)
+        elif cfg.attention == "einsum":
             context = self._einsum_attention(query, key, value, lengths, deterministic)
         else:
             context = jax.nn.dot_product_attention(
@@ -90,6 +94,30 @@ class SelfAttention(nn.Module):
             )
         return nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, kernel_init=INITIALIZER,
                                name="out")(context)
+
+    def _cached_attention(self, query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
+        """Causal attention while decoding (the einsum core, no dropout), with the keys and values of every
+        position so far in the "cache" collection, as Flax's ``MultiHeadDotProductAttention(decode=True)`` keeps
+        them but for L >= 1 new positions per call: query, key, value (B, L, heads, d) -> (B, L, heads, d).
+
+        The first call (from ``init_cache``, L = the length to decode) creates the zero cache of that length and
+        caches nothing; each later call writes its L keys and values after the cached ones, and new position i
+        attends to every cached position up to itself."""
+        cfg = self.config
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not initialized:
+            return self._einsum_attention(query, key, value, None, deterministic=True)
+        start, length = index.value, query.shape[1]
+        cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, key, start, axis=1)
+        cached_value.value = jax.lax.dynamic_update_slice_in_dim(cached_value.value, value, start, axis=1)
+        index.value = start + length
+        query_positions = start + jnp.arange(length)
+        key_positions = jnp.arange(cached_key.value.shape[1])
+        mask = (key_positions[None, :] <= query_positions[:, None])[None, None]  # (1, 1, L, max_len)
+        return nn.dot_product_attention(query, cached_key.value, cached_value.value, mask=mask, dtype=cfg.dtype)
 
     def _einsum_attention(self, query, key, value, lengths, deterministic: bool) -> jax.Array:
         cfg = self.config
@@ -173,32 +201,63 @@ class GPTBlock(nn.Module):
     config: ZooConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: bool, decode: bool = False) -> jax.Array:
         cfg = self.config
         norm = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name=name)
         drop = lambda h: nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         attention = SelfAttention(cfg, causal=True, name="self_attention")
-        x = x + drop(attention(norm("attention_layer_norm")(x), None, deterministic))
+        x = x + drop(attention(norm("attention_layer_norm")(x), None, deterministic, decode))
         return x + drop(FeedForward(cfg, approximate_gelu=True, name="feed_forward")(norm("output_layer_norm")(x)))
 
 
 class ReferenceGPT(nn.Module):
-    """GPT-2 language model: ``input_ids (B, T) -> logits (B, T, V)``, logits tied to the token table."""
+    """GPT-2 language model: ``input_ids (B, T) -> logits (B, T, V)``, logits tied to the token table.
+
+    Incremental decoding (the interface of ``ls_jax.models.GPTLMHeadModel``): ``init_cache`` makes the "cache"
+    collection, then each ``decode`` call feeds the next L >= 1 tokens (a prompt at once, then one at a time)."""
 
     config: ZooConfig
 
+    @property
+    def max_positions(self) -> int:
+        """The most positions a row (or a decoding cache) holds."""
+        return self.config.max_positions
+
     @nn.compact
-    def __call__(self, input_ids: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, deterministic: bool = True, decode: bool = False) -> jax.Array:
         cfg = self.config
         tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
                           name="token_embedding")
         positions = nn.Embed(cfg.max_positions, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
                              name="position_embedding")
         with jax.named_scope("decoder"):  # the stages of train.bench profile (kernel_trace.stage)
-            x = tokens(input_ids) + positions(jnp.arange(input_ids.shape[1])[None, :])
+            first = self._next_position(input_ids.shape[1]) if decode else 0
+            x = tokens(input_ids) + positions(first + jnp.arange(input_ids.shape[1])[None, :])
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
             for index in range(cfg.num_layers):
-                x = GPTBlock(cfg, name=f"layer_{index}")(x, deterministic)
+                x = GPTBlock(cfg, name=f"layer_{index}")(x, deterministic, decode)
             x = nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name="final_layer_norm")(x)
         with jax.named_scope("output_projection"):
             return tokens.attend(x)
+
+    def _next_position(self, length: int) -> jax.Array:
+        """The position of the first of ``length`` tokens being decoded; advances the cached count by ``length``
+        (on the call that creates the cache, from ``init_cache``, it stays 0)."""
+        initialized = self.has_variable("cache", "position")
+        position = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+        first = position.value
+        if initialized:
+            position.value = first + length
+        return first
+
+    def init_cache(self, batch_size: int, max_len: int) -> None:
+        """Creates the "cache" collection for ``max_len`` positions of ``batch_size`` rows (run with
+        mutable=["cache"]): every layer's keys/values (B, max_len, heads, d) at zero and the position at 0."""
+        if not 1 <= max_len <= self.config.max_positions:
+            raise ValueError(f"max_len must be in [1, max_positions={self.config.max_positions}], got {max_len}")
+        self(jnp.zeros((batch_size, max_len), jnp.int32), decode=True)
+
+    def decode(self, input_ids: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """The next L positions: input_ids (B, L) -> logits (B, L, V); each attends to every earlier cached
+        position and to itself, and the cache grows by L."""
+        return self(input_ids, deterministic=deterministic, decode=True)

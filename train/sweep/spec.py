@@ -14,8 +14,8 @@
     batch_size = [16, 64]        # converged run of the grids before it under that preset
     from_best = "balance"
 
-Axes (`AXES`): task, device, preset, optimizer, lr, precision, backend, remat, batch_size, max_tokens,
-max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
+Axes (`AXES`): task, device, preset, implementation, optimizer, lr, precision, backend, remat, batch_size,
+max_tokens, max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
 at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
 that is set; its name joins them.
 """
@@ -33,6 +33,7 @@ from typing import Any
 
 from ls_jax.layers.config import REMAT_MODES
 from train.errors import UsageError
+from train.harness.cli import IMPLEMENTATIONS
 from train.harness.optimizer import OPTIMIZERS
 from train.costs.precision import PRECISION_DTYPES
 from train.compare.scoring import WEIGHT_PRESETS
@@ -40,11 +41,12 @@ from train.compare.scoring import WEIGHT_PRESETS
 TASKS = ("imdb", "wmt", "gpt")
 BACKENDS = ("auto", "ffi", "xla")
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "task": TASKS, "optimizer": OPTIMIZERS, "precision": ("auto", *PRECISION_DTYPES), "backend": BACKENDS,
-    "remat": REMAT_MODES,
+    "task": TASKS, "implementation": IMPLEMENTATIONS, "optimizer": OPTIMIZERS, "precision": ("auto", *PRECISION_DTYPES),
+    "backend": BACKENDS, "remat": REMAT_MODES,
 }
 _COUNTS = ("batch_size", "max_tokens", "max_seq_len", "steps", "epochs")
-AXES = ("task", "device", "preset", "optimizer", "lr", "precision", "backend", "remat", *_COUNTS, "seed")
+AXES = ("task", "device", "preset", "implementation", "optimizer", "lr", "precision", "backend", "remat", *_COUNTS,
+        "seed")
 # Axes that are not a flag of the training command.
 _NOT_FLAGS = ("task", "device")
 # The short form of an axis in a run's name.
@@ -73,7 +75,7 @@ class Point:
 
     @property
     def name(self) -> str:
-        """E.g. ``imdb-bert-tiny-adan-fp32-xla-b32-l40-s300-seed0``: file-name safe, unique within a sweep."""
+        """E.g. ``imdb-bert-tiny-flax-adan-fp32-xla-b32-l40-s300-seed0``: file-name safe, unique within a sweep."""
         parts = [f"{_SHORT.get(key, '')}{value}" for key, value in self.axes if key != "device"]
         if self.device:
             parts.insert(1, self.device)

@@ -32,6 +32,7 @@ class WmtConfig(TrainingConfig):
     max_len: int | None = None  # the model's max_seq_len
     max_tokens: int = 2048
     # model and loss
+    implementation: str = "ls_jax"  # cli.IMPLEMENTATIONS
     preset: str = "transformer-tiny"
     dropout: float | None = 0.0  # the task has ample data, and CPU dropout masks are slow; None: the preset's
     label_smoothing: float = 0.1
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, help="padded tokens per device per micro-batch")
 
     group = parser.add_argument_group("model and loss")
+    cli.add_implementation_argument(group, "the Transformer of train/reference/transformer.py (Flax's attention "
+                                           "and its key/value cache for decoding)")
     group.add_argument("--preset", help=f"Transformer preset: {', '.join(PRESETS)}")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the preset")
     group.add_argument("--label-smoothing", type=float, help="label smoothing epsilon")
@@ -125,3 +128,4 @@ def check_config(config: WmtConfig) -> None:
         fractions=("label_smoothing", "dropout"),
     )
     cli.check_choice(config, "preset", PRESETS)
+    cli.check_implementation(config.implementation, config.remat)

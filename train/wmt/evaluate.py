@@ -6,20 +6,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 import sacrebleu
 
-from ls_jax.models import PAD_ID, Transformer
+from ls_jax.models import TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
-from ls_jax.ops import label_smoothed_cross_entropy
 from train.costs import metrics as metrics_lib
 from train.data import tokenizer as tokenizer_lib
 from train.harness.parallel import DataParallel
 from train.harness.step import TrainState
 from train.wmt import data as wmt_data
 from train.wmt.config import HOST_DECODE_MEMORY_MIB, WmtConfig
-from train.wmt.model import decode_row_bytes, decode_rows
+from train.wmt.model import Criterion, decode_row_bytes, decode_rows
 
 
 
@@ -49,15 +49,17 @@ class Evaluator:
     stops early.
     """
 
-    def __init__(self, model: Transformer, data: wmt_data.Prepared, config: WmtConfig, parallel: DataParallel):
-        self.model, self.data, self.config, self.parallel = model, data, config, parallel
-        self.epsilon = config.label_smoothing
-        self.decode_len = model.config.layer.max_seq_len
+    def __init__(self, model: nn.Module, model_cfg: TransformerConfig, criterion: Criterion, data: wmt_data.Prepared,
+                 config: WmtConfig, parallel: DataParallel):
+        """``model``: ls_jax's Transformer of ``model_cfg`` or the plain Flax one of its shape (`build_model`)."""
+        self.model, self.model_cfg, self.criterion = model, model_cfg, criterion
+        self.data, self.config, self.parallel = data, config, parallel
+        self.decode_len = model_cfg.layer.max_seq_len
         self._loss = jax.jit(self._loss_sums, out_shardings=parallel.replicated)
 
     def _loss_sums(self, params, batch):
         logits = self.model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=True)
-        return label_smoothed_cross_entropy(logits, batch["labels"], epsilon=self.epsilon, pad_id=PAD_ID)
+        return self.criterion(logits, batch["labels"])
 
     def _batches(self, data: wmt_data.ParallelData, limit: int | None, decoding: bool = False):
         """(global indices (rows,), device batch) over the first ``limit`` examples (all for None); for
@@ -83,8 +85,7 @@ class Evaluator:
     def decode_rows(self, src_len: int) -> int:
         """Rows of ``src_len`` tokens per decoding batch: as many as the budget holds, at least one per device."""
         beams = self.config.beam_size if self.config.decode == "beam" else 1
-        row_bytes = decode_row_bytes(self.model.config, src_len=src_len, decode_len=self.decode_len,
-                                               beams=beams)
+        row_bytes = decode_row_bytes(self.model_cfg, src_len=src_len, decode_len=self.decode_len, beams=beams)
         return decode_rows(self.decode_budget_bytes, row_bytes, num_shards=self.parallel.num_shards)
 
     def _decode(self, params, src: jax.Array) -> jax.Array:

@@ -1,18 +1,29 @@
-"""The Transformer of ``python -m train.wmt``: its configuration from a preset and the flags, the label-smoothed
-loss and the FLOPs of a step."""
+"""The Transformer of ``python -m train.wmt``: its configuration from a preset and the flags, the model of
+``--implementation`` (ls_jax's Transformer or the plain Flax one of `train.reference.transformer`), the
+label-smoothed loss and the FLOPs of a step."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Mapping
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 from ls_jax.ops import label_smoothed_cross_entropy
 from train.costs import metrics
-from train.harness import resume
 from train.costs.precision import PRECISION_DTYPES
+from train.harness import resume
+from train.reference import from_ls_jax
+from train.reference.losses import label_smoothed_sums
+from train.reference.transformer import ReferenceTransformer
 from train.wmt.config import WmtConfig
+
+Criterion = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+"""``criterion(logits (B, T, V), labels (B, T)) -> (summed label-smoothed loss, summed NLL, target tokens)``,
+padding (``PAD_ID``) left out."""
 
 
 def model_config(config: WmtConfig, vocab_size: int, precision: str) -> TransformerConfig:
@@ -24,6 +35,22 @@ def model_config(config: WmtConfig, vocab_size: int, precision: str) -> Transfor
             activation_dropout_ratio=config.dropout,
         )
     return TransformerConfig.preset(config.preset, vocab_size, **overrides)
+
+
+def build_model(implementation: str, model_cfg: TransformerConfig) -> nn.Module:
+    """ls_jax's Transformer of ``model_cfg``, or (``flax``) the plain Flax one of the same shape, dropout and dtype.
+    Both take ``(src, tgt_in, deterministic=...)`` and decode through `ls_jax.models.decoding`."""
+    if implementation == "ls_jax":
+        return Transformer(model_cfg)
+    return ReferenceTransformer(from_ls_jax.transformer_config(model_cfg))
+
+
+def make_criterion(implementation: str, epsilon: float) -> Criterion:
+    """The label-smoothed cross entropy of ``implementation``: ls_jax's fused op, or the plain one written with
+    optax (`train.reference.losses`); the same math (fairseq's target distribution)."""
+    if implementation == "ls_jax":
+        return functools.partial(label_smoothed_cross_entropy, epsilon=epsilon, pad_id=PAD_ID)
+    return functools.partial(label_smoothed_sums, epsilon=epsilon, ignore_label=PAD_ID)
 
 
 def model_signature(config: WmtConfig, model_cfg: TransformerConfig) -> dict[str, Any]:
@@ -38,14 +65,12 @@ def model_signature(config: WmtConfig, model_cfg: TransformerConfig) -> dict[str
     }
 
 
-def make_loss_fn(model: Transformer, epsilon: float):
+def make_loss_fn(model: nn.Module, criterion: Criterion):
     def loss_fn(params, batch, rng):
         logits = model.apply(
             {"params": params}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": rng}
         )
-        loss_sum, nll_sum, num_tokens = label_smoothed_cross_entropy(
-            logits, batch["labels"], epsilon=epsilon, pad_id=PAD_ID
-        )
+        loss_sum, nll_sum, num_tokens = criterion(logits, batch["labels"])
         return loss_sum, num_tokens, {"nll": nll_sum}
 
     return loss_fn
@@ -68,7 +93,9 @@ def make_flops_fn(model_cfg: TransformerConfig):
 
 def decode_row_bytes(model_cfg: TransformerConfig, *, src_len: int, decode_len: int, beams: int) -> int:
     """Device bytes one source row of ``src_len`` tokens needs while ``beams`` hypotheses of it are decoded for up
-    to ``decode_len`` tokens (`ls_jax.models.decoding`), in the model's compute dtype of b bytes:
+    to ``decode_len`` tokens (`ls_jax.models.decoding`), in the model's compute dtype of b bytes, by ls_jax's
+    Transformer (the plain Flax one caches the self-attention keys and values and the encoded source, and projects
+    the source's keys and values again at every step, one layer at a time: less than this bound):
 
         beams x [ 2 x 2 Ld (decode_len + src_len) H b     keys and values of every decoder layer, self and source
                                                           (twice: the cache reordered by beam beside the old one)

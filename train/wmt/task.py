@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ls_jax.models import Transformer
 from train.data import tokenizer as tokenizer_lib
 from train.errors import UsageError
 from train.harness.config import Run
@@ -37,7 +36,7 @@ from train.wmt import config as wmt_config
 from train.wmt import data as wmt_data
 from train.wmt.config import WmtConfig
 from train.wmt.evaluate import Evaluator
-from train.wmt.model import make_flops_fn, make_loss_fn, model_config, model_signature
+from train.wmt.model import build_model, make_criterion, make_flops_fn, make_loss_fn, model_config, model_signature
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -108,7 +107,8 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         raise UsageError(f"--max-len {max_len} exceeds the model's max_seq_len {max_seq_len} ({config.preset})")
     data = load_data(config, run.given.get("spm"), run.run_dir, max_len)
     model_cfg = model_config(config, data.stats["vocab_size"], precision)
-    model = Transformer(model_cfg)
+    model = build_model(config.implementation, model_cfg)
+    criterion = make_criterion(config.implementation, config.label_smoothing)
     stream = wmt_data.BatchStream(
         data.train, max_tokens=config.max_tokens, num_shards=parallel.num_shards, grad_accum=config.grad_accum,
         seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count(),
@@ -121,16 +121,17 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     return TaskSetup(
         init_params=init_params,
         init_rng=jax.random.PRNGKey(config.seed),
-        loss_fn=make_loss_fn(model, config.label_smoothing),
+        loss_fn=make_loss_fn(model, criterion),
         stream=stream,
         batch_shapes=[{name: (shape, jnp.int32) for name in ("src", "tgt_in", "labels")} for shape in stream.shapes()],
         flops_fn=make_flops_fn(model_cfg),
-        evaluate=Evaluator(model, data, config, parallel),
+        evaluate=Evaluator(model, model_cfg, criterion, data, config, parallel),
         learning_rate=inverse_sqrt_schedule(config.lr, config.warmup_steps),
         steps=config.steps,
         eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every,
         model_signature=model_signature(config, model_cfg),
+        implementation=config.implementation,
         model_name=config.preset,
         batch_record={"max_tokens": config.max_tokens, "grad_accum": config.grad_accum},
         data_record={"source": config.data, **data.stats},

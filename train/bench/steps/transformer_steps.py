@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from train.costs import metrics
-from train.reference.transformer import ReferenceConfig, ReferenceTransformer, label_smoothed_loss
+from train.reference.losses import label_smoothed_sums
+from train.reference.transformer import ReferenceConfig, ReferenceTransformer
 
 VOCAB = 32768
 SEQ_LEN = 64
@@ -155,7 +156,7 @@ def reference_step(shape: ModelShape, batch) -> TrainStep:
     def loss_fn(params, batch, dropout_rng):
         logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
         with jax.named_scope("criterion"):
-            loss_sum, count = label_smoothed_loss(logits, batch["labels"], LABEL_SMOOTHING)
+            loss_sum, _, count = label_smoothed_sums(logits, batch["labels"], epsilon=LABEL_SMOOTHING, ignore_label=0)
         return loss_sum / count
 
     return optax_adamw_step(loss_fn, params, batch)

@@ -15,6 +15,7 @@ from ls_jax.models import BertConfig, PAD_ID, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.models.gpt import GPTConfig
 from ls_jax.ops import label_smoothed_cross_entropy
+from test_train_imdb import csv_data, csv_job  # noqa: F401 - csv_data is a fixture
 from test_train_wmt import SMALL, compilation_cache, corpus_dir  # noqa: F401 - fixtures
 from train.errors import EXIT_USAGE
 from train.gpt import model as gpt_model
@@ -225,18 +226,23 @@ def train_resume_refuse(task, args, run_dir, capsys):
     return records
 
 
+def final_evals(records):
+    """The evaluation records of the last step (each run's last step is evaluated: 2, then 4 after resuming)."""
+    return [r for r in records if r["type"] == "eval" and r["step"] == records[-1]["steps"]]
+
+
 @pytest.mark.slow
-def test_imdb_trains_resumes_and_records_flax(tmp_path, compilation_cache, capsys):  # noqa: F811
-    records = train_resume_refuse(imdb.TASK, ["--max-seq-len", "24", "--batch-size", "8", "--vocab-size", "200",
-                                              "--eval-every", "0"], tmp_path / "run", capsys)
-    finals = [r for r in records if r["type"] == "eval"]
+def test_imdb_trains_resumes_and_records_flax(tmp_path, csv_data, compilation_cache, capsys):  # noqa: F811
+    records = train_resume_refuse(imdb.TASK, csv_job(csv_data, tmp_path / "run", "--eval-every", "0"),
+                                  tmp_path / "run", capsys)
+    finals = final_evals(records)
     assert [r["split"] for r in finals] == ["valid", "test"] and all(0 <= r["accuracy"] <= 1 for r in finals)
 
 
 @pytest.mark.slow
 def test_wmt_trains_resumes_and_scores_bleu_with_flax(tmp_path, corpus_dir, compilation_cache, capsys):  # noqa: F811
     records = train_resume_refuse(wmt.TASK, ["--data", f"text:{corpus_dir}", *SMALL], tmp_path / "run", capsys)
-    finals = [r for r in records if r["type"] == "eval" and r["step"] == 4]
+    finals = final_evals(records)
     assert {r["split"] for r in finals} == {"valid", "test"}
     assert all(r["bleu"] is not None and r["bleu"] >= 0 for r in finals)  # decoded by the reference's cache
 
@@ -246,6 +252,6 @@ def test_gpt_trains_resumes_and_samples_with_flax(tmp_path, compilation_cache, c
     run_dir = tmp_path / "run"
     records = train_resume_refuse(gpt.TASK, ["--batch-size", "4", "--max-seq-len", "32", "--eval-every", "0",
                                              "--samples", "1", "--sample-tokens", "8"], run_dir, capsys)
-    assert [r["split"] for r in records if r["type"] == "eval"] == ["valid"]
+    assert [r["split"] for r in final_evals(records)] == ["valid"]
     assert (run_dir / "samples.txt").read_text().startswith("# 1 samples")
     assert json.loads((run_dir / "config.json").read_text())["implementation"] == "flax"

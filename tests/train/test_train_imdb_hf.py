@@ -60,8 +60,23 @@ def test_init_from_gives_transformers_logits_on_the_same_text(bert_dir):
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
 
 
+def test_the_flax_implementation_takes_the_checkpoint_and_gives_transformers_logits(bert_dir):
+    """--implementation flax --init-from: the checkpoint's weights mapped onto the plain Flax BERT."""
+    directory, reference = bert_dir
+    texts = ["The movie was NOT very good", "a truly awful films", "fun"]
+    config = imdb_config.resolve_config({"init_from": str(directory), "implementation": "flax"})
+    vocabulary = imdb_data.HuggingFaceVocabulary.load(directory)
+    model_cfg, params = imdb_model.build_model(config, vocabulary.size, "fp32", jax.random.PRNGKey(0))
+    classifier, reference_params = imdb_model.build_classifier(config, model_cfg, params, vocabulary.pad_id)
+    assert classifier.implementation == "flax" and "word_embedding" in reference_params
+    encoded = imdb_data.encode_split(vocabulary, imdb_data.Split(texts, np.zeros(3, np.int64), "t"), max_len=16)
+    _, expected = transformers_logits(reference, directory, texts, 16)
+    logits = classifier.logits(reference_params, jnp.asarray(encoded.input_ids), deterministic=True)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
+
+
 @pytest.mark.slow
-def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, csv_data, tmp_path):
+def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, csv_data, tmp_path):  # noqa: F811
     directory, reference = bert_dir
     train, test = csv_data
     run_dir = tmp_path / "run"
@@ -82,7 +97,7 @@ def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, c
 
 
 @pytest.mark.slow
-def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):
+def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):  # noqa: F811
     directory = tmp_path / "encoder"
     save_tiny_bert(directory, with_classifier=False)
     train, test = csv_data
@@ -103,7 +118,7 @@ def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):
     ],
     ids=["max-seq-len", "preset", "num-labels"],
 )
-def test_bad_input_with_init_from(bert_dir, csv_data, tmp_path, capsys, extra, message):
+def test_bad_input_with_init_from(bert_dir, csv_data, tmp_path, capsys, extra, message):  # noqa: F811
     train, test = csv_data
     args = ["--init-from", str(bert_dir[0]), "--data", f"csv:{train}", "--run-dir", str(tmp_path / "r"), *extra]
     assert run_training(imdb.TASK, args) == 2

@@ -70,9 +70,10 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.wmt",
-        description="Train the ls-jax Transformer for translation; with no arguments, a few minutes on the "
-                    "embedded synthetic task. Every run writes config.json, spm.model, run.jsonl "
-                    "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
+        description="Train the ls-jax Transformer (or the plain Flax one: --implementation flax) for translation; "
+                    "with no arguments, a few minutes on the embedded synthetic task. Every run writes config.json, "
+                    "spm.model, run.jsonl (docs/run-log.md), TensorBoard events and checkpoints to its run "
+                    "directory.",
         epilog=cli.defaults_epilog(WmtConfig, REAL_DATA_DEFAULTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them

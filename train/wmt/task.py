@@ -1,5 +1,8 @@
 """Train the ls-jax Transformer for translation: ``python -m train.wmt [--data ...] [options]``.
 
+``--implementation flax`` trains the plain Flax Transformer of `train.reference.transformer` instead, through the
+same harness, checkpoints, run log and BLEU.
+
 With no arguments it trains ``transformer-tiny`` on the embedded synthetic translation task (`train.wmt.synthetic`)
 for a few minutes on any machine and reports BLEU on its held-out test set. With ``--data text:DIR`` or
 ``--data tfds:wmt14_translate/de-en`` it trains on real parallel text with a shared sentencepiece vocabulary.

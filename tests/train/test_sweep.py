@@ -193,8 +193,43 @@ def test_cli_reports_bad_spec_and_missing_file(tmp_path, capsys):
 def test_device_in_out_is_this_machines_device():
     spec = sweep_spec.parse('name = "x"\nout = "docs/results/sweep-{device}"\n[axes]\ntask = "imdb"')
     assert sweep.with_device_in_out(spec, lambda: "H100-SXM").out == Path("docs/results/sweep-h100-sxm")
-    gpu = sweep.load_spec(sweep.DEFAULT_SPEC.parent / "bert-gpu.toml")
-    assert len(sweep_spec.points(gpu)) == 12 and gpu.grids[1].from_best == "balance"
+
+
+GPU_SPEC = sweep.DEFAULT_SPEC.parent / "bert-gpu.toml"
+
+
+def test_the_gpu_spec_is_the_studys_grid_on_bert_base():
+    """implementation x optimizer on bert-base at 512 tokens in bf16, then fp32, 256 tokens and batch 16 and 8 for
+    the best run of the grids before."""
+    spec = sweep.load_spec(GPU_SPEC)
+    first = sweep_spec.points(spec)  # what runs before any best is known
+    assert {(p.values["implementation"], p.values["optimizer"]) for p in first} == {
+        ("flax", "optax-adamw"), ("ls_jax", "optax-adamw"), ("flax", "adan"), ("ls_jax", "adan")}
+    assert len(first) == 4
+    for point in first:
+        assert (point.task, point.values["preset"], point.values["max_seq_len"], point.values["batch_size"],
+                point.values["precision"]) == ("imdb", "bert-base", 512, 32, "bf16")
+    assert [grid.from_best for grid in spec.grids] == [None, None, "balance", "balance", "balance"]
+    best = {**first[3].values}
+    later = sweep_spec.points(spec, [None, None, best, best, best])[4:]
+    assert [(p.values["implementation"], p.values["precision"], p.values["max_seq_len"], p.values["batch_size"])
+            for p in later] == [("flax", "fp32", 512, 32), ("ls_jax", "fp32", 512, 32),
+                                ("flax", "bf16", 256, 32), ("ls_jax", "bf16", 256, 32),
+                                (best["implementation"], "bf16", 512, 16), (best["implementation"], "bf16", 512, 8)]
+    assert all(p.values["optimizer"] == best["optimizer"] and p.values["lr"] == best["lr"] for p in later)
+    assert "--implementation" in first[0].flags(spec.flags) and "--no-tensorboard" in first[0].flags(spec.flags)
+
+
+def test_the_gpu_spec_dry_run_lists_its_runs(tmp_path, capsys):
+    assert sweep.main([str(GPU_SPEC), "--device", "H100-SXM", "--out", str(tmp_path / "out"), "--dry-run"],
+                      runner=never) == 0
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines() if ": would run python -m train.imdb " in line]
+    assert len(runs) == 4 and runs[0].startswith("[1/4] imdb-bert-base-flax-optax-adamw-")
+    assert all("--preset bert-base" in line and "--max-seq-len 512" in line for line in runs)
+    assert {line.split("--implementation ")[1].split()[0] for line in runs} == {"flax", "ls_jax"}
+    assert out.count("no converged run of the grids before it has finished here yet") == 3
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_default_spec_parses_and_expands_to_a_small_cpu_grid():

@@ -123,7 +123,7 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     assert "320 kJ (estimated)" in stdout and "114 kJ (measured)" in stdout
     assert f"| {H100_XLA['time'] / H100_FFI['time']:.2f}x" in stdout
     ranked = [line for line in stdout.splitlines() if line.startswith("| 1    |")]
-    assert ranked and "20260105T101500Z-f3e9a1" in ranked[0]
+    assert ranked and "| h100-ffi |" in ranked[0]  # runs are named by their run directories
     assert "did not converge (BLEU 0.1244 misses the threshold 1): shown, never ranked" in stderr
     assert "different amounts of data" in stderr
 
@@ -138,6 +138,9 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     for value in expected_scores:
         assert f"{value:.4f}" in text
     assert "## Notes" in text and str(DATA / "tpu-v3-8" / "run.jsonl") in text
+    assert "- #2 h100-ffi (run id 20260105T101500Z-f3e9a1): `" in text
+    ratios = next(line for line in text.splitlines() if line.startswith("| #") and "speedup" in line)
+    assert all(cell.strip() for cell in ratios.strip("|").split("|"))  # every column has a header
 
 
 def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs):
@@ -192,7 +195,7 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
-    (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be positive"),
+    (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
     (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
     (lambda records: records[0].update(schema=2), r"schema 2; this version of ls-jax reads schema 1"),
     (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
@@ -234,10 +237,42 @@ def test_runs_without_summary_are_skipped_with_a_note(tmp_path, capsys):
 def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
     records = _lines("tpu-v3-8")
     records[-1].update(completed=False, stop_reason="signal", steps=1200)
-    runs, _ = run_logs.load_runs([_write(tmp_path / "run.jsonl", records)])
+    runs, _ = run_logs.load_runs([_write(tmp_path / "tpu-run" / "run.jsonl", records)])
     notes = scoring.compare(runs).notes
-    assert notes == ["#1 20260106T080000Z-e5d6f7 stopped early (signal) after 1200 steps: its totals cover only "
-                     "that part"]
+    assert notes == ["#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part"]
+
+
+def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_path, capsys):
+    logs = tmp_path / "runs"
+    for name in ("h100-ffi", "h100-xla"):
+        _write(logs / name / "run.jsonl", _lines(name))
+    nan_time = _lines("tpu-v3-8")
+    nan_time[-1]["train_time_s"] = float("nan")
+    nan_log = _write(logs / "nan-time" / "run.jsonl", nan_time)  # json.dumps writes the NaN token
+    assert "NaN" in nan_log.read_text()
+    stopped = _lines("cpu-tiny")  # the summary of a run stopped while compiling, as the harness writes it
+    stopped[-1].update(completed=False, stop_reason="signal", steps=0, train_time_s=0.0, cost_usd=None)
+    _write(logs / "stopped" / "run.jsonl", stopped)
+    binary = logs / "binary" / "run.jsonl"
+    binary.parent.mkdir()
+    binary.write_bytes((DATA / "h100-ffi" / "run.jsonl").read_bytes().replace(b"NVIDIA", b"\xff\xfeNVIDIA"))
+    broken = logs / "broken" / "run.jsonl"
+    broken.parent.mkdir()
+    lines = (DATA / "h100-ffi" / "run.jsonl").read_text().splitlines()
+    broken.write_text("\n".join([lines[0], lines[1][:30], *lines[2:]]) + "\n")
+
+    assert compare.main([str(logs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "nan" not in out.lower()
+    for name in ("h100-ffi", "h100-xla"):
+        assert f"| {name} " in out
+    for name in ("nan-time", "stopped", "binary", "broken"):
+        assert f"| {name} " not in out
+    assert f"left out run 20260106T080000Z-e5d6f7 ({nan_log}:" in err and "train_time_s=nan is not a finite" in err
+    assert "it stopped before its first step" in err
+    assert f"left out {binary}: {binary}: not a UTF-8 text file" in err
+    assert f"left out {broken}: {broken}:2: not valid JSON" in err
+    assert "Traceback" not in err
 
 
 def test_only_unfinished_runs_is_an_error(tmp_path):
@@ -346,7 +381,7 @@ def test_logs_under_docs_results_compare_with_the_fixtures(log, tmp_path):
     runs, _ = run_logs.load_runs([log, DATA])
     assert runs[0].source == log.resolve()
     comparison = scoring.compare(run_logs.select_task(runs, runs[0].task))
-    assert compare.write_report(comparison, tmp_path, "pytest").read_text().count(runs[0].run_id) >= 3
+    assert compare.write_report(comparison, tmp_path, "pytest").read_text().count(runs[0].name) >= 3
 
 
 @pytest.mark.parametrize("log", sorted(DATA.glob("*/run.jsonl")), ids=lambda path: path.parent.name)

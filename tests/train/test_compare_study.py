@@ -21,7 +21,8 @@ def template():
 
 def _run(template, number, *, time, cost, energy, mfu, accuracy, precision="bf16", optimizer="adan",
          estimated=False):
-    return dataclasses.replace(template, run_id=f"run-{number}", task="imdb", bleu=None, accuracy=accuracy,
+    return dataclasses.replace(template, run_id=f"run-{number}", source=Path(f"run-{number}", "run.jsonl"),
+                               task="imdb", bleu=None, accuracy=accuracy,
                                train_time_s=time, cost_usd=cost, energy_j=energy, mfu=mfu, precision=precision,
                                optimizer=optimizer, energy_estimated=estimated)
 

@@ -101,7 +101,7 @@ def utilization_section(comparison: scoring.Comparison, measured: list[measured_
 def print_summary(comparison: scoring.Comparison) -> None:
     baseline = comparison.runs[comparison.baseline]
     print(tables.markdown_table(*tables.runs_table(comparison)))
-    print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label}):")
+    print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.name} ({baseline.configuration_label}):")
     print(tables.markdown_table(*tables.ratios_table(comparison)))
     print("\n" + tables.score_explanation(comparison))
     print(tables.markdown_table(*tables.score_table(comparison)) if comparison.ranking else "No run could be scored.")

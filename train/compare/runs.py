@@ -2,7 +2,9 @@
 
 Each run is a ``run`` record (its configuration) followed, when it ended, by a ``summary`` record (its results).
 Every record read is checked against the run log's one schema (`train.records.runlog.validate`); a problem is named by
-file, line and key. A log normally holds one run; every ``run`` record starts a new one.
+file, line and key. A log normally holds one run; every ``run`` record starts a new one. A log that cannot be read,
+and a run whose summary holds no usable training time (a run stopped before its first step, a NaN), are left out
+with a note naming them; the other logs are compared.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ class Run:
     model: str
     params: int | None
     batch_size: int
-    batch_unit: str  # "tokens" (max tokens per batch) or "examples"
+    batch_unit: str  # "tokens" (max tokens per batch), "examples", or "rows of L tokens" (packed LM rows)
     grad_accum: int
     steps: int
     trained: int | None  # how much data the run trained on, in trained_unit
@@ -49,6 +52,12 @@ class Run:
     accuracy: float | None
     perplexity: float | None  # gpt; logs written before it was logged lack it
     memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/costs/memory.py); older logs lack it
+
+    @property
+    def name(self) -> str:
+        """The run's name in reports: its run directory's name (a sweep names each by its point), or the log
+        file's own name when it is not a run directory's ``run.jsonl``."""
+        return self.source.parent.name if self.source.name == runlog.LOG_FILENAME else self.source.stem
 
     @property
     def configuration(self) -> tuple[str, int, str, str]:
@@ -97,12 +106,34 @@ def _is_int(value: Any) -> bool:
 
 
 def _batch(batch: dict[str, Any], where: str) -> tuple[int, str, int]:
-    """(size, unit, grad_accum) of a ``batch`` entry: {max_tokens or batch_size, grad_accum}."""
+    """(size, unit, grad_accum) of a ``batch`` entry: {max_tokens or batch_size, grad_accum}; a batch of packed
+    rows (``seq_len`` given, as GPT's) counts rows of that many tokens."""
     sizes = [(batch[key], unit) for key, unit in (("max_tokens", "tokens"), ("batch_size", "examples")) if key in batch]
     accum = batch.get("grad_accum")
     if len(sizes) != 1 or not _is_int(sizes[0][0]) or not _is_int(accum) or accum < 1:
         raise ValueError(f"{where}: batch={batch!r} must hold max_tokens or batch_size, and grad_accum >= 1 (integers)")
-    return sizes[0][0], sizes[0][1], accum
+    size, unit = sizes[0]
+    if unit == "examples" and _is_int(batch.get("seq_len")):
+        unit = f"rows of {batch['seq_len']} tokens"
+    return size, unit, accum
+
+
+class UnusableRun(ValueError):
+    """A well-formed run whose summary cannot be compared (no finite, positive training time): left out with a
+    note, the other runs are compared."""
+
+
+def _check_usable(results: dict[str, Any], run_id: str, where: str) -> None:
+    """Raises UnusableRun for a run that trained no step, and for a non-finite number anywhere in its summary (the
+    harness logs those as null, so such a log was changed by hand) or a training time that is not > 0."""
+    if results["train_time_s"] == 0 and results["steps"] == 0:
+        raise UnusableRun(f"left out run {run_id} ({where}): it stopped before its first step, so it has no time "
+                          "to compare")
+    for key, value in results.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UnusableRun(f"left out run {run_id} ({where}): {key}={value} is not a finite number")
+    if results["train_time_s"] <= 0:
+        raise UnusableRun(f"left out run {run_id} ({where}): train_time_s={results['train_time_s']} must be > 0")
 
 
 def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict[str, Any], where: str) -> Run:
@@ -111,8 +142,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         raise ValueError(f"{run_where}: run-log schema {config['schema']}; this version of ls-jax reads schema "
                          f"{runlog.SCHEMA_VERSION}")
     results = _checked(summary, where)
-    if results["train_time_s"] <= 0:
-        raise ValueError(f"{where}: train_time_s={results['train_time_s']} must be positive")
+    _check_usable(results, config["run_id"], where)
     if (results["energy_j"] is None) != (results["energy_source"] is None):
         raise ValueError(f"{where}: energy_j and energy_source must both be null or both be set, got "
                          f"{results['energy_j']!r} and {results['energy_source']!r}")
@@ -208,7 +238,10 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
                          "(still running, or killed before it could finish its log)")
             continue
         summary_number, summary = summaries[-1]
-        runs.append(_run(path, run_record, f"{path}:{run_number}", summary, f"{path}:{summary_number}"))
+        try:
+            runs.append(_run(path, run_record, f"{path}:{run_number}", summary, f"{path}:{summary_number}"))
+        except UnusableRun as err:
+            notes.append(str(err))
     return runs, notes
 
 
@@ -223,9 +256,16 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
     for entry in map(Path, paths):
         if entry.is_dir():
             candidates = sorted(entry.rglob("*.jsonl"))
-            logs = [path for path in candidates if is_run_log(path)]
+            logs, unreadable = [], []
+            for path in candidates:
+                try:
+                    if is_run_log(path):
+                        logs.append(path)
+                except OSError as err:
+                    unreadable.append(path)
+                    notes.append(f"left out {path}: {err.strerror or err}")
             notes += [f"passed over {path}: not a run log (no 'run' record first)" for path in candidates
-                      if path not in logs]
+                      if path not in logs and path not in unreadable]
             if not logs:
                 raise FileNotFoundError(f"{entry}: no run logs (*.jsonl starting with a 'run' record) in this directory")
         elif entry.is_file():
@@ -237,16 +277,21 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
 
 
 def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
-    """Every run with a summary in the logs named by ``paths`` (files or directories), and notes on what was left out.
+    """Every run with a summary in the logs named by ``paths`` (files or directories), and notes on what was left out:
+    runs without a summary or a usable time, and logs that cannot be read (each note names the file, line and key).
 
     Raises:
       FileNotFoundError: a path does not exist, or a directory holds no run log.
-      ValueError: a log is malformed (the message names the file, line and key), or no run has a summary.
+      ValueError: no run is left to compare (the message holds the notes).
     """
     logs, notes = find_run_logs(paths)
     runs: list[Run] = []
     for log in logs:
-        log_runs, log_notes = read_run_log(log)
+        try:
+            log_runs, log_notes = read_run_log(log)
+        except (ValueError, OSError) as err:
+            notes.append(f"left out {log}: {getattr(err, 'strerror', None) or err}")
+            continue
         runs += log_runs
         notes += log_notes
     first_seen: dict[str, Run] = {}

@@ -205,14 +205,14 @@ def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAU
     notes = list(notes)
     for index, (run, verdict) in enumerate(zip(runs, verdicts)):
         if verdict is not None:
-            notes.append(f"#{index + 1} {run.run_id} did not converge ({verdict}): shown, never ranked")
+            notes.append(f"#{index + 1} {run.name} did not converge ({verdict}): shown, never ranked")
         if not run.completed:
-            notes.append(f"#{index + 1} {run.run_id} stopped early ({run.stop_reason}) after {run.steps} steps: its "
+            notes.append(f"#{index + 1} {run.name} stopped early ({run.stop_reason}) after {run.steps} steps: its "
                          "totals cover only that part")
         if scores[index] is None and converged[index]:
             missing = missing_terms(run, weights)
             names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
-            notes.append(f"#{index + 1} {run.run_id} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
+            notes.append(f"#{index + 1} {run.name} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
                          "unknown (null in its log) and weighted; a weight of 0 for a term scores runs without it")
     work_note = _unequal_work_note(runs)
     if work_note:

@@ -61,7 +61,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.backend, run.precision,
+            f"{index + 1}", run.name, run.device_kind, f"{run.device_count}", run.backend, run.precision,
             run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
@@ -77,11 +77,11 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def ratios_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: speedup, cost ratio and energy ratio of each run against the baseline."""
-    header = ["#", "run", "device", "backend", "precision", "speedup", "cost ratio", "energy ratio", ""]
+    header = ["#", "run", "device", "backend", "precision", "speedup", "cost ratio", "energy ratio", "role"]
     rows = []
     for index, (run, ratios) in enumerate(zip(comparison.runs, comparison.ratios)):
         rows.append([
-            f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, f"{ratios.speedup:.2f}x",
+            f"{index + 1}", run.name, run.device_kind, run.backend, run.precision, f"{ratios.speedup:.2f}x",
             _optional(ratios.cost, lambda ratio: f"{ratio:.2f}x"),
             _optional(ratios.energy, lambda ratio: f"{ratio:.2f}x"),
             "baseline" if index == comparison.baseline else "",
@@ -97,7 +97,7 @@ def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         run, score = comparison.runs[index], comparison.scores[index]
         terms = [_optional(term, lambda value: f"{value:.3f}")
                  for term in (score.time, score.cost, score.energy, score.utilization)]
-        rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.backend, run.precision, *terms,
+        rows.append([f"{rank}", f"{index + 1}", run.name, run.device_kind, run.backend, run.precision, *terms,
                      f"{score.value:.4f}"])
     return header, rows
 
@@ -181,7 +181,7 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         f"Created {created} by `{command}` from {len(comparison.runs)} runs of task `{baseline.task}`.",
         "## Runs",
         markdown_table(*runs_table(comparison)),
-        f"## Against the baseline: #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label})",
+        f"## Against the baseline: #{comparison.baseline + 1} {baseline.name} ({baseline.configuration_label})",
         "Speedup = baseline time / run time; cost and energy ratios = run / baseline.",
         markdown_table(*ratios_table(comparison)),
         "## Weighted score",
@@ -209,6 +209,6 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
     ]
     if comparison.notes:
         sections += ["## Notes", "\n".join(f"- {note}" for note in comparison.notes)]
-    sections += ["## Sources", "\n".join(f"- #{index + 1} {run.run_id}: `{run.source}`"
+    sections += ["## Sources", "\n".join(f"- #{index + 1} {run.name} (run id {run.run_id}): `{run.source}`"
                                          for index, run in enumerate(comparison.runs))]
     return "\n\n".join(sections) + "\n"

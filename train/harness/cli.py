@@ -30,6 +30,9 @@ from train.harness import config as config_lib
 from train.harness.config import TrainingConfig, flag
 
 
+SEED_LIMIT = 2**32
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")
@@ -106,7 +109,8 @@ def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, A
 
 def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
                  fractions: Iterable[str] = ()) -> None:
-    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); every task's ``lr`` must
+    be > 0, ``seed`` in [0, 2**32) and ``price_per_hour`` >= 0."""
     for name, ok, rule in [*((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
                            *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
                            *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions)]:
@@ -115,6 +119,11 @@ def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), no
             raise UsageError(f"{flag(name)} must be {rule}, got {value}")
     if not (math.isfinite(config.lr) and config.lr > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
+    if not 0 <= config.seed < SEED_LIMIT:  # a JAX key holds 32 bits of a seed: larger ones would repeat others
+        raise UsageError(f"--seed must be an integer in [0, {SEED_LIMIT}), got {config.seed}")
+    price = config.price_per_hour
+    if price is not None and not (math.isfinite(price) and price >= 0):
+        raise UsageError(f"--price-per-hour must be a finite number >= 0, got {price}")
 
 
 def check_choice(config: TrainingConfig, name: str, choices: Iterable[str]) -> None:
@@ -161,22 +170,28 @@ def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
 
 
 def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:
-    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do."""
+    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do.
+
+    Every command offered works: ``--resume`` of a run stopped before its first checkpoint starts it again from
+    step 0 (`train.records.rundir`)."""
     saved = checkpoints.all_steps()
-    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint"
+    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else None
     if result.stop_reason == "nan":
-        print(f"error: the loss or the parameters became non-finite after step {result.steps}; the last good "
-              f"checkpoint is {kept} (lower --lr, or raise --warmup-steps or --clip-norm, and start again from it)",
+        fix = "lower --lr, or raise --warmup-steps or --clip-norm"
+        where = (f"the last good checkpoint is {kept} ({fix}, and start again from it)" if kept else
+                 f"no checkpoint was written before it ({fix}, and start the run again)")
+        print(f"error: the loss or the parameters became non-finite after step {result.steps}; {where}",
               file=sys.stderr)
         return EXIT_NUMERICS
     if result.stop_reason == "io_error":
-        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is {kept}",
-              file=sys.stderr)
+        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is "
+              f"{kept or 'none'}", file=sys.stderr)
         return EXIT_IO
     if result.stop_reason == "signal":
         name = signal.Signals(result.signal_number).name
-        print(f"stopped by {name} after step {result.steps}; the newest checkpoint is {kept}; "
-              f"continue with: {resume_command}", file=sys.stderr)
+        then = (f"the newest checkpoint is {kept}; continue with: {resume_command}" if kept else
+                f"no checkpoint was written yet; start it again from step 0 with: {resume_command}")
+        print(f"stopped by {name} after step {result.steps}; {then}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + int(result.signal_number)
     return EXIT_FINISHED
 

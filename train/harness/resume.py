@@ -1,6 +1,6 @@
 """Continuing a run with ``--resume``: what a checkpoint must agree on with the run restoring it (the model's
-name and shapes; the harness adds the optimizer and precision), the newest checkpoint that verifies, and whether
-the run has anything left to train."""
+name and shapes; the harness adds the optimizer and precision), the newest checkpoint that verifies, and what to
+say when a finished run has nothing left to train."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import jax
 from ls_jax.layers import LayerConfig
 from train.harness.progress import Counters
 from train.harness.step import TrainState
-from train.records import runlog
 from train.records.checkpoints import CheckpointCorruptError, CheckpointMismatchError, Checkpoints
 from train.errors import UsageError
 
@@ -67,13 +66,6 @@ def restore_latest(
                 print(f"moved the damaged checkpoint {bad} to {checkpoints.set_aside(bad)}", file=sys.stderr)
         return restored, step, progress["data"], Counters.from_dict(progress["counters"])
     raise UsageError(f"--resume {run_dir}: none of the checkpoints {steps} in {checkpoints.directory} can be read")
-
-
-def finished(run_dir: Path) -> bool:
-    """Whether the run log ends with the summary of a finished run (its final evaluation done)."""
-    path = run_dir / runlog.LOG_FILENAME
-    records = runlog.read(path) if path.exists() else []
-    return bool(records) and records[-1]["type"] == "summary" and records[-1]["completed"]
 
 
 def say_nothing_to_do(task: str, run_dir: Path, step: int, steps: int) -> None:

@@ -35,7 +35,8 @@ from ls_jax.optim import shard_optimizer
 from train.harness.parallel import (DATA_AXIS, DataParallel, StateLayout, from_process_zero, initialize_distributed,
                             wait_for_processes)
 from train.costs.precision import master_dtype, precision_signature
-from train.records.rundir import load_saved_config, prepare_run_dir, save_config
+from train.records import rundir
+from train.records.rundir import load_saved_config, save_config
 from train.harness import config as config_lib
 from train.harness import resume
 from train.harness.config import Run, TrainingConfig
@@ -112,14 +113,21 @@ def _start(task: Task, argv: list[str]) -> int:
             raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config.peer_timeout}")
         initialize_distributed(heartbeat_timeout_s=2 * config.peer_timeout)  # the peer watch speaks first
     run_id = saved["run_id"] if saved else from_process_zero("run_id", runlog.new_run_id())
-    run_dir = prepare_run_dir(config.resume, config.run_dir, run_id)
-    wait_for_processes("run directory checked")  # before process 0 starts the run log there
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
-    resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
-    with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume, config.peer_timeout):
-        with backend_lib.use(config.backend):
-            backend_lib.active_backend()
-            return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+    owner = jax.process_index() == 0  # the one process that writes the run directory, and holds its lock
+    with rundir.claim(config.resume, config.run_dir, run_id, command=command, owner=owner) as claimed:
+        if from_process_zero("restart", "yes" if claimed.restart else "no") == "yes":
+            if owner:
+                print(f"{claimed.path}: its run stopped before its first checkpoint; starting it again from step 0",
+                      file=sys.stderr)
+            config = config.replace(resume=None)
+        wait_for_processes("run directory checked")  # before process 0 starts the run log there
+        run_dir = claimed.path
+        resume_command = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
+        with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume_command, config.peer_timeout):
+            with backend_lib.use(config.backend):
+                backend_lib.active_backend()
+                return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
 
 def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
@@ -233,7 +241,7 @@ def _prepare(task: Task, run: Run):
     if config.resume:
         saved, step, position, counters = resume.restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
         state = layout.from_saved(saved)
-        if step >= setup.steps and resume.finished(run_dir):
+        if step >= setup.steps and rundir.finished(run_dir):
             resume.say_nothing_to_do(task.name, run_dir, step, setup.steps)
             checkpoints.close()
             hardware.energy.close()

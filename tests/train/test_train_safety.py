@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -15,42 +14,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import toy_task
+from helpers.toy_runs import QUIET, REPO, saved_steps, signal_at_line, start
 from train.records import runlog
-
-REPO = Path(__file__).resolve().parents[2]
-QUIET = ["--no-progress", "--no-tensorboard"]
-
-
-def saved_steps(run_dir):
-    return sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def saved_params(run_dir, step):
     restored = ocp.StandardCheckpointer().restore(Path(run_dir).resolve() / "checkpoints" / str(step) / "state")
     return [np.asarray(leaf) for leaf in jax.tree.leaves(restored["params"])]
-
-
-def start(run_dir, *flags):
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
-    return subprocess.Popen([sys.executable, "-m", "helpers.toy_task", "--run-dir", str(run_dir), *QUIET, *flags],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def signal_at_line(process, line, signum=signal.SIGTERM, timeout=240):
-    """Sends ``signum`` once ``process`` has printed ``line`` on stderr; returns (stderr, exit code)."""
-    seen = []
-    deadline = time.monotonic() + timeout
-    for text in process.stderr:
-        seen.append(text)
-        if line in text:
-            process.send_signal(signum)
-            break
-        assert time.monotonic() < deadline, "".join(seen)
-    else:
-        pytest.fail(f"{line!r} never printed: {''.join(seen)}")
-    rest = process.stderr.read()
-    process.wait(timeout=120)
-    return "".join(seen) + rest, process.returncode
 
 
 def test_resume_of_a_finished_run_is_a_no_op_then_extends(tmp_path, capsys):
@@ -97,8 +67,8 @@ def test_sigterm_during_the_final_evaluation_saves_and_resumes_into_it(tmp_path)
     assert records[-1]["completed"] and records[-2]["type"] == "eval" and records[-2]["step"] == 4
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_compilation_ends_with_a_summary(tmp_path, signum):
+@pytest.mark.parametrize("signum, again", [(signal.SIGTERM, "--run-dir"), (signal.SIGINT, "--resume")])
+def test_a_run_stopped_while_compiling_starts_again_from_step_0(tmp_path, capsys, signum, again):
     run_dir = tmp_path / "run"
     process = start(run_dir, "--steps", "1000000", "--checkpoint-every", "1000000", "--log-every", "1000000")
     err, code = signal_at_line(process, "compiling the training step", signum)
@@ -106,7 +76,19 @@ def test_a_signal_during_compilation_ends_with_a_summary(tmp_path, signum):
     assert "Traceback" not in err
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
-    assert saved_steps(run_dir) in ([], [summary["steps"]])  # a checkpoint only once a step was taken
+    assert summary["steps"] == 0 and saved_steps(run_dir) == []
+    assert (f"no checkpoint was written yet; start it again from step 0 with: python -m train.toy --resume {run_dir}"
+            in err)
+
+    capsys.readouterr()
+    flags = ["--resume", str(run_dir)] if again == "--resume" else ["--run-dir", str(run_dir), *QUIET]
+    assert toy_task.main([*flags, "--steps", "4", "--log-every", "1", "--checkpoint-every", "2"]) == 0
+    assert f"{run_dir}: its run stopped before its first checkpoint; starting it again from step 0" in (
+        capsys.readouterr().err)
+    records = runlog.read(run_dir / runlog.LOG_FILENAME)
+    assert [r["type"] for r in records].count("run") == 1
+    assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4]
+    assert records[-1]["completed"] and records[-1]["steps"] == 4 and saved_steps(run_dir) == [2, 4]
 
 
 @pytest.fixture

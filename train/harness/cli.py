@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
+from train.costs import memory_budget
 from train.costs import metrics as metrics_lib
 from train.records.checkpoints import Checkpoints
 from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
@@ -103,7 +104,9 @@ def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, A
         f"defaults: {line({k: v for k, v in defaults.items() if k not in real_data})}\n"
         f"with --data synthetic: {line({k: defaults[k] for k in real_data})}\n"
         f"with real data: {line(real_data)}\n"
-        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
+        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults\n"
+        f"before compiling, a step's memory is estimated and, on a CPU, held against the host's available memory "
+        f"(${memory_budget.ENV_VAR} sets the limit on any device): a step that cannot fit stops the start"
     )
 
 

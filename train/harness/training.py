@@ -23,7 +23,7 @@ import optax
 
 from ls_jax import backend as backend_lib
 from train.harness import cli, peers, progress
-from train.costs import memory
+from train.costs import memory, memory_budget
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data.stream import EpochStream
@@ -84,6 +84,7 @@ class Task:
     throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
     loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
+    memory_advice: str = "lower the batch size, or train a smaller model"  # the flags that make a step smaller
 
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
@@ -130,10 +131,10 @@ def _start(task: Task, argv: list[str]) -> int:
                 return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
 
-def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
-                  layout: StateLayout) -> TrainState:
-    """The step-0 state placed as ``layout`` says: the pretrained params or ones drawn from the init key; with a
-    sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
+def state_builder(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
+                  layout: StateLayout) -> Callable[[Any], TrainState]:
+    """``create(pretrained) -> TrainState``: the step-0 state from the pretrained params or ones drawn from the init
+    key; with a sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
     init_key, train_key = jax.random.split(setup.init_rng)
     sharded = layout.sharded_optimizer
     init_optimizer = None if sharded is None else sharded.init
@@ -142,8 +143,23 @@ def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: b
         params = setup.init_params(init_key) if pretrained is None else pretrained
         return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer)
 
-    abstract = jax.eval_shape(create, setup.pretrained_params)
-    return jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+    return create
+
+
+def check_memory(task: Task, setup: TaskSetup, state: TrainState, layout: StateLayout) -> None:
+    """Stops the start with one line when a step of the largest batch shape needs more memory than one device has
+    (`train.costs.memory_budget`); ``state`` may be abstract, so this runs before anything is allocated."""
+    limit = memory_budget.available(jax.local_devices()[0])
+    if limit is None:
+        return
+    shards = layout.parallel.num_shards
+    largest = max(setup.batch_shapes, key=lambda shapes: sum(np.prod(shape) for shape, _ in shapes.values()))
+    micro_batch = {name: jax.ShapeDtypeStruct((shape[1] // shards, *shape[2:]), dtype)
+                   for name, (shape, dtype) in largest.items()}
+    accumulated = next(iter(largest.values()))[0][0] > 1
+    need = memory_budget.estimate(setup.loss_fn, state.params, state.opt_state, micro_batch, accumulated=accumulated,
+                                  optimizer_shards=shards if layout.sharded_optimizer else 1)
+    memory_budget.check(need, limit, task.memory_advice)
 
 
 def make_layout(config: TrainingConfig, tx: optax.GradientTransformation, parallel: DataParallel) -> StateLayout:
@@ -235,7 +251,10 @@ def _prepare(task: Task, run: Run):
                                       clip_norm=config.clip_norm, master_dtype=param_dtype,
                                       **cli.hyperparameters(config))
     layout = make_layout(config, tx, parallel)
-    state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
+    create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
+    abstract = jax.eval_shape(create, setup.pretrained_params)
+    check_memory(task, setup, abstract, layout)
+    state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config.resume:

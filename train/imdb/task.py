@@ -148,5 +148,7 @@ TASK = Task(
     setup=setup,
     throughput=lambda s: f"{format_value(s['examples_per_s'], '.1f')} examples/s",
     score=lambda record: format_value(record["accuracy"], ".2%"),
+    memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
+                  "or choose a smaller --preset",
 )
 

@@ -150,5 +150,7 @@ TASK = Task(
                           f"{format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
     score=lambda record: format_value(record["bleu"], ".2f"),
     loss_name="label-smoothed training loss, see --label-smoothing",
+    memory_advice="lower --max-tokens (raise --grad-accum to keep the batch), add --remat layer, or choose a "
+                  "smaller --preset",
 )
 

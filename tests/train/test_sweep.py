@@ -5,6 +5,7 @@ on a tiny model for a few steps."""
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -174,10 +175,19 @@ backend = ["ffi", "xla"]
     ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
     ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
     ('name = "x"\n[axes\n', "not valid TOML"),
-    ('[axes]\ntask = "imdb"', "name = None must be"),
+    ('[axes]\ntask = "imdb"', 'no name; add one, e.g. name = "my-sweep"'),
+    ("", "the sweep spec is empty: a sweep spec needs a name and a task"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_sise = 200',
+     "[[grid]] #1 (imdb): train.imdb unrecognized arguments: --vocab-sise 200"),
+    ('name = "x"\n[axes]\ntask = "gpt"\n[flags]\nvocab_size = "many"',
+     "train.gpt argument --vocab-size: invalid int value: 'many'"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_size = 0', "train.imdb --vocab-size must be >= 1, got 0"),
+    ('name = "x"\nweights = "fastest"\n[axes]\ntask = "imdb"', "weights: 'fastest' is neither a preset"),
+    ('name = "x"\nweights = [1, 2]\n[axes]\ntask = "imdb"', "weights: '1,2' is neither a preset"),
+    ('name = "x"\nweights = [0, 0, 0, 1]\n[axes]\ntask = "imdb"', "at least one of time, cost, energy"),
 ])
 def test_bad_specs_are_one_clear_line(text, message):
-    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         sweep_spec.points(sweep_spec.parse(text))
 
 
@@ -188,6 +198,41 @@ def test_cli_reports_bad_spec_and_missing_file(tmp_path, capsys):
     assert "error: " in (err := capsys.readouterr().err) and "backend = 'cuda' is not a known value" in err
     assert sweep.main([str(tmp_path / "none.toml")], runner=never) == 2
     assert "no such sweep spec file" in capsys.readouterr().err
+
+
+def test_a_binary_spec_and_an_unknown_flag_are_one_line_before_any_run(tmp_path, capsys):
+    binary = tmp_path / "spec.toml"
+    binary.write_bytes(bytes(range(256)))
+    assert sweep.main([str(binary)], runner=never) == 2
+    assert capsys.readouterr().err == f"error: {binary} is not a sweep spec: not UTF-8 text, so not TOML\n"
+    typo = tmp_path / "typo.toml"
+    typo.write_text(TINY.format(name="typo", out=tmp_path / "out", steps=2).replace("log_every", "log_evry"))
+    assert sweep.main([str(typo)], runner=never) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --log-evry 1" in err and "usage:" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_spec_weights_score_the_report(tmp_path):
+    spec = sweep_spec.parse(TINY.format(name="w", out=tmp_path / "out", steps=2).replace(
+        'name = "w"', 'name = "w"\nweights = [0.5, 0.5, 0, 0]'))
+    assert spec.weights == "0.5,0.5,0,0" and sweep_spec.parse(TINY.format(name="d", out="o", steps=2)).weights == (
+        "balance")
+    for name in ("h100-ffi", "h100-xla"):
+        (spec.out / name).mkdir(parents=True)
+        shutil.copy(COMPARE_DATA / name / "run.jsonl", spec.out / name / "run.jsonl")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert sweep.report(spec, ["h100-ffi", "h100-xla"]) == 0
+    assert "Weights `custom` (time 0.5, cost 0.5, energy 0, utilization 0)" in (
+        spec.out / "report" / "report.md").read_text()
+
+
+def test_a_failed_run_without_a_log_is_named_as_such(tmp_path, capsys):
+    spec = tiny_spec(tmp_path)
+    assert run(spec, lambda command: 3) == 1
+    err = capsys.readouterr().err
+    assert "imdb-bert-tiny-adan-b4-l16-s2 (exit code 3, no run log: it stopped before training" in err
+    assert "their logs are in" not in err
 
 
 def test_device_in_out_is_this_machines_device():

@@ -165,7 +165,7 @@ class Sweep:
         code = self.runner(command)
         outcome = "finished" if code == 0 else f"FAILED with exit code {code}"
         if code != 0:
-            self.failed.append(point.name)
+            self.failed.append(_failure(point.name, run_dir, code))
         print(f"{label}: {outcome} in {time.monotonic() - started:.0f} s{_quality(run_dir)}", flush=True)
 
 
@@ -179,6 +179,13 @@ class Sweep:
             return
         self.elsewhere.append(point.name)
         print(f"{label}: for {point.device}, run there: {remote_command(point, run_dir, self.spec)}", flush=True)
+
+
+def _failure(name: str, run_dir: Path, code: int) -> str:
+    """A failed run as the sweep's last line names it: where its log is, or that it has none."""
+    log = run_dir / runlog.LOG_FILENAME
+    return f"{name} (exit code {code}, log {log})" if log.exists() else (
+        f"{name} (exit code {code}, no run log: it stopped before training; its output is above)")
 
 
 def _quality(run_dir: Path) -> str:
@@ -210,7 +217,8 @@ def report(spec: Spec, names: Sequence[str]) -> int:
     for task in tasks:
         out = spec.out / ("report" if len(tasks) == 1 else f"report-{task}")
         print(f"\ncomparing the {task} runs into {out}", flush=True)
-        code = max(code, compare.main([*map(str, logs), "--task", task, "--out", str(out)]))
+        code = max(code, compare.main([*map(str, logs), "--task", task, "--weights", spec.weights, "--out",
+                                       str(out)]))
     return code
 
 
@@ -250,8 +258,8 @@ def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run:
         print(f"\n{len(sweep.elsewhere)} runs are for other devices; copy their run directories into {spec.out} and "
               "run the sweep again to compare them with the rest", flush=True)
     if sweep.failed:
-        print(f"error: {len(sweep.failed)} runs failed: {', '.join(sweep.failed)}; their logs are in {spec.out}; "
-              "run the sweep again to retry them", file=sys.stderr)
+        print(f"error: {len(sweep.failed)} runs failed: {'; '.join(sweep.failed)}; run the sweep again to retry "
+              "them", file=sys.stderr)
         return EXIT_RUN_FAILED
     return code
 
@@ -260,7 +268,11 @@ def load_spec(path: Path | None) -> Spec:
     path = path or DEFAULT_SPEC
     if not path.is_file():
         raise UsageError(f"{path}: no such sweep spec file")
-    return parse(path.read_text(encoding="utf-8"), path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a sweep spec: not UTF-8 text, so not TOML") from None
+    return parse(text, path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,7 +62,7 @@ def test_sigterm_during_the_final_evaluation_saves_and_resumes_into_it(tmp_path)
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and summary["steps"] == 4
     assert saved_steps(run_dir) == [4]
-    assert toy_task.main(["--resume", str(run_dir)]) == 0  # finishes the evaluation
+    assert toy_task.main(["--resume", str(run_dir), "--eval-seconds", "0"]) == 0  # finishes the evaluation
     records = runlog.read(run_dir / runlog.LOG_FILENAME)
     assert records[-1]["completed"] and records[-2]["type"] == "eval" and records[-2]["step"] == 4
 
@@ -115,7 +115,10 @@ def test_a_full_disk_stops_the_run_with_one_line(small_disk):
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "io_error"
     steps = saved_steps(run_dir)
-    assert summary["steps"] == steps[-1] + 1  # training stopped at the failed save
+    failed = int(errors[0].split("cannot write checkpoint ")[1].split()[0])
+    assert failed == steps[-1] + 1  # the one after the last complete checkpoint
+    # Checkpoints are written while training goes on: the run stops at the save after the failed one at the latest.
+    assert summary["steps"] in (failed, failed + 1)
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # the partial save is gone
 
 
@@ -143,6 +146,29 @@ def test_resume_skips_damaged_checkpoints(tmp_path, capsys):
     records = runlog.read(run_dir / runlog.LOG_FILENAME)
     assert [r["step"] for r in records if r["type"] == "interval"] == list(range(1, 9))
     assert records[-1]["completed"] and records[-1]["steps"] == 8
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_damaged_checkpoint_is_one_warning_naming_its_file_and_error(tmp_path, verbose):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "6"]) == 0
+    step_dir = run_dir / "checkpoints" / "6"
+    (step_dir / "_CHECKPOINT_METADATA").write_text("garbage")  # orbax logs an error, then reads on without it
+    data_files = list((step_dir / "state" / "d").iterdir())
+    for path in data_files:
+        path.write_bytes(path.read_bytes()[:10])
+    process = start(None, "--resume", str(run_dir), "--steps", "8", *(["--verbose"] if verbose else []))
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    lines = err.splitlines()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping checkpoint 6 in {run_dir.resolve()}/"
+                                                         "checkpoints: its arrays cannot be read: ValueError: ")
+    assert any(str(path) in warnings[0] for path in data_files) and "byte range" in warnings[0], warnings[0]
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert ("ERROR:absl:Failed to json parse Metadata file" in err) == verbose
+    moved = f"moved the damaged checkpoint 6 to {run_dir.resolve()}/damaged-checkpoints/6"
+    assert (lines[:3] == [warnings[0], moved, f"resuming {run_dir} at step 4"]) != verbose  # quiet: nothing before
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])

@@ -10,6 +10,8 @@ prints one line naming the cause and what to do.
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
 import math
 import os
 import signal
@@ -77,6 +79,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
     group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
                        help="no TensorBoard event files")
+    group.add_argument("--verbose", action="store_const", const=True,
+                       help="also print what the libraries log (orbax, absl, asyncio); by default only the "
+                            "harness's own lines")
 
     group = parser.add_argument_group("cost and hardware")
     group.add_argument("--price-per-hour", type=float,
@@ -197,6 +202,29 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str
         print(f"stopped by {name} after step {result.steps}; {then}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + int(result.signal_number)
     return EXIT_FINISHED
+
+
+LIBRARY_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Unless ``verbose``: the records of `LIBRARY_LOGGERS` below CRITICAL and the exceptions Python reports as
+    ignored in coroutines (orbax's readers and writers, left behind by a failed read or write) are not printed. The
+    harness says what went wrong in one line of its own (a damaged checkpoint names its file and the error)."""
+    if verbose:
+        return
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    previous = sys.unraisablehook
+    if getattr(previous, "_ls_jax_coroutines_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not inspect.iscoroutine(unraisable.object):
+            previous(unraisable)
+
+    hook._ls_jax_coroutines_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 USER_ERRORS = (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError)

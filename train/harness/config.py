@@ -45,6 +45,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     progress: bool = True
     tensorboard: bool = True
+    verbose: bool = False
     price_per_hour: float | None = None
     device_name: str | None = None
     shard_optimizer: bool = False

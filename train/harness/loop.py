@@ -8,8 +8,9 @@ A task supplies, besides the loss of `train.harness.step`,
   - ``evaluate(state, final) -> [eval record fields]``.
 
 Timing: steps are dispatched one ahead of the host: the host reads step n's metrics after it has queued step n+1,
-and step n's time is the time between the completions of steps n-1 and n. Evaluations and checkpoint writes stop
-the clock. `Counters` hold the run's totals over every resumed segment; a checkpoint saves them.
+and step n's time is the time between the completions of steps n-1 and n. Evaluations and the start of a checkpoint
+(the state copied off the devices; its files are written while training goes on) stop the clock. `Counters` hold
+the run's totals over every resumed segment; a checkpoint saves them.
 """
 
 from __future__ import annotations
@@ -194,10 +195,11 @@ class _Loop:
             self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
 
     def _save(self) -> bool:
-        """Checkpoints the state unless it is already saved; False (nothing written) when it is not finite.
+        """Starts a checkpoint of the state unless it is already saved; False (nothing written) when it is not
+        finite. The files are written while training goes on (`_wait_for_checkpoint`).
 
         Raises:
-          CheckpointWriteError: the checkpoint could not be written.
+          CheckpointWriteError: this checkpoint, or the one before it, could not be written.
         """
         if self.checkpoints is None or self.saved_step == self.step:
             return True
@@ -213,6 +215,15 @@ class _Loop:
         self.checkpoints.save(self.step, self.state, progress)
         self.saved_step = self.step
         return True
+
+    def _wait_for_checkpoint(self) -> None:
+        """Returns once the checkpoint being written in the background is on disk (`Checkpoints.save`).
+
+        Raises:
+          CheckpointWriteError: it could not be written.
+        """
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
     # -- steps
 
@@ -300,12 +311,15 @@ class _Loop:
             self.progress.close()
             if stop_reason != "nan" and not self._save():
                 stop_reason, bad_step = "nan", self.step
+            self._wait_for_checkpoint()
             if stop_reason == "finished":
                 self._evaluate(final=True)
             return stop_reason, bad_step, None
         except Interrupted:  # compilation or an evaluation was cut short: save the steps taken since the last save
             try:
-                return ("signal", None, None) if self._save() else ("nan", self.step, None)
+                saved = self._save()
+                self._wait_for_checkpoint()
+                return ("signal", None, None) if saved else ("nan", self.step, None)
             except OSError as err:
                 return "io_error", None, _write_error(err)
         except OSError as err:  # a checkpoint or log write failed: training must not go on unsaved

@@ -105,6 +105,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
     config = config.replace(backend=cli.kernel_mode(config, given))
+    cli.quiet_libraries(config.verbose)
     task.check_config(config)
     cli.check_optimizer(config)
     if given.get("peer_timeout") is not None and not config.distributed:

@@ -51,6 +51,9 @@ class TrainingConfig:
     shard_optimizer: bool = False
     distributed: bool = False
     peer_timeout: int = 60
+    # Not a flag: set on --resume when --steps changed the schedule, the (step, rate) the rate moves on from
+    # (train.harness.optimizer.continued); kept in config.json so a later resume follows the same schedule.
+    lr_transition: list[float] | None = None
 
     def replace(self: C, **changes: Any) -> C:
         return dataclasses.replace(self, **changes)

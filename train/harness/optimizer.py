@@ -76,6 +76,31 @@ def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> 
     return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup_steps), decay], [warmup_steps])
 
 
+TRANSITION_FRACTION = 0.1  # of the steps left, over which a resumed run's rate moves to its new schedule
+
+
+def continued(schedule: optax.Schedule, transition: tuple[int, float] | None, total_steps: int) -> optax.Schedule:
+    """``schedule`` as a run resumed with another ``--steps`` follows it, without a jump in the rate.
+
+    ``transition`` = (step, rate): the step the run resumed at and the rate its schedule had there. From that step
+    the rate moves linearly to ``schedule`` over a tenth of the steps left (at least one), then follows it; before
+    that step it is ``schedule``'s. So a linear decay extended by a longer --steps goes on from where it was (0, for
+    a run that finished its decay) up to the longer decay's rate, then decays to 0 at the new --steps.
+    """
+    if transition is None:
+        return schedule
+    start, rate = int(transition[0]), float(transition[1])
+    end = min(total_steps, start + max(1, round(TRANSITION_FRACTION * (total_steps - start))))
+
+    def moved(count):
+        target = schedule(end)
+        blend = jnp.clip((count - start) / max(end - start, 1), 0.0, 1.0)
+        during = rate + (target - rate) * blend
+        return jnp.where((count >= start) & (count < end), during, schedule(count))
+
+    return moved
+
+
 def decay_mask(params: Any) -> Any:
     """Weight decay on matrices only: no decay for biases and LayerNorm scales (leaves with fewer than 2 axes)."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)

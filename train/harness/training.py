@@ -41,6 +41,7 @@ from train.harness import config as config_lib
 from train.harness import resume
 from train.harness.config import Run, TrainingConfig
 from train.records.runlog import RunLog
+from train.harness.progress import Counters
 from train.harness.step import LossFn, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
 
@@ -122,7 +123,7 @@ def _start(task: Task, argv: list[str]) -> int:
             if owner:
                 print(f"{claimed.path}: its run stopped before its first checkpoint; starting it again from step 0",
                       file=sys.stderr)
-            config = config.replace(resume=None)
+            config = config.replace(resume=None, lr_transition=None)  # starts over, on the schedule of its --steps
         wait_for_processes("run directory checked")  # before process 0 starts the run log there
         run_dir = claimed.path
         resume_command = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
@@ -189,6 +190,23 @@ def param_count(params: Any) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A run ready to train: its configuration (a resume may add its schedule's transition), the task's setup (the
+    learning rate as the run follows it), the state, the batches from where it resumes, and what writes it."""
+
+    run: Run
+    setup: TaskSetup
+    state: TrainState
+    stream: EpochStream
+    counters: Counters | None
+    hardware: Hardware
+    checkpoints: Checkpoints
+    tx: optax.GradientTransformation
+    signature: dict[str, Any]
+    layout: StateLayout
+
+
 def _train(task: Task, run: Run) -> int:
     """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.harness.loop.StopSignals`):
     before training starts they stop the run at once, with nothing to save."""
@@ -197,15 +215,15 @@ def _train(task: Task, run: Run) -> int:
             prepared = _prepare(task, run)
         if prepared is None:
             return 0
-        setup, state, stream, counters, hardware, checkpoints, tx, signature, layout = prepared
+        run, setup, state, layout, hardware = prepared.run, prepared.setup, prepared.state, prepared.layout, prepared.hardware
         config, run_dir = run.config, run.run_dir
         run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
         if not config.resume:
             run_log.write(progress.run_record(
-                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout), model=setup.model_name,
-                params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
-                config=setup.config_record,
+                task.name, run, hardware, optimizer=optimizer_fields(config, prepared.tx, state, layout),
+                model=setup.model_name, params=param_count(state.params), batch=setup.batch_record,
+                data=setup.data_record, config=setup.config_record,
             ))
         if jax.process_index() == 0:
             shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
@@ -213,45 +231,54 @@ def _train(task: Task, run: Run) -> int:
         result = train(
             state,
             compiler=StepCompiler(
-                make_train_step(setup.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer),
+                make_train_step(setup.loss_fn, prepared.tx, axis_name=DATA_AXIS,
+                                sharded_optimizer=layout.sharded_optimizer),
                 layout, state,
             ),
             parallel=layout.parallel,
-            stream=stream,
+            stream=prepared.stream,
             flops_fn=setup.flops_fn,
             lr_fn=lambda step: float(setup.learning_rate(step)),
             evaluate=setup.evaluate,
             hardware=hardware,
             run_log=run_log,
-            checkpoints=checkpoints,
-            model_signature=signature,
+            checkpoints=prepared.checkpoints,
+            model_signature=prepared.signature,
             config=LoopConfig(
                 num_steps=setup.steps, log_every=config.log_every, eval_every=setup.eval_every,
                 checkpoint_every=setup.checkpoint_every, progress_bar=config.progress, started_at=run.started_at,
             ),
-            counters=counters,
+            counters=prepared.counters,
             signals=signals,
             batch_shapes=setup.batch_shapes,
         )
-    return _finish(task, run, result, run_log, checkpoints, hardware)
+    return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
 
 
-def _prepare(task: Task, run: Run):
+def _optimizer(config: TrainingConfig, schedule: optax.Schedule, param_dtype: Any,
+               parallel: DataParallel) -> tuple[optax.GradientTransformation, StateLayout]:
+    tx = optimizer_lib.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
+                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
+                                      **cli.hyperparameters(config))
+    return tx, make_layout(config, tx, parallel)
+
+
+def _prepare(task: Task, run: Run) -> Prepared | None:
     """The task's setup, the optimizer and the state to train from (restored on ``--resume``); None when a resumed
     run finished at or beyond ``--steps`` (it says so, and its run log is left as it is). A run stopped at its
-    last step before its final evaluation ended resumes into that evaluation."""
+    last step before its final evaluation ended resumes into that evaluation. A run resumed with another --steps
+    (or --lr) goes on from the learning rate it had (`train.harness.optimizer.continued`)."""
     config, run_dir = run.config, run.run_dir
     hardware = detect_hardware(config.precision, config.device_name, config.price_per_hour)
     precision = hardware.precision
     parallel = DataParallel.over_all_devices()
 
     setup = task.setup(run, precision, parallel)
+    plan = setup.learning_rate
+    setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
     signature = {**setup.model_signature, "optimizer": config.optimizer, **precision_signature(config.master_weights, precision)}
     param_dtype = master_dtype(config.master_weights, precision)
-    tx = optimizer_lib.make_optimizer(config.optimizer, setup.learning_rate, weight_decay=config.weight_decay,
-                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
-                                      **cli.hyperparameters(config))
-    layout = make_layout(config, tx, parallel)
+    tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
     create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     abstract = jax.eval_shape(create, setup.pretrained_params)
     check_memory(task, setup, abstract, layout)
@@ -259,18 +286,28 @@ def _prepare(task: Task, run: Run):
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config.resume:
-        saved, step, position, counters = resume.restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
+        saved, step, position, counters, rate = resume.restore_latest(checkpoints, layout.saved_abstract(state),
+                                                                      signature, run_dir)
         state = layout.from_saved(saved)
         if step >= setup.steps and rundir.finished(run_dir):
             resume.say_nothing_to_do(task.name, run_dir, step, setup.steps)
             checkpoints.close()
             hardware.energy.close()
             return None
+        transition = resume.transition(None if rate is None else (step, rate), setup.learning_rate,
+                                       config.lr_transition)
+        changed = transition != config.lr_transition
+        if changed:  # the same optimizer state, with the schedule the run goes on with
+            config = config.replace(lr_transition=transition)
+            run = dataclasses.replace(run, config=config)
+            setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, transition, setup.steps))
+            tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
         if jax.process_index() == 0:
             runlog.truncate_for_resume(run_dir, step)
-            print(f"resuming {run_dir} at step {step}", file=sys.stderr)
+            moved = f"; its learning rate goes on from {rate:.3g} into the schedule of --steps {setup.steps}"
+            print(f"resuming {run_dir} at step {step}{moved if changed else ''}", file=sys.stderr)
         stream = stream.at(position)
-    return setup, state, stream, counters, hardware, checkpoints, tx, signature, layout
+    return Prepared(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
 
 
 def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:

@@ -127,7 +127,6 @@ TASK = Task(
     resolve_config=resolve_config,
     check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),
     setup=setup,
-    throughput=lambda s: f"{s['examples_per_s']:.0f} examples/s",
     score=lambda record: f"{record['loss']:.3f}",
 )
 

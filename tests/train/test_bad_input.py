@@ -7,8 +7,10 @@ import json
 import pytest
 
 from train.gpt import task as gpt
+from train.gpt.config import GptConfig
 from train.harness.training import run_training
 from train.imdb import task as imdb
+from train.records.rundir import save_config
 from train.wmt import task as wmt
 
 TASKS = {"gpt": gpt.TASK, "imdb": imdb.TASK, "wmt": wmt.TASK}
@@ -110,3 +112,15 @@ def test_a_failed_start_keeps_a_directory_the_user_made(tmp_path, capsys):
     assert code == 3
     assert_one_line(err)
     assert (given / "notes.txt").read_text() == "my notes\n"
+
+
+def test_resuming_the_run_of_another_task_names_it(tmp_path, capsys):
+    run_dir = tmp_path / "gpt-run"
+    run_dir.mkdir()
+    save_config(run_dir, {"task": "gpt", "run_id": "20261128T000000Z-000000", **GptConfig().to_dict()})
+    before = sorted(run_dir.iterdir())
+    code, err = run("imdb", ["--resume", str(run_dir)], capsys)
+    assert code == 2
+    assert err == (f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume "
+                   f"{run_dir}\n")
+    assert sorted(run_dir.iterdir()) == before

@@ -275,6 +275,13 @@ def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_p
     assert "Traceback" not in err
 
 
+def test_packed_rows_are_labelled_rows_of_their_tokens(tmp_path):
+    records = _lines("tpu-v3-8")
+    records[0]["batch"] = {"batch_size": 8, "grad_accum": 2, "seq_len": 1024}  # as train.gpt logs its batch
+    runs, _ = run_logs.load_runs([_write(tmp_path / "gpt-run" / "run.jsonl", records)])
+    assert runs[0].batch_label == "8 rows of 1024 tokens x2 accum"
+
+
 def test_only_unfinished_runs_is_an_error(tmp_path):
     path = _write(tmp_path / "run.jsonl", _lines("tpu-v3-8")[:-1])
     with pytest.raises(ValueError, match="no run to compare: skipped run"):

@@ -15,6 +15,7 @@ import pytest
 
 from helpers import toy_task
 from helpers.toy_runs import QUIET, REPO, saved_steps, signal_at_line, start
+from train.harness.training import format_rate, throughput
 from train.records import runlog
 
 
@@ -176,6 +177,22 @@ def test_non_finite_learning_rate_is_one_line(value, capsys):
     assert toy_task.main([f"--lr={value}", *QUIET]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --lr must be a finite number > 0, got {float(value)}"
+
+
+def test_evaluations_during_training_are_one_line_each(tmp_path, capsys):
+    assert toy_task.main(["--run-dir", str(tmp_path / "run"), *QUIET, "--eval-every", "2"]) == 0
+    out, err = capsys.readouterr()
+    evaluations = [line for line in err.splitlines() if "evaluation:" in line]
+    assert evaluations == ["step 2/6  evaluation: valid loss 1.000", "step 4/6  evaluation: valid loss 1.000"]
+    assert "  final loss  " in out and "loss valid 1.000" in out  # the final evaluation is in the summary
+
+
+@pytest.mark.parametrize("value, text", [(28821.4, "28,821"), (24109.0, "24,109"), (412.0, "412"), (41.27, "41.3"),
+                                         (0.5, "0.5"), (None, "n/a")])
+def test_throughput_has_one_format_for_every_task(value, text):
+    assert format_rate(value) == text
+    assert throughput(("tokens", "target_tokens"), {"tokens_per_s": value, "target_tokens_per_s": value}) == (
+        f"{text} tokens/s, {text} target tokens/s")
 
 
 def test_without_a_terminal_progress_is_one_line_per_interval(tmp_path):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from ls_jax import backend as backend_lib
 from train.harness import cli, peers, progress
@@ -82,7 +83,6 @@ class Task:
     resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
     check_config: Callable[[Any], None]  # raises UsageError naming a flag out of range
     setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
-    throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
     loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
     memory_advice: str = "lower the batch size, or train a smaller model"  # the flags that make a step smaller
@@ -239,7 +239,7 @@ def _train(task: Task, run: Run) -> int:
             stream=prepared.stream,
             flops_fn=setup.flops_fn,
             lr_fn=lambda step: float(setup.learning_rate(step)),
-            evaluate=setup.evaluate,
+            evaluate=reporting(task, setup.evaluate, setup.steps),
             hardware=hardware,
             run_log=run_log,
             checkpoints=prepared.checkpoints,
@@ -314,6 +314,32 @@ def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def format_rate(value: float | None) -> str:
+    """A throughput, in one format for every task: whole numbers with thousands separated (28,821), three
+    significant digits below 100 (41.3)."""
+    return format_value(value, ",.0f" if value is not None and value >= 100 else ".3g")
+
+
+def throughput(counted: Sequence[str], summary: Mapping[str, Any]) -> str:
+    """The summary's rate of each thing a step counts: ``28,821 tokens/s, 14,350 target tokens/s``."""
+    return ", ".join(f"{format_rate(summary[f'{name}_per_s'])} {name.replace('_', ' ')}/s" for name in counted)
+
+
+def reporting(task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
+              steps: int) -> Callable[[TrainState, bool], list[dict[str, Any]]]:
+    """``evaluate`` that also prints each evaluation during training as one line, ``step 100/300  evaluation:
+    valid perplexity 12.345`` (the final one is in the summary), on the main host."""
+
+    def run(state: TrainState, final: bool) -> list[dict[str, Any]]:
+        records = evaluate(state, final)
+        if not final and jax.process_index() == 0:
+            scores = ", ".join(f"{record['split']} {task.metric} {task.score(record)}" for record in records)
+            tqdm.write(f"step {int(jax.device_get(state.step))}/{steps}  evaluation: {scores}", file=sys.stderr)
+        return records
+
+    return run
+
+
 def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints,
             hardware: Hardware) -> int:
     """Closes the run, prints its summary on the main host and returns the process exit code (`cli.exit_code`)."""
@@ -329,7 +355,7 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
         print(
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
             f"({s['wall_time_s']:.1f} s wall)\n"
-            f"  throughput  {task.throughput(s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
+            f"  throughput  {throughput(task.counted, s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
             f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
             f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
             f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"

@@ -289,6 +289,12 @@ def test_stopped_before_its_first_checkpoint_starts_again(tmp_path):
     (run_dir / "sweep.json").write_text(json.dumps({"sweep": "tiny", "point": point.values}))
     (run_dir / "run.jsonl").write_text('{"type": "run", "schema": 1}\n')
     assert sweep.run_state(run_dir, spec, point) == "restart"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(spec, InProcess()) == 0  # the harness starts it again in its directory, from step 0
+    records = runlog.read(run_dir / "run.jsonl")
+    assert [record["type"] for record in records].count("run") == 1
+    assert records[-1]["type"] == "summary" and records[-1]["completed"]
+    assert json.loads((run_dir / "sweep.json").read_text())["sweep"] == "tiny"
 
 
 def test_run_directory_of_another_sweep_or_none_is_an_error(tmp_path, capsys):

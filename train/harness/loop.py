@@ -211,7 +211,7 @@ class _Loop:
             "model": self.model_signature,
             "data": dict(self.stream.position),
             "counters": self.counters.to_dict(),
-            "lr": float(self.lr_fn(self.step)),  # the rate of the next step: a resume with other --steps goes on from it
+            "lr": float(self.lr_fn(self.step)),  # the next step's rate: a resume with other --steps goes on from it
         }
         self.checkpoints.save(self.step, self.state, progress)
         self.saved_step = self.step

@@ -215,7 +215,8 @@ def _train(task: Task, run: Run) -> int:
             prepared = _prepare(task, run)
         if prepared is None:
             return 0
-        run, setup, state, layout, hardware = prepared.run, prepared.setup, prepared.state, prepared.layout, prepared.hardware
+        run, setup, state, layout = prepared.run, prepared.setup, prepared.state, prepared.layout
+        hardware = prepared.hardware
         config, run_dir = run.config, run.run_dir
         run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
@@ -275,7 +276,8 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
 
     setup = task.setup(run, precision, parallel)
     plan = setup.learning_rate
-    setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
+    setup = dataclasses.replace(setup,
+                                learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
     signature = {**setup.model_signature, "optimizer": config.optimizer, **precision_signature(config.master_weights, precision)}
     param_dtype = master_dtype(config.master_weights, precision)
     tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)

@@ -6,7 +6,8 @@ SPEC (`train.sweep.spec`; default: the embedded train/sweep/specs/cpu-default.to
 preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name> (``{device}``
 in OUT stands for this machine's device, e.g. h100-sxm), marked with
 the sweep's name (sweep.json). Running the sweep again skips the finished runs, resumes an interrupted one from
-its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint.
+its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint
+(the harness starts such a run again from step 0 in its own directory, under the directory's lock).
 A run whose device axis names another device is not run here: its command is printed, and its run directory,
 copied back into OUT, joins the comparison. The sweep ends with ``train.compare`` over every finished run of each
 task (OUT/report, or OUT/report-<task>).
@@ -18,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -157,8 +157,6 @@ class Sweep:
         if self.dry_run:
             print(f"{label}: would run {shlex.join(command)}", flush=True)
             return
-        if state == "restart":
-            shutil.rmtree(run_dir)  # stopped before its first checkpoint: nothing to resume from
         _mark(run_dir, self.spec, point)
         print(f"{label}: {'resuming' if state == 'interrupted' else 'running'}: {shlex.join(command)}", flush=True)
         started = time.monotonic()

@@ -194,7 +194,7 @@ def _train(task: Task, run: Run) -> int:
             parallel=layout.parallel,
             stream=stream,
             flops_fn=setup.flops_fn,
-            lr_fn=lambda step: float(setup.learning_rate(step)),
+            lr_fn=optimizer_lib.on_host(setup.learning_rate),
             evaluate=setup.evaluate,
             hardware=hardware,
             run_log=run_log,

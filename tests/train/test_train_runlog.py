@@ -103,7 +103,7 @@ def test_only_the_main_process_writes(tmp_path):
 
 def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp_path):
     lines = [
-        {"type": "run", "run_id": "x"},
+        {"type": "run", "run_id": "x", "schema": 1},
         {"type": "interval", "step": 10},
         {"type": "eval", "step": 10},
         {"type": "interval", "step": 20},
@@ -111,7 +111,8 @@ def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp
     ]
     (tmp_path / runlog.LOG_FILENAME).write_text("".join(json.dumps(r) + "\n" for r in lines))
     runlog.truncate_for_resume(tmp_path, 10)
-    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == lines[:3]
+    # The resumed run writes this version's summary, so its run record says this version's schema.
+    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == [{**lines[0], "schema": runlog.SCHEMA_VERSION}, *lines[1:3]]
 
 
 def test_identity_fields():

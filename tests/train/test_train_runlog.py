@@ -120,3 +120,35 @@ def test_identity_fields():
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", record["run_id"])
     assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "ls_jax"}
     assert record["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", record["git_commit"])
+
+
+def valid_summary():
+    """A summary record of an imdb run (counting examples) with every key and part of the schema."""
+    record = {key: 1.0 for key in runlog.SCHEMA["summary"]}
+    record.update(type="summary", completed=True, stop_reason="finished", steps=3, energy_source="nvml",
+                  energy_estimated=False, memory=None, peak_memory_bytes=None, examples=24, examples_per_s=8.0)
+    for name, keys in runlog.PARTS["summary"].items():
+        record[name] = {key: 1.0 for key in keys}
+        record[name].update({key: 1 for key in ("steps", "count") if key in keys})
+    record["steady"]["examples_per_s"] = None  # no steady step: no steady rate
+    return record
+
+
+def test_summary_parts_are_validated_and_a_schema_1_log_may_lack_them():
+    runlog.validate(valid_summary(), ("examples",), complete=True)
+    broken = valid_summary()
+    del broken["steady"]["power_w"]
+    with pytest.raises(runlog.RecordError, match=r"summary.steady record lacks 'power_w'"):
+        runlog.validate(broken, ("examples",))
+    broken = valid_summary()
+    broken["warmup"]["steps"] = 2.0
+    with pytest.raises(runlog.RecordError, match=r"summary.warmup.steps must be int, got float"):
+        runlog.validate(broken)
+    broken = valid_summary()
+    del broken["steady"]["examples_per_s"]
+    with pytest.raises(runlog.RecordError, match=r"lacks 'examples_per_s'"):
+        runlog.validate(broken, ("examples",))
+    schema_1 = {key: value for key, value in valid_summary().items() if key not in runlog.SCHEMA_2_KEYS["summary"]}
+    runlog.validate(schema_1, ("examples",), schema=1)
+    with pytest.raises(runlog.RecordError, match="summary record lacks 'wall_energy_j'"):
+        runlog.validate(schema_1, ("examples",))

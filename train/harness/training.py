@@ -259,7 +259,9 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
         log_path = run_dir / runlog.LOG_FILENAME
         evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
-        energy = s["energy_source"] or "not measured on this device"
+        source = s["energy_source"]
+        energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
+            source, f"measured ({source})")
         print("\n".join([
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
             f"({s['wall_time_s']:.1f} s wall); energy {energy}",

@@ -144,7 +144,7 @@ def scatter_axes(comparison: Comparison) -> dict[str, Axis]:
         }
     unit = runs[0].trained_unit
     per = PER_UNITS[unit]
-    scaled = lambda field: [None if getattr(v, field) is None else per * getattr(v, field) for v in values]  # noqa: E731
+    scaled = lambda field: [None if (v := getattr(value, field)) is None else per * v for value in values]  # noqa: E731
     label = f"per {per:,} {unit}, {WINDOW_LABELS[window]}"
     return {
         "time": Axis(scaled("time"), f"time {label}", "s"),

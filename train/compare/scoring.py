@@ -210,7 +210,8 @@ def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bo
     scores: list[Score | None] = [None] * len(runs)
     for position, index in enumerate(scored):
         time, cost, energy, utilization = (column[position] for column in columns)
-        terms = ((weights.time, time), (weights.cost, cost), (weights.energy, energy), (-weights.utilization, utilization))
+        terms = ((weights.time, time), (weights.cost, cost), (weights.energy, energy),
+                 (-weights.utilization, utilization))
         value = sum(weight * term for weight, term in terms if weight != 0)
         scores[index] = Score(time=time, cost=cost, energy=energy, utilization=utilization, value=value)
     return scores

@@ -256,8 +256,9 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
                          for name in _TALLIES)
     return [
         f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
-        f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, MFU {format_value(steady['mfu'], '.1%')}, "
-        f"{format_value(steady['energy_per_step_j'], '.4g', ' J')}/step at {format_value(steady['power_w'], '.4g', ' W')}",
+        f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "
+        f"MFU {format_value(steady['mfu'], '.1%')}, {format_value(steady['energy_per_step_j'], '.4g', ' J')}/step "
+        f"at {format_value(steady['power_w'], '.4g', ' W')}",
         f"  warm-up     {warmup['steps']} steps until the step time settled: {warmup['time_s']:.2f} s, "
         f"{_energy_cost(warmup)}",
         f"  training    {summary['steps']} steps, {summary['train_time_s']:.2f} s: {throughput(summary)}, "

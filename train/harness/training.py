@@ -167,8 +167,8 @@ def param_count(params: Any) -> int:
 
 
 def _train(task: Task, run: Run) -> int:
-    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.harness.signals.StopSignals`):
-    before training starts they stop the run at once, with nothing to save."""
+    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on
+    (`train.harness.signals.StopSignals`): before training starts they stop the run at once, with nothing to save."""
     with StopSignals() as signals:
         with signals.interruptible():
             prepared = _prepare(task, run)

@@ -260,6 +260,7 @@ class _Loop:
         while self.step < self.config.num_steps and signals.received is None:
             current = self._dispatch()
             if pending is not None:  # read step n-1 while step n runs
+                jax.block_until_ready(pending.metrics)  # the clock and meter read once step n-1 is done
                 done = self._step_reading()
                 if not self._finish(pending, done.since(last)):
                     return "nan", pending.step

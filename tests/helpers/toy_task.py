@@ -23,7 +23,7 @@ from train.data.stream import EpochStream
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
-from train.harness.training import Task, TaskSetup, run_training
+from train.harness.training import Task, TaskSetup, format_value, run_training
 
 FEATURES = 4
 ROWS = 8
@@ -121,7 +121,7 @@ TASK = Task(
     resolve_config=resolve_config,
     check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),
     setup=setup,
-    throughput=lambda s: f"{s['examples_per_s']:.0f} examples/s",
+    throughput=lambda s: f"{format_value(s['examples_per_s'], '.0f')} examples/s",
     score=lambda record: f"{record['loss']:.3f}",
 )
 

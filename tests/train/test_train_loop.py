@@ -75,7 +75,8 @@ def new_state(tx, fp16=False):
     return TrainState.create(params, tx, jax.random.PRNGKey(0), fp16=fp16)
 
 
-def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1):
+def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1,
+             hardware=None):
     tx = tx or optax.sgd(0.05)
     tmp_path.mkdir(parents=True, exist_ok=True)
     parallel = DataParallel.over_all_devices()
@@ -90,7 +91,7 @@ def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, che
         flops_fn=lambda shapes: 2.0 * np.prod(shapes["x"]),
         lr_fn=lambda step: 0.05,
         evaluate=lambda state, final: [{"split": "valid", "loss": 1.0, "nll": 1.0}],
-        hardware=Hardware.detect("fp32"),
+        hardware=hardware or Hardware.detect("fp32"),
         run_log=run_log,
         checkpoints=checkpoints,
         model_signature={"toy": 1},

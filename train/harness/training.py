@@ -23,12 +23,14 @@ import optax
 
 from ls_jax import backend as backend_lib
 from train.harness import cli, peers, progress
+from train.harness.progress import format_value
 from train.costs import memory
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data.stream import EpochStream
 from train.costs.hardware import Hardware, detect_hardware
-from train.harness.loop import LoopConfig, StopSignals, TrainResult, train
+from train.harness.loop import LoopConfig, TrainResult, train
+from train.harness.signals import StopSignals
 from train.harness import optimizer as optimizer_lib
 from train.costs.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
@@ -165,8 +167,8 @@ def param_count(params: Any) -> int:
 
 
 def _train(task: Task, run: Run) -> int:
-    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.harness.loop.StopSignals`):
-    before training starts they stop the run at once, with nothing to save."""
+    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on
+    (`train.harness.signals.StopSignals`): before training starts they stop the run at once, with nothing to save."""
     with StopSignals() as signals:
         with signals.interruptible():
             prepared = _prepare(task, run)
@@ -245,10 +247,6 @@ def _prepare(task: Task, run: Run):
     return setup, state, stream, counters, hardware, checkpoints, tx, signature, layout
 
 
-def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{unit}"
-
-
 def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints,
             hardware: Hardware) -> int:
     """Closes the run, prints its summary on the main host and returns the process exit code (`cli.exit_code`)."""
@@ -261,18 +259,18 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
         log_path = run_dir / runlog.LOG_FILENAME
         evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
-        print(
+        source = s["energy_source"]
+        energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
+            source, f"measured ({source})")
+        print("\n".join([
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-            f"({s['wall_time_s']:.1f} s wall)\n"
-            f"  throughput  {task.throughput(s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
-            f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
-            f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
-            f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
-            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
-            f"  memory      {memory.describe(s['memory'])}\n"
-            f"  run log     {log_path}\n"
-            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
+            f"({s['wall_time_s']:.1f} s wall); energy {energy}",
+            *progress.describe_windows(s, task.throughput),
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+            f"  memory      {memory.describe(s['memory'])}",
+            f"  run log     {log_path}",
+            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
             f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
-        )
+            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
+        ]))
     return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

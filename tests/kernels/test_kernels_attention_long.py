@@ -121,7 +121,7 @@ def test_cudnn_attention_matches_xla(index, dtype, head_dim):
 def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned(queries, keys, dtype, head_dim):
     """The internal formulation with queries < keys: query q sees keys 0 .. q + K - Q (no mask, no dropout)."""
     sources = (normal(0, (2, queries, 1, 2, head_dim), dtype), normal(1, (2, keys, 2, 2, head_dim), dtype))
-    run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, True, 0.0))
+    run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, None, True, 0.0))
     cotangent = normal(2, (2, queries, 2, head_dim), dtype)
     assert kernel_targets(run, sources, cotangent) == TARGETS
     _assert_as_accurate_as_xla(run, sources, cotangent, dtype, f"causal cross attention {queries}x{keys} {head_dim}")

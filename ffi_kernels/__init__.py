@@ -14,6 +14,7 @@ Layout
   csrc/<op>.cu       one file per op family, each registering its own targets (dropout.cu is the worked example)
   csrc/attention_cudnn.cu  cuDNN's fused attention from FFI handlers (cuDNN frontend graphs); built only where the
                      cuDNN packages are found (``cudnn_attention_missing`` says why not)
+  library.py         the built module's name, how it is imported, the build and import errors
   build.py           nvcc build, cache and CLI (``python -m ffi_kernels.build [--arch sm_90] [--force] [--verbose]``)
 
 Adding a kernel: create ``csrc/<name>.cu`` that includes ``common.cuh``, writes a handler returning
@@ -31,13 +32,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import importlib.util
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import jax
+
+from ffi_kernels.library import KernelBuildError, KernelImportError, NvccNotFoundError, import_library
 
 __all__ = [
     "KernelBuildError",
@@ -51,37 +52,9 @@ __all__ = [
 ]
 
 
-class KernelBuildError(RuntimeError):
-    """The kernel library could not be built; the message carries the compiler output."""
-
-
-class NvccNotFoundError(KernelBuildError, FileNotFoundError):
-    """No CUDA compiler (nvcc) was found."""
-
-
-class KernelImportError(ImportError):
-    """The built kernel library exists but Python cannot import it."""
-
-
 _lock = threading.Lock()
 _library: ModuleType | None = None
 _cudnn_missing: str | None = None
-
-
-def import_library(path: Path) -> ModuleType:
-    """Imports the extension module at ``path`` (it registers nothing by itself)."""
-    from ffi_kernels import build  # not at the top: `python -m ffi_kernels.build` imports this package first
-
-    loader = importlib.machinery.ExtensionFileLoader(build.MODULE_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(build.MODULE_NAME, path, loader=loader)
-    if spec is None:
-        raise KernelImportError(f"{path} is not an importable extension module")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        loader.exec_module(module)
-    except ImportError as err:
-        raise KernelImportError(f"cannot import the ls-jax kernel library {path}: {err}") from err
-    return module
 
 
 def load() -> tuple[str, ...]:

@@ -37,12 +37,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
-from ffi_kernels import KernelBuildError, NvccNotFoundError, import_library
+from ffi_kernels.library import MODULE_NAME, KernelBuildError, NvccNotFoundError, import_library
 
 logger = logging.getLogger("ffi_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-MODULE_NAME = "_ls_kernels"
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 _ARCH_PATTERN = re.compile(r"^sm_\d+[a-z]?$")
 _DEFAULT_CUDA_HOME = Path("/usr/local/cuda")

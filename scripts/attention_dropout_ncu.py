@@ -20,7 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from train.benchmarks import common, ncu_report, ncu_run  # noqa: E402
+from train.bench import common  # noqa: E402
+from train.bench.tracing import ncu_report, ncu_run
 
 DROPOUT = 0.1
 WARMUP_PASSES = 3
@@ -42,8 +43,8 @@ def child(case: tuple[int, int, int, int], rate: float) -> None:
     import jax.numpy as jnp
 
     from ls_jax import backend, ops
-    from train.benchmarks.attention import _normal
-    from train.benchmarks.counter_workloads import profiler_range
+    from train.bench.attention import _normal
+    from train.bench.steps.counter_workloads import profiler_range
 
     batch, length, heads, head_dim = case
     qkv = _normal(0, (batch, length, 3, heads, head_dim), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """Runs the ops benchmark's fused kernels a few times for Nsight Compute: ``ncu ... python3 scripts/ncu_ops.py OP...``.
 
-Each named case of ``train.benchmarks.ops`` (Transformer-big shapes) runs forward + backward, compiled in ffi
+Each named case of ``train.bench.ops`` (Transformer-big shapes) runs forward + backward, compiled in ffi
 mode, ``--calls`` times, so ``ncu --kernel-name ...`` finds every kernel of the op that many times.
 """
 
@@ -9,12 +9,12 @@ import argparse
 import jax
 
 from ls_jax import backend
-from train.benchmarks import ops
+from train.bench import ops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("ops", nargs="+", help="case names of train.benchmarks.ops")
+    parser.add_argument("ops", nargs="+", help="case names of train.bench.ops")
     parser.add_argument("--calls", type=int, default=2)
     args = parser.parse_args()
     cases = {case.op: case for case in ops.CASES}

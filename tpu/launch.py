@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WHEEL_DIR = REPO_ROOT / "build" / "tpu_launch"
 REMOTE_WORK_DIR = "ls_jax_work"
 RUN_ENV = {"LS_JAX_KERNELS": "xla", "JAX_PLATFORMS": "tpu,cpu"}
-# Flags of the train.* entry points (train/cli.py) and their values on TPU; None marks a switch.
+# Flags of the train.* entry points (train/harness/cli.py) and their values on TPU; None marks a switch.
 TRAINER_TPU_FLAGS: dict[str, str | None] = {"--backend": "xla", "--precision": "bf16", "--distributed": None}
 EXIT_USAGE = 2
 _WORKERS = re.compile(r"all|\d+(-\d+)?(,\d+(-\d+)?)*")

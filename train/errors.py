@@ -8,7 +8,7 @@ EXIT_USAGE = 2  # bad flags, a missing optional package, an unusable run directo
 EXIT_DATA = 3  # the data the flags name cannot be used: missing, empty or malformed files, too little data
 EXIT_NUMERICS = 4  # the loss or the state became non-finite
 EXIT_IO = 5  # a checkpoint or the run log could not be written (full disk)
-EXIT_PEER_LOST = 6  # another process of a multi-process run died or hangs (train.peers)
+EXIT_PEER_LOST = 6  # another process of a multi-process run died or hangs (train.harness.peers)
 EXIT_SIGNAL_BASE = 128  # interrupted: 128 + the signal number (130 SIGINT, 143 SIGTERM), as shells report it
 
 

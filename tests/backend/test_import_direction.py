@@ -1,6 +1,7 @@
-"""DESIGN.md's one direction of imports (ffi_kernels <- ls_jax.ops <- ls_jax.layers <- ls_jax.models <- train, tpu;
-only the ops, the optimizer and the backend reach ffi_kernels), checked over the source with helpers.imports, and
-the checker itself on a small package with forbidden imports."""
+"""docs/architecture.md's one direction of imports (ffi_kernels <- ls_jax.ops <- ls_jax.layers <- ls_jax.models <-
+train's layers <- tpu; only the ops, the optimizer and the backend reach ffi_kernels) and the absence of import
+cycles, checked over the source with helpers.imports, and the checker itself on small packages with forbidden
+imports and a cycle."""
 
 import textwrap
 from pathlib import Path
@@ -14,7 +15,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_packages_import_in_one_direction():
     found = imports.violations(REPO)
-    assert not found, "imports against DESIGN.md's layering:\n" + "\n".join(map(str, found))
+    assert not found, "imports against docs/architecture.md's layering:\n" + "\n".join(map(str, found))
+
+
+def test_no_module_imports_itself_through_others():
+    """Every import counts, those under TYPE_CHECKING and inside functions too."""
+    edges = imports.module_edges(REPO, ["ffi_kernels", "ls_jax", "train", "tpu"])
+    assert len(edges) > 120 and sum(map(len, edges.values())) > 300  # the scan saw the tree
+    assert imports.cycles(edges) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_type_checking_import(tmp_path):
+    _write_package(tmp_path, {
+        "train/__init__.py": "",
+        "train/a.py": "from train import b\n",
+        "train/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from train.c import Thing\n",
+        "train/c.py": "def f():\n    from train.a import x\n",
+        "train/d.py": "from train import a, b\n",
+    })
+    assert imports.cycles(imports.module_edges(tmp_path, ["train"])) == [["train.a", "train.b", "train.c"]]
 
 
 def test_the_checker_sees_every_link_of_the_chain_in_the_source():
@@ -29,23 +48,32 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
     assert linked("ls_jax.layers", "ls_jax.ops")
     assert linked("ls_jax.models", "ls_jax.layers")
     assert linked("train", "ls_jax.models")
+    assert linked("train.records", "train.errors")
+    assert linked("train.harness", "train.records")
+    assert linked("train.wmt", "train.harness")
+    assert linked("train.bench", "train.wmt")
 
 
 @pytest.mark.parametrize("importer, imported", [
-    ("train.loop", "ffi_kernels"),
-    ("train.benchmarks.ops", "ffi_kernels.build"),
+    ("train.harness.loop", "ffi_kernels"),
+    ("train.bench.ops", "ffi_kernels.build"),
     ("tpu.launch", "ffi_kernels"),
     ("ls_jax.layers.attention", "ffi_kernels"),
     ("ls_jax.models.bert", "ffi_kernels"),
     ("ls_jax.ops.dropout", "ls_jax.layers"),
     ("ls_jax.ops.attention", "ls_jax.models.gpt"),
-    ("ls_jax.ops", "train.loop"),
+    ("ls_jax.ops", "train.harness.loop"),
     ("ls_jax.optim.adan", "ls_jax.layers.common"),
     ("ls_jax.layers.common", "ls_jax.models"),
-    ("ls_jax.models.transformer", "train.metrics"),
+    ("ls_jax.models.transformer", "train.costs.metrics"),
     ("ls_jax", "train"),
     ("ls_jax.backend", "ls_jax.ops"),
     ("ffi_kernels.build", "ls_jax.backend"),
+    ("train.records.rundir", "train.harness.loop"),
+    ("train.costs.metrics", "train.harness.config"),
+    ("train.harness.training", "train.wmt.task"),
+    ("train.wmt.model", "train.bench.e2e"),
+    ("train.reference.zoo", "train.harness.step"),
 ])
 def test_forbidden_imports_name_the_rule(importer, imported):
     assert imports.check_import(importer, imported) is not None
@@ -60,10 +88,13 @@ def test_forbidden_imports_name_the_rule(importer, imported):
     ("ls_jax.models.bert", "ls_jax.layers"),
     ("ls_jax.models.bert", "ls_jax.ops"),
     ("train.wmt", "ls_jax.models"),
-    ("train.loop", "ls_jax.optim"),
+    ("train.harness.loop", "ls_jax.optim"),
     ("tpu.launch", "train.wmt"),
     ("train.wmt", "jax.numpy"),
     ("ffi_kernels", "ffi_kernels.build"),
+    ("train.harness.loop", "train.records.runlog"),
+    ("train.sweep.runner", "train.compare.scoring"),
+    ("train.bench.e2e", "train.reference.zoo"),
 ])
 def test_allowed_imports_pass(importer, imported):
     assert imports.check_import(importer, imported) is None
@@ -96,7 +127,7 @@ SYNTHETIC = {
     "ls_jax/optim/__init__.py": """\
         import importlib
         def suite():
-            return importlib.import_module("train.loop")
+            return importlib.import_module("train.harness.loop")
         """,
     "ls_jax/layers/__init__.py": "",
     "ls_jax/layers/common.py": """\
@@ -109,8 +140,8 @@ SYNTHETIC = {
     "ls_jax/models/__init__.py": "from . import gpt\n",
     "ls_jax/models/gpt.py": "from ls_jax.layers import common\nfrom ..ops import attention\n",
     "train/__init__.py": "",
-    "train/loop.py": "from ls_jax.models import gpt\nfrom ffi_kernels import build\n",
-    "train/bench.py": "import importlib\nSUITE = importlib.import_module('train.loop')\n",
+    "train/harness/loop.py": "from ls_jax.models import gpt\nfrom ffi_kernels import build\n",
+    "train/bench/suites.py": "import importlib\nSUITE = importlib.import_module('train.harness.loop')\n",
     "tpu/launch.py": "import subprocess\nimport ffi_kernels\n",
 }
 
@@ -123,16 +154,16 @@ def test_the_checker_reports_each_forbidden_import_of_a_synthetic_package(tmp_pa
         ("ls_jax/layers/common.py", 4, "ffi_kernels.build"),  # inside a function
         ("ls_jax/ops/attention.py", 1, "ls_jax.layers"),  # relative
         ("ls_jax/ops/typing_only.py", 3, "ls_jax.models"),  # under TYPE_CHECKING
-        ("ls_jax/optim/__init__.py", 3, "train.loop"),  # importlib.import_module
+        ("ls_jax/optim/__init__.py", 3, "train.harness.loop"),  # importlib.import_module
         ("tpu/launch.py", 2, "ffi_kernels"),
-        ("train/loop.py", 2, "ffi_kernels"),
+        ("train/harness/loop.py", 2, "ffi_kernels"),
     }
 
 
 def test_a_violation_names_file_line_and_rule(tmp_path):
-    _write_package(tmp_path, {"train/__init__.py": "", "train/loop.py": "import os\nimport ffi_kernels\n"})
+    _write_package(tmp_path, {"train/__init__.py": "", "train/harness/loop.py": "import os\nimport ffi_kernels\n"})
     (violation,) = imports.violations(tmp_path)
     assert str(violation) == (
-        "train/loop.py:2: train.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, ls_jax.optim import "
+        "train/harness/loop.py:2: train.harness.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, ls_jax.optim import "
         "ffi_kernels"
     )

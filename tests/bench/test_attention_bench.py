@@ -1,8 +1,8 @@
-"""train.benchmarks.attention on CPU: its default cases, and a peak memory that grows with L where L x L is stored."""
+"""train.bench.attention on CPU: its default cases, and a peak memory that grows with L where L x L is stored."""
 
 import jax.numpy as jnp
 
-from train.benchmarks import attention as attention_bench
+from train.bench import attention as attention_bench
 
 
 def test_default_cases_span_512_to_4096_at_head_dims_64_and_128_with_one_token_count():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.benchmarks import counters, flops, profile
+from train.bench import counters, flops, profile
 
 
 def _refused(main, argv, capsys) -> str:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from train import bench
+from train.bench import suites as bench
 
 
 def test_suite_help_is_the_suites_own(capsys):
@@ -21,7 +21,7 @@ def test_top_level_help_names_the_suites(capsys):
 
 
 def test_results_go_to_runs_bench_without_a_gpu(capsys, tmp_path):
-    from train.benchmarks import common
+    from train.bench import common
     assert common.out_dir(None) == common.REPO_ROOT / "runs" / "bench"  # the CPU test machine
     assert common.out_dir(tmp_path) == tmp_path
     with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""train.benchmarks.counter_workloads on CPU: the encoder block the flops suite profiles computes its gradients."""
+"""train.bench.steps.counter_workloads on CPU: the encoder block the flops suite profiles computes its gradients."""
 
 import math
 import re
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from train.benchmarks import counter_workloads
+from train.bench.steps import counter_workloads
 
 
 def compiled_dot_flops(hlo: str) -> int:
@@ -39,7 +39,7 @@ def test_encoder_block_returns_gradients_of_params_and_input(implementation):
 def test_the_compiled_encoder_block_runs_every_gemm_of_the_hand_count():
     # With gradients alone, XLA dropped the last feed-forward GEMM's forward product (it fed only the discarded
     # loss): 8 of 74 x tokens x H^2 FLOPs, the 0.89 slope of measured on hand-counted FLOPs.
-    from train.benchmarks import flops
+    from train.bench import flops
 
     batch, seq_len = 2, 128
     workload = counter_workloads.build("encoder-block", "reference", batch=batch, seq_len=seq_len)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from train.benchmarks import counters, flops, hand_count, ncu_report, ncu_run
+from train.bench import counters, flops
+from train.bench.steps import hand_count
+from train.bench.tracing import ncu_report, ncu_run
 
 pytestmark = pytest.mark.gpu
 BATCH, SEQ_LEN = 4, 128

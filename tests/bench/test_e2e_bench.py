@@ -1,4 +1,4 @@
-"""train.benchmarks.e2e: the largest-batch prediction, and a --quick run of the whole benchmark on CPU."""
+"""train.bench.e2e: the largest-batch prediction, and a --quick run of the whole benchmark on CPU."""
 
 import json
 import math
@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import metrics
-from train.benchmarks import e2e, kernel_trace, transformer_steps
+from train.costs import metrics
+from train.bench import e2e
+from train.bench.tracing import kernel_trace
+from train.bench.steps import transformer_steps
 
 
 def _linear_memory(base: float, per_token: float, tokens: list[int]) -> dict[int, int]:

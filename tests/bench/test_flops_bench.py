@@ -1,8 +1,9 @@
-"""train.benchmarks.flops: measured counters against the hand count (no GPU: synthetic counter totals)."""
+"""train.bench.flops: measured counters against the hand count (no GPU: synthetic counter totals)."""
 
 import pytest
 
-from train.benchmarks import flops, hand_count
+from train.bench import flops
+from train.bench.steps import hand_count
 
 
 def test_measured_flops_add_tensor_half_and_single_and_dram_adds_read_and_write():

@@ -1,12 +1,12 @@
-"""train.benchmarks.hand_count: FLOPs and minimal DRAM bytes counted by hand, on shapes small enough to check."""
+"""train.bench.steps.hand_count: FLOPs and minimal DRAM bytes counted by hand, on shapes small enough to check."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from train import metrics
-from train.benchmarks import hand_count
-from train.benchmarks.hand_count import Gemm
+from train.costs import metrics
+from train.bench.steps import hand_count
+from train.bench.steps.hand_count import Gemm
 
 
 def test_a_gemm_costs_2mnk_and_reads_and_writes_each_matrix_once():
@@ -59,7 +59,7 @@ def test_encoder_block_matches_the_analytic_count_of_one_encoder_layer():
 
 
 def test_parameter_count_is_the_reference_models():
-    from train.reference_model import ReferenceConfig, ReferenceTransformer
+    from train.reference.transformer import ReferenceConfig, ReferenceTransformer
 
     config = ReferenceConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_heads=4, num_encoder_layers=2,
                              num_decoder_layers=3)

@@ -1,11 +1,12 @@
-"""train.benchmarks.ncu_report / counters: Nsight Compute's raw CSV parsed, grouped, aggregated and normalised."""
+"""train.bench.tracing.ncu_report / counters: Nsight Compute's raw CSV parsed, grouped, aggregated and normalised."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from train.benchmarks import counters, ncu_report, ncu_run
+from train.bench import counters
+from train.bench.tracing import ncu_report, ncu_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "ncu" / "raw-page.csv"
 HLO = """
@@ -136,7 +137,7 @@ def test_missing_ncu_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("suite", ["counters", "flops"])
 def test_suites_without_ncu_stop_with_one_line(suite, tmp_path, capsys):
-    from train import bench
+    from train.bench import suites as bench
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main([suite, "--ncu", str(tmp_path / "ncu"), "--out", str(tmp_path)])

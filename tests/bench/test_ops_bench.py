@@ -1,4 +1,4 @@
-"""train.benchmarks.ops: a case for every fused op and form, and ``python -m train.bench ops --quick`` on CPU."""
+"""train.bench.ops: a case for every fused op and form, and ``python -m train.bench ops --quick`` on CPU."""
 
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 
 from ls_jax import ops
-from train import bench
-from train.benchmarks import common
-from train.benchmarks import ops as ops_bench
+from train.bench import suites as bench
+from train.bench import common
+from train.bench import ops as ops_bench
 
 # ls_jax.ops functions with no kernel of their own: dense is the layers' GEMM (XLA everywhere), dropout_seed makes
 # a seed, attention_unfused is two einsums around attn_softmax (which has its cases).
@@ -29,7 +29,7 @@ def test_every_fused_op_has_a_case():
     functions = {name for name in ops.__all__ if callable(getattr(ops, name)) and name[0].islower()} - NOT_KERNELS
     benchmarked = {_prefix(name) for name in _case_names()}
     missing = {name for name in functions if CASE_PREFIX.get(name, name) not in benchmarked}
-    assert not missing, f"ls_jax.ops functions with no case in train/benchmarks/ops.py: {sorted(missing)}"
+    assert not missing, f"ls_jax.ops functions with no case in train/bench/ops.py: {sorted(missing)}"
 
 
 def test_every_fused_form_has_a_case():

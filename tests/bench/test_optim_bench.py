@@ -1,10 +1,10 @@
-"""train.benchmarks.optim: the benchmarked models' sizes, its byte and kernel counts, and a --quick run on CPU."""
+"""train.bench.optim: the benchmarked models' sizes, its byte and kernel counts, and a --quick run on CPU."""
 
 import json
 
 import numpy as np
 
-from train.benchmarks import optim
+from train.bench import optim
 
 
 def _parameters(shapes):

@@ -1,9 +1,9 @@
-"""train.benchmarks.kernel_trace: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
+"""train.bench.tracing.kernel_trace: how GPU kernels of a trace are attributed to step categories (no GPU needed)."""
 
 import jax
 import pytest
 
-from train.benchmarks import kernel_trace
+from train.bench.tracing import kernel_trace
 
 HLO = """
 HloModule jit_step
@@ -156,7 +156,7 @@ def test_stage_breakdown_of_a_synthetic_trace():
 
 
 def test_profile_prints_the_stages_side_by_side(capsys):
-    from train.benchmarks import profile
+    from train.bench import profile
 
     def record(scale):
         return {"ms_per_step": dict.fromkeys(kernel_trace.CATEGORIES, 1.0), "total_ms_per_step": 11.0,
@@ -171,7 +171,7 @@ def test_profile_prints_the_stages_side_by_side(capsys):
 
 @pytest.mark.parametrize("name, part", [("bert-tiny", "encoder"), ("gpt2-tiny", "decoder")])
 def test_the_plain_flax_zoo_steps_attribute_their_ops_to_stages(name, part):
-    from train.benchmarks import zoo_steps
+    from train.bench.steps import zoo_steps
 
     model = zoo_steps.MODELS[name]
     batch = zoo_steps.make_batch(name, model.rows, model.seq_lens[0], seed=0)
@@ -181,7 +181,7 @@ def test_the_plain_flax_zoo_steps_attribute_their_ops_to_stages(name, part):
 
 
 def test_step_breakdown_traces_the_stages_from_a_recompiled_step_and_hands_its_state_back(tmp_path):
-    from train.benchmarks import transformer_steps
+    from train.bench.steps import transformer_steps
 
     def step(state, batch):
         loss, grad = jax.value_and_grad(lambda w: jax.numpy.sum((batch * w) ** 2))(state)
@@ -203,7 +203,7 @@ def test_step_breakdown_traces_the_stages_from_a_recompiled_step_and_hands_its_s
 def test_the_stage_figure_stacks_each_implementations_stages(tmp_path):
     import matplotlib.image
 
-    from train.benchmarks import profile
+    from train.bench import profile
 
     stages = {name: float(i + 1) for i, name in enumerate(kernel_trace.STAGES)}
     breakdowns = {"reference": {"stage_ms_per_step": stages},
@@ -219,7 +219,8 @@ def test_the_stage_figure_stacks_each_implementations_stages(tmp_path):
 
 
 def test_profiles_of_one_shape_run_one_after_another_add_up():
-    from train.benchmarks import profile, workloads
+    from train.bench import profile
+    from train.bench.steps import workloads
 
     workload = profile.workload_of("bert-base", 8192, 512, None)
     other_shape = profile.workload_of("bert-base", 8192, 128, None)

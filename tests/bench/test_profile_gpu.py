@@ -3,7 +3,8 @@
 import pytest
 
 from ls_jax import backend
-from train.benchmarks import kernel_trace, zoo_steps
+from train.bench.tracing import kernel_trace
+from train.bench.steps import zoo_steps
 
 pytestmark = pytest.mark.gpu
 STEPS = 2
@@ -30,7 +31,7 @@ def test_stages_attribute_the_kernels_of_cublas_gemms_and_ffi_calls(implementati
 
 
 def test_attention_kernel_times_show_the_cudnn_kernels_of_each_variant():
-    from train.benchmarks import attention as attention_bench
+    from train.bench import attention as attention_bench
 
     result = attention_bench.run_case((1, 512, 4, 64), on_gpu=True, quick=False, kernel_times=True)
     for variant in ("ffi", "ffi_dropout", "cudnn"):
@@ -45,7 +46,7 @@ def test_encoder_and_decoder_stages_each_keep_their_own_layers_kernels(implement
     them; the stages must follow the launching instruction, not the kernel name. At big widths an encoder layer does
     12 H^2 of GEMM work per token, a decoder layer 16 H^2 (its cross-attention), so each encoder stage should take
     about 3/4 of its decoder stage; by kernel name, one of the two took the shared kernels of both."""
-    from train.benchmarks import transformer_steps
+    from train.bench.steps import transformer_steps
 
     batch = transformer_steps.make_batch(32, seed=0)
     with backend.use(transformer_steps.kernel_mode(implementation)):

@@ -1,4 +1,4 @@
-"""The BERT and GPT-2 rows of train.benchmarks.e2e: the plain Flax references are the ls_jax models (same
+"""The BERT and GPT-2 rows of train.bench.e2e: the plain Flax references are the ls_jax models (same
 parameters, same function), the workloads' shapes and errors, and a --quick run of both on CPU."""
 
 import dataclasses
@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.benchmarks import e2e, profile, workloads, zoo_steps
-from train.reference_zoo import ZooConfig
+from train.bench import e2e, profile
+from train.bench.steps import workloads, zoo_steps
+from train.reference.zoo import ZooConfig
 
 
 def _param_count(init) -> int:

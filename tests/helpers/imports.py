@@ -1,9 +1,11 @@
-"""The import direction of DESIGN.md, checked from source with ``ast`` (nothing is imported or run).
+"""The import direction of docs/architecture.md, checked from source with ``ast`` (nothing is imported or run).
 
 Packages sit in layers, lowest first; a module may import its own layer and the layers below it:
 
     ffi_kernels  <-  ls_jax.backend  <-  ls_jax (root), ls_jax.ops, ls_jax.optim  <-  ls_jax.layers
-                 <-  ls_jax.models   <-  train, tpu
+                 <-  ls_jax.models   <-  train.errors  <-  train.data, train.costs, train.records, train.reference
+                 <-  train.harness   <-  train.wmt, train.imdb, train.gpt, train.compare, train.sweep
+                 <-  train.bench     <-  train (root), tpu
 
 and only the bridges (ls_jax.backend, ls_jax.ops, ls_jax.optim) import ffi_kernels: a layer, a model or the
 training harness never reaches a kernel except through an op or the optimizer. Every import counts: module
@@ -26,6 +28,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ls_jax", "ls_jax.ops", "ls_jax.optim"),
     ("ls_jax.layers",),
     ("ls_jax.models",),
+    ("train.errors",),
+    ("train.data", "train.costs", "train.records", "train.reference"),
+    ("train.harness",),
+    ("train.wmt", "train.imdb", "train.gpt", "train.compare", "train.sweep"),
+    ("train.bench",),
     ("train", "tpu"),
 )
 KERNEL_PACKAGE = "ffi_kernels"
@@ -146,3 +153,70 @@ def violations(root: Path, layers: Sequence[Sequence[str]] = LAYERS, kernel_pack
         if rule is not None:
             found.add(Violation(path, line, importer, imported, rule))
     return sorted(_most_general(list(found)), key=lambda v: (str(v.path), v.line, v.imported))
+
+
+def loaded_modules(path: Path, module: str, modules: set[str]) -> Iterator[str]:
+    """The modules of ``modules`` that the imports of the source file ``path`` (of ``module``) load, wherever they
+    stand: ``import a.b`` loads ``a.b``; ``from a import b`` loads ``a.b`` where that is a module, else ``a``."""
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (owner(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            package = _resolve(node, module, path.name == "__init__.py")
+            for alias in node.names:
+                full = f"{package}.{alias.name}"
+                yield full if full in modules else owner(package)
+        elif isinstance(node, ast.Call) and (name := _dynamic_name(node)) is not None:
+            yield owner(name)
+
+
+def module_edges(root: Path, packages: Sequence[str]) -> dict[str, set[str]]:
+    """Which modules of ``packages`` each of their modules loads (`loaded_modules`), TYPE_CHECKING imports and
+    imports inside functions included."""
+    paths = {module_name(root, path): path for package in packages for path in (root / package).rglob("*.py")}
+    modules = set(paths)
+    return {module: {target for target in loaded_modules(path, module, modules) if target and target != module}
+            for module, path in paths.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``edges``: each strongly connected component of more than one module (Tarjan's
+    algorithm), its modules sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in sorted(edges.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(found)

@@ -1,5 +1,5 @@
 """A tiny harness task (linear regression, compiles in about a second) for end-to-end tests of resume, signals,
-NaN and full-disk handling through `train.harness.run_training`: ``python -m helpers.toy_task FLAGS`` with
+NaN and full-disk handling through `train.harness.training.run_training`: ``python -m helpers.toy_task FLAGS`` with
 ``PYTHONPATH=tests``.
 
 Task flags: ``--eval-seconds S`` makes every evaluation print ``evaluating`` and take S seconds (so a test can
@@ -19,13 +19,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import cli, harness
-from train.data import EpochStream
+from train.data.stream import EpochStream
+from train.harness import cli
+from train.harness import config as config_lib
+from train.harness.config import TrainingConfig
+from train.harness.training import Task, TaskSetup, run_training
 
 FEATURES = 4
 ROWS = 8
-DEFAULTS = {**cli.TRAINING_DEFAULTS, "steps": 6, "lr": 0.05, "warmup_steps": 1, "log_every": 1,
-            "checkpoint_every": 2, "eval_seconds": 0.0, "nan_lr_from": None}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToyConfig(TrainingConfig):
+    steps: int | None = 6
+    lr: float = 0.05
+    warmup_steps: int | None = 1
+    log_every: int = 1
+    checkpoint_every: int | None = 2
+    eval_seconds: float = 0.0
+    nan_lr_from: int | None = None
 
 
 @dataclasses.dataclass
@@ -56,10 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> dict[str, Any]:
-    config = {**DEFAULTS, **(saved or {})}
-    config.update({key: value for key, value in given.items() if value is not None})
-    return config
+def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None) -> ToyConfig:
+    return config_lib.resolve(ToyConfig, {key: value for key, value in given.items() if value is not None}, saved, {})
 
 
 def evaluate(seconds: float):
@@ -74,36 +84,36 @@ def evaluate(seconds: float):
     return run
 
 
-def setup(run, precision: str, parallel) -> harness.TaskSetup:
+def setup(run, precision: str, parallel) -> TaskSetup:
     config = run.config
-    nan_from = config["nan_lr_from"]
+    nan_from = config.nan_lr_from
 
     def learning_rate(count):
-        lr = jnp.float32(config["lr"])
+        lr = jnp.float32(config.lr)
         return lr if nan_from is None else jnp.where(count >= nan_from, jnp.nan, lr)
 
     shapes = {"x": ((1, ROWS, FEATURES), jnp.float32), "y": ((1, ROWS), jnp.float32), "mask": ((1, ROWS), jnp.float32)}
-    return harness.TaskSetup(
+    return TaskSetup(
         init_params=lambda key: {"w": jnp.zeros((FEATURES,)), "b": jnp.zeros(())},
-        init_rng=jax.random.PRNGKey(config["seed"]),
+        init_rng=jax.random.PRNGKey(config.seed),
         loss_fn=loss_fn,
-        stream=ToyStream(seed=config["seed"]),
+        stream=ToyStream(seed=config.seed),
         batch_shapes=[shapes],
         flops_fn=lambda batch_shapes: 2.0 * float(np.prod(batch_shapes["x"])),
-        evaluate=evaluate(config["eval_seconds"]),
+        evaluate=evaluate(config.eval_seconds),
         learning_rate=learning_rate,
-        steps=config["steps"],
-        eval_every=config["eval_every"],
-        checkpoint_every=config["checkpoint_every"],
+        steps=config.steps,
+        eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every,
         model_signature={"toy": FEATURES},
         model_name="toy",
         batch_record={"rows": ROWS},
         data_record={"source": "toy"},
-        config_record=config,
+        config_record=config.to_dict(),
     )
 
 
-TASK = harness.Task(
+TASK = Task(
     name="toy",
     counted=("examples",),
     metric="loss",
@@ -117,7 +127,7 @@ TASK = harness.Task(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return harness.run_training(TASK, argv)
+    return run_training(TASK, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""GPU: the causal-LM loss (packed rows, masked tail) and KV-cache sampling of train.gpt_model on the CUDA kernels
+"""GPU: the causal-LM loss (packed rows, masked tail) and KV-cache sampling of train.gpt.model on the CUDA kernels
 (mode "ffi") against the same functions on XLA."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 
 from ls_jax.models.gpt import GPTLMHeadModel
 from helpers.kernels import kernel_targets, on_backend, relative_error
-from train import gpt_data, gpt_model
+from train.gpt import data as gpt_data, model as gpt_model
 
 pytestmark = pytest.mark.gpu
 

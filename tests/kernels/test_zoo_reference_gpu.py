@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from train.benchmarks import zoo_steps
+from train.bench.steps import zoo_steps
 
 pytestmark = pytest.mark.gpu
 

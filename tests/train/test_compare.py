@@ -11,10 +11,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train import compare
-from train.report import plots, quality, scoring
-from train.report import runs as run_logs
-from train.report.tables import runs_table
+from train.compare import report as compare
+from train.compare import plots, quality, scoring
+from train.compare import runs as run_logs
+from train.compare.tables import runs_table
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
 RESULTS = Path(__file__).parents[2] / "docs" / "results"
@@ -351,7 +351,7 @@ def test_logs_under_docs_results_compare_with_the_fixtures(log, tmp_path):
 
 @pytest.mark.parametrize("log", sorted(DATA.glob("*/run.jsonl")), ids=lambda path: path.parent.name)
 def test_fixture_logs_pass_the_harness_schema(log):
-    from train import runlog
+    from train.records import runlog
 
     for record in runlog.read(log):
         runlog.validate(record, counted=("tokens", "target_tokens"))

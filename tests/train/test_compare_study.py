@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train import compare
-from train.report import plots, quality, scoring, tables
-from train.report import runs as run_logs
+from train.compare import report as compare
+from train.compare import plots, quality, scoring, tables
+from train.compare import runs as run_logs
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from train import wmt_data as ip
-from train.data import host_rows
+from train.wmt import data as ip
+from train.data.stream import host_rows
 from train.errors import UsageError
 
 PAD, BOS, EOS = 0, 1, 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from train.errors import UsageError
-from train.parallel import process_counts
+from train.harness.parallel import process_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--batch-size", "8", "--dropout", "0", "--precision", "fp32", "--eval-every", "100", "--log-every", "1",

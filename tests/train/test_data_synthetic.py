@@ -1,6 +1,6 @@
 """The embedded synthetic translation task: deterministic, disjoint splits, and a grammar that is not a copy."""
 
-from train import wmt_synthetic
+from train.wmt import synthetic as wmt_synthetic
 
 
 def test_same_seed_same_corpus_and_other_seed_differs():

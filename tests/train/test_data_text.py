@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from train import wmt_data, wmt_synthetic
+from train.wmt import data as wmt_data, synthetic as wmt_synthetic
 from train.errors import DataError, UsageError
-from train import tokenizer as tokenizer_lib
+from train.data import tokenizer as tokenizer_lib
 
 
 def write_corpus(directory, sizes=None, src="de", tgt="en"):

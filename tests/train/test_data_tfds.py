@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from train import wmt_data
+from train.wmt import data as wmt_data
 from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None

@@ -1,4 +1,4 @@
-"""train.gpt_data and train.gpt_synthetic: the synthetic corpus and its entropy floor, reading, tokenizers,
+"""train.gpt.data and train.gpt.synthetic: the synthetic corpus and its entropy floor, reading, tokenizers,
 packing, batches and their resume position, and each bad input's error."""
 
 import importlib.util
@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from train import gpt_data, gpt_synthetic
+from train.gpt import data as gpt_data, synthetic as gpt_synthetic
 from train.errors import UsageError
-from train.gpt_data import IGNORE_LABEL, DataError, PackedRows
+from train.gpt.data import IGNORE_LABEL, DataError, PackedRows
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 EOD = 2

@@ -1,4 +1,4 @@
-"""train.gpt_model: presets, the loss contract, a short optax training run on the synthetic corpus against its
+"""train.gpt.model: presets, the loss contract, a short optax training run on the synthetic corpus against its
 entropy floor and unigram perplexity, the FLOP count against XLA, evaluation, KV-cache sampling and GPT-2 import."""
 
 import collections
@@ -16,8 +16,9 @@ import pytest
 from ls_jax import backend
 from ls_jax.models import hf
 from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
-from train import gpt_data, gpt_model, gpt_synthetic, metrics
-from train.gpt_data import IGNORE_LABEL
+from train.gpt import data as gpt_data, model as gpt_model, synthetic as gpt_synthetic
+from train.costs import metrics
+from train.gpt.data import IGNORE_LABEL
 from train.errors import UsageError
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (LayerNorm, softmax, GELU, loss, optimizer): docs/flops.md

@@ -1,4 +1,4 @@
-"""train.measured_utilization and ``train.compare --counters``: measured occupancy attached to the runs it fits."""
+"""train.costs.measured_utilization and ``train.compare --counters``: measured occupancy attached to the runs it fits."""
 
 import dataclasses
 import json
@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from train import compare, measured_utilization
-from train.report import runs as run_logs
+from train.compare import report as compare
+from train.costs import measured_utilization
+from train.compare import runs as run_logs
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
 H100 = "NVIDIA H100 80GB HBM3"

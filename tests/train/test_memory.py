@@ -9,8 +9,12 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from train import compare, imdb, memory, runlog
-from train.optimizer import make_optimizer
+from train.compare import report as compare
+from train.imdb import task as imdb
+from train.costs import memory
+from train.records import runlog
+from train.harness.optimizer import make_optimizer
+from train.harness.training import run_training
 
 
 def test_optimizer_bytes_split_master_weights_from_moments():
@@ -52,7 +56,7 @@ def test_anatomy_adds_up_and_compares_with_the_rule():
 def test_training_summary_and_report_hold_the_anatomy(tmp_path, capsys):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        code = imdb.main(["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
+        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
                           "--max-seq-len", "16", "--run-dir", str(run_dir)])
     assert code == 0 and "  memory      params " in printed.getvalue()
     records = runlog.read(run_dir / "run.jsonl")

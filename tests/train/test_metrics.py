@@ -1,4 +1,4 @@
-"""FLOPs, device tables, energy meters and memory of train.metrics."""
+"""FLOPs, device tables, energy meters and memory of train.costs.metrics."""
 
 import types
 
@@ -8,11 +8,12 @@ import pytest
 
 from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
-from train import metrics, wmt_model
-from train.optimizer import inverse_sqrt_schedule, make_optimizer
-from train.parallel import DATA_AXIS, DataParallel, StateLayout
-from train.step import TrainState, make_train_step
-from train.step_compiler import StepCompiler
+from train.costs import metrics
+from train.wmt import model as wmt_model
+from train.harness.optimizer import inverse_sqrt_schedule, make_optimizer
+from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
+from train.harness.step import TrainState, make_train_step
+from train.harness.step_compiler import StepCompiler
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
 

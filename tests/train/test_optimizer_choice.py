@@ -11,9 +11,15 @@ import optax
 import pytest
 
 import ls_jax.optim
-from train import cli, compiled, imdb, runlog
+from train.harness import cli
+from train.harness.config import TrainingConfig
+from train.costs import compiled
+from train.imdb import task as imdb
+from train.records import runlog
 from train.errors import UsageError
-from train.optimizer import DEFAULT_HYPERPARAMETERS, hyperparameters, implementation, make_optimizer
+from train.harness.optimizer import (DEFAULT_HYPERPARAMETERS, hyperparameters, implementation,
+                                     linear_warmup_decay, make_optimizer, on_host)
+from train.harness.training import run_training
 
 SCHEDULE = optax.constant_schedule(1e-2)
 
@@ -83,7 +89,7 @@ def test_implementation_names_what_runs():
     ({"optimizer": "optax-adan", "shard_optimizer": True}, "--shard-optimizer needs a fused optimizer"),
 ])
 def test_check_optimizer_rejects_what_cannot_run(flags, message):
-    config = {**cli.TRAINING_DEFAULTS, **flags}
+    config = TrainingConfig(**flags)
     with pytest.raises(UsageError, match=message):
         cli.check_optimizer(config)
 
@@ -126,7 +132,7 @@ def test_optimizer_step_kernels_counts_the_compiled_update():
 def test_run_record_names_the_optimizer_that_ran(tmp_path):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = imdb.main(["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
+        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
                           "--max-seq-len", "16", "--optimizer", "optax-adan", "--b3", "0.95", "--run-dir", str(run_dir)])
     assert code == 0
     run = runlog.read(run_dir / "run.jsonl")[0]
@@ -137,6 +143,13 @@ def test_run_record_names_the_optimizer_that_ran(tmp_path):
 
 
 def test_bad_optimizer_flag_is_one_line(tmp_path, capsys):
-    code = imdb.main(["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
+    code = run_training(imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
     assert code == 2
     assert "error: --optimizer adamw: --b3 is an Adan hyperparameter" in capsys.readouterr().err
+
+
+def test_the_logged_learning_rate_is_the_schedules_value_as_a_float():
+    schedule = linear_warmup_decay(0.5, 4, 12)
+    lr = on_host(schedule)
+    assert [lr(0), lr(4), lr(12)] == [float(schedule(0)), 0.5, 0.0]
+    assert all(type(lr(step)) is float for step in (1, 7))

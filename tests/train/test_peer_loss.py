@@ -1,5 +1,5 @@
 """A process of a multi-process run dies: the others stop within a bounded time with one line naming it and the
-resume command, and leave no half-written checkpoint (`train.peers`)."""
+resume command, and leave no half-written checkpoint (`train.harness.peers`)."""
 
 import json
 import os
@@ -15,8 +15,8 @@ import pytest
 
 import jax.numpy as jnp
 
-from train import peers
-from train.checkpoints import Checkpoints, complete_steps, remove_partial_checkpoints
+from train.harness import peers
+from train.records.checkpoints import Checkpoints, complete_steps, remove_partial_checkpoints
 from train.errors import EXIT_PEER_LOST
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from train.benchmarks import overlap
-from train.benchmarks.scaling import device_counts, efficiencies
+from train.bench.steps import overlap
+from train.bench.scaling import device_counts, efficiencies
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """`python -m train.sweep`: grid expansion, the run directory of each run, skip and resume, other devices, the
-best run of earlier grids, and a clear error for every bad input. Training runs in this process (train.imdb.main)
+best run of earlier grids, and a clear error for every bad input. Training runs in this process (train.imdb.task.main)
 on a tiny model for a few steps."""
 
 import contextlib
@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from train import imdb, runlog, sweep, sweep_spec
+from train.imdb import task as imdb
+from train.records import runlog
+from train.sweep import runner as sweep, spec as sweep_spec
 from train.errors import UsageError
+from train.harness.training import run_training
 
 COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"
 
@@ -48,7 +51,7 @@ class InProcess:
         assert command[:3] == ["python", "-m", "train.imdb"]
         self.commands.append(command)
         with contextlib.redirect_stdout(io.StringIO()):
-            return imdb.main(command[3:])
+            return run_training(imdb.TASK, command[3:])
 
 
 def never(command):

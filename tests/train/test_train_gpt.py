@@ -17,11 +17,15 @@ from test_gpt_model import tiny_model, write_gpt2_directory
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
 from ls_jax.models import hf
-from train import compare, gpt, gpt_data, gpt_synthetic, runlog
-from train import tokenizer as tokenizer_lib
+from train.compare import report as compare
+from train.gpt import config as gpt_config
+from train.gpt import task as gpt, data as gpt_data, synthetic as gpt_synthetic
+from train.records import runlog
+from train.data import tokenizer as tokenizer_lib
 from train.errors import EXIT_DATA, EXIT_USAGE
-from train.gpt_samples import SAMPLES_FILENAME
-from train.report import runs as run_logs
+from train.gpt.samples import SAMPLES_FILENAME
+from train.compare import runs as run_logs
+from train.harness.training import run_training
 
 FLOP_TOLERANCE = 0.05
 QUIET = ["--no-progress", "--no-tensorboard"]
@@ -62,7 +66,7 @@ def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
     run_dir = tmp_path_factory.mktemp("default") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = gpt.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
+        code = run_training(gpt.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
                          "--run-dir", str(run_dir)])
     return code, run_dir, printed.getvalue()
 
@@ -137,7 +141,7 @@ def test_a_log_written_before_perplexity_still_reads(default_run, tmp_path):
 
 def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file, compilation_cache):  # noqa: F811
     run_dir = tmp_path / "r"
-    assert gpt.main(text_job(text_file, run_dir, "--steps", "2", "--prompt", "the cat", "--prompt", "two")) == 0
+    assert run_training(gpt.TASK, text_job(text_file, run_dir, "--steps", "2", "--prompt", "the cat", "--prompt", "two")) == 0
     assert tokenizer_lib.load(run_dir / "spm.model").GetPieceSize() <= 120
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
@@ -148,7 +152,7 @@ def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file
     assert len(texts) == 2 and texts[0].startswith("the cat") and texts[1].startswith("two")
 
     given = tmp_path / "given"  # the same vocabulary given with --spm-model tokenizes the same rows
-    assert gpt.main(text_job(text_file, given, "--steps", "2", "--spm-model", str(run_dir / "spm.model"))) == 0
+    assert run_training(gpt.TASK, text_job(text_file, given, "--steps", "2", "--spm-model", str(run_dir / "spm.model"))) == 0
     assert (given / "spm.model").read_bytes() == (run_dir / "spm.model").read_bytes()
     assert runlog.read(given / "run.jsonl")[0]["data"] == data
 
@@ -157,7 +161,7 @@ def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file
 def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_cache):  # noqa: F811
     text = write_documents(tmp_path / "docs.txt", 700)  # about 10k words
     run_dir = tmp_path / "r"
-    assert gpt.main(["--data", f"text:{text}", "--run-dir", str(run_dir), "--preset", "gpt2-tiny", "--positions",
+    assert run_training(gpt.TASK, ["--data", f"text:{text}", "--run-dir", str(run_dir), "--preset", "gpt2-tiny", "--positions",
                      "2048", "--max-seq-len", "2048", "--batch-size", "1", "--vocab-size", "120", "--steps", "1",
                      "--samples", "1", "--sample-tokens", "4", *QUIET]) == 0
     records = runlog.read(run_dir / "run.jsonl")
@@ -170,13 +174,13 @@ def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_
 @pytest.mark.slow
 def test_resume_gives_the_same_run_as_training_straight(tmp_path, text_file, compilation_cache):  # noqa: F811
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert gpt.main(text_job(text_file, straight, "--steps", "6", "--log-every", "1", "--eval-every", "3")) == 0
-    assert gpt.main(text_job(text_file, split, "--steps", "6", "--log-every", "1", "--eval-every", "3",
+    assert run_training(gpt.TASK, text_job(text_file, straight, "--steps", "6", "--log-every", "1", "--eval-every", "3")) == 0
+    assert run_training(gpt.TASK, text_job(text_file, split, "--steps", "6", "--log-every", "1", "--eval-every", "3",
                              "--checkpoint-every", "3")) == 0
     # Cut the run back to its step-3 checkpoint, as a preempted run would have left it, and resume.
     shutil.rmtree(split / "checkpoints" / "6")
     (split / SAMPLES_FILENAME).unlink()
-    assert gpt.main(["--resume", str(split)]) == 0
+    assert run_training(gpt.TASK, ["--resume", str(split)]) == 0
 
     expected, resumed = state_arrays(straight, 6), state_arrays(split, 6)
     assert expected.keys() == resumed.keys()
@@ -223,7 +227,7 @@ def transformers_perplexity(directory, rows):
 def test_init_from_gpt2_scores_the_checkpoint_as_transformers_does(gpt2_dir, text_file, tmp_path):
     run_dir = tmp_path / "run"
     # A vanishing learning rate leaves the weights as loaded, so the evaluation scores the checkpoint itself.
-    assert gpt.main(["--init-from", str(gpt2_dir), "--data", f"text:{text_file}", "--max-seq-len", "16",
+    assert run_training(gpt.TASK, ["--init-from", str(gpt2_dir), "--data", f"text:{text_file}", "--max-seq-len", "16",
                      "--batch-size", "8", "--steps", "1", "--lr", "1e-20", "--samples", "1", "--sample-tokens", "4",
                      "--run-dir", str(run_dir), *QUIET]) == 0
     records = runlog.read(run_dir / "run.jsonl")
@@ -287,14 +291,14 @@ def weights_without_tokenizer(directory):
 def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, text_file, capsys, make_args, message,
                                                                  request):
     data_fault = request.node.callspec.id in {"empty-corpus", "missing-text-file"}
-    assert gpt.main(make_args(tmp_path, text_file)) == (EXIT_DATA if data_fault else EXIT_USAGE)
+    assert run_training(gpt.TASK, make_args(tmp_path, text_file)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err
 
 
 def test_help_lists_the_options_and_presets(capsys):
     with pytest.raises(SystemExit):
-        gpt.main(["--help"])
+        run_training(gpt.TASK, ["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--data", "--spm-model", "--vocab-size", "--max-seq-len", "--preset", "--positions", "--init-from",
                    "--samples", "--prompt", "--temperature", "--top-k", "--resume", "gpt2-large"):
@@ -303,10 +307,10 @@ def test_help_lists_the_options_and_presets(capsys):
 
 
 def test_resolved_defaults_follow_the_data():
-    assert gpt.resolve_config({})["preset"] == "gpt2-tiny"
-    real = gpt.resolve_config({"data": "text:x", "steps": 100})
-    assert (real["preset"], real["max_seq_len"], real["warmup_steps"]) == ("gpt2-small", 1024, 10)
-    resumed = gpt.resolve_config({"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8,
-                                                   "warmup_steps": 2})
-    assert (resumed["preset"], resumed["steps"], resumed["warmup_steps"]) == ("gpt2-tiny", 8, 2)
-    assert gpt.resolve_config({"init_from": "d"})["preset"] is None
+    assert gpt_config.resolve_config({}).preset == "gpt2-tiny"
+    real = gpt_config.resolve_config({"data": "text:x", "steps": 100})
+    assert (real.preset, real.max_seq_len, real.warmup_steps) == ("gpt2-small", 1024, 10)
+    resumed = gpt_config.resolve_config({"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8,
+                                                          "warmup_steps": 2, "run_id": "r"})
+    assert (resumed.preset, resumed.steps, resumed.warmup_steps) == ("gpt2-tiny", 8, 2)
+    assert gpt_config.resolve_config({"init_from": "d"}).preset is None

@@ -14,10 +14,14 @@ from test_train_imdb_data import write_csv, write_jsonl
 import test_train_runlog
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
 from ls_jax import backend
-from train import compare, imdb, runlog
+from train.compare import report as compare
+from train.imdb import config as imdb_config
+from train.imdb import task as imdb
+from train.records import runlog
 from train.errors import EXIT_DATA, EXIT_USAGE
-from train.imdb_model import preset_config
-from train.report import runs as run_logs
+from train.imdb.model import preset_config
+from train.compare import runs as run_logs
+from train.harness.training import run_training
 
 FLOP_TOLERANCE = 0.05
 TOKEN_COUNTS = {"tokens", "target_tokens", "tokens_per_s", "target_tokens_per_s"}  # wmt's; imdb counts examples
@@ -59,7 +63,7 @@ def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
     run_dir = tmp_path_factory.mktemp("default") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = imdb.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
+        code = run_training(imdb.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
                           "--run-dir", str(run_dir)])
     return code, run_dir, printed.getvalue()
 
@@ -110,7 +114,7 @@ def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_cache):  # noqa: F811
-    assert imdb.main(["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
+    assert run_training(imdb.TASK, ["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
     evals = [r for r in runlog.read(tmp_path / "run" / "run.jsonl") if r["type"] == "eval"]
     # Chance is 0.5 and counting sentiment words scores 0.62; one epoch reaches about 0.90, three about 0.95.
     assert [r["split"] for r in evals] == ["valid", "test"] and min(r["accuracy"] for r in evals) > 0.85
@@ -121,12 +125,12 @@ def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_
 
 @pytest.mark.slow
 def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, csv_data, compilation_cache):  # noqa: F811
-    assert imdb.main(csv_job(csv_data, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
+    assert run_training(imdb.TASK, csv_job(csv_data, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
     split = tmp_path / "split"
-    assert imdb.main(csv_job(csv_data, split, "--steps", "6", "--log-every", "1", "--checkpoint-every", "3")) == 0
+    assert run_training(imdb.TASK, csv_job(csv_data, split, "--steps", "6", "--log-every", "1", "--checkpoint-every", "3")) == 0
     # Cut the run back to its step-3 checkpoint, as a preempted run would have left it, and resume.
     shutil.rmtree(split / "checkpoints" / "6")
-    assert imdb.main(["--resume", str(split)]) == 0
+    assert run_training(imdb.TASK, ["--resume", str(split)]) == 0
     straight, resumed = state_arrays(tmp_path / "straight", 6), state_arrays(split, 6)
     assert straight.keys() == resumed.keys()
     atol = 1e-6 if jax.default_backend() == "cpu" else 1e-3
@@ -140,7 +144,7 @@ def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, csv_dat
 
 def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
     train = write_jsonl(tmp_path / "train.jsonl", [{"review": t, "stars": l} for t, l in review_rows(40, 2)])
-    code = imdb.main(["--data", f"jsonl:{train}", "--text-field", "review", "--label-field", "stars",
+    code = run_training(imdb.TASK, ["--data", f"jsonl:{train}", "--text-field", "review", "--label-field", "stars",
                       "--valid-fraction", "0.25", "--preset", "bert-tiny", "--max-seq-len", "16", "--batch-size", "8",
                       "--vocab-size", "60", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET])
     assert code == 0
@@ -179,14 +183,14 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
 def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, csv_data, capsys, make_args, message,
                                                                  request):
     data_fault = request.node.callspec.id in {"missing-file", "missing-column", "label-out-of-range", "empty-data"}
-    assert imdb.main(make_args(tmp_path, csv_data)) == (EXIT_DATA if data_fault else EXIT_USAGE)
+    assert run_training(imdb.TASK, make_args(tmp_path, csv_data)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
 def test_help_says_every_batch_has_one_shape(capsys):
     with pytest.raises(SystemExit):
-        imdb.main(["--help"])
+        run_training(imdb.TASK, ["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "EVERY batch is padded to this length, so the training step has one shape and compiles once" in text
     for option in ("--data", "--test-data", "--valid-fraction", "--text-field", "--label-field", "--init-from",
@@ -197,10 +201,10 @@ def test_help_says_every_batch_has_one_shape(capsys):
 
 
 def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
-    config = imdb.resolve_config({"eval_every": 0})
+    config = imdb_config.resolve_config({"eval_every": 0})
     imdb.TASK.check_config(config)
-    assert imdb.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
-    assert imdb.Schedule.resolve(imdb.resolve_config({}), steps_per_epoch=7).eval_every == 7
+    assert imdb_config.Schedule.resolve(config, steps_per_epoch=7).eval_every == 0
+    assert imdb_config.Schedule.resolve(imdb_config.resolve_config({}), steps_per_epoch=7).eval_every == 7
 
 
 @pytest.mark.parametrize("name, layers", [("bert-small", 4), ("bert-medium", 8)])

@@ -1,4 +1,4 @@
-"""`train.imdb_data` and `train.imdb_synthetic`: the synthetic review task, the CSV / JSONL / tfds readers, splits, encoding and batches."""
+"""`train.imdb.data` and `train.imdb.synthetic`: the synthetic review task, the CSV / JSONL / tfds readers, splits, encoding and batches."""
 
 import csv
 import importlib.util
@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from train import data as data_lib
-from train import imdb_data, imdb_synthetic
+from train.data import stream as data_lib
+from train.imdb import data as imdb_data, synthetic as imdb_synthetic
 from train.errors import DataError, UsageError
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None

@@ -11,7 +11,10 @@ transformers = pytest.importorskip("transformers")
 
 from test_train_imdb import QUIET, WORDS, check_log_schema, csv_data  # noqa: E402,F401 - csv_data is a fixture
 from ls_jax.models import BertForSequenceClassification  # noqa: E402
-from train import imdb, imdb_data, imdb_model, runlog  # noqa: E402
+from train.imdb import task as imdb, data as imdb_data, model as imdb_model  # noqa: E402
+from train.imdb import config as imdb_config
+from train.records import runlog
+from train.harness.training import run_training
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS)), "##s", "##ly"]
 
@@ -45,7 +48,7 @@ def bert_dir(tmp_path_factory):
 def test_init_from_gives_transformers_logits_on_the_same_text(bert_dir):
     directory, reference = bert_dir
     texts = ["The movie was NOT very good", "a truly awful films", "fun", " ".join(WORDS)]  # the last one is cut
-    config = imdb.resolve_config({"init_from": str(directory)})
+    config = imdb_config.resolve_config({"init_from": str(directory)})
     vocabulary = imdb_data.HuggingFaceVocabulary.load(directory)
     model_cfg, params = imdb_model.build_model(config, vocabulary.size, "fp32", jax.random.PRNGKey(0))
     encoded = imdb_data.encode_split(vocabulary, imdb_data.Split(texts, np.zeros(4, np.int64), "t"), max_len=16)
@@ -63,7 +66,7 @@ def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, c
     train, test = csv_data
     run_dir = tmp_path / "run"
     # A vanishing learning rate leaves the weights as loaded, so the evaluation scores the checkpoint itself.
-    code = imdb.main(["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
+    code = run_training(imdb.TASK, ["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
                       "--max-seq-len", "16", "--batch-size", "8", "--steps", "1", "--lr", "1e-20",
                       "--run-dir", str(run_dir), *QUIET])
     assert code == 0
@@ -83,7 +86,7 @@ def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):
     directory = tmp_path / "encoder"
     save_tiny_bert(directory, with_classifier=False)
     train, test = csv_data
-    code = imdb.main(["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
+    code = run_training(imdb.TASK, ["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
                       "--max-seq-len", "16", "--batch-size", "8", "--steps", "2", "--run-dir", str(tmp_path / "r"),
                       *QUIET])
     assert code == 0
@@ -103,7 +106,7 @@ def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):
 def test_bad_input_with_init_from(bert_dir, csv_data, tmp_path, capsys, extra, message):
     train, test = csv_data
     args = ["--init-from", str(bert_dir[0]), "--data", f"csv:{train}", "--run-dir", str(tmp_path / "r"), *extra]
-    assert imdb.main(args) == 2
+    assert run_training(imdb.TASK, args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
@@ -112,7 +115,7 @@ def test_labels_beyond_the_checkpoint_classifier_are_refused(bert_dir, tmp_path,
     from test_train_imdb_data import write_csv
 
     data = write_csv(tmp_path / "three.csv", [("good", 2), ("bad", 0)] * 10)
-    assert imdb.main(["--init-from", str(bert_dir[0]), "--data", f"csv:{data}", "--max-seq-len", "16",
+    assert run_training(imdb.TASK, ["--init-from", str(bert_dir[0]), "--data", f"csv:{data}", "--max-seq-len", "16",
                       "--run-dir", str(tmp_path / "r")]) == 3  # a data fault
     assert "has label 2, but the model has 2 labels (0 .. 1); the checkpoint's config.json sets them" in (
         capsys.readouterr().err)

@@ -9,14 +9,16 @@ import numpy as np
 import optax
 import pytest
 
-from train import loop, runlog
-from train.checkpoints import Checkpoints
-from train.hardware import Hardware
-from train.optimizer import inverse_sqrt_schedule
-from train.parallel import DATA_AXIS, DataParallel, StateLayout
-from train.precision import parse_precision, precision_signature
-from train.step import DynamicLossScale, TrainState, make_train_step
-from train.step_compiler import StepCompiler
+from train.harness import loop
+from train.harness.progress import Counters
+from train.records import runlog
+from train.records.checkpoints import Checkpoints
+from train.costs.hardware import Hardware
+from train.harness.optimizer import inverse_sqrt_schedule
+from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
+from train.costs.precision import parse_precision, precision_signature
+from train.harness.step import DynamicLossScale, TrainState, make_train_step
+from train.harness.step_compiler import StepCompiler
 
 FEATURES = 4
 TRUE_W = np.arange(1.0, FEATURES + 1, dtype=np.float32)
@@ -165,7 +167,7 @@ def test_resume_continues_exactly(tmp_path):
     state, progress = checkpoints.restore(checkpoints.latest_step(), template, {"toy": 1})
     assert progress["step"] == 4 and int(state.step) == 4
     resumed, _ = run_loop(tmp_path / "split", ToyStream(**progress["data"]), steps=8, state=state,
-                          counters=loop.Counters.from_dict(progress["counters"]))
+                          counters=Counters.from_dict(progress["counters"]))
     for name in ("w", "b"):
         np.testing.assert_allclose(resumed.state.params[name], straight.state.params[name], rtol=0, atol=1e-6)
     assert resumed.summary["examples"] == straight.summary["examples"] == 64
@@ -222,7 +224,7 @@ def test_xla_flops_are_known_only_without_accumulation():
 
 
 def test_precision_choice_follows_the_device():
-    from train import metrics
+    from train.costs import metrics
 
     v100, h100 = metrics.find_device("Tesla V100-SXM2-16GB"), metrics.find_device("NVIDIA H100 80GB HBM3")
     assert parse_precision("auto", "cpu", None) == "fp32"
@@ -237,8 +239,7 @@ def test_precision_choice_follows_the_device():
 def test_checkpoint_signature_names_the_master_weights_form():
     """bf16 master weights are stored as int16 low halves: their checkpoints must not resume as (or from) the f32
     masters of earlier checkpoints, which were signed ``True``; f16 ones keep the f32 master and that signature."""
-    with_master = {"master_weights": True}
-    assert precision_signature(with_master, "bf16") == {"fp16_loss_scaling": False,
+    assert precision_signature(True, "bf16") == {"fp16_loss_scaling": False,
                                                              "master_weights": "int16 low halves"}
-    assert precision_signature(with_master, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
-    assert precision_signature({"master_weights": False}, "bf16") == {"fp16_loss_scaling": False}
+    assert precision_signature(True, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
+    assert precision_signature(False, "bf16") == {"fp16_loss_scaling": False}

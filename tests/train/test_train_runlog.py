@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train import runlog
+from train.records import runlog
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-log.md"
 WMT_COUNTS = ("tokens", "target_tokens")

@@ -2,7 +2,6 @@
 task (`helpers.toy_task`): a finished run resumed, a non-finite update, signals outside the step loop, a full
 disk, damaged checkpoint files."""
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import toy_task
-from train import runlog
+from train.records import runlog
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["--no-progress", "--no-tensorboard"]

@@ -22,8 +22,13 @@ from test_data_text import write_corpus
 import test_train_runlog
 from ls_jax import backend
 from ls_jax.optim import master
-from train import runlog, tokenizer, wmt
+from train.records import runlog
+from train.data import tokenizer
+from train.wmt import task as wmt
 from train.errors import EXIT_DATA, EXIT_USAGE
+from train.harness.training import run_training
+from train.harness.config import TrainingConfig
+from ls_jax.models import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 FLOP_TOLERANCE = 0.05
@@ -75,7 +80,7 @@ def check_log_schema(records):
 @pytest.mark.slow
 def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
     run_dir = tmp_path / "run"
-    code = wmt.main(["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--bleu-sentences", "32",
+    code = run_training(wmt.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--bleu-sentences", "32",
                      "--no-progress", "--run-dir", str(run_dir)])
     assert code == 0
     test_train_runlog.check_run_files(run_dir, [3, 6])
@@ -104,10 +109,10 @@ def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
 
 @pytest.mark.slow
 def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, corpus_dir, compilation_cache):
-    assert wmt.main(small_job(corpus_dir, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
     split = tmp_path / "split"
-    assert wmt.main(small_job(corpus_dir, split, "--steps", "3", "--log-every", "1")) == 0
-    assert wmt.main(["--resume", str(split), "--steps", "6"]) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, split, "--steps", "3", "--log-every", "1")) == 0
+    assert run_training(wmt.TASK, ["--resume", str(split), "--steps", "6"]) == 0
 
     straight, resumed = state_arrays(tmp_path / "straight", 6), state_arrays(split, 6)
     assert straight.keys() == resumed.keys()
@@ -128,11 +133,11 @@ def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, corpus_
 
 def test_resume_with_another_vocabulary_is_refused(tmp_path, corpus_dir, compilation_cache, capsys):
     run_dir = tmp_path / "run"
-    assert wmt.main(small_job(corpus_dir, run_dir, "--steps", "1")) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, run_dir, "--steps", "1")) == 0
     src, tgt = (corpus_dir / "train.de").read_text().splitlines(), (corpus_dir / "train.en").read_text().splitlines()
     other = tokenizer.train(src + tgt, tmp_path / "other.model", vocab_size=200, model_type="bpe")
     assert other.GetPieceSize() != 300
-    assert wmt.main(["--resume", str(run_dir), "--spm", str(tmp_path / "other.model")]) == 2
+    assert run_training(wmt.TASK, ["--resume", str(run_dir), "--spm", str(tmp_path / "other.model")]) == 2
     err = capsys.readouterr().err
     assert f"vocab_size: checkpoint 300 vs now {other.GetPieceSize()}" in err and "Traceback" not in err
 
@@ -161,14 +166,14 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, corpus_dir, compilat
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [summary["steps"]]
-    assert wmt.main(["--resume", str(run_dir), "--steps", str(steps[0] + 1)]) == 0
+    assert run_training(wmt.TASK, ["--resume", str(run_dir), "--steps", str(steps[0] + 1)]) == 0
     assert runlog.read(log)[-1]["steps"] == steps[0] + 1
 
 
 @pytest.mark.slow
 def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cache):
     run_dir = tmp_path / "run"
-    assert wmt.main(small_job(corpus_dir, run_dir, "--steps", "4", "--log-every", "2", "--precision", "fp16")) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, run_dir, "--steps", "4", "--log-every", "2", "--precision", "fp16")) == 0
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
     assert records[0]["precision"] == "fp16"
@@ -180,10 +185,10 @@ def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cach
 @pytest.mark.slow
 def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_dir, compilation_cache):
     flags = ("--precision", "bf16", "--master-weights", "--log-every", "1")
-    assert wmt.main(small_job(corpus_dir, tmp_path / "straight", "--steps", "4", *flags)) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, tmp_path / "straight", "--steps", "4", *flags)) == 0
     split = tmp_path / "split"
-    assert wmt.main(small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
-    assert wmt.main(["--resume", str(split), "--steps", "4"]) == 0
+    assert run_training(wmt.TASK, small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
+    assert run_training(wmt.TASK, ["--resume", str(split), "--steps", "4"]) == 0
 
     def with_f32_master(arrays):
         """The state's arrays with the master's int16 low halves joined to the bf16 params they extend."""
@@ -232,7 +237,7 @@ def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, corpu
                                                                  request):
     (tmp_path / "file.txt").write_text("a file, not a directory")
     data_fault = request.node.callspec.id in {"missing-dir", "missing-file"}
-    assert wmt.main(make_args(tmp_path, corpus_dir)) == (EXIT_DATA if data_fault else EXIT_USAGE)
+    assert run_training(wmt.TASK, make_args(tmp_path, corpus_dir)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
 
@@ -240,33 +245,33 @@ def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, corpu
 def test_empty_training_file(tmp_path, capsys):
     write_corpus(tmp_path, {"train": 20, "valid": 4})
     (tmp_path / "train.en").write_text("")
-    assert wmt.main(["--data", f"text:{tmp_path}", "--run-dir", str(tmp_path / "r")]) == EXIT_DATA
+    assert run_training(wmt.TASK, ["--data", f"text:{tmp_path}", "--run-dir", str(tmp_path / "r")]) == EXIT_DATA
     assert "data file is empty" in capsys.readouterr().err
 
 
 def test_unknown_preset_is_one_line(capsys):
-    assert wmt.main(["--preset", "transformer-huge"]) == 2
+    assert run_training(wmt.TASK, ["--preset", "transformer-huge"]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: --preset transformer-huge: unknown; choose from {', '.join(wmt.PRESETS)}"]
+    assert err.splitlines() == [f"error: --preset transformer-huge: unknown; choose from {', '.join(PRESETS)}"]
     assert "transformer-base" in err
 
 
 def test_unknown_device_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        wmt.main(["--device-name", "Z80"])
+        run_training(wmt.TASK, ["--device-name", "Z80"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'Z80'" in capsys.readouterr().err
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "run.jsonl").write_text("")
-    assert wmt.main(["--run-dir", str(tmp_path)]) == 2
+    assert run_training(wmt.TASK, ["--run-dir", str(tmp_path)]) == 2
     assert "already holds a run" in capsys.readouterr().err
 
 
 def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
-        wmt.main(["--help"])
+        run_training(wmt.TASK, ["--help"])
     text = capsys.readouterr().out
     for option in ("--data", "--spm", "--max-tokens", "--preset", "--precision", "--backend", "--optimizer",
                    "--grad-accum", "--label-smoothing", "--decode", "--resume", "--price-per-hour", "--device-name",
@@ -277,31 +282,31 @@ def test_help_documents_every_option(capsys):
 
 def test_kernels_variable_applies_when_backend_flag_is_absent(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LS_JAX_KERNELS", "ffi")  # no CUDA here: the kernels cannot load, so ffi must fail at once
-    assert wmt.main(["--run-dir", str(tmp_path / "r")]) == 2
+    assert run_training(wmt.TASK, ["--run-dir", str(tmp_path / "r")]) == 2
     assert "requires the CUDA kernels" in capsys.readouterr().err
     monkeypatch.setenv("LS_JAX_KERNELS", "fast")
-    assert wmt.main(["--run-dir", str(tmp_path / "r2")]) == 2
+    assert run_training(wmt.TASK, ["--run-dir", str(tmp_path / "r2")]) == 2
     assert "LS_JAX_KERNELS='fast' is not a kernel mode" in capsys.readouterr().err
 
 
 def test_a_bad_cudnn_attention_variable_is_one_error_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LS_JAX_CUDNN_ATTENTION", "yes")
-    assert wmt.main(["--run-dir", str(tmp_path / "r"), "--backend", "xla"]) == EXIT_USAGE
+    assert run_training(wmt.TASK, ["--run-dir", str(tmp_path / "r"), "--backend", "xla"]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: LS_JAX_CUDNN_ATTENTION must be 0") and "'yes'" in err[0]
     assert not (tmp_path / "r").exists()
 
 
 def test_peer_timeout_without_distributed_is_refused(tmp_path, capsys):
-    assert wmt.main(["--run-dir", str(tmp_path / "r"), "--peer-timeout", "30"]) == EXIT_USAGE
+    assert run_training(wmt.TASK, ["--run-dir", str(tmp_path / "r"), "--peer-timeout", "30"]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --peer-timeout applies only to a --distributed run; add --distributed or drop it"]
 
 
 def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
-    from train import cli
+    from train.harness import cli
     monkeypatch.setenv("LS_JAX_KERNELS", "xla")
-    assert cli.kernel_mode({"backend": "ffi"}, {"backend": "ffi"}) == "ffi"
-    assert cli.kernel_mode({"backend": "auto"}, {}) == "xla"
+    assert cli.kernel_mode(TrainingConfig(backend="ffi"), {"backend": "ffi"}) == "ffi"
+    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "xla"
     monkeypatch.delenv("LS_JAX_KERNELS")
-    assert cli.kernel_mode({"backend": "auto"}, {}) == "auto"
+    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "auto"

@@ -8,8 +8,12 @@ import pytest
 
 from test_data_text import write_corpus
 from ls_jax.models import Transformer, TransformerConfig
-from train import metrics, wmt, wmt_data, wmt_model
-from train.parallel import DataParallel
+from train.costs import metrics
+from train.wmt import task as wmt, data as wmt_data, model as wmt_model
+from train.wmt import config as wmt_config
+from train.wmt.evaluate import Evaluator
+from train.harness.parallel import DataParallel
+from train.harness.training import run_training
 
 MIB = 2**20
 
@@ -20,7 +24,7 @@ def evaluator_parts(tmp_path_factory):
     up to 16 sentences."""
     directory = tmp_path_factory.mktemp("corpus")
     write_corpus(directory, {"train": 200, "valid": 16})
-    config = wmt.resolve_config({"data": f"text:{directory}", "spm_vocab_size": 200, "spm_model_type": "bpe"})
+    config = wmt_config.resolve_config({"data": f"text:{directory}", "spm_vocab_size": 200, "spm_model_type": "bpe"})
     data = wmt.load_data(config, None, tmp_path_factory.mktemp("run"), max_len=24)
     model_cfg = TransformerConfig.preset("transformer-tiny", data.stats["vocab_size"], dtype=jnp.float32,
                                          hidden_dropout_ratio=0.0, attn_prob_dropout_ratio=0.0,
@@ -33,9 +37,9 @@ def evaluator_parts(tmp_path_factory):
 
 def evaluator(parts, decode_memory_mib):
     data, model, _, directory = parts
-    config = wmt.resolve_config({"data": f"text:{directory}", "decode": "beam", "beam_size": 2,
+    config = wmt_config.resolve_config({"data": f"text:{directory}", "decode": "beam", "beam_size": 2,
                                  "max_tokens": 4096, "decode_memory": decode_memory_mib})
-    return wmt.Evaluator(model, data, config, DataParallel.over_all_devices())
+    return Evaluator(model, data, config, DataParallel.over_all_devices())
 
 
 def decode_batches(evaluator):
@@ -82,7 +86,7 @@ def test_decode_rows_are_a_multiple_of_the_devices_and_at_least_one_each():
 def test_the_budget_is_the_flag_else_half_the_free_memory(evaluator_parts):
     assert evaluator(evaluator_parts, 300).decode_budget_bytes == 300 * MIB
     if metrics.free_memory_bytes(jax.local_devices()) is None:  # CPU: no memory report
-        assert evaluator(evaluator_parts, None).decode_budget_bytes == wmt.HOST_DECODE_MEMORY_MIB * MIB
+        assert evaluator(evaluator_parts, None).decode_budget_bytes == wmt_config.HOST_DECODE_MEMORY_MIB * MIB
 
     class Device:
         def __init__(self, limit, used):
@@ -95,5 +99,5 @@ def test_the_budget_is_the_flag_else_half_the_free_memory(evaluator_parts):
 
 
 def test_decode_memory_must_be_positive(capsys):
-    assert wmt.main(["--decode-memory", "0"]) == 2
+    assert run_training(wmt.TASK, ["--decode-memory", "0"]) == 2
     assert "--decode-memory must be >= 1" in capsys.readouterr().err

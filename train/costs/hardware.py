@@ -1,0 +1,87 @@
+"""The devices a run uses and what `train.costs.metrics` knows about them: peak FLOP/s at the run's precision, price per
+device-hour and the energy meter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from train.costs import metrics as metrics_lib
+from train.errors import UsageError
+from train.costs.precision import parse_precision
+
+
+@dataclasses.dataclass
+class Hardware:
+    """The devices a run uses and what the tables in `train.costs.metrics` know about them."""
+
+    devices: list[Any]  # all devices (every host)
+    local_devices: list[Any]
+    spec: metrics_lib.DeviceSpec | None
+    precision: str
+    peak_tflops_per_device: float | None
+    price_per_device_hour: float | None
+    price_source: str | None
+    energy: metrics_lib.EnergyMeter
+
+    @classmethod
+    def detect(cls, precision: str, *, device_name: str | None = None, price_override: float | None = None) -> Hardware:
+        """The devices JAX sees and their table entry; ``precision`` may be ``auto`` (see `parse_precision`).
+
+        Raises:
+          ValueError: an unknown ``device_name`` or precision, or bf16 on a device without it.
+        """
+        devices = jax.devices()
+        spec = metrics_lib.find_device(devices[0].device_kind, device_name)
+        precision = parse_precision(precision, devices[0].platform, spec)
+        price, price_source = metrics_lib.resolve_price(spec, price_override)
+        local = jax.local_devices()
+        return cls(
+            devices=devices,
+            local_devices=local,
+            spec=spec,
+            precision=precision,
+            peak_tflops_per_device=metrics_lib.peak_tflops(spec, precision),
+            price_per_device_hour=price,
+            price_source=price_source,
+            energy=metrics_lib.energy_meter(local, spec),
+        )
+
+    @property
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def record_fields(self) -> dict[str, Any]:
+        """The hardware part of the ``run`` record."""
+        return {
+            "platform": self.devices[0].platform,
+            "device_kind": self.devices[0].device_kind,
+            "device_count": self.device_count,
+            "peak_tflops_per_device": self.peak_tflops_per_device,
+            "peak_source": None if self.spec is None or self.peak_tflops_per_device is None else self.spec.peak_source,
+            "price_per_device_hour_usd": self.price_per_device_hour,
+            "price_source": self.price_source,
+            "energy_method": self.energy.method,
+        }
+
+    def energy_joules(self) -> float | None:
+        """Energy of every host's devices since the meter started (a collective when there are several hosts)."""
+        local = self.energy.joules()
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        gathered = multihost_utils.process_allgather(np.asarray(np.nan if local is None else local, np.float64))
+        return None if np.isnan(gathered).any() else float(np.sum(gathered))
+
+
+def detect_hardware(precision: str, device_name: str | None, price_per_hour: float | None) -> Hardware:
+    """`Hardware.detect` for the flags ``--precision``, ``--device-name`` and ``--price-per-hour``; a bad value is a
+    UsageError."""
+    try:
+        return Hardware.detect(precision, device_name=device_name, price_override=price_per_hour)
+    except ValueError as err:
+        raise UsageError(str(err)) from err

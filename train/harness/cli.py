@@ -1,0 +1,202 @@
+"""The command line every training entry point shares: the common flags and their defaults, the ``--help``
+epilog, range checks of the values, and the exit codes.
+
+Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
+loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
+written; 6 another process of a multi-process run was lost; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
+prints one line naming the cause and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ls_jax import backend as backend_lib
+from ls_jax.layers.config import REMAT_MODES
+from ls_jax.ops import attention as attention_ops
+from train.costs import metrics as metrics_lib
+from train.records.checkpoints import Checkpoints
+from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
+                          DataError, Interrupted, UsageError)
+from train.harness.loop import TrainResult
+from train.harness import optimizer as optimizer_lib
+from train.costs.precision import PRECISION_DTYPES
+from train.harness import config as config_lib
+from train.harness.config import TrainingConfig, flag
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every training entry point shares (task flags are added by the task)."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--steps", type=int, help="optimizer steps to train for")
+    group.add_argument("--optimizer", choices=optimizer_lib.OPTIMIZERS,
+                       help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
+                            "unfused baselines (default adamw)")
+    for name, meaning in (("b1", "first-moment decay"), ("b2", "AdamW: second-moment decay; Adan: gradient-difference "
+                          "decay"), ("b3", "Adan only: second-moment decay"), ("eps", "denominator epsilon")):
+        group.add_argument(f"--{name}", type=float, help=f"optimizer {meaning} (default: the optimizer's own)")
+    group.add_argument("--lr", type=float, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
+    group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
+    group.add_argument("--clip-norm", type=float, help="clip gradients to this global L2 norm (0: no clipping)")
+    group.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
+    group.add_argument("--precision", choices=("auto", *PRECISION_DTYPES),
+                       help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
+                            "fp16 uses dynamic loss scaling")
+    group.add_argument("--master-weights", action="store_const", const=True,
+                       help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
+                            "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
+    group.add_argument("--remat", choices=REMAT_MODES,
+                       help="gradient checkpointing of each Transformer layer: none; layer (keep each layer's input, "
+                            "recompute the layer in the backward); gemm-outputs (keep the matmul outputs, recompute "
+                            "the rest)")
+    group.add_argument("--backend", choices=backend_lib.MODES,
+                       help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
+                            f"given, ${backend_lib.ENV_VAR} if set, else auto")
+    group.add_argument("--seed", type=int, help="seed of initialization, dropout and data order")
+
+    group = parser.add_argument_group("logging and checkpoints")
+    group.add_argument("--run-dir", help="run directory (default runs/<run_id>)")
+    group.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its latest checkpoint, exactly; flags given now "
+                            "override its saved configuration (e.g. --steps to train longer)")
+    group.add_argument("--log-every", type=int, help="steps per interval record")
+    group.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
+    group.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)")
+    group.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
+    group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                       help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
+    group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
+                       help="no TensorBoard event files")
+
+    group = parser.add_argument_group("cost and hardware")
+    group.add_argument("--price-per-hour", type=float,
+                       help="USD per device-hour for the cost estimate (overrides the built-in table)")
+    group.add_argument("--device-name", choices=metrics_lib.DEVICE_NAMES,
+                       help="use this entry of the device table (peak FLOP/s, price, power) instead of matching "
+                            "JAX's device_kind")
+    group.add_argument("--shard-optimizer", action="store_const", const=True,
+                       help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)")
+    group.add_argument("--distributed", action="store_const", const=True,
+                       help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)")
+    group.add_argument("--peer-timeout", type=int, metavar="SECONDS",
+                       help="with --distributed: stop (exit code 6) when another process shows no sign of life for "
+                            "this long (train.harness.peers)")
+
+
+def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, Any], notes: str = "") -> str:
+    """The ``--help`` epilog of an entry point: its defaults, those that ``real_data`` replaces, then ``notes``."""
+
+    def line(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"{flag(k)} {v}" for k, v in values.items() if v is not None and not isinstance(v, bool))
+
+    defaults = config_lib.defaults(config_type)
+    return (
+        f"defaults: {line({k: v for k, v in defaults.items() if k not in real_data})}\n"
+        f"with --data synthetic: {line({k: defaults[k] for k in real_data})}\n"
+        f"with real data: {line(real_data)}\n"
+        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
+    )
+
+
+def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
+                 fractions: Iterable[str] = ()) -> None:
+    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    for name, ok, rule in [*((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
+                           *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
+                           *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions)]:
+        value = getattr(config, name)
+        if value is not None and not ok(value):
+            raise UsageError(f"{flag(name)} must be {rule}, got {value}")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
+
+
+def check_choice(config: TrainingConfig, name: str, choices: Iterable[str]) -> None:
+    """Raises UsageError, one line listing ``choices``, when the set field ``name`` is not one of them."""
+    choices = tuple(choices)
+    value = getattr(config, name)
+    if value is not None and value not in choices:
+        raise UsageError(f"{flag(name)} {value}: unknown; choose from {', '.join(choices)}")
+
+
+def hyperparameters(config: TrainingConfig) -> dict[str, float | None]:
+    """The optimizer's hyperparameter flags (``--b1`` ...), by name."""
+    return {name: getattr(config, name) for name in optimizer_lib.HYPERPARAMETERS}
+
+
+def check_optimizer(config: TrainingConfig) -> None:
+    """Raises UsageError for optimizer hyperparameters out of range or not of the optimizer, and for what an
+    unfused (optax) optimizer cannot do: master weights, a sharded (ZeRO-1) state."""
+    try:
+        optimizer_lib.hyperparameters(config.optimizer, hyperparameters(config))
+    except ValueError as err:
+        raise UsageError(f"--optimizer {config.optimizer}: {err}") from None
+    if config.optimizer in optimizer_lib.UNFUSED:
+        for name in ("master_weights", "shard_optimizer"):
+            if getattr(config, name):
+                raise UsageError(f"{flag(name)} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
+                                 f"{config.optimizer} is optax's own")
+
+
+def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
+    """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
+    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode,
+    and for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1 (read when attention is traced, too late for one line)."""
+    try:
+        attention_ops.cudnn_enabled()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
+        return config.backend
+    try:
+        return backend_lib.requested_mode()
+    except ValueError as err:
+        raise UsageError(f"{err}; set it to one of them or pass --backend") from None
+
+
+def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:
+    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do."""
+    saved = checkpoints.all_steps()
+    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint"
+    if result.stop_reason == "nan":
+        print(f"error: the loss or the parameters became non-finite after step {result.steps}; the last good "
+              f"checkpoint is {kept} (lower --lr, or raise --warmup-steps or --clip-norm, and start again from it)",
+              file=sys.stderr)
+        return EXIT_NUMERICS
+    if result.stop_reason == "io_error":
+        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is {kept}",
+              file=sys.stderr)
+        return EXIT_IO
+    if result.stop_reason == "signal":
+        name = signal.Signals(result.signal_number).name
+        print(f"stopped by {name} after step {result.steps}; the newest checkpoint is {kept}; "
+              f"continue with: {resume_command}", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + int(result.signal_number)
+    return EXIT_FINISHED
+
+
+USER_ERRORS = (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError)
+"""Bad input: reported as one ``error:`` line with exit code 2 (3 for the data)."""
+
+
+def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> int:
+    """Runs an entry point; bad input is one ``error:`` line and exit code 2 (flags, files they name, a missing
+    optional package or kernel library) or 3 (the data), a signal before training started 128 + its number."""
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_DATA
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except Interrupted as err:
+        print(f"stopped by {signal.Signals(err.signum).name} before training started; nothing to save",
+              file=sys.stderr)
+        return EXIT_SIGNAL_BASE + err.signum

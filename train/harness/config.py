@@ -1,0 +1,109 @@
+"""Typed configuration. `TrainingConfig` holds the flags every task shares; each task subclasses it with its own
+fields (`train.wmt.task.WmtConfig`, ...), so a flag such as ``--max-tokens`` is the attribute ``config.max_tokens``
+from argparse to where it is used. `resolve` combines, in rising precedence, the dataclass defaults, the defaults
+of the data source, a resumed run's saved configuration and the flags given now; the result is checked once by
+the task and the harness, saved to config.json and read back on ``--resume``.
+
+`Run` is what a task's setup starts from: the configuration, the flags of this invocation and the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+from train.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The flags `train.harness.cli.add_training_arguments` adds to every task; None means "the task decides"
+    (e.g. the optimizer's own betas)."""
+
+    steps: int | None = 1000
+    optimizer: str = "adamw"
+    b1: float | None = None
+    b2: float | None = None
+    b3: float | None = None
+    eps: float | None = None
+    lr: float = 5e-4
+    warmup_steps: int | None = 4000
+    weight_decay: float = 1e-4
+    clip_norm: float = 0.0
+    grad_accum: int = 1
+    precision: str = "auto"
+    master_weights: bool = False
+    remat: str = "none"
+    backend: str = "auto"
+    seed: int = 0
+    run_dir: str | None = None
+    resume: str | None = None
+    log_every: int = 100
+    eval_every: int | None = 0
+    checkpoint_every: int | None = 1000
+    keep_checkpoints: int = 3
+    progress: bool = True
+    tensorboard: bool = True
+    price_per_hour: float | None = None
+    device_name: str | None = None
+    shard_optimizer: bool = False
+    distributed: bool = False
+    peer_timeout: int = 60
+
+    def replace(self: C, **changes: Any) -> C:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values: config.json and the run record's ``config``."""
+        return dataclasses.asdict(self)
+
+
+C = TypeVar("C", bound=TrainingConfig)
+
+
+def field_names(config_type: type[TrainingConfig]) -> frozenset[str]:
+    return frozenset(field.name for field in dataclasses.fields(config_type))
+
+
+def defaults(config_type: type[TrainingConfig]) -> dict[str, Any]:
+    """Every field's default, by name (the ``--help`` epilog)."""
+    return {field.name: field.default for field in dataclasses.fields(config_type)}
+
+
+def resolve(config_type: type[C], given: Mapping[str, Any], saved: Mapping[str, Any] | None,
+            by_data: Mapping[str, Any]) -> C:
+    """``config_type``'s defaults < ``by_data`` (the data source's defaults) < ``saved`` (a resumed run's
+    config.json; keys it holds that are no field, such as ``run_id``, are left out) < ``given`` (this command
+    line's flags, every one a field)."""
+    names = field_names(config_type)
+    unknown = sorted(set(given) - names)
+    if unknown:  # a parser flag without a field is a programming error, not the user's
+        raise TypeError(f"{config_type.__name__} has no field for {', '.join(unknown)}")
+    kept = {key: value for key, value in (saved or {}).items() if key in names}
+    return config_type(**{**by_data, **kept, **given})
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: ``max_tokens`` -> ``--max-tokens``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_task(saved: Mapping[str, Any] | None, task: str, resume: str | None) -> None:
+    """Raises UsageError when ``--resume`` names the run directory of another task."""
+    if saved is not None and saved.get("task", task) != task:
+        raise UsageError(f"--resume {resume}: that is a {saved['task']} run; resume it with "
+                         f"python -m train.{saved['task']} --resume {resume}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a task's training starts from."""
+
+    config: Any  # the task's TrainingConfig subclass, resolved and checked
+    given: dict[str, Any]  # the flags of this invocation, as argparse parsed them
+    run_id: str
+    run_dir: Path
+    command: str  # the command line, for the run record
+    started_at: float  # time.monotonic() at start, for wall_time_s
+    started_utc: str

@@ -1,0 +1,367 @@
+"""The loop driver: it runs the compiled step until the last step, a signal, or a non-finite loss, and in between
+writes interval records, evaluates and checkpoints.
+
+A task supplies, besides the loss of `train.harness.step`,
+  - a batch stream yielding ``(batch, counts)``: numpy arrays with a leading grad-accumulation axis and this
+    host's rows, and the step's global counts (e.g. ``tokens``), with a ``position`` to resume from;
+  - ``flops_fn(batch_shapes) -> int``: the analytic FLOPs of one step;
+  - ``evaluate(state, final) -> [eval record fields]``.
+
+Timing: steps are dispatched one ahead of the host: the host reads step n's metrics after it has queued step n+1,
+and step n's time is the time between the completions of steps n-1 and n. Evaluations and checkpoint writes stop
+the clock. `Counters` hold the run's totals over every resumed segment; a checkpoint saves them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import sys
+import time
+from typing import Any, Callable, Iterator, Mapping, Protocol
+
+import jax
+from tqdm import tqdm
+
+from train.costs import memory
+from train.records import runlog
+from train.records.checkpoints import Checkpoints, is_finite
+from train.errors import Interrupted
+from train.costs.hardware import Hardware
+from train.harness.parallel import DataParallel
+from train.records.runlog import RunLog
+from train.harness.step import Batch, TrainState
+from train.harness.step_compiler import StepCompiler
+from train.harness import progress
+from train.harness.progress import Counters, Interval
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    num_steps: int
+    log_every: int = 100
+    eval_every: int = 0  # 0: evaluate only at the end
+    checkpoint_every: int = 1000
+    progress_bar: bool = True
+    started_at: float = dataclasses.field(default_factory=time.monotonic)  # process start, for wall_time_s
+
+
+class BatchStream(Protocol):
+    position: Mapping[str, int]
+
+    def __next__(self) -> tuple[Batch, dict[str, int]]: ...
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while active. Inside `interruptible` (setup, compilation, evaluation: nothing is being
+    written) a signal raises `Interrupted` at once; elsewhere it sets ``received`` and the loop stops at the next
+    step boundary, so a checkpoint or log write is never cut in half."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._interruptible = False
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        if self._interruptible:
+            self._interruptible = False
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A phase a signal ends at once; one that came before it ends it on entry."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def __enter__(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: TrainState
+    stop_reason: str  # "finished", "signal", "nan" or "io_error"
+    steps: int  # steps whose results are in ``state`` (for "nan": the last good step)
+    summary: dict[str, Any]
+    signal_number: int | None = None
+    error: str | None = None  # for "io_error": what could not be written and what to do
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched step whose metrics the host has not read yet."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    counts: dict[str, int]
+    flops: float
+    xla_flops: float | None
+
+
+def _write_error(err: OSError) -> str:
+    """One line for a failed write: a `CheckpointWriteError` says what to do; others name the file."""
+    if err.filename is None:
+        return err.strerror or str(err)
+    return f"cannot write {err.filename}: {err.strerror}; free space there, then resume the run"
+
+
+def progress_line(record: Mapping[str, Any], num_steps: int) -> str:
+    """One plain line for an interval record, printed instead of the progress bar when stderr is not a terminal:
+    ``step 40/320  loss 3.214  0.052 s/step  elapsed 2.1 s``."""
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4g}"
+    return (f"step {record['step']}/{num_steps}  loss {loss}  {record['step_time_s']:.3g} s/step  "
+            f"elapsed {record['elapsed_s']:.1f} s")
+
+
+class _Loop:
+    """One segment of a run (from start or from a checkpoint); see `train`."""
+
+    def __init__(self, state, *, compiler, parallel, stream, flops_fn, lr_fn, evaluate, hardware, run_log,
+                 checkpoints, model_signature, config, counters, signals, batch_shapes):
+        self.state = state
+        self.signals, self.batch_shapes = signals, batch_shapes
+        self.compiler, self.parallel, self.stream = compiler, parallel, stream
+        self.flops_fn, self.lr_fn, self.evaluate = flops_fn, lr_fn, evaluate
+        self.hardware, self.run_log, self.checkpoints = hardware, run_log, checkpoints
+        self.model_signature, self.config = model_signature, config
+        self.counters = counters
+        self.step = int(jax.device_get(state.step))
+        # A fresh run has nothing to save at step 0; a resumed one already has its checkpoint.
+        self.saved_step: int | None = self.step if self.step == 0 or checkpoints is None else (
+            self.step if self.step in checkpoints.all_steps() else None)
+        self.interval = Interval()
+        self.wall_start = config.started_at
+        self.wall_before = counters.wall_time_s
+        self.energy_before = counters.energy_j
+        hardware.energy.start()
+        self.fp16 = state.loss_scale is not None
+        shown = config.progress_bar and jax.process_index() == 0
+        # A bar redraws itself with carriage returns, which a file or pipe keeps as one ever-growing line.
+        self.log_lines = shown and not sys.stderr.isatty()
+        self.progress = tqdm(
+            total=config.num_steps,
+            initial=self.step,
+            disable=not shown or self.log_lines,
+            dynamic_ncols=True,
+            unit="step",
+        )
+
+    # -- time, energy, records
+
+    def _energy(self) -> float | None:
+        measured = self.hardware.energy_joules()
+        return None if measured is None or self.energy_before is None else self.energy_before + measured
+
+    def _close_counters(self) -> None:
+        self.counters.wall_time_s = self.wall_before + time.monotonic() - self.wall_start
+        self.counters.energy_j = self._energy()
+
+    def _log_interval(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = progress.interval_record(
+            step, self.interval, elapsed_s=self.counters.train_time_s, lr=float(self.lr_fn(step - 1)),
+            grad_norm=metrics["grad_norm"], loss_scale=metrics["loss_scale"] if self.fp16 else None,
+            hardware=self.hardware, energy_j=self._energy(),
+        )
+        self.counters.last_loss = record["loss"]
+        self.run_log.write(record)
+        if record.get("loss") is not None:
+            self.progress.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+        if self.log_lines:
+            print(progress_line(record, self.config.num_steps), file=sys.stderr, flush=True)
+        self.interval = Interval()
+
+    def _evaluate(self, final: bool) -> None:
+        with self.signals.interruptible():
+            results = self.evaluate(self.state, final)
+        for fields in results:
+            record = runlog.eval_record(self.step, fields)
+            self.run_log.write(record)
+            self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
+
+    def _save(self) -> bool:
+        """Checkpoints the state unless it is already saved; False (nothing written) when it is not finite.
+
+        Raises:
+          CheckpointWriteError: the checkpoint could not be written.
+        """
+        if self.checkpoints is None or self.saved_step == self.step:
+            return True
+        if not is_finite(self.state):
+            return False
+        self._close_counters()
+        progress = {
+            "step": self.step,
+            "model": self.model_signature,
+            "data": dict(self.stream.position),
+            "counters": self.counters.to_dict(),
+        }
+        self.checkpoints.save(self.step, self.state, progress)
+        self.saved_step = self.step
+        return True
+
+    # -- steps
+
+    def _dispatch(self) -> _Pending:
+        local_batch, counts = next(self.stream)
+        batch = self.parallel.put_batch(local_batch, row_axis=1)
+        compiled = self.compiler.compiled(self.state, batch)
+        self.state, step_metrics = compiled(self.state, batch)
+        self.step += 1
+        return _Pending(
+            self.step,
+            step_metrics,
+            counts,
+            self.flops_fn({name: value.shape for name, value in batch.items()}),
+            self.compiler.xla_flops[StepCompiler.key(batch)],
+        )
+
+    def _finish(self, pending: _Pending, step_time: float) -> bool:
+        """Accounts for a finished step; False when it was not finite (and fp16 did not skip it)."""
+        metrics = {key: float(value) for key, value in jax.device_get(pending.metrics).items()}
+        if not metrics["finite"] and not self.fp16:
+            return False
+        counters = self.counters
+        counters.train_time_s += step_time
+        counters.step_times.append(step_time)
+        counters.flops += pending.flops
+        if pending.xla_flops is None:
+            counters.xla_flops_known = False
+        else:
+            counters.xla_flops += pending.xla_flops
+        for name, count in pending.counts.items():
+            counters.counts[name] = counters.counts.get(name, 0) + count
+        # An fp16 step skipped for overflow has no meaningful loss; its time and tokens still count.
+        totals = {key: value for key, value in metrics.items() if key not in ("grad_norm", "finite", "loss_scale")}
+        self.interval.add(step_time, pending.flops, totals if metrics["finite"] else {}, pending.counts)
+        self.progress.update(1)
+        if pending.step % self.config.log_every == 0:
+            self._log_interval(pending.step, metrics)
+        return True
+
+    def _sync_point(self) -> bool:
+        config = self.config
+        return (
+            self.step % config.checkpoint_every == 0
+            or (config.eval_every > 0 and self.step % config.eval_every == 0)
+            or self.step == config.num_steps
+        )
+
+    def _steps(self) -> tuple[str, int | None]:
+        """Runs steps until the last one, a signal or a non-finite loss: (stop reason, first bad step or None)."""
+        signals = self.signals
+        pending: _Pending | None = None
+        clock = time.monotonic()  # when the oldest unaccounted step could start
+        while self.step < self.config.num_steps and signals.received is None:
+            current = self._dispatch()
+            if pending is not None:  # read step n-1 while step n runs
+                done = time.monotonic()
+                if not self._finish(pending, done - clock):
+                    return "nan", pending.step
+                clock = done
+            pending = current
+            if self._sync_point() or signals.received is not None:
+                jax.block_until_ready(self.state)
+                pending = None
+                if not self._finish(current, time.monotonic() - clock):
+                    return "nan", current.step
+                if self.config.eval_every > 0 and self.step % self.config.eval_every == 0 and self.step < self.config.num_steps:
+                    self._evaluate(final=False)
+                if self.step % self.config.checkpoint_every == 0 and not self._save():
+                    return "nan", self.step
+                clock = time.monotonic()
+        if pending is not None:  # a signal came after the last check
+            jax.block_until_ready(self.state)
+            if not self._finish(pending, time.monotonic() - clock):
+                return "nan", pending.step
+        return ("finished" if signals.received is None else "signal"), None
+
+    def _train_and_close(self) -> tuple[str, int | None, str | None]:
+        """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
+        run: (stop reason, first bad step or None, what could not be written or None)."""
+        try:
+            with self.signals.interruptible():
+                self.compiler.precompile(self.state, self.batch_shapes)
+            stop_reason, bad_step = self._steps()
+            self.progress.close()
+            if stop_reason != "nan" and not self._save():
+                stop_reason, bad_step = "nan", self.step
+            if stop_reason == "finished":
+                self._evaluate(final=True)
+            return stop_reason, bad_step, None
+        except Interrupted:  # compilation or an evaluation was cut short: save the steps taken since the last save
+            try:
+                return ("signal", None, None) if self._save() else ("nan", self.step, None)
+            except OSError as err:
+                return "io_error", None, _write_error(err)
+        except OSError as err:  # a checkpoint or log write failed: training must not go on unsaved
+            return "io_error", None, _write_error(err)
+
+    def run(self) -> TrainResult:
+        stop_reason, bad_step, error = self._train_and_close()
+        self.progress.close()
+        steps_done = bad_step - 1 if stop_reason == "nan" else self.step
+        self._close_counters()
+        for name in self.run_log.counted:  # a run stopped before its first step counted nothing
+            self.counters.counts.setdefault(name, 0)
+        summary = progress.summary_record(self.counters, self.hardware, stop_reason, steps_done)
+        summary["memory"] = memory.anatomy(self.state.params, self.state.opt_state, self.compiler.memory_analysis(),
+                                           summary["peak_memory_bytes"])
+        try:
+            self.run_log.write(summary)
+        except OSError as err:
+            print(f"warning: the summary record could not be written to the run log: {err.strerror or err}",
+                  file=sys.stderr)
+        return TrainResult(self.state, stop_reason, steps_done, summary, self.signals.received, error)
+
+
+def train(
+    state: TrainState,
+    *,
+    compiler: StepCompiler,
+    parallel: DataParallel,
+    stream: BatchStream,
+    flops_fn: Callable[[Mapping[str, tuple[int, ...]]], float],
+    lr_fn: Callable[[int], float],
+    evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
+    hardware: Hardware,
+    run_log: RunLog,
+    checkpoints: Checkpoints | None,
+    model_signature: dict[str, Any],
+    config: LoopConfig,
+    counters: Counters | None = None,
+    signals: StopSignals | None = None,
+    batch_shapes: list[Mapping[str, tuple[tuple[int, ...], Any]]] = (),
+) -> TrainResult:
+    """Trains until ``config.num_steps``, a signal, or a non-finite loss, then writes the summary record.
+
+    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
+    Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
+    when the caller already handles them): in the step loop it finishes the step in flight; during compilation or
+    an evaluation it stops that at once; either way it writes a checkpoint if a step was taken since the last one,
+    and stops. Non-finite loss or state: stops without writing a checkpoint, and no checkpoint is ever written of a
+    non-finite state, so the latest one on disk is finite. A checkpoint or log write that fails stops the run
+    (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says which of these ended it.
+    """
+    with contextlib.nullcontext(signals) if signals is not None else StopSignals() as active:
+        loop = _Loop(
+            state, compiler=compiler, parallel=parallel, stream=stream, flops_fn=flops_fn, lr_fn=lr_fn,
+            evaluate=evaluate, hardware=hardware, run_log=run_log, checkpoints=checkpoints,
+            model_signature=model_signature, config=config, counters=counters or Counters(), signals=active,
+            batch_shapes=list(batch_shapes),
+        )
+        return loop.run()

@@ -1,0 +1,159 @@
+"""One optimizer step: the train state, fp16 dynamic loss scaling, and gradient accumulation over micro-batches.
+
+A task supplies ``loss_fn(params, micro_batch, rng) -> (loss_sum, weight, sums)``: the summed loss of one
+micro-batch, the weight it is normalized by (target tokens, examples) and other sums to report per weight (e.g.
+``nll``). One step (`make_train_step`) scans over the micro-batches, summing gradients of the summed loss, and
+divides by the total weight, so accumulation gives the gradient of the mean over every token of the step:
+
+    g = sum_i grad(loss_sum_i) / sum_i weight_i
+
+then applies the optimizer (``ls_jax.optim.fused_apply``). With fp16 the loss is multiplied by a dynamic
+scale s before differentiation and the gradients by 1/s after; a step whose gradients are not finite is skipped
+(parameters and optimizer state unchanged), the scale halves, and it doubles after ``growth_interval`` finite
+steps in a row. Without loss scaling a non-finite loss or gradient is reported (``finite``) for the loop to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import ls_jax.optim
+from ls_jax.optim import ShardedOptimizer
+
+Batch = dict[str, np.ndarray]
+LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class DynamicLossScale:
+    """fp16 loss scale: halves on a non-finite step, doubles after ``growth_interval`` finite steps."""
+
+    scale: jax.Array  # f32 scalar
+    finite_steps: jax.Array  # int32 scalar: finite steps since the last change
+    growth_interval: int = flax.struct.field(pytree_node=False, default=2000)
+
+    @classmethod
+    def create(cls, initial_scale: float = 2.0**7, growth_interval: int = 2000) -> DynamicLossScale:
+        """Starts at 2**7 as fairseq does: the loss being scaled is a sum over thousands of tokens."""
+        return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), growth_interval)
+
+    def update(self, finite: jax.Array) -> DynamicLossScale:
+        grow = finite & (self.finite_steps + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2.0, self.scale), jnp.maximum(self.scale * 0.5, 1.0))
+        finite_steps = jnp.where(finite & ~grow, self.finite_steps + 1, 0)
+        return self.replace(scale=scale, finite_steps=finite_steps)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; a checkpoint saves exactly this."""
+
+    step: jax.Array  # int32 scalar: steps taken (skipped fp16 steps included)
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2] base key; step n uses fold_in(rng, n)
+    loss_scale: DynamicLossScale | None = None
+
+    @classmethod
+    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool,
+               param_dtype: Any = None, init_optimizer: Callable[[Any], Any] | None = None) -> TrainState:
+        """The step-0 state; ``param_dtype`` casts the params after the optimizer's init has seen them (master
+        weights: the optimizer keeps the f32 values, the model trains the cast ones). ``init_optimizer`` replaces
+        ``tx.init`` (e.g. a sharded optimizer's)."""
+        opt_state = (init_optimizer or tx.init)(params)
+        if param_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            rng=rng,
+            loss_scale=DynamicLossScale.create() if fp16 else None,
+        )
+
+
+def _sum_trees(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_train_step(
+    loss_fn: LossFn, tx: optax.GradientTransformation, *, axis_name: str | None = None,
+    sharded_optimizer: ShardedOptimizer | None = None,
+) -> Callable[[TrainState, Batch], tuple]:
+    """``step(state, batch) -> (state, metrics)``; batch leaves have shape (grad_accum, rows, ...).
+
+    ``metrics`` holds the sums over the step (``loss``, ``weight`` and the task's sums), the global gradient
+    norm before clipping, ``finite`` and the loss scale used (1 without fp16).
+
+    With ``axis_name`` the step runs inside ``jax.shard_map`` over that mesh axis on this device's rows
+    (`train.harness.parallel`): each device draws its own dropout streams (the step key folded with the axis index),
+    sums its micro-batches' gradients locally, and the sums are combined once per step: the loss sums by psum,
+    the gradients by one all-reduce (in the params' dtype, which XLA combines into buckets and overlaps with
+    the backward), or, with ``sharded_optimizer`` (ZeRO-1), by its reduce-scatter. Dividing by the global weight
+    makes the update the one a single device computes on the whole batch.
+    """
+
+    def gradients(state: TrainState, batch: Mapping[str, jax.Array], scale: jax.Array) -> tuple[Any, dict]:
+        """This device's summed f32 gradients of the scaled loss over its micro-batches, and the loss sums."""
+        step_rng = jax.random.fold_in(state.rng, state.step)
+        params = state.params
+        if axis_name is not None:
+            step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
+            params = jax.lax.pcast(params, axis_name, to="varying")  # per-device gradients, summed once below
+
+        def micro_step(index, micro_batch):
+            def scaled_loss(params):
+                loss_sum, weight, sums = loss_fn(params, micro_batch, jax.random.fold_in(step_rng, index))
+                totals = {"loss": loss_sum, "weight": weight, **sums}
+                return loss_sum * scale, jax.tree.map(lambda x: x.astype(jnp.float32), totals)
+
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(params)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), totals
+
+        def accumulate(carry, inputs):
+            grads, totals = micro_step(*inputs)
+            return (_sum_trees(carry[0], grads), _sum_trees(carry[1], totals)), None
+
+        # The first micro-batch starts the sums, so one micro-batch needs no loop at all.
+        grads, totals = micro_step(0, jax.tree.map(lambda x: x[0], batch))
+        num_micro = jax.tree.leaves(batch)[0].shape[0]
+        if num_micro > 1:
+            rest = jax.tree.map(lambda x: x[1:], batch)
+            (grads, totals), _ = jax.lax.scan(accumulate, (grads, totals), (jnp.arange(1, num_micro), rest))
+        if axis_name is not None:
+            totals = jax.lax.psum(totals, axis_name)
+        return grads, totals
+
+    def update(state: TrainState, grads: Any) -> tuple[Any, Any, jax.Array]:
+        """(params, opt_state, global gradient norm) after the optimizer step on the normalized local gradients."""
+        if sharded_optimizer is not None:
+            return sharded_optimizer.apply_with_grad_norm(grads, state.opt_state, state.params)
+        if axis_name is not None:
+            grads = jax.lax.psum(grads, axis_name)
+        params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
+        return params, opt_state, optax.tree.norm(grads)
+
+    def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
+        grads, totals = gradients(state, batch, scale)
+        denominator = scale * jnp.maximum(totals["weight"], 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
+        params, opt_state, grad_norm = update(state, grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(totals["loss"])
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if state.loss_scale is not None:
+            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731 - skip a non-finite fp16 step
+            new_state = new_state.replace(
+                params=jax.tree.map(keep_old, params, state.params),
+                opt_state=jax.tree.map(keep_old, opt_state, state.opt_state),
+                loss_scale=state.loss_scale.update(finite),
+            )
+        return new_state, {**totals, "grad_norm": grad_norm, "finite": finite, "loss_scale": scale}
+
+    return train_step

@@ -1,0 +1,91 @@
+"""The training step compiled ahead of training, once per distinct batch shape, with XLA's FLOP count of each.
+
+The FLOP count is XLA's cost analysis of the step as lowered, before optimization: there every matmul is still a
+``dot``. After optimization a GPU's matmuls are cuBLAS library calls that the cost analysis counts as 0 FLOPs (on
+the H100 the compiled step's count was 38-40% of the analytic one), so the compiled module's count is not the step's.
+
+Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
+compilation. The step takes the state (placed as `train.harness.parallel.StateLayout` says) and a batch sharded along its
+row axis (axis 1, after the grad-accumulation axis), runs per device inside ``shard_map``, and donates the state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+
+from train.costs import metrics as metrics_lib
+from train.harness.parallel import StateLayout
+from train.harness.step import TrainState
+
+
+class StepCompiler:
+    """Compiles the step once per distinct batch shape and remembers XLA's FLOP count for each."""
+
+    def __init__(self, step_fn: Callable, layout: StateLayout, state: TrainState):
+        """``step_fn`` runs per device inside ``shard_map`` (`DataParallel.shard_step`); ``state`` gives the shape of
+        the state's placement (whether it has a loss scale), ``layout`` where each part lives."""
+        parallel = layout.parallel
+        shardings = layout.shardings(state)
+        self._jitted = jax.jit(
+            parallel.shard_step(step_fn, layout.specs(state)),
+            in_shardings=(shardings, parallel.rows_sharding(1)),
+            out_shardings=(shardings, parallel.replicated),
+            donate_argnums=(0,),
+        )
+        self._parallel = parallel
+        self._compiled: dict[tuple, Any] = {}
+        self.xla_flops: dict[tuple, float | None] = {}
+
+    @staticmethod
+    def key(batch: Mapping[str, Any]) -> tuple:
+        return tuple(sorted((name, tuple(value.shape), str(value.dtype)) for name, value in batch.items()))
+
+    def compiled(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        key = self.key(batch)
+        if key not in self._compiled:
+            lowered = self.lower(state, batch)
+            self._store(key, lowered, lowered.compile())
+        return self._compiled[key]
+
+    def precompile(self, state: TrainState, global_shapes: Iterable[Mapping[str, tuple[tuple[int, ...], Any]]]) -> None:
+        """Compiles every given global batch shape ({name: (shape, dtype)}) ahead of training.
+
+        Tracing runs here, one shape after another (it reads the kernel mode of this thread); the XLA
+        compilations, which release the GIL, then run side by side in threads.
+        """
+        # Nothing runs while XLA compiles: on a 2-core CPU a collective still in flight from the state's
+        # initialization once waited 5 minutes for its second device while the compilations ran, and aborted.
+        jax.block_until_ready(state)
+        lowered = {}
+        for shapes in global_shapes:
+            batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
+            key = self.key(batch)
+            if key not in self._compiled and key not in lowered:
+                lowered[key] = self.lower(state, batch)
+        if not lowered:
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
+            for (key, before), compiled in zip(lowered.items(), pool.map(lambda item: item.compile(), lowered.values())):
+                self._store(key, before, compiled)
+
+    def memory_analysis(self) -> Any | None:
+        """XLA's memory analysis of the compiled step with the most temporaries, or None before any compiled."""
+        analyses = [compiled.memory_analysis() for compiled in self._compiled.values()]
+        analyses = [analysis for analysis in analyses if analysis is not None]
+        return max(analyses, key=lambda analysis: analysis.temp_size_in_bytes, default=None)
+
+    def lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
+        """The step lowered for ``batch``'s shapes (arrays or ShapeDtypeStructs), the batch sharded along its rows."""
+        sharding = self._parallel.rows_sharding(1)
+        abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}
+        return self._jitted.lower(state, abstract)
+
+    def _store(self, key: tuple, lowered: Any, compiled: Any) -> None:
+        self._compiled[key] = compiled
+        # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
+        single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
+        self.xla_flops[key] = metrics_lib.xla_flops(lowered) if single_micro_batch else None

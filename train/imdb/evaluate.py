@@ -1,0 +1,55 @@
+"""Validation and test scores of the classification task: loss and accuracy over fixed batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax.models import BertForSequenceClassification
+from train.data import stream as data_lib
+from train.data.stream import host_rows
+from train.harness.parallel import DataParallel
+from train.harness.step import TrainState
+from train.imdb import data as imdb_data
+from train.imdb.model import classification_sums
+
+
+
+class Evaluator:
+    """Loss and accuracy on the evaluation splits, in batches of the training batch size (one more compiled shape).
+
+    During training it scores the validation split (the test split when there is none); at the end every
+    evaluation split.
+    """
+
+    def __init__(self, model: BertForSequenceClassification, data: imdb_data.Prepared, batch_size: int,
+                 parallel: DataParallel):
+        self.data, self.batch_size, self.parallel = data, batch_size, parallel
+        self.splits = [name for name in imdb_data.SPLITS if name != "train" and name in data.splits]
+        pad_id = data.vocabulary.pad_id
+
+        def sums(params, batch):
+            input_ids = batch["input_ids"]
+            logits = model.apply({"params": params}, input_ids, input_ids != pad_id, deterministic=True)
+            return classification_sums(logits, batch["labels"])
+
+        self._sums = jax.jit(sums, out_shardings=parallel.replicated)
+
+    def evaluate_split(self, params, name: str) -> dict[str, Any]:
+        data = self.data.splits[name]
+        totals = None
+        for indices in data_lib.fixed_eval_plan(len(data), self.batch_size):
+            local = host_rows(indices, jax.process_index(), jax.process_count())
+            batch = self.parallel.put_batch(imdb_data.make_batch(data, local), row_axis=0)
+            sums = self._sums(params, batch)
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        loss, examples, correct = (float(value) for value in jax.device_get(totals))
+        return {"split": name, "loss": loss / examples, "nll": loss / examples, "accuracy": correct / examples}
+
+    def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
+        splits = self.splits if final else self.splits[:1]
+        return [self.evaluate_split(state.params, name) for name in splits]
+
+

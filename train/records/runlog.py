@@ -1,0 +1,301 @@
+"""The run log of docs/run-log.md: its schema, the records a run writes, and ``run.jsonl`` (one validated JSON
+object per line) with TensorBoard events.
+
+`SCHEMA` is the doc's tables as code and `validate` its one check: the writer checks every record before it is
+written and `train.compare` checks every record it reads, so a log it accepts has every key with the right type.
+Throughput keys depend on what a task counts: a task counting ``tokens`` and ``target_tokens`` logs
+``tokens_per_s`` and ``target_tokens_per_s`` in intervals, and ``tokens``, ``target_tokens`` and both rates in the
+summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import secrets
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+SCHEMA_VERSION = 1
+LOG_FILENAME = "run.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+
+SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
+    "run": {
+        "schema": (int,), "run_id": (str,), "task": (str,), "command": (str,), "started_at": (str,),
+        "git_commit": _OPT_STR, "versions": (dict,), "host": (str,), "platform": (str,), "device_kind": (str,),
+        "device_count": (int,), "peak_tflops_per_device": _OPT_NUM, "peak_source": _OPT_STR, "backend": (str,),
+        "precision": (str,), "optimizer": (str,), "optimizer_implementation": _OPT_STR,
+        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT, "model": (str,), "params": (int,), "batch": (dict,),
+        "price_per_device_hour_usd": _OPT_NUM, "price_source": _OPT_STR, "energy_method": _OPT_STR,
+        "data": (dict,), "config": (dict,),
+    },
+    "interval": {
+        "step": (int,), "elapsed_s": _NUM, "step_time_s": _NUM, "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM,
+        "loss": _OPT_NUM, "nll": _OPT_NUM, "lr": _NUM, "grad_norm": _OPT_NUM, "loss_scale": _OPT_NUM,
+        "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM, "energy_source": _OPT_STR, "cost_usd": _OPT_NUM,
+    },
+    "eval": {
+        "step": (int,), "split": (str,), "loss": _OPT_NUM, "nll": _OPT_NUM, "bleu": _OPT_NUM, "accuracy": _OPT_NUM,
+        "perplexity": _OPT_NUM,
+    },
+    "summary": {
+        "completed": (bool,), "stop_reason": (str,), "steps": (int,), "train_time_s": _NUM, "wall_time_s": _NUM,
+        "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
+        "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
+        "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "final_loss": _OPT_NUM,
+        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
+    },
+}
+# The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
+# the summary repeats the last evaluation's.
+QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
+# Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
+# always writes them.
+LATER_KEYS: dict[str, frozenset[str]] = {
+    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step"}),
+    "eval": frozenset({"perplexity"}),
+    "summary": frozenset({"perplexity", "memory"}),
+}
+
+
+def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple[type, ...]]:
+    """The task-dependent keys: ``<count>_per_s`` in intervals; ``<count>`` and ``<count>_per_s`` in the summary."""
+    keys: dict[str, tuple[type, ...]] = {}
+    for name in counted:
+        if record_type in ("interval", "summary"):
+            keys[f"{name}_per_s"] = _NUM
+        if record_type == "summary":
+            keys[name] = (int,)
+    return keys
+
+
+_JSON_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object"}
+
+
+@dataclasses.dataclass(eq=False)
+class RecordError(ValueError):
+    """A record that breaks `SCHEMA`: an unknown ``type`` (``key`` None), a missing key, or a value of another type.
+
+    ``str()`` words it for the writer; `at` words it for a reader, at a place in a file."""
+
+    record: Mapping[str, Any]
+    key: str | None = None
+    expected: tuple[type, ...] = ()
+
+    @property
+    def record_type(self) -> Any:
+        return self.record.get("type")
+
+    @property
+    def problem(self) -> str:
+        """``type`` (not a record type), ``missing`` (the key), ``null`` or ``kind`` (a value of another type)."""
+        if self.key is None:
+            return "type"
+        if self.key not in self.record:
+            return "missing"
+        return "null" if self.record[self.key] is None else "kind"
+
+    def __str__(self) -> str:
+        kind, key = self.record_type, self.key
+        if self.problem == "type":
+            return f"run-log record type must be one of {sorted(SCHEMA)}, got {kind!r}"
+        if self.problem == "missing":
+            return f"{kind} record lacks {key!r}"
+        value = self.record[key]
+        got = "a bool" if isinstance(value, bool) else type(value).__name__
+        return f"{kind}.{key} must be {_names(self.expected)}, got {got}"
+
+    def at(self, where: str) -> str:
+        """The problem as a reader of ``where`` (file:line) reports it."""
+        kind, key = self.record_type, self.key
+        json_types = [name for t, name in _JSON_TYPE_NAMES.items() if t in self.expected]
+        if "number" in json_types:
+            json_types.remove("integer")
+        reason = {
+            "type": str(self),
+            "missing": f"the {kind!r} record has no key {key!r} (see docs/run-log.md)",
+            "null": f"{key} is null in the {kind!r} record",
+            "kind": f"{key}={self.record.get(key)!r} in the {kind!r} record is not a JSON {' or '.join(json_types)}",
+        }[self.problem]
+        return f"{where}: {reason}"
+
+
+def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, complete: bool = False) -> None:
+    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record; a key of
+    `LATER_KEYS` may be missing unless ``complete`` (what a writer checks)."""
+    record_type = record.get("type")
+    if record_type not in SCHEMA:
+        raise RecordError(record)
+    expected = {**SCHEMA[record_type], **throughput_keys(record_type, counted)}
+    may_lack = frozenset() if complete else LATER_KEYS.get(record_type, frozenset())
+    for key, types in expected.items():
+        if key not in record:
+            if key in may_lack:
+                continue
+            raise RecordError(record, key, types)
+        value = record[key]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise RecordError(record, key, types)
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf: a non-finite float is logged as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+class RunLog:
+    """Appends records to ``run_dir/run.jsonl`` and TensorBoard; only process 0 of a multi-host run writes."""
+
+    def __init__(self, run_dir: Path, counted: Iterable[str], *, enabled: bool = True, tensorboard: bool = True):
+        self.path = Path(run_dir) / LOG_FILENAME
+        self._counted = tuple(counted)
+        self._enabled = enabled
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._writer = None
+        self.counted = self._counted
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR))
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = _finite_or_none(record)
+        validate(record, self._counted, complete=True)
+        if not self._enabled:
+            return
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            self._write_scalars(record)
+
+    def _write_scalars(self, record: dict[str, Any]) -> None:
+        kind = record["type"]
+        if kind == "run":
+            self._writer.add_text("config", "```\n" + json.dumps(record["config"], indent=2) + "\n```")
+            return
+        step = record["step"] if "step" in record else record["steps"]
+        prefix = f"eval_{record['split']}" if kind == "eval" else kind
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "steps"):
+                self._writer.add_scalar(f"{prefix}/{key}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_for_resume(run_dir: Path, step: int) -> None:
+    """Rewrites a run log as it was when the checkpoint at ``step`` was written.
+
+    Drops the summary and every interval/eval record after ``step``, so a resumed run continues one log that
+    reads as a single run (the steps after the checkpoint are trained again, identically).
+    """
+    path = Path(run_dir) / LOG_FILENAME
+    kept = [
+        r for r in read(path)
+        if r["type"] == "run" or (r["type"] in ("interval", "eval") and r["step"] <= step)
+    ]
+    path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------- run identity
+
+
+def new_run_id() -> str:
+    """UTC time and a short random suffix, e.g. ``20260105T101500Z-3fa2c1``."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    import ls_jax
+
+    return {
+        "python": platform.python_version(),
+        **{name: _version(name) for name in ("jax", "jaxlib", "flax", "optax")},
+        "ls_jax": ls_jax.__version__,
+    }
+
+
+def git_commit() -> str | None:
+    """``$LS_JAX_GIT_COMMIT`` where set (a copy of the tree on a remote GPU machine, whose git metadata may be
+    stale or absent), else HEAD of the checkout this code runs from, else None."""
+    if os.environ.get("LS_JAX_GIT_COMMIT"):
+        return os.environ["LS_JAX_GIT_COMMIT"]
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+            capture_output=True, text=True, check=True, timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def identity(task: str, run_id: str, command: str, started_at: str) -> dict[str, Any]:
+    """The fields of a run record that say which run, where and when."""
+    return {
+        "type": "run",
+        "schema": SCHEMA_VERSION,
+        "run_id": run_id,
+        "task": task,
+        "command": command,
+        "started_at": started_at,
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "host": socket.gethostname(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+def energy_fields(joules: float | None, source: str | None) -> dict[str, Any]:
+    """``energy_j`` and ``energy_source``, both null when the energy is not known (e.g. a segment without it)."""
+    return {"energy_j": joules, "energy_source": source if joules is not None else None}
+
+
+def eval_record(step: int, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``eval`` record: the task's ``fields`` (split and scores); the scores it does not give are null."""
+    return {"type": "eval", "step": step, "loss": None, "nll": None, **dict.fromkeys(QUALITY_KEYS), **fields}

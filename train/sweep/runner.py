@@ -1,0 +1,288 @@
+"""Run a grid of training runs, each in its own run directory, then compare them all.
+
+    python -m train.sweep [SPEC.toml] [--out DIR] [--device NAME] [--dry-run]
+
+SPEC (`train.sweep.spec`; default: the embedded train/sweep/specs/cpu-default.toml) lists grids over task, device,
+preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name> (``{device}``
+in OUT stands for this machine's device, e.g. h100-sxm), marked with
+the sweep's name (sweep.json). Running the sweep again skips the finished runs, resumes an interrupted one from
+its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint.
+A run whose device axis names another device is not run here: its command is printed, and its run directory,
+copied back into OUT, joins the comparison. The sweep ends with ``train.compare`` over every finished run of each
+task (OUT/report, or OUT/report-<task>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from train.compare import report as compare
+from train.records import runlog
+from train.records.checkpoints import CHECKPOINT_DIR
+from train.errors import EXIT_USAGE, UsageError
+from train.compare import runs as run_logs
+from train.compare import scoring
+from train.sweep.spec import Point, Spec, parse, points
+
+DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "cpu-default.toml"
+MARKER = "sweep.json"
+EXIT_RUN_FAILED = 1
+Runner = Callable[[list[str]], int]  # runs a `python -m train.<task> ...` command line; returns its exit code
+
+
+def training_command(point: Point, run_dir: Path, spec: Spec) -> list[str]:
+    return ["python", "-m", f"train.{point.task}", "--run-dir", str(run_dir), "--no-progress",
+            *point.flags(spec.flags)]
+
+
+def resume_command(point: Point, run_dir: Path) -> list[str]:
+    """Continue ``run_dir`` from its latest checkpoint; --steps again in case the spec asks for more now."""
+    steps = point.values.get("steps")
+    return ["python", "-m", f"train.{point.task}", "--resume", str(run_dir), "--no-progress",
+            *(["--steps", str(steps)] if steps else [])]
+
+
+def remote_command(point: Point, run_dir: Path, spec: Spec) -> str:
+    """The command to run ``point`` on its device: through tpu.launch on a TPU VM, else as is."""
+    command = training_command(point, Path(run_dir.name), spec)
+    if point.device and point.device.upper().startswith("TPU"):
+        return shlex.join(["python", "-m", "tpu.launch", "--tpu", "TPU_NAME", "--zone", "ZONE", "--logs-to",
+                           str(run_dir), "--", *command])
+    return f"{shlex.join(command)}   # then copy {run_dir.name}/ into {run_dir.parent}/"
+
+
+def _summary(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / runlog.LOG_FILENAME
+    if not path.exists():
+        return None
+    records, _ = run_logs.read_records(path)
+    summaries = [record for _, record in records if record["type"] == "summary"]
+    return summaries[-1] if summaries else None
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    directory = run_dir / CHECKPOINT_DIR
+    return directory.is_dir() and any(entry.name.isdigit() for entry in directory.iterdir())
+
+
+def run_state(run_dir: Path, spec: Spec, point: Point) -> str:
+    """``new``, ``done``, ``interrupted`` (has a checkpoint to resume from) or ``restart`` (stopped before one).
+
+    Raises:
+      UsageError: the directory holds something that is not this sweep's run of ``point``.
+    """
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return "new"
+    marker = run_dir / MARKER
+    if not marker.is_file():
+        raise UsageError(f"{run_dir} exists and was not made by a sweep (no {MARKER}); move it away or choose "
+                         "another out in the spec")
+    owner = json.loads(marker.read_text(encoding="utf-8"))
+    if owner.get("sweep") != spec.name:
+        raise UsageError(f"{run_dir} belongs to sweep {owner.get('sweep')!r}, not {spec.name!r}; give this sweep "
+                         "another out, or another name")
+    summary = _summary(run_dir)
+    steps = point.values.get("steps")
+    if summary and summary["completed"] and (steps is None or summary["steps"] >= steps):
+        return "done"
+    if _has_checkpoint(run_dir):
+        return "interrupted"
+    return "restart" if (run_dir / runlog.LOG_FILENAME).exists() else "new"
+
+
+def _mark(run_dir: Path, spec: Spec, point: Point) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).write_text(json.dumps({"sweep": spec.name, "point": point.values}, indent=2) + "\n",
+                                  encoding="utf-8")
+
+
+def subprocess_runner(command: list[str]) -> int:
+    """Runs a ``python -m ...`` command line with this interpreter, in its own process."""
+    return subprocess.run([sys.executable, *command[1:]], check=False).returncode
+
+
+def detect_device() -> str:
+    """This machine's device as a sweep names it: ``cpu``, or its entry in the device table (e.g. H100-SXM),
+    else JAX's device_kind. Asked in a child process, so that this one holds no accelerator memory."""
+    code = ("import jax; from train.costs import metrics; d = jax.devices()[0]; s = metrics.find_device(d.device_kind); "
+            "print('cpu' if d.platform == 'cpu' else (s.name if s else d.device_kind))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                            cwd=Path(__file__).resolve().parents[2])
+    if result.returncode != 0:
+        last_line = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        raise UsageError(f"could not detect this machine's device ({last_line}); pass --device NAME")
+    return result.stdout.strip()
+
+
+class Sweep:
+    """Runs the points of a spec in order, printing one progress line per run."""
+
+    def __init__(self, spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False):
+        self.spec, self.runner, self.dry_run = spec, runner, dry_run
+        self._device, self._device_name = device, None
+        self.failed: list[str] = []
+        self.elsewhere: list[str] = []
+
+    def here(self, point: Point) -> bool:
+        if point.device is None:
+            return True
+        if self._device_name is None:
+            self._device_name = self._device()
+        return point.device.lower() == self._device_name.lower()
+
+    def run_all(self, todo: Sequence[Point], first: int, total: int) -> None:
+        for number, point in enumerate(todo, first):
+            self.run_one(point, f"[{number}/{total}] {point.name}")
+
+    def run_one(self, point: Point, label: str) -> None:
+        run_dir = self.spec.out / point.name
+        if not self.here(point):
+            self.elsewhere_run(point, run_dir, label)
+            return
+        state = run_state(run_dir, self.spec, point)
+        if state == "done":
+            print(f"{label}: finished earlier, skipped", flush=True)
+            return
+        command = resume_command(point, run_dir) if state == "interrupted" else training_command(point, run_dir, self.spec)
+        if self.dry_run:
+            print(f"{label}: would run {shlex.join(command)}", flush=True)
+            return
+        if state == "restart":
+            shutil.rmtree(run_dir)  # stopped before its first checkpoint: nothing to resume from
+        _mark(run_dir, self.spec, point)
+        print(f"{label}: {'resuming' if state == 'interrupted' else 'running'}: {shlex.join(command)}", flush=True)
+        started = time.monotonic()
+        code = self.runner(command)
+        outcome = "finished" if code == 0 else f"FAILED with exit code {code}"
+        if code != 0:
+            self.failed.append(point.name)
+        print(f"{label}: {outcome} in {time.monotonic() - started:.0f} s{_quality(run_dir)}", flush=True)
+
+
+    def elsewhere_run(self, point: Point, run_dir: Path, label: str) -> None:
+        """A run for another device: its log, once copied back, joins the sweep; until then, its command."""
+        summary = _summary(run_dir)
+        if summary and summary["completed"]:
+            if not (run_dir / MARKER).exists():
+                _mark(run_dir, self.spec, point)
+            print(f"{label}: finished on {point.device}, copied back{_quality(run_dir)}", flush=True)
+            return
+        self.elsewhere.append(point.name)
+        print(f"{label}: for {point.device}, run there: {remote_command(point, run_dir, self.spec)}", flush=True)
+
+
+def _quality(run_dir: Path) -> str:
+    summary = _summary(run_dir) or {}
+    found = [f"{key} {summary[key]:.4g}" for key in runlog.QUALITY_KEYS if summary.get(key) is not None]
+    return f", {', '.join(found)}" if found else ""
+
+
+def best_point(spec: Spec, candidates: Sequence[Point], preset: str) -> dict[str, Any] | None:
+    """The point of the best converged finished run among ``candidates`` under ``preset``, or None."""
+    finished = {str((spec.out / p.name / runlog.LOG_FILENAME).resolve()): p for p in candidates
+                if _summary(spec.out / p.name)}
+    if not finished:
+        return None
+    runs, _ = run_logs.load_runs(list(finished))
+    ranked = scoring.compare(runs).ranked_under(preset)
+    return finished[str(runs[ranked[0]].source)].values if ranked else None
+
+
+def report(spec: Spec, names: Sequence[str]) -> int:
+    """`train.compare` over the finished runs ``names`` in OUT, one report per task; 0 when there was nothing to
+    compare."""
+    logs = [spec.out / name / runlog.LOG_FILENAME for name in names if _summary(spec.out / name)]
+    if not logs:
+        print("no finished run to compare yet", flush=True)
+        return 0
+    tasks = sorted({runlog.read(path)[0]["task"] for path in logs})
+    code = 0
+    for task in tasks:
+        out = spec.out / ("report" if len(tasks) == 1 else f"report-{task}")
+        print(f"\ncomparing the {task} runs into {out}", flush=True)
+        code = max(code, compare.main([*map(str, logs), "--task", task, "--out", str(out)]))
+    return code
+
+
+def with_device_in_out(spec: Spec, device: Callable[[], str]) -> Spec:
+    """``{device}`` in the spec's out replaced by this machine's device, lower case (e.g. sweep-h100-sxm)."""
+    if "{device}" not in str(spec.out):
+        return spec
+    return dataclasses.replace(spec, out=Path(str(spec.out).replace("{device}", device().lower())))
+
+
+def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False) -> int:
+    """Every grid in order (a ``from_best`` grid after the grids before it ran), then the report."""
+    spec = with_device_in_out(spec, device)
+    sweep = Sweep(spec, device=device, runner=runner, dry_run=dry_run)
+    done: dict[str, Point] = {}
+    best: list[dict[str, Any] | None] = []
+    total = len(points(spec))
+    for index, grid in enumerate(spec.grids):
+        chosen = None
+        if grid.from_best:
+            chosen = best_point(spec, list(done.values()), grid.from_best)
+            if chosen is None:
+                print(f"grid #{index + 1}: no converged run of the grids before it has finished here yet, so its "
+                      f"best under {grid.from_best} is unknown; run the sweep again once they have", flush=True)
+                best.append(None)
+                continue
+            chosen = {key: value for key, value in chosen.items() if key not in grid.axes}
+            print(f"grid #{index + 1}: the best run under {grid.from_best} has "
+                  + ", ".join(f"{key} {value}" for key, value in chosen.items()), flush=True)
+        best.append(chosen)
+        todo = [point for point in grid.points(chosen) if point.name not in done]
+        total = max(total, len(done) + len(todo))
+        sweep.run_all(todo, len(done) + 1, total)
+        done.update((point.name, point) for point in todo)
+    code = 0 if dry_run else report(spec, list(done))
+    if sweep.elsewhere:
+        print(f"\n{len(sweep.elsewhere)} runs are for other devices; copy their run directories into {spec.out} and "
+              "run the sweep again to compare them with the rest", flush=True)
+    if sweep.failed:
+        print(f"error: {len(sweep.failed)} runs failed: {', '.join(sweep.failed)}; their logs are in {spec.out}; "
+              "run the sweep again to retry them", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return code
+
+
+def load_spec(path: Path | None) -> Spec:
+    path = path or DEFAULT_SPEC
+    if not path.is_file():
+        raise UsageError(f"{path}: no such sweep spec file")
+    return parse(path.read_text(encoding="utf-8"), path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", nargs="?", type=Path, help=f"the sweep's TOML file (default {DEFAULT_SPEC.name})")
+    parser.add_argument("--out", type=Path, help="the sweep's directory instead of the spec's out")
+    parser.add_argument("--device", help="this machine's device as the spec's device axis names it (default: "
+                                         "detected: cpu, or the device table's name such as H100-SXM)")
+    parser.add_argument("--dry-run", action="store_true", help="print what each run would do; run nothing")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec = load_spec(args.spec)
+        if args.out:
+            spec = dataclasses.replace(spec, out=args.out)
+        device = (lambda: args.device) if args.device else detect_device
+        return run_sweep(spec, device=device, runner=runner, dry_run=args.dry_run)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+

@@ -288,6 +288,8 @@ class _Loop:
         try:
             with self._window(self.counters.compilation), self.signals.interruptible():
                 self.compiler.precompile(self.state, self.batch_shapes)
+                if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
+                    self.compiler.warm_up(self.state)
             stop_reason, bad_step = self._steps()
             self.progress.close()
             if stop_reason != "nan" and not self._save():

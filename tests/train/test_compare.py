@@ -85,12 +85,12 @@ def test_balance_scores_rank_runs_and_leave_out_the_cpu_run(runs):
 
 @pytest.mark.parametrize(("preset", "weights"), [
     ("balance", (0.3, 0.3, 0.3, 0.1)),
-    ("time_cost", (0.5, 0.3, 0.1, 0.1)),
-    ("time_energy", (0.5, 0.1, 0.3, 0.1)),
-    ("cost_time", (0.3, 0.5, 0.1, 0.1)),
-    ("cost_energy", (0.1, 0.5, 0.3, 0.1)),
-    ("energy_time", (0.3, 0.1, 0.5, 0.1)),
-    ("energy_cost", (0.1, 0.3, 0.5, 0.1)),
+    ("time_cost_energy", (0.5, 0.3, 0.1, 0.1)),
+    ("time_energy_cost", (0.5, 0.1, 0.3, 0.1)),
+    ("cost_time_energy", (0.3, 0.5, 0.1, 0.1)),
+    ("cost_energy_time", (0.1, 0.5, 0.3, 0.1)),
+    ("energy_time_cost", (0.3, 0.1, 0.5, 0.1)),
+    ("energy_cost_time", (0.1, 0.3, 0.5, 0.1)),
 ])
 def test_study_presets(runs, preset, weights):
     comparison = scoring.compare(runs[1:], weights_name=preset)
@@ -197,7 +197,7 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
     (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
     (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
     (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
-    (lambda records: records[0].update(schema=2), r"schema 2; this version of ls-jax reads schema 1"),
+    (lambda records: records[0].update(schema=3), r"schema 3; this version of ls-jax reads schema 1 and 2"),
     (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
     (lambda records: records.pop(0), r"the first record is 'interval'"),
     (lambda records: records[-1].pop("tokens_per_s"), r"the 'summary' record has no key 'tokens_per_s'"),
@@ -239,7 +239,9 @@ def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
     records[-1].update(completed=False, stop_reason="signal", steps=1200)
     runs, _ = run_logs.load_runs([_write(tmp_path / "tpu-run" / "run.jsonl", records)])
     notes = scoring.compare(runs).notes
-    assert notes == ["#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part"]
+    assert notes == ["#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part",
+                     "#1 tpu-run: its log (schema 1) has no warm-up or steady-state figures, and its energy covers "
+                     "compilation and evaluations besides the training steps"]
 
 
 def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_path, capsys):
@@ -379,8 +381,9 @@ def test_bad_weights(text, message, capsys):
 def test_help_documents_every_preset_and_its_weights():
     text = compare.build_parser().format_help()
     for name, weights in scoring.WEIGHT_PRESETS.items():
-        assert f"{name:<12} {weights.describe()}" in text
-    assert "never counted as zero" in text
+        assert f"{name:<17} {weights.describe()}" in text
+    assert "never counted as zero" in text and "--score-window {whole,steady}" in text
+    assert "earlier names, still accepted: time_cost = time_cost_energy" in text
 
 
 @pytest.mark.parametrize("log", sorted(RESULTS.rglob("run.jsonl")), ids=lambda path: str(path.relative_to(RESULTS)))
@@ -395,8 +398,12 @@ def test_logs_under_docs_results_compare_with_the_fixtures(log, tmp_path):
 def test_fixture_logs_pass_the_harness_schema(log):
     from train.records import runlog
 
-    for record in runlog.read(log):
-        runlog.validate(record, counted=("tokens", "target_tokens"))
+    records = runlog.read(log)
+    assert records[0]["schema"] == 1  # written before the windows: the schema-2 keys are missing
+    for record in records:
+        runlog.validate(record, counted=("tokens", "target_tokens"), schema=1)
+    with pytest.raises(runlog.RecordError, match="summary record lacks 'wall_energy_j'"):
+        runlog.validate(records[-1], counted=("tokens", "target_tokens"))
 
 
 def test_points_at_one_place_share_one_label():

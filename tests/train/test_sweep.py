@@ -5,12 +5,17 @@ on a tiny model for a few steps."""
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from train.compare import scoring
 from train.imdb import task as imdb
 from train.records import runlog
 from train.sweep import runner as sweep, spec as sweep_spec
@@ -18,6 +23,7 @@ from train.errors import UsageError
 from train.harness.training import run_training
 
 COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = """
 name = "{name}"
@@ -246,8 +252,45 @@ def test_default_spec_parses_and_expands_to_a_small_cpu_grid():
     spec = sweep.load_spec(None)
     points = sweep_spec.points(spec)
     assert len(points) == 4 and {point.task for point in points} == {"imdb"}
-    assert {point.values["optimizer"] for point in points} == {"optax-adamw", "adan"}
+    assert {(point.values["optimizer"], point.values["batch_size"]) for point in points} == {
+        ("optax-adamw", 16), ("adan", 16), ("optax-adamw", 32), ("adan", 32)}
     assert all(point.values["backend"] == "xla" and point.device is None for point in points)
+    # Every run trains on the same examples: batch x steps is one number.
+    assert {point.values["batch_size"] * point.values["steps"] for point in points} == {4800}
+
+
+def test_from_best_takes_the_studys_names_and_the_earlier_ones():
+    spec = sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nseed = 1\n'
+                            'from_best = "cost_time"')
+    assert spec.grids[1].from_best == "cost_time_energy"
+    with pytest.raises(UsageError, match="from_best = 'fastest' is not a weight preset; choose from balance, "
+                                         "time_cost_energy"):
+        sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nfrom_best = "fastest"')
+
+
+@pytest.mark.slow
+def test_the_default_sweep_recommends_one_run_per_strategy_in_under_ten_minutes(tmp_path):
+    """`python -m train.sweep` with no arguments, as a user runs it: its own process, a fresh directory, a CPU."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "train.sweep"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900, check=False)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert elapsed < 600, f"the default sweep took {elapsed:.0f} s"
+    out = result.stdout
+    assert "Warm-up and steady state:" in out and "| rank |" in out
+    recommendations = out.split("Recommendation:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split(":")[0].strip() for line in recommendations] == list(scoring.WEIGHT_PRESETS)
+    for line in recommendations:
+        best = r": #[1-4] \(cpu x1 xla fp32 (optax-adamw|adan) (16|32) examples\), score \d\.\d{3}"
+        assert re.search(best, line), line
+    sweep_dir = tmp_path / "runs" / "sweep-cpu-default"
+    assert (sweep_dir / "report" / "report.md").is_file()
+    summaries = [runlog.read(path)[-1] for path in sorted(sweep_dir.glob("*/run.jsonl"))]
+    assert len(summaries) == 4
+    for summary in summaries:
+        assert summary["completed"] and summary["cost_usd"] > 0 and summary["energy_source"] in ("rapl", "estimated")
+        assert summary["warmup"]["steps"] + summary["steady"]["steps"] == summary["steps"]
 
 
 # ------------------------------------------------------------------------------------------- running runs

@@ -27,6 +27,8 @@ from train.data import tokenizer
 from train.wmt import task as wmt
 from train.errors import EXIT_DATA, EXIT_USAGE
 from train.harness.training import run_training
+from train.harness.config import TrainingConfig
+from ls_jax.models import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 FLOP_TOLERANCE = 0.05
@@ -250,7 +252,7 @@ def test_empty_training_file(tmp_path, capsys):
 def test_unknown_preset_is_one_line(capsys):
     assert run_training(wmt.TASK, ["--preset", "transformer-huge"]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: --preset transformer-huge: unknown; choose from {', '.join(wmt.PRESETS)}"]
+    assert err.splitlines() == [f"error: --preset transformer-huge: unknown; choose from {', '.join(PRESETS)}"]
     assert "transformer-base" in err
 
 
@@ -304,7 +306,7 @@ def test_peer_timeout_without_distributed_is_refused(tmp_path, capsys):
 def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
     from train.harness import cli
     monkeypatch.setenv("LS_JAX_KERNELS", "xla")
-    assert cli.kernel_mode({"backend": "ffi"}, {"backend": "ffi"}) == "ffi"
-    assert cli.kernel_mode({"backend": "auto"}, {}) == "xla"
+    assert cli.kernel_mode(TrainingConfig(backend="ffi"), {"backend": "ffi"}) == "ffi"
+    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "xla"
     monkeypatch.delenv("LS_JAX_KERNELS")
-    assert cli.kernel_mode({"backend": "auto"}, {}) == "auto"
+    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "auto"

@@ -2,9 +2,11 @@
 
 Each run is a ``run`` record (its configuration) followed, when it ended, by a ``summary`` record (its results).
 Every record read is checked against the run log's one schema (`train.records.runlog.validate`); a problem is named by
-file, line and key. A log normally holds one run; every ``run`` record starts a new one. A log that cannot be read,
-and a run whose summary holds no usable training time (a run stopped before its first step, a NaN), are left out
-with a note naming them; the other logs are compared.
+file, line and key. A log normally holds one run; every ``run`` record starts a new one. A schema-1 log (written
+before the windows of train.costs.windows were logged) reads with its warm-up, steady state and wall energy
+unknown, and its energy covering the training loop (compilation and evaluations included). A log that cannot be
+read, and a run whose summary holds no usable training time (a run stopped before its first step, a NaN), are left
+out with a note naming them; the other logs are compared.
 """
 
 from __future__ import annotations
@@ -18,6 +20,31 @@ from pathlib import Path
 from typing import Any
 
 from train.records import runlog
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """The summary's ``warmup`` window: the first steps of each segment until the step time settled."""
+
+    steps: int
+    time_s: float
+    energy_j: float | None
+    cost_usd: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Steady:
+    """The summary's ``steady`` window: the steps after warm-up, and their rates over their own time."""
+
+    steps: int
+    time_s: float
+    step_time_s: float | None
+    throughput: float | None  # in the run's trained_unit per second
+    tflops_per_s: float | None
+    mfu: float | None
+    energy_j: float | None
+    power_w: float | None
+    cost_usd: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +79,13 @@ class Run:
     accuracy: float | None
     perplexity: float | None  # gpt; logs written before it was logged lack it
     memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/costs/memory.py); older logs lack it
+    schema: int = runlog.SCHEMA_VERSION
+    implementation: str = "ls_jax"  # the model's implementation; logs that do not name one trained ls_jax's
+    wall_time_s: float | None = None
+    wall_energy_j: float | None = None  # schema 1: unknown
+    wall_cost_usd: float | None = None
+    warmup: Warmup | None = None  # schema 1: unknown
+    steady: Steady | None = None  # schema 1: unknown
 
     @property
     def name(self) -> str:
@@ -74,6 +108,11 @@ class Run:
         return f"{self.device_kind} x{self.device_count} {self.backend} {self.precision} {self.optimizer} {self.batch_label}"
 
     @property
+    def kernel_label(self) -> str:
+        """How the model ran: its implementation, the fused ops' backend and the precision."""
+        return f"{self.implementation} {self.backend} {self.precision}"
+
+    @property
     def batch_label(self) -> str:
         accum = f" x{self.grad_accum} accum" if self.grad_accum > 1 else ""
         return f"{self.batch_size} {self.batch_unit}{accum}"
@@ -83,22 +122,36 @@ class Run:
 _COUNTS = ("tokens", "examples")
 
 
-def _checked(record: dict[str, Any], where: str, counted: Iterable[str] = ()) -> dict[str, Any]:
+def _checked(record: dict[str, Any], where: str, counted: Iterable[str] = (),
+             schema: int = runlog.SCHEMA_VERSION) -> dict[str, Any]:
     """``record`` after `train.records.runlog.validate`; ValueError naming ``where`` and the key when it breaks the schema."""
     try:
-        runlog.validate(record, counted)
+        runlog.validate(record, counted, schema=schema)
     except runlog.RecordError as err:
         raise ValueError(err.at(where)) from None
     return record
 
 
-def _trained(summary: dict[str, Any], where: str) -> tuple[int | None, str, float | None]:
+def _trained(summary: dict[str, Any], where: str, schema: int) -> tuple[int | None, str, float | None]:
     """(amount trained on, its unit, amount per second) from the first count in _COUNTS the summary logs."""
     for name in _COUNTS:
         if name in summary:
-            _checked(summary, where, counted=(name,))
+            _checked(summary, where, counted=(name,), schema=schema)
             return summary[name], name, summary[f"{name}_per_s"]
     return None, _COUNTS[0], None
+
+
+def _warmup(summary: dict[str, Any]) -> Warmup | None:
+    part = summary.get("warmup")
+    return None if part is None else Warmup(part["steps"], part["time_s"], part["energy_j"], part["cost_usd"])
+
+
+def _steady(summary: dict[str, Any], unit: str) -> Steady | None:
+    part = summary.get("steady")
+    if part is None:
+        return None
+    return Steady(part["steps"], part["time_s"], part["step_time_s"], part.get(f"{unit}_per_s"),
+                  part["tflops_per_s"], part["mfu"], part["energy_j"], part["power_w"], part["cost_usd"])
 
 
 def _is_int(value: Any) -> bool:
@@ -138,16 +191,17 @@ def _check_usable(results: dict[str, Any], run_id: str, where: str) -> None:
 
 def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict[str, Any], where: str) -> Run:
     config = _checked(run_record, run_where)
-    if config["schema"] != runlog.SCHEMA_VERSION:
-        raise ValueError(f"{run_where}: run-log schema {config['schema']}; this version of ls-jax reads schema "
-                         f"{runlog.SCHEMA_VERSION}")
-    results = _checked(summary, where)
+    schema = config["schema"]
+    if schema not in runlog.READABLE_SCHEMAS:
+        raise ValueError(f"{run_where}: run-log schema {schema}; this version of ls-jax reads schema "
+                         f"{' and '.join(map(str, runlog.READABLE_SCHEMAS))}")
+    results = _checked(summary, where, schema=schema)
     _check_usable(results, config["run_id"], where)
     if (results["energy_j"] is None) != (results["energy_source"] is None):
         raise ValueError(f"{where}: energy_j and energy_source must both be null or both be set, got "
                          f"{results['energy_j']!r} and {results['energy_source']!r}")
     batch_size, batch_unit, grad_accum = _batch(config["batch"], run_where)
-    trained, trained_unit, throughput = _trained(summary, where)
+    trained, trained_unit, throughput = _trained(summary, where, schema)
     return Run(
         source=source,
         run_id=config["run_id"],
@@ -177,6 +231,13 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         accuracy=results["accuracy"],
         perplexity=results.get("perplexity"),
         memory=results.get("memory"),
+        schema=schema,
+        implementation=config.get("implementation", "ls_jax"),
+        wall_time_s=float(results["wall_time_s"]),
+        wall_energy_j=results.get("wall_energy_j"),
+        wall_cost_usd=results.get("wall_cost_usd"),
+        warmup=_warmup(results),
+        steady=_steady(results, trained_unit),
     )
 
 

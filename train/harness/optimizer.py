@@ -3,7 +3,7 @@ measured against, with decoupled weight decay on matrices; and the learning-rate
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +99,19 @@ def continued(schedule: optax.Schedule, transition: tuple[int, float] | None, to
         return jnp.where((count >= start) & (count < end), during, schedule(count))
 
     return moved
+
+
+def on_host(schedule: optax.Schedule) -> Callable[[int], float]:
+    """The schedule's value at a step, computed on the host's CPU for the run log. Evaluated eagerly on a GPU it
+    would compile each of its ops there on first use (about half a second of host time at the first interval
+    record) and wait behind the training steps queued on the device's stream."""
+    cpu = jax.devices("cpu")[0]
+
+    def value(step: int) -> float:
+        with jax.default_device(cpu):
+            return float(schedule(step))
+
+    return value
 
 
 def decay_mask(params: Any) -> Any:

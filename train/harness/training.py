@@ -24,12 +24,14 @@ from tqdm import tqdm
 
 from ls_jax import backend as backend_lib
 from train.harness import cli, peers, progress
+from train.harness.progress import format_value
 from train.costs import memory, memory_budget
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data.stream import EpochStream
 from train.costs.hardware import Hardware, detect_hardware
-from train.harness.loop import LoopConfig, StopSignals, TrainResult, train
+from train.harness.loop import LoopConfig, TrainResult, train
+from train.harness.signals import StopSignals
 from train.harness import optimizer as optimizer_lib
 from train.costs.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
@@ -208,8 +210,8 @@ class Prepared:
 
 
 def _train(task: Task, run: Run) -> int:
-    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.harness.loop.StopSignals`):
-    before training starts they stop the run at once, with nothing to save."""
+    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on
+    (`train.harness.signals.StopSignals`): before training starts they stop the run at once, with nothing to save."""
     with StopSignals() as signals:
         with signals.interruptible():
             prepared = _prepare(task, run)
@@ -239,7 +241,7 @@ def _train(task: Task, run: Run) -> int:
             parallel=layout.parallel,
             stream=prepared.stream,
             flops_fn=setup.flops_fn,
-            lr_fn=lambda step: float(setup.learning_rate(step)),
+            lr_fn=optimizer_lib.on_host(setup.learning_rate),
             evaluate=reporting(task, setup.evaluate, setup.steps),
             hardware=hardware,
             run_log=run_log,
@@ -312,10 +314,6 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
     return Prepared(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
 
 
-def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{unit}"
-
-
 def format_rate(value: float | None) -> str:
     """A throughput, in one format for every task: whole numbers with thousands separated (28,821), three
     significant digits below 100 (41.3)."""
@@ -324,7 +322,7 @@ def format_rate(value: float | None) -> str:
 
 def throughput(counted: Sequence[str], summary: Mapping[str, Any]) -> str:
     """The summary's rate of each thing a step counts: ``28,821 tokens/s, 14,350 target tokens/s``."""
-    return ", ".join(f"{format_rate(summary[f'{name}_per_s'])} {name.replace('_', ' ')}/s" for name in counted)
+    return ", ".join(f"{format_rate(summary.get(f'{name}_per_s'))} {name.replace('_', ' ')}/s" for name in counted)
 
 
 def reporting(task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
@@ -354,18 +352,18 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
         log_path = run_dir / runlog.LOG_FILENAME
         evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
-        print(
+        source = s["energy_source"]
+        energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
+            source, f"measured ({source})")
+        print("\n".join([
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-            f"({s['wall_time_s']:.1f} s wall)\n"
-            f"  throughput  {throughput(task.counted, s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
-            f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
-            f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
-            f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
-            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
-            f"  memory      {memory.describe(s['memory'])}\n"
-            f"  run log     {log_path}\n"
-            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
+            f"({s['wall_time_s']:.1f} s wall); energy {energy}",
+            *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+            f"  memory      {memory.describe(s['memory'])}",
+            f"  run log     {log_path}",
+            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
             f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
-        )
+            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
+        ]))
     return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

@@ -40,7 +40,7 @@ from train.errors import UsageError
 from train.gpt import config as gpt_config
 from train.harness.optimizer import OPTIMIZERS
 from train.costs.precision import PRECISION_DTYPES
-from train.compare.scoring import DEFAULT_PRESET, WEIGHT_PRESETS, parse_weights
+from train.compare.scoring import DEFAULT_PRESET, WEIGHT_PRESETS, parse_weights, preset_name
 from train.imdb import config as imdb_config
 from train.wmt import config as wmt_config
 
@@ -164,9 +164,10 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     table = dict(table)
     from_best = table.pop("from_best", None)
     if from_best is not None:
-        if from_best not in WEIGHT_PRESETS:
+        if not isinstance(from_best, str) or preset_name(from_best) is None:
             raise UsageError(f"{where}: from_best = {from_best!r} is not a weight preset; choose from "
                              f"{', '.join(WEIGHT_PRESETS)}")
+        from_best = preset_name(from_best)
         if previous == 0:
             raise UsageError(f"{where}: from_best needs a grid before it to take the best run from")
     axes = {**common, **_axes(table, where)}

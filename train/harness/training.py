@@ -298,8 +298,8 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
             checkpoints.close()
             hardware.energy.close()
             return None
-        transition = resume.transition(None if rate is None else (step, rate), setup.learning_rate,
-                                       config.lr_transition)
+        transition = resume.transition(None if rate is None else (step, rate),
+                                       optimizer_lib.on_host(setup.learning_rate), config.lr_transition)
         changed = transition != config.lr_transition
         if changed:  # the same optimizer state, with the schedule the run goes on with
             config = config.replace(lr_transition=transition)

@@ -265,8 +265,10 @@ def test_unknown_device_is_a_usage_error(capsys):
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "run.jsonl").write_text("")
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)  # a run with a checkpoint to continue from
     assert run_training(wmt.TASK, ["--run-dir", str(tmp_path)]) == 2
     assert "already holds a run" in capsys.readouterr().err
+    assert (tmp_path / "run.jsonl").read_text() == ""
 
 
 def test_help_documents_every_option(capsys):

@@ -100,8 +100,8 @@ def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
     assert all(isinstance(r["bleu"], float) for r in records if r["type"] == "eval")
     assert summary["completed"] and summary["steps"] == 6 and isinstance(summary["bleu"], float)
     assert (summary["energy_j"] is None) == (summary["energy_source"] is None)
-    if on_cpu:
-        assert summary["energy_j"] is None  # not measurable on CPU
+    if on_cpu:  # RAPL's counters where readable, else the per-core estimate, labelled as such
+        assert summary["energy_j"] > 0 and summary["energy_source"] in ("rapl", "estimated")
     assert summary["tokens"] > summary["target_tokens"] > 0
     assert abs(summary["flops_per_step"] / summary["xla_flops_per_step"] - 1) < FLOP_TOLERANCE
     assert "BLEU valid" in capsys.readouterr().out

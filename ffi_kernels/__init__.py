@@ -10,7 +10,7 @@ Layout
                      deterministic), Philox ``Dropout`` bit-exact with ls_jax/ops/random.py, ``sm_count`` and
                      ``stride_grid`` (launch sizing, SM count cached per device)
   csrc/rows.cuh      row-streaming layouts and the deterministic reduction of per-block column partials
-  csrc/module.cc     the pybind11 module ``_ls_kernels``: ``targets()`` -> {name: PyCapsule}
+  csrc/module.cc     the pybind11 module ``_ls_kernels``: ``targets()`` -> {name: PyCapsule or {stage: PyCapsule}}
   csrc/<op>.cu       one file per op family, each registering its own targets (dropout.cu is the worked example)
   csrc/attention_cudnn.cu  cuDNN's fused attention from FFI handlers (cuDNN frontend graphs); built only where the
                      cuDNN packages are found (``cudnn_attention_missing`` says why not)
@@ -73,8 +73,8 @@ def load() -> tuple[str, ...]:
 
             result = build.build()
             library = import_library(result.path)
-            for name, capsule in library.targets().items():
-                jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            for name, handlers in library.targets().items():  # a PyCapsule, or {stage name: PyCapsule}
+                jax.ffi.register_ffi_target(name, handlers, platform="CUDA")
             _library, _cudnn_missing = library, result.cudnn_missing
         return tuple(sorted(_library.targets()))
 
@@ -96,6 +96,17 @@ def cudnn_workspace_peak_bytes(device: int = 0) -> int | None:
     peak.restype, peak.argtypes = ctypes.c_int64, [ctypes.c_int]
     value = int(peak(device))
     return None if value < 0 else value
+
+
+def cudnn_graphs_built_in_execute() -> int | None:
+    """How many cuDNN attention graphs the execute handlers built themselves in this process (0 while the initialize
+    stage built every one); None when the library has no cuDNN attention."""
+    if cudnn_attention_missing() is not None:
+        return None
+    assert _library is not None
+    count = ctypes.CDLL(_library.__file__).ls_attention_cudnn_graphs_built_in_execute
+    count.restype, count.argtypes = ctypes.c_int64, []
+    return int(count())
 
 
 @functools.cache

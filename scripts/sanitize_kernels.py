@@ -87,6 +87,9 @@ def cases(dtype: Any) -> dict[str, Case]:
         "self_attention[cuDNN: 301 positions, causal, padding with a row all padding, dropout, bias]": forward_backward(
             lambda qkv, b: ops.self_attention(qkv, long_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
             normal(20, (2, 301, 3, 2, 64), dtype), normal(21, (3, 2, 64), jnp.float32)),
+        "self_attention[cuDNN: 301 positions, key lengths with a row of length 0, no bias tensor]": forward_backward(
+            lambda qkv: ops.self_attention(qkv, lengths=jnp.array([250, 0]), dropout_rate=0.1, seed=seed),
+            normal(24, (2, 301, 3, 2, 64), dtype)),
         "cross_attention[cuDNN: 131 queries, 1037 keys, head_dim 128, scattered mask, dropout]": forward_backward(
             lambda q, kv: ops.cross_attention(q, kv, scattered_mask, dropout_rate=0.1, seed=seed),
             normal(22, (2, 131, 2, 128), dtype), normal(23, (2, 1037, 2, 2, 128), dtype)),

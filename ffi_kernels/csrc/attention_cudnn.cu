@@ -10,29 +10,42 @@
 // self-attention qkv is passed as both), out is (B, Q, H, D), and the backward writes dq, dk and dv straight
 // into the gradient of each source. Dropout is cuDNN's own Philox generator keyed by (seed, offset) read from
 // device memory, so a new seed each step needs neither a new graph nor a host synchronization; its elements
-// differ from this library's Philox kernels. With a key mask the graph has cuDNN's padding mask (seq_len_kv:
-// the keys past the last visible one are skipped) and an additive (B, 1, 1, K) bias (0 or a large negative
-// value) that masks any other key, so every mask is exact and prefix masks skip their padding.
+// differ from this library's Philox kernels. Key masks come in two forms: right padding as sequence lengths
+// (seq_len_q, seq_len_kv: cuDNN's padding mask, keys at or past seq_len_kv skipped, no bias tensor), and any other
+// mask as those lengths (seq_len_kv = 1 + the last visible key) plus an additive (B, 1, 1, K) bias (0 or a large
+// negative value) that masks the remaining keys, so every mask is exact and prefix masks skip their padding.
 //
 // Targets
-//   ls_attention_cudnn_fwd(query_source, key_value_source, seed u32[2] [, seq_len_q s32 (B,), seq_len_kv s32 (B,),
-//       mask_bias T (B, K_pad)]) -> (out T (B, Q, H, D), stats f32 (B, H, Q, 1))
-//   ls_attention_cudnn_bwd(dout, query_source, key_value_source, out, stats, seed [, seq_len_q, seq_len_kv,
-//       mask_bias]) -> (d_query_source [, d_key_value_source]); without d_key_value_source the sources are one
+//   ls_attention_cudnn_fwd(query_source, key_value_source, seed u32[2] [, seq_len_q s32 (B,), seq_len_kv s32 (B,)
+//       [, mask_bias T (B, K_pad)]]) -> (out T (B, Q, H, D), stats f32 (B, H, Q, 1))
+//   ls_attention_cudnn_bwd(dout, query_source, key_value_source, out, stats, seed [, seq_len_q, seq_len_kv
+//       [, mask_bias]]) -> (d_query_source [, d_key_value_source]); without d_key_value_source the sources are one
 //       packed qkv (P = 3) and d_query_source receives dq, dk and dv.
 //   Attributes: causal (bool), dropout_rate (f32), logit_scale (f32). T is bf16 or f16; D a multiple of 8.
-//   seed element 0 is cuDNN's Philox seed and element 1 its offset. mask_bias rows are padded to a multiple of 8
-//   elements (16 bytes); only the first K of each row are read.
+//   seed element 0 is cuDNN's Philox seed and element 1 its offset. seq_len_kv is in [1, K]. mask_bias rows are
+//   padded to a multiple of 8 elements (16 bytes); only the first K of each row are read.
 //
-// Built graphs are cached per (direction, device, dtype, shape and layout, causal, dropout, mask); one cuDNN
-// handle per device. The workspace (and the widened dropout seed) is allocated stream-ordered from a memory pool of
-// this library, outside XLA's allocator (see "workspace" below for why). Not declared command-buffer compatible:
-// the first execution of a configuration builds its graph (heuristics, kernel compilation and loading), which has
-// not been checked to be legal while XLA captures the stream into a CUDA graph.
+// Stages. Each target has an initialize-stage handler besides its execute handler. XLA calls the initialize stage
+// before each execution of the executable, with the operands' buffers assigned (not yet written), the stream and the
+// device; it checks the operands and builds this configuration's graph (heuristics, kernel compilation and loading:
+// milliseconds to seconds) unless the cache already holds it, and then takes the workspace from the pool once, so the
+// execute handler only looks the graph up and enqueues it. The instantiate stage, which XLA runs when it creates the
+// executable, cannot build a graph: it has neither the operands nor a device (an executable may run on any device of
+// the process, and a cuDNN graph is built for one). An execute handler that finds no graph (a path that skipped the
+// initialize stage) builds it itself, counted by ls_attention_cudnn_graphs_built_in_execute.
+// Graphs are cached per (direction, device, dtype, shape and layout, causal, dropout, logit scale, padding, bias);
+// one cuDNN handle per device.
+//
+// Not declared command-buffer compatible: the workspace (and the widened dropout seed) is allocated and freed
+// stream-ordered around each execution from this library's pool (see "workspace" below for why). Under stream
+// capture those calls become graph memory-allocation and free nodes, and XLA records a custom call inside its command
+// buffer by capturing it into a graph that it embeds as a cloned child graph, which CUDA refuses for graphs holding
+// memory nodes (a child graph with them must be moved into its parent, and such graphs cannot be cloned).
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -89,7 +102,8 @@ struct Options {
   bool causal;
   float dropout_rate;
   float logit_scale;
-  bool masked;
+  bool padded;  // seq_len_q and seq_len_kv given: cuDNN's padding mask
+  bool biased;  // mask_bias given (an arbitrary key mask; implies padded)
 };
 
 // ---- errors ------------------------------------------------------------------------------------------------
@@ -272,10 +286,12 @@ struct MaskTensors {
 // Philox seed and offset of the dropout.
 MaskTensors add_mask_tensors(const GraphPtr& graph, const Layout& l, const Options& options) {
   MaskTensors t;
-  if (options.masked) {
+  if (options.padded) {
     const Dims lengths = {l.batch, 1, 1, 1}, unit = {1, 1, 1, 1};
     t.seq_len_q = add_typed_tensor(graph, kSeqLenQ, "seq_len_q", lengths, unit, fe::DataType_t::INT32);
     t.seq_len_kv = add_typed_tensor(graph, kSeqLenKV, "seq_len_kv", lengths, unit, fe::DataType_t::INT32);
+  }
+  if (options.biased) {
     // (B, 1, Q, K) broadcast over heads and queries with zero strides.
     t.bias = add_tensor(graph, kMaskBias, "mask_bias", {l.batch, 1, l.queries, l.keys}, {l.bias_row, l.bias_row, 0, 1});
   }
@@ -299,9 +315,10 @@ void apply_options(Attributes& attributes, const Layout& l, const Options& optio
       attributes.set_causal_mask_bottom_right(true);
     }
   }
-  if (options.masked) {
-    attributes.set_padding_mask(true).set_seq_len_q(t.seq_len_q).set_seq_len_kv(t.seq_len_kv).set_bias(t.bias);
+  if (options.padded) {
+    attributes.set_padding_mask(true).set_seq_len_q(t.seq_len_q).set_seq_len_kv(t.seq_len_kv);
   }
+  if (options.biased) attributes.set_bias(t.bias);
   if (options.dropout_rate > 0.0f) attributes.set_dropout(options.dropout_rate, t.seed, t.offset);
 }
 
@@ -365,35 +382,37 @@ ffi::Error build_backward(const Layout& l, const Options& options, ffi::DataType
   return ffi::Error::Success();
 }
 
-using GraphKey = std::array<int64_t, 14>;
+using GraphKey = std::array<int64_t, 15>;
 
 GraphKey graph_key(bool backward, int device, ffi::DataType dtype, const Layout& l, const Options& options) {
   int32_t rate_bits = 0, scale_bits = 0;
   std::memcpy(&rate_bits, &options.dropout_rate, sizeof rate_bits);
   std::memcpy(&scale_bits, &options.logit_scale, sizeof scale_bits);
   return {backward, device, static_cast<int64_t>(dtype), l.batch, l.queries, l.keys, l.heads, l.head_dim,
-          l.query_parts, l.key_value_parts, l.bias_row, options.causal, rate_bits,
-          (int64_t{scale_bits} << 1) | options.masked};
+          l.query_parts, l.key_value_parts, l.bias_row, options.causal, rate_bits, scale_bits,
+          (int64_t{options.padded} << 1) | options.biased};
 }
 
-// The cached graph for this configuration, built on first use. Building takes milliseconds to seconds (heuristics,
-// kernel compilation); a failed build is not cached, so its error repeats with every execution.
+// The cached graph for this configuration, built on first use (`*built` says whether this call built it). Building
+// takes milliseconds to seconds (heuristics, kernel compilation and loading); a failed build is not cached, so its
+// error repeats with every call.
 ffi::Error cached_graph(bool backward, int device, ffi::DataType dtype, const Layout& l, const Options& options,
-                        cudnnHandle_t handle, GraphPtr* graph) {
+                        cudnnHandle_t handle, GraphPtr* graph, bool* built) {
   static std::mutex cache_mutex;
   static std::map<GraphKey, GraphPtr> cache;
   const GraphKey key = graph_key(backward, device, dtype, l, options);
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto found = cache.find(key);
-  if (found != cache.end()) {
+  *built = found == cache.end();
+  if (!*built) {
     *graph = found->second;
     return ffi::Error::Success();
   }
-  GraphPtr built;
-  LS_RETURN_IF_ERROR(backward ? build_backward(l, options, dtype, handle, &built)
-                              : build_forward(l, options, dtype, handle, &built));
-  cache.emplace(key, built);
-  *graph = std::move(built);
+  GraphPtr fresh;
+  LS_RETURN_IF_ERROR(backward ? build_backward(l, options, dtype, handle, &fresh)
+                              : build_forward(l, options, dtype, handle, &fresh));
+  cache.emplace(key, fresh);
+  *graph = std::move(fresh);
   return ffi::Error::Success();
 }
 
@@ -445,10 +464,12 @@ ffi::Error read_layout(const ffi::AnyBuffer& query_source, const ffi::AnyBuffer&
 ffi::Error check_mask_operands(const Layout& l, const std::optional<ffi::AnyBuffer>& seq_len_q,
                                const std::optional<ffi::AnyBuffer>& seq_len_kv,
                                const std::optional<ffi::AnyBuffer>& mask_bias) {
-  const bool any = seq_len_q.has_value() || seq_len_kv.has_value() || mask_bias.has_value();
-  if (!any) return ffi::Error::Success();
-  LS_RETURN_IF_ERROR(require(seq_len_q.has_value() && seq_len_kv.has_value() && mask_bias.has_value(),
-                             "a key mask needs all of seq_len_q, seq_len_kv and mask_bias"));
+  LS_RETURN_IF_ERROR(require(seq_len_q.has_value() == seq_len_kv.has_value(),
+                             "seq_len_q and seq_len_kv come together (cuDNN's padding mask)"));
+  LS_RETURN_IF_ERROR(require(!mask_bias.has_value() || seq_len_q.has_value(),
+                             "mask_bias needs seq_len_q and seq_len_kv (the padding mask that skips the keys past the "
+                             "last visible one)"));
+  if (!seq_len_q.has_value()) return ffi::Error::Success();
   for (const ffi::AnyBuffer* lengths : {&*seq_len_q, &*seq_len_kv}) {
     LS_RETURN_IF_ERROR(require(lengths->element_type() == ffi::DataType::S32 && lengths->element_count() == l.batch,
                                "seq_len_q and seq_len_kv must be int32 (batch,) = (" + std::to_string(l.batch) +
@@ -462,7 +483,7 @@ ffi::Error check_options(const Layout& l, const Options& options) {
   LS_RETURN_IF_ERROR(require(options.dropout_rate >= 0.0f && options.dropout_rate < 1.0f,
                              "dropout_rate must be in [0, 1), got " + std::to_string(options.dropout_rate)));
   if (options.causal && l.queries != l.keys) {
-    LS_RETURN_IF_ERROR(require(l.queries < l.keys && !options.masked && options.dropout_rate == 0.0f,
+    LS_RETURN_IF_ERROR(require(l.queries < l.keys && !options.padded && options.dropout_rate == 0.0f,
                                "cuDNN's causal mask with queries != keys needs queries < keys, no key mask and no "
                                "dropout (its bottom-right diagonal); got " + std::to_string(l.queries) +
                                    " queries and " + std::to_string(l.keys) + " keys"));
@@ -481,6 +502,18 @@ __global__ void widen_seed_kernel(const uint32_t* __restrict__ seed, int64_t* __
                                   int64_t* __restrict__ offset_out) {
   *seed_out = static_cast<int64_t>(seed[0]);
   *offset_out = static_cast<int64_t>(seed[1]);
+}
+
+// Zeroes dk and dv at the keys k >= seq_len_kv[b], which cuDNN's backward skips and may leave unwritten: 16-byte
+// vectors [first_vector, row_vectors) of row (b, k) of the (B, K, P', H, D) key-value gradient, parts P' - 2 and
+// P' - 1. A block per (key, batch); the blocks of keys below the length return at once, so only padding is written
+// (dq's part of a packed qkv gradient is cuDNN's to write and stays untouched).
+__global__ void zero_padded_key_rows_kernel(uint4* __restrict__ gradient, const int32_t* __restrict__ seq_len_kv,
+                                            int64_t keys, int64_t row_vectors, int64_t first_vector) {
+  const int64_t key = blockIdx.x, batch = blockIdx.y;
+  if (key < seq_len_kv[batch]) return;
+  uint4* row = gradient + (batch * keys + key) * row_vectors;
+  for (int64_t i = first_vector + threadIdx.x; i < row_vectors; i += blockDim.x) row[i] = make_uint4(0, 0, 0, 0);
 }
 
 void* element_offset(void* base, int64_t elements, int64_t element_bytes) {
@@ -509,16 +542,17 @@ struct Prepared {
   GraphPtr graph;
 };
 
+// Checks the operands and finds this configuration's graph, building it when no earlier call did (`*built`).
 ffi::Error prepare(bool backward, int device, const Operands& in, bool causal, float dropout_rate,
-                   float logit_scale, Prepared* p) {
+                   float logit_scale, Prepared* p, bool* built) {
   LS_RETURN_IF_ERROR(read_layout(in.query_source, in.key_value_source, in.mask_bias, &p->layout));
   LS_RETURN_IF_ERROR(check_mask_operands(p->layout, in.seq_len_q, in.seq_len_kv, in.mask_bias));
   LS_RETURN_IF_ERROR(check_seed(in.seed));
-  p->options = Options{causal, dropout_rate, logit_scale, in.mask_bias.has_value()};
+  p->options = Options{causal, dropout_rate, logit_scale, in.seq_len_kv.has_value(), in.mask_bias.has_value()};
   LS_RETURN_IF_ERROR(check_options(p->layout, p->options));
   p->dtype = in.query_source.element_type();
   LS_RETURN_IF_ERROR(device_state(device, &p->state));
-  return cached_graph(backward, device, p->dtype, p->layout, p->options, p->state->handle, &p->graph);
+  return cached_graph(backward, device, p->dtype, p->layout, p->options, p->state->handle, &p->graph, built);
 }
 
 // Element offsets of k and v in a (B, K, P', H, D) key-value source (or its gradient): parts P' - 2 and P' - 1.
@@ -534,12 +568,25 @@ VariantPack shared_pack(const Layout& l, const Operands& in) {
       {kK, element_offset(key_value, key_offset(l), bytes)},
       {kV, element_offset(key_value, value_offset(l), bytes)},
   };
-  if (in.mask_bias.has_value()) {
+  if (in.seq_len_kv.has_value()) {
     pack[kSeqLenQ] = in.seq_len_q->untyped_data();
     pack[kSeqLenKV] = in.seq_len_kv->untyped_data();
-    pack[kMaskBias] = in.mask_bias->untyped_data();
   }
+  if (in.mask_bias.has_value()) pack[kMaskBias] = in.mask_bias->untyped_data();
   return pack;
+}
+
+// Graphs the execute handlers had to build themselves: 0 while every configuration is built in the initialize stage.
+std::atomic<int64_t> graphs_built_in_execute{0};
+
+// The initialize stage, after prepare(): when it has just built the graph, it also takes the graph's workspace from
+// the pool once and gives it back in the stream's order, so that the pool already holds that memory (it keeps what it
+// once held) and the first execution's allocation is a lookup, not a cudaMalloc.
+ffi::Error reserve_workspace(const Prepared& p, int device, cudaStream_t stream) {
+  int64_t workspace_bytes = 0;
+  LS_RETURN_IF_FE_ERROR("get_workspace_size", p.graph->get_workspace_size(workspace_bytes));
+  StreamAllocation memory(stream);
+  return memory.allocate(p.state->pool, device, static_cast<size_t>(workspace_bytes));
 }
 
 // Enqueues the prepared graph on `stream` with `pack`, to which the seed and offset are added; the workspace is
@@ -561,6 +608,18 @@ ffi::Error execute(const Prepared& p, int device, cudaStream_t stream, const ffi
   if (status != CUDNN_STATUS_SUCCESS) return cudnn_status_error("cudnnSetStream", status);
   LS_RETURN_IF_FE_ERROR("execute", p.graph->execute(p.state->handle, pack, memory.workspace()));
   return ffi::Error::Success();
+}
+
+// What a handler does once prepare() has found the graph: the initialize stage stops (reserving the workspace of a
+// graph it built) and reports true; the execute stage counts a graph it had to build and goes on (false).
+template <bool kInitialize>
+bool initialize_stage_done(const Prepared& p, bool built, int device, cudaStream_t stream, ffi::Error* result) {
+  if (kInitialize) {
+    *result = built ? reserve_workspace(p, device, stream) : ffi::Error::Success();
+    return true;
+  }
+  if (built) graphs_built_in_execute.fetch_add(1);
+  return false;
 }
 
 // Frontend and cuDNN failures arrive as ffi::Error; anything thrown (allocation, the frontend's loader) too.
@@ -587,6 +646,8 @@ ffi::Error check_forward_results(const Layout& l, ffi::DataType dtype, const ffi
                  "stats must be float32 (batch, heads, queries, 1), got " + shape_string(stats.dimensions()));
 }
 
+// The forward in either stage: kInitialize checks the operands and builds the graph; the execute stage runs it.
+template <bool kInitialize>
 ffi::Error attention_cudnn_fwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer query_source,
                                ffi::AnyBuffer key_value_source, ffi::Buffer<ffi::U32> seed,
                                std::optional<ffi::AnyBuffer> seq_len_q, std::optional<ffi::AnyBuffer> seq_len_kv,
@@ -596,8 +657,11 @@ ffi::Error attention_cudnn_fwd(cudaStream_t stream, int32_t device, ffi::AnyBuff
   return guarded(device, [&]() -> ffi::Error {
     const Operands in{query_source, key_value_source, seed, seq_len_q, seq_len_kv, mask_bias};
     Prepared p;
-    LS_RETURN_IF_ERROR(prepare(false, device, in, causal, dropout_rate, logit_scale, &p));
+    bool built = false;
+    LS_RETURN_IF_ERROR(prepare(false, device, in, causal, dropout_rate, logit_scale, &p, &built));
     LS_RETURN_IF_ERROR(check_forward_results(p.layout, p.dtype, *out, *stats));
+    ffi::Error result = ffi::Error::Success();
+    if (initialize_stage_done<kInitialize>(p, built, device, stream, &result)) return result;
     VariantPack pack = shared_pack(p.layout, in);
     pack[kO] = out->untyped_data();
     pack[kStats] = stats->untyped_data();
@@ -631,6 +695,22 @@ ffi::Error key_value_gradient(const Layout& l, const Operands& in, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// Zeroes the dk and dv rows of the keys past seq_len_kv (zero_padded_key_rows_kernel).
+ffi::Error zero_padded_key_rows(const Layout& l, const ffi::AnyBuffer& seq_len_kv, void* d_key_value,
+                                cudaStream_t stream) {
+  LS_RETURN_IF_ERROR(require(l.batch <= 65535, "cuDNN attention with a key mask takes at most 65535 rows, got " +
+                                                   std::to_string(l.batch)));
+  const int64_t part_vectors = l.heads * l.head_dim / 8;  // 16-byte vectors of one (H, D) part; D % 8 == 0
+  const dim3 grid(static_cast<unsigned>(l.keys), static_cast<unsigned>(l.batch));
+  zero_padded_key_rows_kernel<<<grid, 128, 0, stream>>>(static_cast<uint4*>(d_key_value),
+                                                        seq_len_kv.typed_data<int32_t>(), l.keys,
+                                                        l.key_value_parts * part_vectors,
+                                                        (l.key_value_parts - 2) * part_vectors);
+  return launch_error("zero_padded_key_rows_kernel");
+}
+
+// The backward in either stage, as the forward.
+template <bool kInitialize>
 ffi::Error attention_cudnn_bwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dout, ffi::AnyBuffer query_source,
                                ffi::AnyBuffer key_value_source, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> stats,
                                ffi::Buffer<ffi::U32> seed, std::optional<ffi::AnyBuffer> seq_len_q,
@@ -641,16 +721,15 @@ ffi::Error attention_cudnn_bwd(cudaStream_t stream, int32_t device, ffi::AnyBuff
   return guarded(device, [&]() -> ffi::Error {
     const Operands in{query_source, key_value_source, seed, seq_len_q, seq_len_kv, mask_bias};
     Prepared p;
-    LS_RETURN_IF_ERROR(prepare(true, device, in, causal, dropout_rate, logit_scale, &p));
+    bool built = false;
+    LS_RETURN_IF_ERROR(prepare(true, device, in, causal, dropout_rate, logit_scale, &p, &built));
     LS_RETURN_IF_ERROR(check_backward_operands(p.layout, p.dtype, dout, out, stats));
     LS_RETURN_IF_ERROR(require_same_shape("d_query_source", *d_query_source, "query_source", query_source));
     void* d_key_value = nullptr;
     LS_RETURN_IF_ERROR(key_value_gradient(p.layout, in, *d_query_source, d_key_value_source, &d_key_value));
-    if (p.options.masked) {
-      // Keys past seq_len_kv are masked out: zero their gradient rows, which cuDNN may leave unwritten.
-      const cudaError_t status = cudaMemsetAsync(d_key_value, 0, key_value_source.size_bytes(), stream);
-      if (status != cudaSuccess) return cuda_status_error("cudaMemsetAsync", status);
-    }
+    ffi::Error result = ffi::Error::Success();
+    if (initialize_stage_done<kInitialize>(p, built, device, stream, &result)) return result;
+    if (p.options.padded) LS_RETURN_IF_ERROR(zero_padded_key_rows(p.layout, *seq_len_kv, d_key_value, stream));
     const int64_t bytes = 2;  // bf16 or f16
     VariantPack pack = shared_pack(p.layout, in);
     pack[kO] = out.untyped_data();
@@ -664,9 +743,13 @@ ffi::Error attention_cudnn_bwd(cudaStream_t stream, int32_t device, ffi::AnyBuff
 }
 
 // ---- bindings ----------------------------------------------------------------------------------------------
-// The pieces of the two targets' bindings they share, in the order of the handlers' parameters.
+// The pieces of the two targets' bindings they share, in the order of the handlers' parameters; the initialize and
+// execute stages bind the same operands, results and attributes.
 
-auto bind_context() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>(); }
+template <ffi::ExecutionStage stage>
+auto bind_context() {
+  return ffi::Ffi::Bind<stage>().template Ctx<ffi::PlatformStream<cudaStream_t>>().template Ctx<ffi::DeviceOrdinal>();
+}
 
 template <typename Binding>
 auto bind_sources(Binding binding) {  // query_source, key_value_source
@@ -674,7 +757,7 @@ auto bind_sources(Binding binding) {  // query_source, key_value_source
 }
 
 template <typename Binding>
-auto bind_seed_and_mask(Binding binding) {  // seed [, seq_len_q, seq_len_kv, mask_bias]
+auto bind_seed_and_mask(Binding binding) {  // seed [, seq_len_q, seq_len_kv [, mask_bias]]
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::U32>>()
       .template OptionalArg<ffi::AnyBuffer>()
@@ -690,21 +773,27 @@ auto bind_attributes(Binding binding) {
       .template Attr<float>("logit_scale");
 }
 
+template <ffi::ExecutionStage stage>
 auto forward_binding() {
   // -> out, stats
-  return bind_attributes(
-      bind_seed_and_mask(bind_sources(bind_context())).Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+  return bind_attributes(bind_seed_and_mask(bind_sources(bind_context<stage>()))
+                             .template Ret<ffi::AnyBuffer>()
+                             .template Ret<ffi::AnyBuffer>());
 }
 
+template <ffi::ExecutionStage stage>
 auto backward_binding() {
   // dout, sources, out, stats, seed, mask -> d_query_source [, d_key_value_source]
   // (Bindings cannot be moved into a named variable, only passed on as temporaries.)
-  return bind_attributes(
-      bind_seed_and_mask(
-          bind_sources(bind_context().Arg<ffi::AnyBuffer>()).Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>())
-          .Ret<ffi::AnyBuffer>()
-          .OptionalRet<ffi::AnyBuffer>());
+  return bind_attributes(bind_seed_and_mask(bind_sources(bind_context<stage>().template Arg<ffi::AnyBuffer>())
+                                                .template Arg<ffi::AnyBuffer>()
+                                                .template Arg<ffi::Buffer<ffi::F32>>())
+                             .template Ret<ffi::AnyBuffer>()
+                             .template OptionalRet<ffi::AnyBuffer>());
 }
+
+constexpr auto kInitializeStage = ffi::ExecutionStage::kInitialize;
+constexpr auto kExecuteStage = ffi::ExecutionStage::kExecute;
 
 }  // namespace
 
@@ -723,11 +812,19 @@ extern "C" int64_t ls_attention_cudnn_workspace_peak(int device) {
   return static_cast<int64_t>(peak);
 }
 
-// Registered without the command-buffer trait (see the top of this file).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd, attention_cudnn_fwd, forward_binding());
-LS_REGISTER_TARGET(ls_attention_cudnn_fwd);
+// The count of graphs the execute handlers built themselves (graphs_built_in_execute), for tests (through ctypes):
+// 0 while every configuration was built in the initialize stage.
+extern "C" int64_t ls_attention_cudnn_graphs_built_in_execute() { return graphs_built_in_execute.load(); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd, attention_cudnn_bwd, backward_binding());
-LS_REGISTER_TARGET(ls_attention_cudnn_bwd);
+// Registered without the command-buffer trait (see the top of this file).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd_initialize, attention_cudnn_fwd<true>,
+                              forward_binding<kInitializeStage>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_fwd, attention_cudnn_fwd<false>, forward_binding<kExecuteStage>());
+LS_REGISTER_STAGED_TARGET(ls_attention_cudnn_fwd, ls_attention_cudnn_fwd_initialize);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd_initialize, attention_cudnn_bwd<true>,
+                              backward_binding<kInitializeStage>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ls_attention_cudnn_bwd, attention_cudnn_bwd<false>, backward_binding<kExecuteStage>());
+LS_REGISTER_STAGED_TARGET(ls_attention_cudnn_bwd, ls_attention_cudnn_bwd_initialize);
 
 }  // namespace ls

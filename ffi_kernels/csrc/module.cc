@@ -19,6 +19,11 @@ bool register_target(const char* name, Handler* handler) {
   return true;
 }
 
+bool register_staged_target(const char* name, Handler* initialize, Handler* execute) {
+  target_registry().push_back({name, execute, initialize});
+  return true;
+}
+
 }  // namespace ls
 
 namespace py = pybind11;
@@ -32,11 +37,20 @@ PYBIND11_MODULE(_ls_kernels, m) {
         for (const ls::Target& target : ls::target_registry()) {
           if (capsules.contains(target.name))
             throw std::runtime_error(std::string("FFI target ") + target.name + " is registered twice");
-          capsules[target.name] = py::capsule(reinterpret_cast<void*>(target.handler));
+          py::capsule execute(reinterpret_cast<void*>(target.handler));
+          if (target.initialize == nullptr) {
+            capsules[target.name] = execute;
+            continue;
+          }
+          py::dict stages;  // the form jax.ffi.register_ffi_target takes for handlers of several stages
+          stages["initialize"] = py::capsule(reinterpret_cast<void*>(target.initialize));
+          stages["execute"] = execute;
+          capsules[target.name] = stages;
         }
         return capsules;
       },
-      "Every FFI target of the library: {name: PyCapsule of its XLA_FFI_Handler}.");
+      "Every FFI target of the library: {name: PyCapsule of its XLA_FFI_Handler, or {stage: PyCapsule} for a "
+      "target with an initialize-stage handler}.");
   m.def(
       "multiprocessor_count",
       [](int device) {

@@ -41,6 +41,7 @@ class MultiHeadAttention(nn.Module):
         key_value: jax.Array | None = None,
         key_mask: jax.Array | None = None,
         *,
+        key_lengths: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
         defer_residual: bool = False,
@@ -48,7 +49,10 @@ class MultiHeadAttention(nn.Module):
         """Args:
           x: (B, Q, H) query stream (and, for self-attention, keys and values).
           key_value: cross-attention only: (B, K, 2, heads, head_dim) keys [:, :, 0] and values [:, :, 1].
-          key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding).
+          key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding): any mask.
+          key_lengths: optional (B,) integer, the number of visible keys of each row when they are a prefix (right
+            padding; ``ls_jax.ops.attention_lengths``): the same as the mask ``arange(K) < key_lengths[:, None]``,
+            which cuDNN's attention takes without a bias tensor. At most one of ``key_mask`` and ``key_lengths``.
           decode: self-attention only: append this step's keys/values to the "cache" collection and attend
             over everything cached so far (incremental decoding, one or more tokens per call).
           deterministic: disable dropout.
@@ -59,23 +63,23 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("key_value is required for cross-attention and not accepted for self-attention")
         if decode and not (self.self_attention and self.causal):
             raise ValueError("decode (KV cache) applies only to causal self-attention")
-        if decode and key_mask is not None:
-            raise ValueError("key_mask is not supported with decode: cached keys are never padding")
+        if decode and (key_mask is not None or key_lengths is not None):
+            raise ValueError("key_mask and key_lengths are not supported with decode: cached keys are never padding")
         h, x = pre_norm(cfg, x)
         rate, seed = dropout_args(self, cfg.attn_prob_dropout_ratio, deterministic)
         if not self.self_attention:
             query = dense(cfg, (cfg.nhead, cfg.head_dim), use_bias=False, name="query")(h)
             query_bias = self.param("query_bias", nn.initializers.zeros, query.shape[2:], jnp.float32)
-            context = ops.cross_attention(query, key_value, key_mask, bias=query_bias, dropout_rate=rate, seed=seed)
+            context = ops.cross_attention(query, key_value, key_mask, key_lengths=key_lengths, bias=query_bias,
+                                          dropout_rate=rate, seed=seed)
         else:
             qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), use_bias=False, name="qkv")(h)
             qkv_bias = self.param("qkv_bias", nn.initializers.zeros, qkv.shape[2:], jnp.float32)
             if decode:
                 context = self._attend_cached(qkv + qkv_bias.astype(qkv.dtype), rate, seed)
             else:
-                context = ops.self_attention(
-                    qkv, key_mask, bias=qkv_bias, causal=self.causal, dropout_rate=rate, seed=seed
-                )
+                context = ops.self_attention(qkv, key_mask, lengths=key_lengths, bias=qkv_bias, causal=self.causal,
+                                             dropout_rate=rate, seed=seed)
         out = dense(cfg, cfg.hidden_size, input_axes=2, use_bias=False, name="out")(context)
         out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
         return sublayer_output(

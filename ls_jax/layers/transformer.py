@@ -25,6 +25,7 @@ class TransformerEncoderLayer(nn.Module):
 
     config: LayerConfig
     causal: bool = False
+    LENGTHS_ARGUMENT = "key_lengths"  # the keyword of the key lengths (stacks pass them by name)
 
     @nn.compact
     def __call__(
@@ -32,13 +33,16 @@ class TransformerEncoderLayer(nn.Module):
         x: jax.Array | DeferredResidual,
         key_mask: jax.Array | None = None,
         *,
+        key_lengths: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
         defer_residual: bool = False,
     ) -> jax.Array | DeferredResidual:
-        """x (B, S, H); key_mask (B, S) boolean, False at padding; decode: causal KV-cache step."""
+        """x (B, S, H); key_mask (B, S) boolean, False at padding, or key_lengths (B,) integer for right padding
+        (at most one; ``MultiHeadAttention``); decode: causal KV-cache step."""
         x = MultiHeadAttention(self.config, causal=self.causal, name="self_attention")(
-            x, key_mask=key_mask, decode=decode, deterministic=deterministic, defer_residual=True
+            x, key_mask=key_mask, key_lengths=key_lengths, decode=decode, deterministic=deterministic,
+            defer_residual=True
         )
         return FeedForward(self.config, name="feed_forward")(
             x, deterministic=deterministic, defer_residual=defer_residual
@@ -52,6 +56,7 @@ class TransformerDecoderLayer(nn.Module):
     """
 
     config: LayerConfig
+    LENGTHS_ARGUMENT = "src_lengths"  # the keyword of the source key lengths (stacks pass them by name)
 
     @nn.compact
     def __call__(
@@ -60,16 +65,18 @@ class TransformerDecoderLayer(nn.Module):
         cross_key_value: jax.Array,
         src_mask: jax.Array | None = None,
         *,
+        src_lengths: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
         defer_residual: bool = False,
     ) -> jax.Array | DeferredResidual:
-        """x (B, T, H); cross_key_value (B, S, 2, heads, head_dim); src_mask (B, S) boolean, False at padding."""
+        """x (B, T, H); cross_key_value (B, S, 2, heads, head_dim); src_mask (B, S) boolean, False at padding, or
+        src_lengths (B,) integer for right padding (at most one)."""
         x = MultiHeadAttention(self.config, causal=True, name="self_attention")(
             x, decode=decode, deterministic=deterministic, defer_residual=True
         )
         x = MultiHeadAttention(self.config, self_attention=False, name="cross_attention")(
-            x, cross_key_value, src_mask, deterministic=deterministic, defer_residual=True
+            x, cross_key_value, src_mask, key_lengths=src_lengths, deterministic=deterministic, defer_residual=True
         )
         return FeedForward(self.config, name="feed_forward")(
             x, deterministic=deterministic, defer_residual=defer_residual
@@ -79,16 +86,17 @@ class TransformerDecoderLayer(nn.Module):
 class _PositionalEncoderLayer(TransformerEncoderLayer):
     """The encoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
 
-    def __call__(self, x, key_mask, decode, deterministic, defer_residual):
-        return super().__call__(x, key_mask, decode=decode, deterministic=deterministic, defer_residual=defer_residual)
+    def __call__(self, x, key_mask, key_lengths, decode, deterministic, defer_residual):
+        return super().__call__(x, key_mask, key_lengths=key_lengths, decode=decode, deterministic=deterministic,
+                                defer_residual=defer_residual)
 
 
 class _PositionalDecoderLayer(TransformerDecoderLayer):
     """The decoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
 
-    def __call__(self, x, cross_key_value, src_mask, decode, deterministic, defer_residual):
-        return super().__call__(x, cross_key_value, src_mask, decode=decode, deterministic=deterministic,
-                                defer_residual=defer_residual)
+    def __call__(self, x, cross_key_value, src_mask, src_lengths, decode, deterministic, defer_residual):
+        return super().__call__(x, cross_key_value, src_mask, src_lengths=src_lengths, decode=decode,
+                                deterministic=deterministic, defer_residual=defer_residual)
 
 
 # What the backward keeps of a checkpointed layer: its inputs only ("layer"), or also every matmul output.
@@ -98,11 +106,13 @@ _REMAT_POLICIES = {"layer": None, "gemm-outputs": jax.checkpoint_policies.dots_s
 def _layer(config: LayerConfig, decode: bool, plain: type[nn.Module], positional: type[nn.Module], *attributes,
            name: str, arguments: tuple, static: tuple):
     """Calls a layer as ``config.remat`` says: plain, or checkpointed (``nn.remat``, the switches ``static`` held
-    static). Cached decoding never checkpoints. The parameters are named and shaped alike either way."""
+    static). ``arguments`` end with the key lengths (or None). Cached decoding never checkpoints. The parameters are
+    named and shaped alike either way."""
     if config.remat == "none" or decode:
         decode_, deterministic, defer_residual = static
-        return plain(config, *attributes, name=name)(*arguments, decode=decode_, deterministic=deterministic,
-                                                      defer_residual=defer_residual)
+        *arguments, lengths = arguments
+        return plain(config, *attributes, name=name)(*arguments, **{plain.LENGTHS_ARGUMENT: lengths}, decode=decode_,
+                                                      deterministic=deterministic, defer_residual=defer_residual)
     first_static = 1 + len(arguments)  # argument 0 is the module
     layer = nn.remat(positional, policy=_REMAT_POLICIES[config.remat],
                      static_argnums=tuple(range(first_static, first_static + len(static))))
@@ -134,13 +144,16 @@ class TransformerEncoder(nn.Module):
         x: jax.Array,
         key_mask: jax.Array | None = None,
         *,
+        key_lengths: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
-        """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding. Returns (B, S, H)."""
+        """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding, or key_lengths (B,) integer for
+        right padding (at most one). Returns (B, S, H)."""
         for index in range(self.num_layers):
             x = _layer(self.config, decode, TransformerEncoderLayer, _PositionalEncoderLayer, self.causal,
-                       name=f"layer_{index}", arguments=(x, key_mask), static=(decode, deterministic, True))
+                       name=f"layer_{index}", arguments=(x, key_mask, key_lengths),
+                       static=(decode, deterministic, True))
         return _final_layer_norm(self.config, x)
 
 
@@ -163,10 +176,12 @@ class TransformerDecoder(nn.Module):
         encoded: jax.Array | None = None,
         src_mask: jax.Array | None = None,
         *,
+        src_lengths: jax.Array | None = None,
         decode: bool = False,
         deterministic: bool = True,
     ) -> jax.Array:
-        """x (B, T, H) embedded targets; encoded (B, S, H); src_mask (B, S) boolean, False at padding.
+        """x (B, T, H) embedded targets; encoded (B, S, H); src_mask (B, S) boolean, False at padding, or src_lengths
+        (B,) integer for right padding (at most one; decoding caches a mask, so it takes src_mask).
 
         With ``decode`` and an existing cache, ``encoded`` and ``src_mask`` are read from the cache.
         """
@@ -176,7 +191,8 @@ class TransformerDecoder(nn.Module):
         layer_key_values = jax.lax.split(cross_key_value, (1,) * self.num_layers, axis=2)
         for index, key_value in enumerate(layer_key_values):
             x = _layer(self.config, decode, TransformerDecoderLayer, _PositionalDecoderLayer, name=f"layer_{index}",
-                       arguments=(x, jnp.squeeze(key_value, 2), src_mask), static=(decode, deterministic, True))
+                       arguments=(x, jnp.squeeze(key_value, 2), src_mask, src_lengths),
+                       static=(decode, deterministic, True))
         return _final_layer_norm(self.config, x)
 
     def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:

@@ -98,9 +98,13 @@ class BertForSequenceClassification(nn.Module):
         attention_mask: jax.Array | None = None,
         token_type_ids: jax.Array | None = None,
         *,
+        lengths: jax.Array | None = None,
         deterministic: bool = True,
     ) -> jax.Array:
-        """input_ids (B, T) int; attention_mask (B, T), nonzero for real tokens; token_type_ids (B, T) int.
+        """input_ids (B, T) int; attention_mask (B, T), nonzero for real tokens (any mask); token_type_ids (B, T) int;
+        lengths (B,) int, the number of real tokens of each row when they come first and padding after (right
+        padding: the same as ``attention_mask = arange(T) < lengths[:, None]``, which cuDNN's attention takes
+        without a bias tensor). At most one of ``attention_mask`` and ``lengths``.
 
         Returns logits (B, num_labels) in the compute dtype.
         """
@@ -117,7 +121,9 @@ class BertForSequenceClassification(nn.Module):
                 raise ValueError(f"attention_mask has shape {attention_mask.shape} but input_ids has {input_ids.shape}")
             key_mask = attention_mask != 0
         x = BertEmbeddings(cfg, name="embeddings")(input_ids, token_type_ids, deterministic=deterministic)
-        x = TransformerEncoder(cfg.layer, cfg.num_layers, name="encoder")(x, key_mask, deterministic=deterministic)
+        x = TransformerEncoder(cfg.layer, cfg.num_layers, name="encoder")(
+            x, key_mask, key_lengths=lengths, deterministic=deterministic
+        )
         pooled = jnp.tanh(self._dense(cfg.layer.hidden_size, "pooler")(x[:, 0]))
         rate = cfg.layer.hidden_dropout_ratio if cfg.classifier_dropout is None else cfg.classifier_dropout
         rate, seed = dropout_args(self, rate, deterministic)

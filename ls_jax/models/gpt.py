@@ -100,9 +100,16 @@ class GPTLMHeadModel(nn.Module):
         return self.config.layer.max_seq_len
 
     def __call__(
-        self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, deterministic: bool = True
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        lengths: jax.Array | None = None,
+        deterministic: bool = True,
     ) -> jax.Array:
-        """input_ids (B, T) int; attention_mask (B, T), nonzero for real tokens -> logits (B, T, V)."""
+        """input_ids (B, T) int; attention_mask (B, T), nonzero for real tokens (any mask, e.g. left padding), or
+        lengths (B,) int, the number of real tokens of each row when padding comes after them (cuDNN's attention
+        takes them without a bias tensor); at most one of the two -> logits (B, T, V)."""
         check_tokens("input_ids", input_ids)
         key_mask = None
         if attention_mask is not None:
@@ -110,7 +117,7 @@ class GPTLMHeadModel(nn.Module):
                 raise ValueError(f"attention_mask has shape {attention_mask.shape} but input_ids has {input_ids.shape}")
             key_mask = attention_mask != 0
         x = self.embedding(input_ids, deterministic=deterministic)
-        return self.embedding.attend(self.decoder(x, key_mask, deterministic=deterministic))
+        return self.embedding.attend(self.decoder(x, key_mask, key_lengths=lengths, deterministic=deterministic))
 
     def init_cache(self, batch_size: int, max_len: int) -> None:
         """Creates the "cache" collection for ``max_len`` positions of ``batch_size`` rows (run with

@@ -12,6 +12,12 @@ UNK_ID = 3
 NUM_SPECIAL_TOKENS = 4
 
 
+def prefix_lengths(tokens: jax.Array) -> jax.Array:
+    """int32 (B,): the number of tokens of each (B, L) row before its first ``PAD_ID`` (L when it has none), the
+    length of the row when padding is a suffix."""
+    return jnp.sum(jnp.cumprod(tokens != PAD_ID, axis=1), axis=1, dtype=jnp.int32)
+
+
 def check_tokens(name: str, tokens: jax.Array) -> None:
     """Raises ValueError unless ``tokens`` is an integer (batch, length) array."""
     if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:

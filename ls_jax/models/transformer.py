@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax.layers import Dense, LayerConfig, TransformerDecoder, TransformerEmbedding, TransformerEncoder
-from ls_jax.models.tokens import BOS_ID, NUM_SPECIAL_TOKENS, PAD_ID, check_tokens
+from ls_jax.models.tokens import BOS_ID, NUM_SPECIAL_TOKENS, PAD_ID, check_tokens, prefix_lengths
+from ls_jax.ops.attention_lengths import lengths_mask
 
 _TINY_LAYER = LayerConfig.preset("transformer-base", hidden_size=128, intermediate_size=256, nhead=4, max_seq_len=64)
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -82,8 +83,10 @@ class TransformerConfig:
 class Transformer(nn.Module):
     """Encoder-decoder Transformer: ``logits = model(src_tokens, tgt_in_tokens)``.
 
-    Teacher forcing feeds ``[BOS] + target`` and scores against ``target + [EOS]``; padding (``PAD_ID``) is
-    masked in the source keys and zero in the embeddings. Incremental decoding::
+    Teacher forcing feeds ``[BOS] + target`` and scores against ``target + [EOS]``; padding (``PAD_ID``) is zero in
+    the embeddings, and the source keys from a row's first ``PAD_ID`` on are masked (source padding is a suffix, as
+    every batch of the data pipeline has it): the attention takes the source lengths (``tokens.prefix_lengths``),
+    which cuDNN's attention runs without a bias tensor. Incremental decoding::
 
         encoded, src_mask = model.apply(variables, src, method="encode")
         _, state = model.apply(variables, encoded, src_mask, max_len, method="init_cache", mutable=["cache"])
@@ -124,16 +127,22 @@ class Transformer(nn.Module):
     def __call__(self, src_tokens: jax.Array, tgt_in_tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """src_tokens (B, S), tgt_in_tokens (B, T) integer -> logits (B, T, V) in the compute dtype."""
         check_tokens("tgt_in_tokens", tgt_in_tokens)
-        encoded, src_mask = self.encode(src_tokens, deterministic=deterministic)
-        hidden = self._decoder_hidden(tgt_in_tokens, encoded, src_mask, decode=False, deterministic=deterministic)
+        encoded, src_lengths = self._encode(src_tokens, deterministic=deterministic)
+        hidden = self._decoder_hidden(tgt_in_tokens, encoded, None, src_lengths=src_lengths, decode=False,
+                                      deterministic=deterministic)
         return self._logits(hidden)
 
     def encode(self, src_tokens: jax.Array, *, deterministic: bool = True) -> tuple[jax.Array, jax.Array]:
-        """src_tokens (B, S) integer -> (encoded (B, S, H), src_mask (B, S) boolean, False at padding)."""
+        """src_tokens (B, S) integer -> (encoded (B, S, H), src_mask (B, S) boolean, False from a row's first PAD on)."""
+        encoded, src_lengths = self._encode(src_tokens, deterministic=deterministic)
+        return encoded, lengths_mask(src_lengths, src_tokens.shape[1])
+
+    def _encode(self, src_tokens: jax.Array, *, deterministic: bool) -> tuple[jax.Array, jax.Array]:
+        """src_tokens (B, S) integer -> (encoded (B, S, H), src_lengths int32 (B,))."""
         check_tokens("src_tokens", src_tokens)
-        src_mask = src_tokens != PAD_ID
+        src_lengths = prefix_lengths(src_tokens)
         embedded = self.source_embedding(src_tokens, deterministic=deterministic)
-        return self.encoder(embedded, src_mask, deterministic=deterministic), src_mask
+        return self.encoder(embedded, key_lengths=src_lengths, deterministic=deterministic), src_lengths
 
     def init_cache(self, encoded: jax.Array, src_mask: jax.Array, max_len: int) -> None:
         """Creates the "cache" collection for decoding up to ``max_len`` target tokens (run with mutable=["cache"]).
@@ -149,11 +158,13 @@ class Transformer(nn.Module):
         check_tokens("tgt_tokens", tgt_tokens)
         return self._logits(self._decoder_hidden(tgt_tokens, None, None, decode=True, deterministic=deterministic))
 
-    def _decoder_hidden(self, tgt_tokens, encoded, src_mask, *, decode: bool, deterministic: bool) -> jax.Array:
+    def _decoder_hidden(self, tgt_tokens, encoded, src_mask, *, src_lengths=None, decode: bool,
+                        deterministic: bool) -> jax.Array:
         # The scope puts a shared embedding's target lookup in the decoder's stage of a step's trace.
         with jax.named_scope("decoder"):
             embedded = self._target_embedding()(tgt_tokens, decode=decode, deterministic=deterministic)
-        return self.decoder(embedded, encoded, src_mask, decode=decode, deterministic=deterministic)
+        return self.decoder(embedded, encoded, src_mask, src_lengths=src_lengths, decode=decode,
+                            deterministic=deterministic)
 
     def _logits(self, hidden: jax.Array) -> jax.Array:
         with jax.named_scope("output_projection"):

@@ -34,8 +34,11 @@ Three formulations:
     is added by XLA first; the residuals are the biased sources, out and lse, and the seed, from which both
     directions draw the same dropout. cuDNN's dropout drops other elements than ``ls_jax.ops.random`` for the
     same seed (same keep probability and scale). Implementations share
-      forward(sources, key_mask, seed) -> (out, lse);  backward(dout, sources, key_mask, seed, out, lse) -> d_sources
-    and the XLA one draws its mask with ``ls_jax.ops.random`` and recomputes the probabilities from lse.
+      forward(sources, key_mask, key_lengths, seed) -> (out, lse)
+      backward(dout, sources, key_mask, key_lengths, seed, out, lse) -> d_sources
+    with at most one of key_mask (any mask: cuDNN adds a bias) and key_lengths (right padding: cuDNN's sequence
+    lengths, no bias); the XLA one builds the mask the lengths stand for, draws its dropout with
+    ``ls_jax.ops.random`` and recomputes the probabilities from lse.
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
     backend for shapes neither the fused kernels nor cuDNN take (then ``attn_softmax`` runs its kernels). On XLA
     it measured faster than the recomputing formulation.
@@ -53,6 +56,7 @@ import numpy as np
 from ls_jax import backend
 from ls_jax.ops import _common
 from ls_jax.ops import attention_cudnn
+from ls_jax.ops import attention_lengths
 from ls_jax.ops import random
 from ls_jax.ops.softmax import attn_softmax
 
@@ -251,44 +255,46 @@ def _with_bias(sources: Sources, bias: jax.Array | None) -> Sources:
     return (sources[0] + bias.astype(sources[0].dtype), *sources[1:])
 
 
-def _cudnn_forward_xla(sources, key_mask, seed, *, causal, dropout_rate):
+def _cudnn_forward_xla(sources, key_mask, key_lengths, seed, *, causal, dropout_rate):
+    key_mask = _key_mask_of(key_mask, key_lengths, sources[-1].shape[1])
     out, lse, _ = _forward_xla(sources, None, key_mask, seed, causal=causal, dropout_rate=dropout_rate)
     return out, lse
 
 
-def _cudnn_backward_xla(dout, sources, key_mask, seed, out, lse, *, causal, dropout_rate):
+def _cudnn_backward_xla(dout, sources, key_mask, key_lengths, seed, out, lse, *, causal, dropout_rate):
     del out  # cuDNN's backward reads it; the probabilities recomputed from lse give the same gradient
+    key_mask = _key_mask_of(key_mask, key_lengths, sources[-1].shape[1])
     multiplier = random.dropout_multiplier(seed, (*lse.shape, sources[-1].shape[1]), dropout_rate)
     return _gradients(dout, sources, None, key_mask, multiplier, lse, causal)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _cudnn_attention(sources, bias, key_mask, seed, causal, dropout_rate):
-    return _cudnn_attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _cudnn_attention(sources, bias, key_mask, key_lengths, seed, causal, dropout_rate):
+    return _cudnn_attention_fwd(sources, bias, key_mask, key_lengths, seed, causal, dropout_rate)[0]
 
 
-def _cudnn_attention_fwd(sources, bias, key_mask, seed, causal, dropout_rate):
+def _cudnn_attention_fwd(sources, bias, key_mask, key_lengths, seed, causal, dropout_rate):
     options = dict(causal=causal, dropout_rate=dropout_rate)
     biased = _with_bias(sources, bias)
     out, lse = _common.dispatch(
         "attention",
         functools.partial(_cudnn_forward_xla, **options),
         functools.partial(attention_cudnn.forward, **options),
-        (biased, key_mask, seed),
+        (biased, key_mask, key_lengths, seed),
     )
-    return out, (biased, bias, key_mask, seed, out, lse)
+    return out, (biased, bias, key_mask, key_lengths, seed, out, lse)
 
 
 def _cudnn_attention_bwd(causal, dropout_rate, residuals, dout):
-    biased, bias, key_mask, seed, out, lse = residuals
+    biased, bias, key_mask, key_lengths, seed, out, lse = residuals
     options = dict(causal=causal, dropout_rate=dropout_rate)
     d_sources = _common.dispatch(
         "attention",
         functools.partial(_cudnn_backward_xla, **options),
         functools.partial(attention_cudnn.backward, **options),
-        (dout, biased, key_mask, seed, out, lse),
+        (dout, biased, key_mask, key_lengths, seed, out, lse),
     )
-    return d_sources, _bias_grad(d_sources[0], bias), None, None
+    return d_sources, _bias_grad(d_sources[0], bias), None, None, None
 
 
 _cudnn_attention.defvjp(_cudnn_attention_fwd, _cudnn_attention_bwd)
@@ -304,12 +310,12 @@ def cudnn_enabled() -> bool:
     return value == "1"
 
 
-def _cudnn_reason(sources: Sources, key_mask, causal: bool, dropout_rate: float) -> str | None:
+def _cudnn_reason(sources: Sources, masked: bool, causal: bool, dropout_rate: float) -> str | None:
     """Why cuDNN attention cannot run these operands, or None. A missing cuDNN package is an error when the kernels
     are required (LS_JAX_KERNELS=ffi), a logged fallback otherwise."""
     if not cudnn_enabled():
         return f"cuDNN attention is turned off ({CUDNN_ENV_VAR}=0)"
-    reason = attention_cudnn.shape_reason(sources, key_mask, causal, dropout_rate)
+    reason = attention_cudnn.shape_reason(sources, masked, causal, dropout_rate)
     if reason is not None:
         return reason
     missing = attention_cudnn.missing()
@@ -355,21 +361,35 @@ def _check_bias(bias: jax.Array | None, shape: tuple[int, ...], query_source: ja
     return bias.reshape(query_source.shape[2:])
 
 
-def _attend(sources: Sources, bias, key_mask, causal: bool, dropout_rate: float, seed) -> jax.Array:
+def _key_mask_of(key_mask: jax.Array | None, key_lengths: jax.Array | None, keys: int) -> jax.Array | None:
+    """The (B, K) boolean key mask that ``key_mask`` or ``key_lengths`` (at most one is given) stands for."""
+    return key_mask if key_lengths is None else attention_lengths.lengths_mask(key_lengths, keys)
+
+
+def _attend(sources: Sources, bias, key_mask, key_lengths, causal: bool, dropout_rate: float, seed) -> jax.Array:
+    """Attention of the sources with at most one of ``key_mask`` (any mask: bias path) and ``key_lengths`` (checked
+    int32 lengths of right-padded rows). The fused kernels and the unfused attention take the mask the lengths stand
+    for; cuDNN takes the lengths as its padding mask's sequence lengths, with no bias tensor."""
     _common.check_dropout(dropout_rate, seed)
-    key_mask = _check_key_mask(key_mask, sources[0].shape[0], sources[-1].shape[1])
+    keys = sources[-1].shape[1]
+    key_mask = _check_key_mask(key_mask, sources[0].shape[0], keys)
     if dropout_rate == 0.0:
         seed = None
     if backend.kernels_enabled():
-        formulation = _attention
         reason = _unsupported(sources)
-        if reason is not None:
-            formulation = _cudnn_attention
-            reason = _cudnn_reason(sources, key_mask, causal, dropout_rate)
         if reason is None:
-            *sources, bias, key_mask, seed = _common.vary_together(*sources, bias, key_mask, seed)
-            return formulation(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
+            *sources, bias, key_mask, seed = _common.vary_together(
+                *sources, bias, _key_mask_of(key_mask, key_lengths, keys), seed)
+            return _attention(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
+        masked = key_mask is not None or key_lengths is not None
+        reason = _cudnn_reason(sources, masked, causal, dropout_rate)
+        if reason is None:
+            *sources, bias, key_mask, key_lengths, seed = _common.vary_together(
+                *sources, bias, key_mask, key_lengths, seed)
+            return _cudnn_attention(tuple(sources), bias, key_mask, key_lengths, seed, bool(causal),
+                                    float(dropout_rate))
         _common.log_fallback_once("attention", reason, "the unfused attention (the attn_softmax kernels)")
+    key_mask = _key_mask_of(key_mask, key_lengths, keys)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     return attention_unfused(*_split(sources, bias), mask, causal=causal, dropout_rate=dropout_rate, seed=seed)
 
@@ -378,6 +398,7 @@ def self_attention(
     qkv: jax.Array,
     key_mask: jax.Array | None = None,
     *,
+    lengths: jax.Array | None = None,
     bias: jax.Array | None = None,
     causal: bool = False,
     dropout_rate: float = 0.0,
@@ -387,7 +408,10 @@ def self_attention(
 
     Args:
       qkv: (B, L, 3, H, D) queries, keys and values (``[:, :, 0]``, ``[:, :, 1]``, ``[:, :, 2]``), f32, bf16 or f16.
-      key_mask: optional (B, L) boolean, True for positions that may be attended (False at padding).
+      key_mask: optional (B, L) boolean, True for positions that may be attended (False at padding): any mask.
+      lengths: optional (B,) integer, the number of visible keys of each row when they are a prefix (right padding):
+        the same as ``key_mask = arange(L) < lengths[:, None]``, which cuDNN's attention takes as sequence lengths
+        without a bias tensor (``ls_jax.ops.attention_lengths``). At most one of ``key_mask`` and ``lengths``.
       bias: optional (3, H, D) projection bias added to qkv first, f32 or qkv's dtype.
       causal: each query attends only to itself and earlier positions.
       dropout_rate: probability of zeroing an attention probability.
@@ -395,11 +419,16 @@ def self_attention(
 
     Returns:
       (B, L, H, D) in qkv's dtype; a query with no visible key gets zeros.
+
+    Raises:
+      ValueError: bad shapes or dtypes, both ``key_mask`` and ``lengths``, or concrete lengths outside [0, L].
     """
     _common.check_activation("qkv", qkv)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, length, 3, heads, head_dim), got {qkv.shape}")
-    return _attend((qkv,), _check_bias(bias, qkv.shape[2:], qkv), key_mask, causal, dropout_rate, seed)
+    lengths = attention_lengths.check_lengths(lengths, batch=qkv.shape[0], keys=qkv.shape[1], name="lengths",
+                                              key_mask=key_mask)
+    return _attend((qkv,), _check_bias(bias, qkv.shape[2:], qkv), key_mask, lengths, causal, dropout_rate, seed)
 
 
 def cross_attention(
@@ -407,6 +436,7 @@ def cross_attention(
     key_value: jax.Array,
     key_mask: jax.Array | None = None,
     *,
+    key_lengths: jax.Array | None = None,
     bias: jax.Array | None = None,
     dropout_rate: float = 0.0,
     seed: jax.Array | None = None,
@@ -416,12 +446,17 @@ def cross_attention(
     Args:
       query: (B, Q, H, D), f32, bf16 or f16.
       key_value: (B, K, 2, H, D) keys ``[:, :, 0]`` and values ``[:, :, 1]``, query's dtype.
-      key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding).
+      key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding): any mask.
+      key_lengths: optional (B,) integer, the number of visible keys of each row when they are a prefix, as
+        ``self_attention``'s ``lengths``. At most one of ``key_mask`` and ``key_lengths``.
       bias: optional (H, D) projection bias added to query first, f32 or query's dtype.
       dropout_rate, seed: as for ``self_attention``.
 
     Returns:
-      (B, Q, H, D) in query's dtype.
+      (B, Q, H, D) in query's dtype; a query with no visible key gets zeros.
+
+    Raises:
+      ValueError: bad shapes or dtypes, both ``key_mask`` and ``key_lengths``, or concrete lengths outside [0, K].
     """
     _common.check_activation("query", query)
     _common.check_same_dtype("key_value", key_value, "query", query)
@@ -433,6 +468,8 @@ def cross_attention(
             f"key_value must have shape (batch, keys, 2, heads, head_dim) = ({batch}, keys, 2, {heads}, {head_dim}), "
             f"got {key_value.shape}"
         )
+    key_lengths = attention_lengths.check_lengths(key_lengths, batch=batch, keys=key_value.shape[1],
+                                                  name="key_lengths", key_mask=key_mask)
     query_source = query[:, :, None]
     bias = _check_bias(bias, query.shape[2:], query_source)
-    return _attend((query_source, key_value), bias, key_mask, False, dropout_rate, seed)
+    return _attend((query_source, key_value), bias, key_mask, key_lengths, False, dropout_rate, seed)

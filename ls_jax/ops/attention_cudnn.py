@@ -16,18 +16,31 @@ Differences from the XLA implementation and the short-sequence kernels:
     ones by 1 / (1 - dropout_rate); the GPU tests check that, and that one seed gives one result.
   - cuDNN has no input bias: the projection bias is added to the query source by XLA before the call (one pass
     over it; its gradient is XLA's sum of the source gradient over batch and length).
-  - The key mask becomes cuDNN's padding mask with seq_len_kv = 1 + the last visible key (the keys after it are
-    skipped, which is all of a right-padded batch's padding) plus an additive (B, 1, 1, K) bias, 0 at visible keys
-    and ``MASKED_LOGIT`` elsewhere, so any mask is exact. A row whose keys are all masked still sees finite
-    logits inside cuDNN; its output is set to 0 here and its output gradient to 0 before the backward, which then
-    contributes nothing from it.
+  - Key lengths (right padding, ``ops.attention_lengths``) become cuDNN's padding mask alone: seq_len_kv = the
+    length (at least 1), seq_len_q = every query, no bias tensor, so cuDNN skips the padding and reads nothing else.
+  - A key mask (any mask) becomes cuDNN's padding mask with seq_len_kv = 1 + the last visible key (the keys after
+    it are skipped) plus an additive (B, 1, 1, K) bias, 0 at visible keys and ``MASKED_LOGIT`` elsewhere, so any
+    mask is exact: a second input cuDNN reads for every (batch, head, query) tile.
+  - A row without a visible key (length 0, or an all-False mask row) is given seq_len_kv = 1 and its output is set
+    to 0 here, its output gradient to 0 before the backward, which then contributes nothing from it: 0 output and 0
+    gradients, as in the XLA implementation.
+  - Packed rows of several documents (GPT's training rows) have no segment ids in these ops: every query attends
+    across the whole row, as GPT-2 trains. cuDNN's ragged (THD) layout could run each document as its own sequence,
+    but it needs the documents as separate sequences with a static bound on their number per row and per-step
+    offsets, which nothing here produces; an arbitrary block-diagonal mask would need a (B, 1, Q, K) bias, the
+    L x L tensor flash attention avoids. So no document masking is built.
   - Causal attention takes queries == keys (the self-attention case), or queries < keys without a key mask and
     without dropout (cuDNN's bottom-right diagonal excludes both).
 
 Implementations of ``ops.attention``'s cuDNN formulation:
-  forward(sources, key_mask, seed) -> (out (B, Q, H, D), stats (B, H, Q) f32)
-  backward(dout, sources, key_mask, seed, out, stats) -> d_sources
-with ``sources`` already carrying the projection bias.
+  forward(sources, key_mask, key_lengths, seed) -> (out (B, Q, H, D), stats (B, H, Q) f32)
+  backward(dout, sources, key_mask, key_lengths, seed, out, stats) -> d_sources
+with ``sources`` already carrying the projection bias, and at most one of key_mask ((B, K) boolean) and key_lengths
+(int32 (B,) in [0, K]).
+
+The handlers build each configuration's cuDNN graph in XLA's initialize stage, before the executable's first
+execution, not in the execute handler (ffi_kernels/csrc/attention_cudnn.cu says why not at compile time);
+``graphs_built_in_execute`` counts the graphs an execute handler had to build itself.
 """
 
 from __future__ import annotations
@@ -57,6 +70,12 @@ def missing() -> str | None:
     return ffi_kernels.cudnn_attention_missing()
 
 
+def graphs_built_in_execute() -> int | None:
+    """How many cuDNN graphs this process's execute handlers had to build themselves (0 while every one was built in
+    XLA's initialize stage), or None when the library has no cuDNN attention."""
+    return ffi_kernels.cudnn_graphs_built_in_execute()
+
+
 def workspace_peak_bytes(device: int = 0) -> int | None:
     """The most bytes cuDNN attention's workspace on CUDA ``device`` took at once since the previous read (which
     resets the mark), or None when it never ran there. This memory lies outside XLA's allocator and its statistics."""
@@ -80,15 +99,16 @@ def _head_dim_reason(head_dim: int) -> str | None:
             f"capability 9.x, forward and backward), got {head_dim} on compute capability {capability or 'unknown'}")
 
 
-def shape_reason(sources, key_mask, causal: bool, dropout_rate: float) -> str | None:
-    """Why cuDNN attention cannot take these operands (dtype, head_dim, lengths, causal layout), or None."""
+def shape_reason(sources, masked: bool, causal: bool, dropout_rate: float) -> str | None:
+    """Why cuDNN attention cannot take these operands (dtype, head_dim, lengths, causal layout), or None; ``masked``:
+    a key mask or key lengths come with them."""
     q_source, kv_source = sources[0], sources[-1]
     if q_source.dtype not in _common.LOW_PRECISION_DTYPES:
         return f"cuDNN attention takes bfloat16 or float16, got {q_source.dtype}"
     queries, keys = q_source.shape[1], kv_source.shape[1]
     if queries == 1 and keys == 1:
         return "cuDNN's attention backward does not take a single query over a single key"
-    if causal and queries != keys and (queries > keys or key_mask is not None or dropout_rate > 0.0):
+    if causal and queries != keys and (queries > keys or masked or dropout_rate > 0.0):
         return (f"cuDNN's causal attention with queries != keys ({queries} and {keys}) takes queries < keys, no key "
                 f"mask and no dropout")
     return _head_dim_reason(q_source.shape[-1])
@@ -109,15 +129,23 @@ def _mask_bias(key_mask: jax.Array, dtype) -> jax.Array:
     return jnp.where(padded, 0.0, MASKED_LOGIT).astype(dtype)
 
 
-def _mask_operands(key_mask: jax.Array | None, queries: int, dtype) -> tuple[jax.Array, ...]:
-    """The handlers' trailing optional operands: (seq_len_q, seq_len_kv, mask_bias), or nothing."""
+def _mask_operands(key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int,
+                   dtype) -> tuple[jax.Array, ...]:
+    """The handlers' trailing optional operands: (seq_len_q, seq_len_kv) for key lengths, (seq_len_q, seq_len_kv,
+    mask_bias) for a key mask, or nothing."""
+    if key_lengths is not None:
+        batch = key_lengths.shape[0]
+        return jnp.full((batch,), queries, jnp.int32), jnp.maximum(key_lengths, 1).astype(jnp.int32)
     if key_mask is None:
         return ()
     return (*_seq_lengths(key_mask, queries), _mask_bias(key_mask, dtype))
 
 
-def _visible_rows(key_mask: jax.Array | None, queries: int, causal: bool) -> jax.Array | None:
+def _visible_rows(key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int,
+                  causal: bool) -> jax.Array | None:
     """(B, Q) boolean: whether each query sees at least one key; None when every query does."""
+    if key_lengths is not None:  # key 0 is visible to every query (causal: k = 0 <= q) of a row of length > 0
+        return jnp.broadcast_to((key_lengths > 0)[:, None], (key_lengths.shape[0], queries))
     if key_mask is None:
         return None  # causal with queries < keys: query q sees keys 0 .. q + K - Q
     if causal:
@@ -135,24 +163,26 @@ def _attributes(sources, causal: bool, dropout_rate: float) -> dict:
                 logit_scale=np.float32(sources[0].shape[-1] ** -0.5))
 
 
-def forward(sources, key_mask, seed, *, causal: bool, dropout_rate: float):
+def forward(sources, key_mask, key_lengths, seed, *, causal: bool, dropout_rate: float):
     q_source, kv_source = sources[0], sources[-1]
     batch, queries, _, heads, head_dim = q_source.shape
     out_type = jax.ShapeDtypeStruct((batch, queries, heads, head_dim), q_source.dtype)
     stats_type = jax.ShapeDtypeStruct((batch, heads, queries, 1), _f32)
     call = jax.ffi.ffi_call(FORWARD_TARGET, (out_type, stats_type), vmap_method="sequential")
     # A packed qkv is passed as both sources.
-    out, stats = call(q_source, kv_source, seed_operand(seed), *_mask_operands(key_mask, queries, q_source.dtype),
+    mask_operands = _mask_operands(key_mask, key_lengths, queries, q_source.dtype)
+    out, stats = call(q_source, kv_source, seed_operand(seed), *mask_operands,
                       **_attributes(sources, causal, dropout_rate))
-    return _zero_invisible(out, _visible_rows(key_mask, queries, causal)), stats[..., 0]
+    return _zero_invisible(out, _visible_rows(key_mask, key_lengths, queries, causal)), stats[..., 0]
 
 
-def backward(dout, sources, key_mask, seed, out, stats, *, causal: bool, dropout_rate: float):
+def backward(dout, sources, key_mask, key_lengths, seed, out, stats, *, causal: bool, dropout_rate: float):
     q_source, kv_source = sources[0], sources[-1]
     queries = q_source.shape[1]
-    dout = _zero_invisible(dout, _visible_rows(key_mask, queries, causal))
+    dout = _zero_invisible(dout, _visible_rows(key_mask, key_lengths, queries, causal))
     gradient_types = tuple(jax.ShapeDtypeStruct(source.shape, source.dtype) for source in sources)
     call = jax.ffi.ffi_call(BACKWARD_TARGET, gradient_types, vmap_method="sequential")
     d_sources = call(dout, q_source, kv_source, out, stats[..., None], seed_operand(seed),
-                     *_mask_operands(key_mask, queries, q_source.dtype), **_attributes(sources, causal, dropout_rate))
+                     *_mask_operands(key_mask, key_lengths, queries, q_source.dtype),
+                     **_attributes(sources, causal, dropout_rate))
     return tuple(d_sources)

@@ -53,7 +53,7 @@ def _require_nvcc() -> Path:
 
 def _declared_targets(with_cudnn: bool = True) -> set[str]:
     """Every target a csrc/*.cu file registers (without ``build.CUDNN_SOURCES``' unless ``with_cudnn``)."""
-    pattern = re.compile(r"LS_(?:FFI|REGISTER)_TARGET\(\s*(ls_\w+)")
+    pattern = re.compile(r"LS_(?:FFI|REGISTER|REGISTER_STAGED)_TARGET\(\s*(ls_\w+)")
     kernels = [path for path in build.sources(with_cudnn) if path.suffix == ".cu"]
     return {name for path in kernels for name in pattern.findall(path.read_text())}
 
@@ -72,7 +72,13 @@ def test_library_builds_for_sm80_and_exports_every_target(built):
     capsules = ffi_kernels.import_library(built.path).targets()
     assert {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} <= _declared_targets()
     assert set(capsules) == _declared_targets(with_cudnn=built.cudnn_missing is None)
-    assert {type(capsule).__name__ for capsule in capsules.values()} == {"PyCapsule"}
+    staged = {name: handlers for name, handlers in capsules.items() if isinstance(handlers, dict)}
+    assert set(staged) == ({"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} if built.cudnn_missing is None
+                           else set()), "cuDNN attention builds its graphs in the initialize stage"
+    stage_capsules = [capsule for handlers in staged.values() for capsule in handlers.values()]
+    assert all(set(handlers) == {"initialize", "execute"} for handlers in staged.values())
+    plain = [capsule for name, capsule in capsules.items() if name not in staged]
+    assert {type(capsule).__name__ for capsule in plain + stage_capsules} == {"PyCapsule"}
     nm = subprocess.run(["nm", "-D", "--defined-only", str(built.path)], capture_output=True, text=True, check=True)
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
     assert set(capsules) <= exported

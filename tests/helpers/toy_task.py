@@ -4,7 +4,8 @@ NaN and full-disk handling through `train.harness.training.run_training`: ``pyth
 
 Task flags: ``--eval-seconds S`` makes every evaluation print ``evaluating`` and take S seconds (so a test can
 signal it mid-evaluation); ``--nan-lr-from K`` makes the learning rate NaN from step K + 1 on (the update of step
-K + 1 writes NaN parameters while its loss is still finite).
+K + 1 writes NaN parameters while its loss is still finite); ``--linear-decay`` makes the learning rate GPT's and
+BERT's schedule (warmup, then linear decay to 0 at --steps) instead of a constant.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from train.data.stream import EpochStream
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
+from train.harness.optimizer import linear_warmup_decay
 from train.harness.training import Task, TaskSetup, run_training
 
 FEATURES = 4
@@ -38,6 +40,7 @@ class ToyConfig(TrainingConfig):
     checkpoint_every: int | None = 2
     eval_seconds: float = 0.0
     nan_lr_from: int | None = None
+    linear_decay: bool = False
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_training_arguments(parser)
     parser.add_argument("--eval-seconds", type=float)
     parser.add_argument("--nan-lr-from", type=int)
+    parser.add_argument("--linear-decay", action="store_const", const=True)
     return parser
 
 
@@ -88,9 +92,11 @@ def setup(run, precision: str, parallel) -> TaskSetup:
     config = run.config
     nan_from = config.nan_lr_from
 
+    base = (linear_warmup_decay(config.lr, config.warmup_steps, config.steps) if config.linear_decay else
+            lambda count: jnp.float32(config.lr))
+
     def learning_rate(count):
-        lr = jnp.float32(config.lr)
-        return lr if nan_from is None else jnp.where(count >= nan_from, jnp.nan, lr)
+        return base(count) if nan_from is None else jnp.where(count >= nan_from, jnp.nan, base(count))
 
     shapes = {"x": ((1, ROWS, FEATURES), jnp.float32), "y": ((1, ROWS), jnp.float32), "mask": ((1, ROWS), jnp.float32)}
     return TaskSetup(
@@ -122,7 +128,6 @@ TASK = Task(
     resolve_config=resolve_config,
     check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),
     setup=setup,
-    throughput=lambda s: f"{s['examples_per_s']:.0f} examples/s",
     score=lambda record: f"{record['loss']:.3f}",
 )
 

@@ -121,7 +121,7 @@ def test_cudnn_attention_matches_xla(index, dtype, head_dim):
 def test_causal_cross_attention_with_fewer_queries_is_bottom_right_aligned(queries, keys, dtype, head_dim):
     """The internal formulation with queries < keys: query q sees keys 0 .. q + K - Q (no mask, no dropout)."""
     sources = (normal(0, (2, queries, 1, 2, head_dim), dtype), normal(1, (2, keys, 2, 2, head_dim), dtype))
-    run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, True, 0.0))
+    run = value_and_grads(lambda q, kv: attention._cudnn_attention((q, kv), None, None, None, None, True, 0.0))
     cotangent = normal(2, (2, queries, 2, head_dim), dtype)
     assert kernel_targets(run, sources, cotangent) == TARGETS
     _assert_as_accurate_as_xla(run, sources, cotangent, dtype, f"causal cross attention {queries}x{keys} {head_dim}")
@@ -246,3 +246,103 @@ def test_bad_operands_are_clear_errors(query_shape, key_value_shape, dtype, mess
     query_source, key_value_source = normal(60, query_shape, dtype), normal(61, key_value_shape, dtype)
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         jax.block_until_ready(_call_forward(query_source, key_value_source))
+
+
+# ---- key lengths (right padding: cuDNN's sequence lengths without a bias), causal, cross, head_dim 128 / 256 ----
+
+def _lengths(keys):
+    """Right padding of four rows: 37 keys of padding, a row of length 0, a row of one key, a full row."""
+    return jnp.array([keys - 37, 0, 1, keys], jnp.int32)
+
+
+def _lengths_case(index, form, length, head_dim, dtype, rate=0.0, heads=2):
+    """(op, primals, cotangent) for self-attention ("self", "causal") or cross attention ("cross": length // 2 + 1
+    queries over length keys) with key lengths; primals end with the f32 projection bias of the query source."""
+    seed, lengths = seed_array(index), _lengths(length)
+    if form == "cross":
+        queries = length // 2 + 1
+        query = normal(index, (4, queries, heads, head_dim), dtype)
+        key_value = normal(100 + index, (4, length, 2, heads, head_dim), dtype)
+        op = lambda q, kv, bias: ops.cross_attention(q, kv, key_lengths=lengths, bias=bias, dropout_rate=rate,
+                                                     seed=seed)
+        primals = (query, key_value, normal(300 + index, (heads, head_dim), F32))
+    else:
+        queries = length
+        op = lambda qkv, bias: ops.self_attention(qkv, lengths=lengths, bias=bias, causal=form == "causal",
+                                                  dropout_rate=rate, seed=seed)
+        primals = (normal(index, (4, length, 3, heads, head_dim), dtype), normal(300 + index, (3, heads, head_dim), F32))
+    return op, primals, normal(200 + index, (4, queries, heads, head_dim), dtype)
+
+
+LENGTH_CASES = [  # (length, form, head_dim, dtype)
+    (512, "self", 64, BF16), (1024, "causal", 64, BF16), (2048, "self", 128, BF16), (2048, "causal", 256, BF16),
+    (1024, "cross", 128, BF16), (512, "cross", 256, BF16), (1031, "causal", 128, F16), (512, "self", 64, F32),
+    (1024, "causal", 128, F32),
+]
+
+
+@pytest.mark.parametrize("length, form, head_dim, dtype", LENGTH_CASES,
+                         ids=[f"{l}-{f}-{d}-{jnp.dtype(t).name}" for l, f, d, t in LENGTH_CASES])
+def test_key_lengths_match_xla(length, form, head_dim, dtype):
+    """bf16 / f16 run cuDNN with sequence lengths and no bias; f32 runs the unfused attention (its softmax kernels)
+    with the mask the lengths stand for. A row of length 0 gives 0 output and 0 gradient of its sources."""
+    op, primals, cotangent = _lengths_case(len(LENGTH_CASES) + length, form, length, head_dim, dtype)
+    run = value_and_grads(op)
+    want_targets = TARGETS if dtype != F32 else {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
+    assert kernel_targets(run, primals, cotangent) == want_targets
+    out, grads = _assert_as_accurate_as_xla(run, primals, cotangent, dtype, f"key lengths {length} {form} {head_dim}",
+                                            _bias_grad_summed_in_f32)
+    assert not np.asarray(out[1], np.float32).any(), "the row of length 0 gives zeros"
+    for source_grad in grads[:-1]:
+        assert not np.asarray(source_grad[1], np.float32).any(), "and its sources get no gradient"
+
+
+def test_dropout_with_key_lengths_keeps_one_minus_rate_of_the_visible_keys():
+    """Cross attention with v = identity over 128 keys and key lengths: out holds the dropped probabilities; keys
+    past a row's length get exactly 0, the visible ones are kept with probability 1 - rate and scaled by its
+    inverse, and one seed gives one result."""
+    rate, batch, queries, keys = 0.2, 2, 1024, 128
+    lengths = jnp.array([100, 128], jnp.int32)
+    query = normal(33, (batch, queries, 2, keys), BF16, scale=0.3)
+    keys_part = normal(34, (batch, keys, 1, 2, keys), BF16, scale=0.3)
+    identity = jnp.broadcast_to(jnp.eye(keys, dtype=BF16)[None, :, None, None, :], (batch, keys, 1, 2, keys))
+    key_value = jnp.concatenate([keys_part, identity], axis=2)
+
+    def attend(seed, q, kv):
+        return ops.cross_attention(q, kv, key_lengths=lengths, dropout_rate=rate, seed=seed)
+
+    out = np.asarray(on_backend("ffi", lambda q, kv: attend(seed_array(44), q, kv), query, key_value), np.float32)
+    again = np.asarray(on_backend("ffi", lambda q, kv: attend(seed_array(44), q, kv), query, key_value), np.float32)
+    probs = np.asarray(on_backend("xla", lambda q, kv: ops.cross_attention(q, kv, key_lengths=lengths), query,
+                                  key_value), np.float32)
+    np.testing.assert_array_equal(out, again)
+    assert not out[0, :, :, 100:].any() and not probs[0, :, :, 100:].any(), "keys past the length get nothing"
+    visible = np.concatenate([out[0, :, :, :100].ravel(), out[1].ravel()])
+    visible_probs = np.concatenate([probs[0, :, :, :100].ravel(), probs[1].ravel()])
+    kept = visible != 0
+    low, high = keep_rate_bounds(rate, kept.size)
+    assert low <= kept.mean() <= high, f"kept fraction {kept.mean():.4f} outside [{low:.4f}, {high:.4f}]"
+    scaled = visible_probs[kept] / (1.0 - rate)
+    np.testing.assert_allclose(visible[kept], scaled, rtol=2e-2, atol=1e-2 * scaled.max())
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_causal_self_attention_with_key_lengths_and_dropout_is_one_function_of_its_seed(dtype):
+    op, primals, cotangent = _lengths_case(61, "causal", 1024, 128, dtype, rate=0.1)
+    run = value_and_grads(op)
+    assert kernel_targets(run, primals, cotangent) == TARGETS
+    first, again = on_backend("ffi", run, primals, cotangent), on_backend("ffi", run, primals, cotangent)
+    _assert_same_run(again, first, dtype, "key lengths, causal, dropout, one seed")
+    other = on_backend("ffi", value_and_grads(_lengths_case(62, "causal", 1024, 128, dtype, rate=0.1)[0]), primals,
+                       cotangent)
+    differs = np.asarray(first[0][3], np.float32) != np.asarray(other[0][3], np.float32)  # the full row
+    assert differs.mean() > 0.5, "another seed drops other probabilities, changing most outputs"
+    assert not np.asarray(first[0][1], np.float32).any(), "the row of length 0 gives zeros"
+
+
+def test_every_graph_is_built_in_the_initialize_stage():
+    """A configuration no other test uses runs forward and backward: its graphs come from XLA's initialize stage,
+    and no execute handler of this process has built one."""
+    op, primals, cotangent = _lengths_case(63, "self", 777, 64, BF16, heads=3)
+    on_backend("ffi", value_and_grads(op), primals, cotangent)
+    assert attention_cudnn.graphs_built_in_execute() == 0

@@ -248,6 +248,33 @@ def test_decoder_matches_flax_reference_with_per_layer_cross_attention(pre_layer
     assert_trees_close(decoder_to_ref(grads, num_layers, pre_layer_norm), ref_grads, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("remat", ["none", "layer"])
+def test_stacks_take_key_lengths_as_the_prefix_mask(remat):
+    """Key lengths give the encoder's and the decoder's outputs and gradients of the mask they stand for, a row of
+    length 0 included, plain and checkpointed (the lengths travel positionally through nn.remat)."""
+    cfg = layer_config(True, "relu", remat=remat)
+    lengths = jnp.array([5, 0, 3])
+    x, encoded = normal(0, (3, 5, HIDDEN)), normal(1, (3, 5, HIDDEN))
+    key_mask = key_mask_for(lengths, 5)
+    encoder, decoder = TransformerEncoder(cfg, 2), TransformerDecoder(cfg, 2)
+    encoder_params = random_params(encoder, x, key_mask)
+    decoder_params = random_params(decoder, x, encoded, key_mask)
+
+    @jax.jit
+    def run(masks):
+        def outputs(encoder_params, decoder_params, x, encoded):
+            y = encoder.apply({"params": encoder_params}, x, **masks["encoder"])
+            z = decoder.apply({"params": decoder_params}, x, encoded, **masks["decoder"])
+            return jnp.sum(y * y) + jnp.sum(z * z), (y, z)
+
+        return jax.grad(outputs, argnums=(0, 1, 2, 3), has_aux=True)(encoder_params, decoder_params, x, encoded)
+
+    with_mask = run({"encoder": {"key_mask": key_mask}, "decoder": {"src_mask": key_mask}})
+    with_lengths = run({"encoder": {"key_lengths": lengths}, "decoder": {"src_lengths": lengths}})
+    for got, want in zip(jax.tree.leaves(with_lengths), jax.tree.leaves(with_mask)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_bf16_encoder_close_to_f32_reference():
     cfg = layer_config(True, "relu")
     x = normal(0, (2, 6, HIDDEN))

@@ -88,7 +88,7 @@ def _public_op(sources, bias, key_mask, causal):
 
 
 def _cudnn_formulation_op(sources, bias, key_mask, causal):
-    return attention._cudnn_attention(sources, bias, key_mask, None, causal, 0.0)
+    return attention._cudnn_attention(sources, bias, key_mask, None, None, causal, 0.0)
 
 
 @functools.cache
@@ -165,17 +165,18 @@ def test_causal_with_fewer_queries_than_keys_is_bottom_right_aligned():
 
 def test_cudnn_mask_operands_are_exact_for_any_mask():
     key_mask = jnp.array([[1, 1, 1, 0, 0, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0, 0, 0, 0], [0] * 9], bool)
-    seq_len_q, seq_len_kv, bias = attention_cudnn._mask_operands(key_mask, 4, BF16)
+    seq_len_q, seq_len_kv, bias = attention_cudnn._mask_operands(key_mask, None, 4, BF16)
     np.testing.assert_array_equal(seq_len_q, [4, 4, 4])
     np.testing.assert_array_equal(seq_len_kv, [3, 4, 1])  # 1 + the last visible key, at least 1
     assert bias.shape == (3, 16) and bias.dtype == BF16, "rows padded to 16 bytes"
     bias = np.asarray(bias, np.float32)
     np.testing.assert_array_equal(bias[:, :9] == 0, key_mask)
     assert bias[:, :9][~np.asarray(key_mask)].max() < -2e4
-    visible = attention_cudnn._visible_rows(key_mask, 9, causal=True)
+    visible = attention_cudnn._visible_rows(key_mask, None, 9, causal=True)
     np.testing.assert_array_equal(visible[1], [False] + [True] * 8)
     assert not np.asarray(visible[2]).any() and np.asarray(visible[0]).all()
-    np.testing.assert_array_equal(attention_cudnn._visible_rows(key_mask, 2, causal=False), [[1, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(attention_cudnn._visible_rows(key_mask, None, 2, causal=False),
+                                  [[1, 1], [1, 1], [0, 0]])
 
 
 @pytest.fixture
@@ -240,15 +241,14 @@ def test_missing_cudnn_package_falls_back_in_auto_mode_and_is_an_error_under_ffi
 
 
 def test_cudnn_shape_reasons_name_the_limit(kernels_enabled):
-    def reason(query_shape, key_value_shape, key_mask=None, causal=False, rate=0.0, dtype=BF16):
+    def reason(query_shape, key_value_shape, masked=False, causal=False, rate=0.0, dtype=BF16):
         sources = (jnp.zeros(query_shape, dtype), jnp.zeros(key_value_shape, dtype))
-        return attention_cudnn.shape_reason(sources, key_mask, causal, rate)
+        return attention_cudnn.shape_reason(sources, masked, causal, rate)
 
     assert reason((1, 300, 1, 2, 128), (1, 500, 2, 2, 128)) is None
     assert "single query over a single key" in reason((1, 1, 1, 2, 128), (1, 1, 2, 2, 128))
     assert reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True) is None, "bottom-right diagonal"
-    mask = jnp.ones((1, 500), bool)
-    assert "takes queries < keys, no key mask and no dropout" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), mask,
+    assert "takes queries < keys, no key mask and no dropout" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), True,
                                                                          causal=True)
     assert "takes queries < keys" in reason((1, 600, 1, 2, 64), (1, 500, 2, 2, 64), causal=True)
     assert "takes queries < keys" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True, rate=0.1)

@@ -89,12 +89,12 @@ def test_balance_scores_rank_runs_and_leave_out_the_cpu_run(runs):
 
 @pytest.mark.parametrize(("preset", "weights"), [
     ("balance", (0.3, 0.3, 0.3, 0.1)),
-    ("time_cost", (0.5, 0.3, 0.1, 0.1)),
-    ("time_energy", (0.5, 0.1, 0.3, 0.1)),
-    ("cost_time", (0.3, 0.5, 0.1, 0.1)),
-    ("cost_energy", (0.1, 0.5, 0.3, 0.1)),
-    ("energy_time", (0.3, 0.1, 0.5, 0.1)),
-    ("energy_cost", (0.1, 0.3, 0.5, 0.1)),
+    ("time_cost_energy", (0.5, 0.3, 0.1, 0.1)),
+    ("time_energy_cost", (0.5, 0.1, 0.3, 0.1)),
+    ("cost_time_energy", (0.3, 0.5, 0.1, 0.1)),
+    ("cost_energy_time", (0.1, 0.5, 0.3, 0.1)),
+    ("energy_time_cost", (0.3, 0.1, 0.5, 0.1)),
+    ("energy_cost_time", (0.1, 0.3, 0.5, 0.1)),
 ])
 def test_study_presets(runs, preset, weights):
     comparison = scoring.compare(runs[1:], weights_name=preset)
@@ -127,7 +127,7 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     assert "320 kJ (estimated)" in stdout and "114 kJ (measured)" in stdout
     assert f"| {H100_XLA['time'] / H100_FFI['time']:.2f}x" in stdout
     ranked = [line for line in stdout.splitlines() if line.startswith("| 1    |")]
-    assert ranked and "20260105T101500Z-f3e9a1" in ranked[0]
+    assert ranked and "| h100-ffi |" in ranked[0]  # runs are named by their run directories
     assert "did not converge (BLEU 0.1244 misses the threshold 1): shown, never ranked" in stderr
     assert "different amounts of data" in stderr
 
@@ -142,6 +142,9 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     for value in expected_scores:
         assert f"{value:.4f}" in text
     assert "## Notes" in text and str(DATA / "tpu-v3-8" / "run.jsonl") in text
+    assert "- #2 h100-ffi (run id 20260105T101500Z-f3e9a1): `" in text
+    ratios = next(line for line in text.splitlines() if line.startswith("| #") and "speedup" in line)
+    assert all(cell.strip() for cell in ratios.strip("|").split("|"))  # every column has a header
 
 
 def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs):
@@ -196,9 +199,9 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
-    (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be positive"),
+    (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
     (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
-    (lambda records: records[0].update(schema=2), r"schema 2; this version of ls-jax reads schema 1"),
+    (lambda records: records[0].update(schema=3), r"schema 3; this version of ls-jax reads schema 1 and 2"),
     (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
     (lambda records: records.pop(0), r"the first record is 'interval'"),
     (lambda records: records[-1].pop("tokens_per_s"), r"the 'summary' record has no key 'tokens_per_s'"),
@@ -238,10 +241,51 @@ def test_runs_without_summary_are_skipped_with_a_note(tmp_path, capsys):
 def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
     records = _lines("tpu-v3-8")
     records[-1].update(completed=False, stop_reason="signal", steps=1200)
-    runs, _ = run_logs.load_runs([_write(tmp_path / "run.jsonl", records)])
+    runs, _ = run_logs.load_runs([_write(tmp_path / "tpu-run" / "run.jsonl", records)])
     notes = scoring.compare(runs).notes
-    assert notes == ["#1 20260106T080000Z-e5d6f7 stopped early (signal) after 1200 steps: its totals cover only "
-                     "that part"]
+    assert notes == ["#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part",
+                     "#1 tpu-run: its log (schema 1) has no warm-up or steady-state figures, and its energy covers "
+                     "compilation and evaluations besides the training steps"]
+
+
+def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_path, capsys):
+    logs = tmp_path / "runs"
+    for name in ("h100-ffi", "h100-xla"):
+        _write(logs / name / "run.jsonl", _lines(name))
+    nan_time = _lines("tpu-v3-8")
+    nan_time[-1]["train_time_s"] = float("nan")
+    nan_log = _write(logs / "nan-time" / "run.jsonl", nan_time)  # json.dumps writes the NaN token
+    assert "NaN" in nan_log.read_text()
+    stopped = _lines("cpu-tiny")  # the summary of a run stopped while compiling, as the harness writes it
+    stopped[-1].update(completed=False, stop_reason="signal", steps=0, train_time_s=0.0, cost_usd=None)
+    _write(logs / "stopped" / "run.jsonl", stopped)
+    binary = logs / "binary" / "run.jsonl"
+    binary.parent.mkdir()
+    binary.write_bytes((DATA / "h100-ffi" / "run.jsonl").read_bytes().replace(b"NVIDIA", b"\xff\xfeNVIDIA"))
+    broken = logs / "broken" / "run.jsonl"
+    broken.parent.mkdir()
+    lines = (DATA / "h100-ffi" / "run.jsonl").read_text().splitlines()
+    broken.write_text("\n".join([lines[0], lines[1][:30], *lines[2:]]) + "\n")
+
+    assert compare.main([str(logs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "nan" not in out.lower()
+    for name in ("h100-ffi", "h100-xla"):
+        assert f"| {name} " in out
+    for name in ("nan-time", "stopped", "binary", "broken"):
+        assert f"| {name} " not in out
+    assert f"left out run 20260106T080000Z-e5d6f7 ({nan_log}:" in err and "train_time_s=nan is not a finite" in err
+    assert "it stopped before its first step" in err
+    assert f"left out {binary}: {binary}: not a UTF-8 text file" in err
+    assert f"left out {broken}: {broken}:2: not valid JSON" in err
+    assert "Traceback" not in err
+
+
+def test_packed_rows_are_labelled_rows_of_their_tokens(tmp_path):
+    records = _lines("tpu-v3-8")
+    records[0]["batch"] = {"batch_size": 8, "grad_accum": 2, "seq_len": 1024}  # as train.gpt logs its batch
+    runs, _ = run_logs.load_runs([_write(tmp_path / "gpt-run" / "run.jsonl", records)])
+    assert runs[0].batch_label == "8 rows of 1024 tokens x2 accum"
 
 
 def test_only_unfinished_runs_is_an_error(tmp_path):
@@ -344,8 +388,9 @@ def test_bad_weights(text, message, capsys):
 def test_help_documents_every_preset_and_its_weights():
     text = compare.build_parser().format_help()
     for name, weights in scoring.WEIGHT_PRESETS.items():
-        assert f"{name:<12} {weights.describe()}" in text
-    assert "never counted as zero" in text
+        assert f"{name:<17} {weights.describe()}" in text
+    assert "never counted as zero" in text and "--score-window {whole,steady}" in text
+    assert "earlier names, still accepted: time_cost = time_cost_energy" in text
 
 
 @pytest.mark.parametrize("log", sorted(RESULTS.rglob("run.jsonl")), ids=lambda path: str(path.relative_to(RESULTS)))
@@ -353,15 +398,19 @@ def test_logs_under_docs_results_compare_with_the_fixtures(log, tmp_path):
     runs, _ = run_logs.load_runs([log, DATA])
     assert runs[0].source == log.resolve()
     comparison = scoring.compare(run_logs.select_task(runs, runs[0].task))
-    assert compare.write_report(comparison, tmp_path, "pytest").read_text().count(runs[0].run_id) >= 3
+    assert compare.write_report(comparison, tmp_path, "pytest").read_text().count(runs[0].name) >= 3
 
 
 @pytest.mark.parametrize("log", sorted(DATA.glob("*/run.jsonl")), ids=lambda path: path.parent.name)
 def test_fixture_logs_pass_the_harness_schema(log):
     from train.records import runlog
 
-    for record in runlog.read(log):
-        runlog.validate(record, counted=("tokens", "target_tokens"))
+    records = runlog.read(log)
+    assert records[0]["schema"] == 1  # written before the windows: the schema-2 keys are missing
+    for record in records:
+        runlog.validate(record, counted=("tokens", "target_tokens"), schema=1)
+    with pytest.raises(runlog.RecordError, match="summary record lacks 'wall_energy_j'"):
+        runlog.validate(records[-1], counted=("tokens", "target_tokens"))
 
 
 def test_points_at_one_place_share_one_label():

@@ -39,8 +39,8 @@ def test_runs_get_measured_counters_of_their_device_and_backend_else_mfu_labeled
     ffi = next(run for run in runs if run.device_kind == H100 and run.backend == "ffi")
     xla = next(run for run in runs if run.device_kind == H100 and run.backend == "xla")
     # The runs train transformer-base; the counters were measured on Transformer big: labeled as another model.
-    assert by_run[ffi.run_id][2:5] == ["measured (ncu, wmt-big-6e6d, not transformer-base)", "31.0%", "62.0%"]
-    assert by_run[xla.run_id][2].startswith("MFU (no counters")
+    assert by_run[ffi.name][2:5] == ["measured (ncu, wmt-big-6e6d, not transformer-base)", "31.0%", "62.0%"]
+    assert by_run[xla.name][2].startswith("MFU (no counters")
     assert len(rows) == len(runs) and header[3] == "achieved occupancy"
 
 

@@ -1,5 +1,6 @@
-"""FLOPs, device tables, energy meters and memory of train.costs.metrics."""
+"""FLOPs, device tables and memory of train.costs.metrics; the energy meters of train.costs.energy."""
 
+import os
 import types
 
 import jax
@@ -8,7 +9,8 @@ import pytest
 
 from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
-from train.costs import metrics
+from train.costs import energy, metrics
+from train.costs.hardware import Hardware
 from train.wmt import model as wmt_model
 from train.harness.optimizer import inverse_sqrt_schedule, make_optimizer
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
@@ -138,9 +140,10 @@ def test_every_table_entry_has_sources_for_its_numbers():
 
 
 def test_unknown_devices_have_no_numbers_and_unknown_names_are_errors():
-    assert metrics.find_device("cpu") is None
+    assert metrics.find_device("Z80 accelerator") is None
     assert metrics.peak_tflops(None, "fp32") is None
     assert metrics.resolve_price(None, None) == (None, None)
+    assert metrics.device_power(None) is None
     assert metrics.find_device("cpu", "t4").name == "T4"  # --device-name, case-insensitive
     with pytest.raises(ValueError, match="unknown device name 'Z80'; known: H100-PCIe"):
         metrics.find_device("cpu", "Z80")
@@ -160,9 +163,69 @@ def test_price_override_cost_and_mfu():
     assert metrics.mfu(50.0, None, 2) is None
 
 
-def test_energy_on_cpu_is_unknown():
-    meter = metrics.energy_meter(jax.local_devices(), metrics.find_device(jax.devices()[0].device_kind))
-    assert meter.joules() is None and meter.source is None and meter.method is None
+def test_cpu_price_and_power_are_per_logical_cpu_with_their_sources():
+    cpu = metrics.find_device("cpu")
+    assert cpu.name == "CPU" and cpu.per_logical_cpu and metrics.peak_tflops(cpu, "fp32") is None
+    logical = len(os.sched_getaffinity(0))
+    assert metrics.units_per_device(cpu, 2) == logical / 2
+    price, source = metrics.resolve_price(cpu, None, metrics.units_per_device(cpu, 1))
+    assert price == pytest.approx(0.0432 * logical)
+    assert "m6a.large" in source and "0.0864 per hour" in source
+    assert f"x {logical:g} logical CPUs per JAX device" in source
+    assert metrics.resolve_price(cpu, 0.5, 8.0) == (0.5, "--price-per-hour")  # the flag's price is per device-hour
+    power = metrics.device_power(cpu, 4.0)
+    assert power.watts == pytest.approx(14.0) and "Cloud Carbon Footprint" in power.source
+    # This process's CPU devices: priced and metered per logical CPU, estimated unless RAPL is readable.
+    hardware = Hardware.detect("fp32")
+    assert hardware.spec.name == "CPU" and hardware.peak_tflops_per_device is None
+    assert hardware.price_per_device_hour * hardware.device_count == pytest.approx(0.0432 * logical)
+
+
+def test_cpu_energy_without_readable_rapl_counters_is_an_estimate(tmp_path):
+    cpu = metrics.find_device("cpu")
+    devices = [types.SimpleNamespace(platform="cpu")]
+    meter = energy.energy_meter(devices, cpu, powercap=tmp_path / "no-powercap")
+    logical = len(os.sched_getaffinity(0))
+    assert isinstance(meter, energy.EstimatedEnergy) and meter.source == "estimated"
+    assert f"{3.5 * logical:g} W per device x 1 devices" in meter.method and "SPECpower" in meter.method
+    zone = tmp_path / "powercap" / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "name").write_text("package-0\n")
+    (zone / "energy_uj").mkdir()  # a zone whose counter cannot be read is passed over
+    (zone / "max_energy_range_uj").write_text("262143328850\n")
+    assert energy.rapl_packages(tmp_path / "powercap") == []
+    assert energy.energy_meter(devices, cpu, powercap=tmp_path / "powercap").source == "estimated"
+
+
+def _zone(root, name, kind, counter, counter_range):
+    zone = root / name
+    zone.mkdir(parents=True)
+    (zone / "name").write_text(kind + "\n")
+    (zone / "energy_uj").write_text(f"{counter}\n")
+    (zone / "max_energy_range_uj").write_text(f"{counter_range}\n")
+    return zone
+
+
+def test_rapl_sums_the_package_counters_and_adds_back_a_wrap(tmp_path):
+    """A powercap directory as Linux lays it out: two packages, a core subzone and a psys zone (parts of the
+    packages, or holding them: never summed with them)."""
+    package0 = _zone(tmp_path, "intel-rapl:0", "package-0", 990_000, 1_000_000)
+    package1 = _zone(tmp_path, "intel-rapl:1", "package-1", 100, 1_000_000)
+    _zone(tmp_path, "intel-rapl:0:0", "core", 5, 1_000_000)
+    _zone(tmp_path, "intel-rapl:2", "psys", 7, 1_000_000)
+    assert energy.rapl_packages(tmp_path) == [package0, package1]
+    meter = energy.energy_meter([types.SimpleNamespace(platform="cpu")], metrics.find_device("cpu"), powercap=tmp_path)
+    assert isinstance(meter, energy.RaplEnergy) and meter.source == "rapl"
+    assert "intel-rapl:0, intel-rapl:1" in meter.method
+    assert meter.joules() == 0.0
+    (package0 / "energy_uj").write_text("5000\n")  # wrapped past 1,000,000 uJ: 10,000 + 5,000 uJ
+    (package1 / "energy_uj").write_text("300\n")
+    assert meter.joules() == pytest.approx(15_200e-6)
+    (package0 / "energy_uj").write_text("7000\n")
+    assert meter.joules() == pytest.approx(17_200e-6)
+    meter.start()
+    assert meter.joules() == 0.0
+    assert energy.counter_advance(999, 1, 1000) == 2 and energy.counter_advance(10, 30, 1000) == 20
 
 
 class FakeNvml:
@@ -201,7 +264,7 @@ def fake_gpus(*ordinals):
 def test_nvml_energy_is_the_summed_counter_difference(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = FakeNvml(start_mj=[1_000_000, 5_000_000, 9_000_000], step_mj=[1500, 2500, 99999])
-    meter = metrics.energy_meter(fake_gpus(0, 1), None, nvml=nvml)
+    meter = energy.energy_meter(fake_gpus(0, 1), None, nvml=nvml)
     assert meter.source == "nvml"
     # start() read each counter once; the next read is one step further: (1500 + 2500) mJ = 4 J.
     assert meter.joules() == pytest.approx(4.0)
@@ -212,7 +275,7 @@ def test_nvml_energy_is_the_summed_counter_difference(monkeypatch):
 def test_nvml_follows_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-0000")
     nvml = FakeNvml(start_mj=[0, 0, 0], step_mj=[1000, 50000, 3000])
-    meter = metrics.energy_meter(fake_gpus(0, 1), None, nvml=nvml)  # CUDA 0 -> NVML 2, CUDA 1 -> NVML 0
+    meter = energy.energy_meter(fake_gpus(0, 1), None, nvml=nvml)  # CUDA 0 -> NVML 2, CUDA 1 -> NVML 0
     assert meter.joules() == pytest.approx(4.0)
 
 
@@ -221,21 +284,21 @@ def test_nvml_failure_means_unknown_energy():
         def nvmlDeviceGetTotalEnergyConsumption(self, handle):
             raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
 
-    meter = metrics.energy_meter(fake_gpus(0), None, nvml=Broken([0], [0]))
+    meter = energy.energy_meter(fake_gpus(0), None, nvml=Broken([0], [0]))
     assert meter.joules() is None and meter.source is None
 
 
 def test_tpu_energy_is_power_times_devices_times_time():
     spec = metrics.find_device("TPU v4")
     now = [100.0]
-    meter = metrics.EstimatedEnergy(spec.power, 4, clock=lambda: now[0])
+    meter = energy.EstimatedEnergy(spec.power, 4, clock=lambda: now[0])
     now[0] += 10.0
     assert meter.source == "estimated"
     assert meter.joules() == pytest.approx(170.0 * 4 * 10.0)
     assert "170 W per device x 4 devices" in meter.method and "ISCA 2023" in meter.method
     tpu_devices = [types.SimpleNamespace(platform="tpu")] * 2
-    assert isinstance(metrics.energy_meter(tpu_devices, spec), metrics.EstimatedEnergy)
-    assert metrics.energy_meter(tpu_devices, metrics.find_device("TPU v5 lite")).source is None  # no power figure
+    assert isinstance(energy.energy_meter(tpu_devices, spec), energy.EstimatedEnergy)
+    assert energy.energy_meter(tpu_devices, metrics.find_device("TPU v5 lite")).source is None  # no power figure
 
 
 def test_peak_memory_max_over_devices_or_none():

@@ -17,7 +17,8 @@ from train.costs import compiled
 from train.imdb import task as imdb
 from train.records import runlog
 from train.errors import UsageError
-from train.harness.optimizer import DEFAULT_HYPERPARAMETERS, hyperparameters, implementation, make_optimizer
+from train.harness.optimizer import (DEFAULT_HYPERPARAMETERS, hyperparameters, implementation,
+                                     linear_warmup_decay, make_optimizer, on_host)
 from train.harness.training import run_training
 
 SCHEDULE = optax.constant_schedule(1e-2)
@@ -145,3 +146,10 @@ def test_bad_optimizer_flag_is_one_line(tmp_path, capsys):
     code = run_training(imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
     assert code == 2
     assert "error: --optimizer adamw: --b3 is an Adan hyperparameter" in capsys.readouterr().err
+
+
+def test_the_logged_learning_rate_is_the_schedules_value_as_a_float():
+    schedule = linear_warmup_decay(0.5, 4, 12)
+    lr = on_host(schedule)
+    assert [lr(0), lr(4), lr(12)] == [float(schedule(0)), 0.5, 0.0]
+    assert all(type(lr(step)) is float for step in (1, 7))

@@ -14,6 +14,7 @@ import pytest
 from ls_jax.layers import LayerConfig
 from ls_jax.layers.transformer import TransformerDecoder, TransformerEncoder
 from train.imdb import task as imdb, model as imdb_model
+from train.imdb import config as imdb_config
 from train.records import runlog
 from train.harness.training import run_training
 
@@ -74,7 +75,7 @@ def test_train_cli_takes_remat(tmp_path, capsys):
     assert "--remat layer" in records[0]["command"] and records[-1]["completed"]
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["remat"] == "layer"  # what the run resolved, and what resuming it builds the model from
-    model_cfg, _ = imdb_model.build_model(saved, vocab_size=64, precision="fp32", rng=jax.random.PRNGKey(0))
+    model_cfg, _ = imdb_model.build_model(imdb_config.resolve_config({}, saved), vocab_size=64, precision="fp32", rng=jax.random.PRNGKey(0))
     assert model_cfg.layer.remat == "layer"
     with pytest.raises(SystemExit) as exit_info:
         run_training(imdb.TASK, ["--remat", "some", "--run-dir", str(tmp_path / "bad")])

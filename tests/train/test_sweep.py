@@ -5,11 +5,17 @@ on a tiny model for a few steps."""
 import contextlib
 import io
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from train.compare import scoring
 from train.imdb import task as imdb
 from train.records import runlog
 from train.sweep import runner as sweep, spec as sweep_spec
@@ -17,6 +23,7 @@ from train.errors import UsageError
 from train.harness.training import run_training
 
 COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = """
 name = "{name}"
@@ -174,10 +181,19 @@ backend = ["ffi", "xla"]
     ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
     ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
     ('name = "x"\n[axes\n', "not valid TOML"),
-    ('[axes]\ntask = "imdb"', "name = None must be"),
+    ('[axes]\ntask = "imdb"', 'no name; add one, e.g. name = "my-sweep"'),
+    ("", "the sweep spec is empty: a sweep spec needs a name and a task"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_sise = 200',
+     "[[grid]] #1 (imdb): train.imdb unrecognized arguments: --vocab-sise 200"),
+    ('name = "x"\n[axes]\ntask = "gpt"\n[flags]\nvocab_size = "many"',
+     "train.gpt argument --vocab-size: invalid int value: 'many'"),
+    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_size = 0', "train.imdb --vocab-size must be >= 1, got 0"),
+    ('name = "x"\nweights = "fastest"\n[axes]\ntask = "imdb"', "weights: 'fastest' is neither a preset"),
+    ('name = "x"\nweights = [1, 2]\n[axes]\ntask = "imdb"', "weights: '1,2' is neither a preset"),
+    ('name = "x"\nweights = [0, 0, 0, 1]\n[axes]\ntask = "imdb"', "at least one of time, cost, energy"),
 ])
 def test_bad_specs_are_one_clear_line(text, message):
-    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         sweep_spec.points(sweep_spec.parse(text))
 
 
@@ -188,6 +204,41 @@ def test_cli_reports_bad_spec_and_missing_file(tmp_path, capsys):
     assert "error: " in (err := capsys.readouterr().err) and "backend = 'cuda' is not a known value" in err
     assert sweep.main([str(tmp_path / "none.toml")], runner=never) == 2
     assert "no such sweep spec file" in capsys.readouterr().err
+
+
+def test_a_binary_spec_and_an_unknown_flag_are_one_line_before_any_run(tmp_path, capsys):
+    binary = tmp_path / "spec.toml"
+    binary.write_bytes(bytes(range(256)))
+    assert sweep.main([str(binary)], runner=never) == 2
+    assert capsys.readouterr().err == f"error: {binary} is not a sweep spec: not UTF-8 text, so not TOML\n"
+    typo = tmp_path / "typo.toml"
+    typo.write_text(TINY.format(name="typo", out=tmp_path / "out", steps=2).replace("log_every", "log_evry"))
+    assert sweep.main([str(typo)], runner=never) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --log-evry 1" in err and "usage:" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_spec_weights_score_the_report(tmp_path):
+    spec = sweep_spec.parse(TINY.format(name="w", out=tmp_path / "out", steps=2).replace(
+        'name = "w"', 'name = "w"\nweights = [0.5, 0.5, 0, 0]'))
+    assert spec.weights == "0.5,0.5,0,0" and sweep_spec.parse(TINY.format(name="d", out="o", steps=2)).weights == (
+        "balance")
+    for name in ("h100-ffi", "h100-xla"):
+        (spec.out / name).mkdir(parents=True)
+        shutil.copy(COMPARE_DATA / name / "run.jsonl", spec.out / name / "run.jsonl")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert sweep.report(spec, ["h100-ffi", "h100-xla"]) == 0
+    assert "Weights `custom` (time 0.5, cost 0.5, energy 0, utilization 0)" in (
+        spec.out / "report" / "report.md").read_text()
+
+
+def test_a_failed_run_without_a_log_is_named_as_such(tmp_path, capsys):
+    spec = tiny_spec(tmp_path)
+    assert run(spec, lambda command: 3) == 1
+    err = capsys.readouterr().err
+    assert "imdb-bert-tiny-adan-b4-l16-s2 (exit code 3, no run log: it stopped before training" in err
+    assert "their logs are in" not in err
 
 
 def test_device_in_out_is_this_machines_device():
@@ -236,8 +287,45 @@ def test_default_spec_parses_and_expands_to_a_small_cpu_grid():
     spec = sweep.load_spec(None)
     points = sweep_spec.points(spec)
     assert len(points) == 4 and {point.task for point in points} == {"imdb"}
-    assert {point.values["optimizer"] for point in points} == {"optax-adamw", "adan"}
+    assert {(point.values["optimizer"], point.values["batch_size"]) for point in points} == {
+        ("optax-adamw", 16), ("adan", 16), ("optax-adamw", 32), ("adan", 32)}
     assert all(point.values["backend"] == "xla" and point.device is None for point in points)
+    # Every run trains on the same examples: batch x steps is one number.
+    assert {point.values["batch_size"] * point.values["steps"] for point in points} == {4800}
+
+
+def test_from_best_takes_the_studys_names_and_the_earlier_ones():
+    spec = sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nseed = 1\n'
+                            'from_best = "cost_time"')
+    assert spec.grids[1].from_best == "cost_time_energy"
+    with pytest.raises(UsageError, match="from_best = 'fastest' is not a weight preset; choose from balance, "
+                                         "time_cost_energy"):
+        sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nfrom_best = "fastest"')
+
+
+@pytest.mark.slow
+def test_the_default_sweep_recommends_one_run_per_strategy_in_under_ten_minutes(tmp_path):
+    """`python -m train.sweep` with no arguments, as a user runs it: its own process, a fresh directory, a CPU."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "train.sweep"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900, check=False)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert elapsed < 600, f"the default sweep took {elapsed:.0f} s"
+    out = result.stdout
+    assert "Warm-up and steady state:" in out and "| rank |" in out
+    recommendations = out.split("Recommendation:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split(":")[0].strip() for line in recommendations] == list(scoring.WEIGHT_PRESETS)
+    for line in recommendations:
+        best = r": #[1-4] \(cpu x1 xla fp32 (optax-adamw|adan) (16|32) examples\), score \d\.\d{3}"
+        assert re.search(best, line), line
+    sweep_dir = tmp_path / "runs" / "sweep-cpu-default"
+    assert (sweep_dir / "report" / "report.md").is_file()
+    summaries = [runlog.read(path)[-1] for path in sorted(sweep_dir.glob("*/run.jsonl"))]
+    assert len(summaries) == 4
+    for summary in summaries:
+        assert summary["completed"] and summary["cost_usd"] > 0 and summary["energy_source"] in ("rapl", "estimated")
+        assert summary["warmup"]["steps"] + summary["steady"]["steps"] == summary["steps"]
 
 
 # ------------------------------------------------------------------------------------------- running runs
@@ -279,6 +367,12 @@ def test_stopped_before_its_first_checkpoint_starts_again(tmp_path):
     (run_dir / "sweep.json").write_text(json.dumps({"sweep": "tiny", "point": point.values}))
     (run_dir / "run.jsonl").write_text('{"type": "run", "schema": 1}\n')
     assert sweep.run_state(run_dir, spec, point) == "restart"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(spec, InProcess()) == 0  # the harness starts it again in its directory, from step 0
+    records = runlog.read(run_dir / "run.jsonl")
+    assert [record["type"] for record in records].count("run") == 1
+    assert records[-1]["type"] == "summary" and records[-1]["completed"]
+    assert json.loads((run_dir / "sweep.json").read_text())["sweep"] == "tiny"
 
 
 def test_run_directory_of_another_sweep_or_none_is_an_error(tmp_path, capsys):

@@ -75,7 +75,8 @@ def new_state(tx, fp16=False):
     return TrainState.create(params, tx, jax.random.PRNGKey(0), fp16=fp16)
 
 
-def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1):
+def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1,
+             hardware=None):
     tx = tx or optax.sgd(0.05)
     tmp_path.mkdir(parents=True, exist_ok=True)
     parallel = DataParallel.over_all_devices()
@@ -90,7 +91,7 @@ def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, che
         flops_fn=lambda shapes: 2.0 * np.prod(shapes["x"]),
         lr_fn=lambda step: 0.05,
         evaluate=lambda state, final: [{"split": "valid", "loss": 1.0, "nll": 1.0}],
-        hardware=Hardware.detect("fp32"),
+        hardware=hardware or Hardware.detect("fp32"),
         run_log=run_log,
         checkpoints=checkpoints,
         model_signature={"toy": 1},
@@ -221,6 +222,27 @@ def test_xla_flops_are_known_only_without_accumulation():
     compiler.compiled(state, accumulated)
     assert compiler.xla_flops[StepCompiler.key(single)] > 0
     assert compiler.xla_flops[StepCompiler.key(accumulated)] is None  # XLA counts a loop body once
+
+
+def test_warm_up_runs_each_compiled_step_once_and_leaves_the_state_as_it_was():
+    seen = []
+
+    def recording_loss(params, batch, rng):
+        jax.debug.callback(lambda x: seen.append(x.shape), batch["x"])
+        return toy_loss(params, batch, rng)
+
+    tx = optax.sgd(0.1)
+    parallel = DataParallel.over_all_devices()
+    state = parallel.replicate(new_state(tx))
+    compiler = StepCompiler(make_train_step(recording_loss, tx, axis_name=DATA_AXIS), StateLayout(parallel), state)
+    shapes = [{name: (value.shape, value.dtype) for name, value in toy_batch(0, 0, rows=rows).items()} for rows in (8, 4)]
+    compiler.precompile(state, shapes)
+    compiler.warm_up(state)
+    jax.effects_barrier()
+    assert sorted(seen) == [(4, FEATURES), (8, FEATURES)]  # one execution per shape, on a batch of each shape
+    assert int(state.step) == 0 and float(jnp.sum(state.params["w"])) == 0.0  # the copy was trained, not the state
+    next_state, _ = compiler.compiled(state, toy_batch(0, 0))(state, parallel.put_batch(toy_batch(0, 0), row_axis=1))
+    assert int(next_state.step) == 1
 
 
 def test_precision_choice_follows_the_device():

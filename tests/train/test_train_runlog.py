@@ -103,7 +103,7 @@ def test_only_the_main_process_writes(tmp_path):
 
 def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp_path):
     lines = [
-        {"type": "run", "run_id": "x"},
+        {"type": "run", "run_id": "x", "schema": 1},
         {"type": "interval", "step": 10},
         {"type": "eval", "step": 10},
         {"type": "interval", "step": 20},
@@ -111,7 +111,8 @@ def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp
     ]
     (tmp_path / runlog.LOG_FILENAME).write_text("".join(json.dumps(r) + "\n" for r in lines))
     runlog.truncate_for_resume(tmp_path, 10)
-    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == lines[:3]
+    # The resumed run writes this version's summary, so its run record says this version's schema.
+    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == [{**lines[0], "schema": runlog.SCHEMA_VERSION}, *lines[1:3]]
 
 
 def test_identity_fields():
@@ -119,3 +120,35 @@ def test_identity_fields():
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", record["run_id"])
     assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "ls_jax"}
     assert record["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", record["git_commit"])
+
+
+def valid_summary():
+    """A summary record of an imdb run (counting examples) with every key and part of the schema."""
+    record = {key: 1.0 for key in runlog.SCHEMA["summary"]}
+    record.update(type="summary", completed=True, stop_reason="finished", steps=3, energy_source="nvml",
+                  energy_estimated=False, memory=None, peak_memory_bytes=None, examples=24, examples_per_s=8.0)
+    for name, keys in runlog.PARTS["summary"].items():
+        record[name] = {key: 1.0 for key in keys}
+        record[name].update({key: 1 for key in ("steps", "count") if key in keys})
+    record["steady"]["examples_per_s"] = None  # no steady step: no steady rate
+    return record
+
+
+def test_summary_parts_are_validated_and_a_schema_1_log_may_lack_them():
+    runlog.validate(valid_summary(), ("examples",), complete=True)
+    broken = valid_summary()
+    del broken["steady"]["power_w"]
+    with pytest.raises(runlog.RecordError, match=r"summary.steady record lacks 'power_w'"):
+        runlog.validate(broken, ("examples",))
+    broken = valid_summary()
+    broken["warmup"]["steps"] = 2.0
+    with pytest.raises(runlog.RecordError, match=r"summary.warmup.steps must be int, got float"):
+        runlog.validate(broken)
+    broken = valid_summary()
+    del broken["steady"]["examples_per_s"]
+    with pytest.raises(runlog.RecordError, match=r"lacks 'examples_per_s'"):
+        runlog.validate(broken, ("examples",))
+    schema_1 = {key: value for key, value in valid_summary().items() if key not in runlog.SCHEMA_2_KEYS["summary"]}
+    runlog.validate(schema_1, ("examples",), schema=1)
+    with pytest.raises(runlog.RecordError, match="summary record lacks 'wall_energy_j'"):
+        runlog.validate(schema_1, ("examples",))

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -15,42 +14,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 from helpers import toy_task
+from helpers.toy_runs import QUIET, REPO, saved_steps, signal_at_line, start
+from train.harness.training import format_rate, throughput
 from train.records import runlog
-
-REPO = Path(__file__).resolve().parents[2]
-QUIET = ["--no-progress", "--no-tensorboard"]
-
-
-def saved_steps(run_dir):
-    return sorted(int(p.name) for p in (Path(run_dir) / "checkpoints").iterdir() if p.name.isdigit())
 
 
 def saved_params(run_dir, step):
     restored = ocp.StandardCheckpointer().restore(Path(run_dir).resolve() / "checkpoints" / str(step) / "state")
     return [np.asarray(leaf) for leaf in jax.tree.leaves(restored["params"])]
-
-
-def start(run_dir, *flags):
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
-    return subprocess.Popen([sys.executable, "-m", "helpers.toy_task", "--run-dir", str(run_dir), *QUIET, *flags],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def signal_at_line(process, line, signum=signal.SIGTERM, timeout=240):
-    """Sends ``signum`` once ``process`` has printed ``line`` on stderr; returns (stderr, exit code)."""
-    seen = []
-    deadline = time.monotonic() + timeout
-    for text in process.stderr:
-        seen.append(text)
-        if line in text:
-            process.send_signal(signum)
-            break
-        assert time.monotonic() < deadline, "".join(seen)
-    else:
-        pytest.fail(f"{line!r} never printed: {''.join(seen)}")
-    rest = process.stderr.read()
-    process.wait(timeout=120)
-    return "".join(seen) + rest, process.returncode
 
 
 def test_resume_of_a_finished_run_is_a_no_op_then_extends(tmp_path, capsys):
@@ -92,13 +63,13 @@ def test_sigterm_during_the_final_evaluation_saves_and_resumes_into_it(tmp_path)
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and summary["steps"] == 4
     assert saved_steps(run_dir) == [4]
-    assert toy_task.main(["--resume", str(run_dir)]) == 0  # finishes the evaluation
+    assert toy_task.main(["--resume", str(run_dir), "--eval-seconds", "0"]) == 0  # finishes the evaluation
     records = runlog.read(run_dir / runlog.LOG_FILENAME)
     assert records[-1]["completed"] and records[-2]["type"] == "eval" and records[-2]["step"] == 4
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_compilation_ends_with_a_summary(tmp_path, signum):
+@pytest.mark.parametrize("signum, again", [(signal.SIGTERM, "--run-dir"), (signal.SIGINT, "--resume")])
+def test_a_run_stopped_while_compiling_starts_again_from_step_0(tmp_path, capsys, signum, again):
     run_dir = tmp_path / "run"
     process = start(run_dir, "--steps", "1000000", "--checkpoint-every", "1000000", "--log-every", "1000000")
     err, code = signal_at_line(process, "compiling the training step", signum)
@@ -106,7 +77,19 @@ def test_a_signal_during_compilation_ends_with_a_summary(tmp_path, signum):
     assert "Traceback" not in err
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
-    assert saved_steps(run_dir) in ([], [summary["steps"]])  # a checkpoint only once a step was taken
+    assert summary["steps"] == 0 and saved_steps(run_dir) == []
+    assert (f"no checkpoint was written yet; start it again from step 0 with: python -m train.toy --resume {run_dir}"
+            in err)
+
+    capsys.readouterr()
+    flags = ["--resume", str(run_dir)] if again == "--resume" else ["--run-dir", str(run_dir), *QUIET]
+    assert toy_task.main([*flags, "--steps", "4", "--log-every", "1", "--checkpoint-every", "2"]) == 0
+    assert f"{run_dir}: its run stopped before its first checkpoint; starting it again from step 0" in (
+        capsys.readouterr().err)
+    records = runlog.read(run_dir / runlog.LOG_FILENAME)
+    assert [r["type"] for r in records].count("run") == 1
+    assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4]
+    assert records[-1]["completed"] and records[-1]["steps"] == 4 and saved_steps(run_dir) == [2, 4]
 
 
 @pytest.fixture
@@ -133,7 +116,10 @@ def test_a_full_disk_stops_the_run_with_one_line(small_disk):
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "io_error"
     steps = saved_steps(run_dir)
-    assert summary["steps"] == steps[-1] + 1  # training stopped at the failed save
+    failed = int(errors[0].split("cannot write checkpoint ")[1].split()[0])
+    assert failed == steps[-1] + 1  # the one after the last complete checkpoint
+    # Checkpoints are written while training goes on: the run stops at the save after the failed one at the latest.
+    assert summary["steps"] in (failed, failed + 1)
     assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]  # the partial save is gone
 
 
@@ -163,11 +149,50 @@ def test_resume_skips_damaged_checkpoints(tmp_path, capsys):
     assert records[-1]["completed"] and records[-1]["steps"] == 8
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_damaged_checkpoint_is_one_warning_naming_its_file_and_error(tmp_path, verbose):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "6"]) == 0
+    step_dir = run_dir / "checkpoints" / "6"
+    (step_dir / "_CHECKPOINT_METADATA").write_text("garbage")  # orbax logs an error, then reads on without it
+    data_files = list((step_dir / "state" / "d").iterdir())
+    for path in data_files:
+        path.write_bytes(path.read_bytes()[:10])
+    process = start(None, "--resume", str(run_dir), "--steps", "8", *(["--verbose"] if verbose else []))
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err
+    lines = err.splitlines()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping checkpoint 6 in {run_dir.resolve()}/"
+                                                         "checkpoints: its arrays cannot be read: ValueError: ")
+    assert any(str(path) in warnings[0] for path in data_files) and "byte range" in warnings[0], warnings[0]
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert ("ERROR:absl:Failed to json parse Metadata file" in err) == verbose
+    moved = f"moved the damaged checkpoint 6 to {run_dir.resolve()}/damaged-checkpoints/6"
+    assert (lines[:3] == [warnings[0], moved, f"resuming {run_dir} at step 4"]) != verbose  # quiet: nothing before
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_learning_rate_is_one_line(value, capsys):
     assert toy_task.main([f"--lr={value}", *QUIET]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --lr must be a finite number > 0, got {float(value)}"
+
+
+def test_evaluations_during_training_are_one_line_each(tmp_path, capsys):
+    assert toy_task.main(["--run-dir", str(tmp_path / "run"), *QUIET, "--eval-every", "2"]) == 0
+    out, err = capsys.readouterr()
+    evaluations = [line for line in err.splitlines() if "evaluation:" in line]
+    assert evaluations == ["step 2/6  evaluation: valid loss 1.000", "step 4/6  evaluation: valid loss 1.000"]
+    assert "  final loss  " in out and "loss valid 1.000" in out  # the final evaluation is in the summary
+
+
+@pytest.mark.parametrize("value, text", [(28821.4, "28,821"), (24109.0, "24,109"), (412.0, "412"), (41.27, "41.3"),
+                                         (0.5, "0.5"), (None, "n/a")])
+def test_throughput_has_one_format_for_every_task(value, text):
+    assert format_rate(value) == text
+    assert throughput(("tokens", "target_tokens"), {"tokens_per_s": value, "target_tokens_per_s": value}) == (
+        f"{text} tokens/s, {text} target tokens/s")
 
 
 def test_without_a_terminal_progress_is_one_line_per_interval(tmp_path):

@@ -1,9 +1,11 @@
 """Figures of a `Comparison` (`train.compare.scoring`), as PNG files drawn with matplotlib's Agg canvas (no display
 needed).
 
-* the study's four: A cost vs energy, B energy vs time (slope = average power), C cost vs time, one point per run,
-  marker and colour by device kind, labelled with the run's row number, estimated energy drawn hollow and measured
-  energy filled; D final quality by precision and optimizer; a red cross marks a run that did not converge;
+* the study's four: A cost vs energy, B energy vs time (slope = average power), C cost vs time, one point per run
+  in the window the comparison scores (the whole run's totals, or the steady state's figures per unit trained; the
+  axes say which), colour by implementation, backend and precision, marker by device kind, labelled with the run's
+  row number, estimated energy drawn hollow and measured energy filled; D final quality by precision and optimizer;
+  a red cross marks a run that did not converge;
 * speedup by model size and batch: for each (model, batch) with runs of the baseline's configuration, the mean
   speedup of every other configuration over it (bars; 1 is the baseline configuration).
 """
@@ -19,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from train.compare.runs import Run
-from train.compare.scoring import Comparison, speedups_by_model_and_batch
+from train.compare.scoring import WINDOW_LABELS, Comparison, figures, speedups_by_model_and_batch
 from train.compare.tables import Plot, si_scale, time_scale
 
 MARKERS = "osD^vP*Xh<>p"
@@ -36,10 +38,20 @@ def _figure(width: float = 7.0, height: float = 4.8) -> Figure:
     return figure
 
 
-def device_styles(runs: Sequence[Run]) -> dict[str, tuple[str, str]]:
-    """(marker, colour) per device kind, in order of first appearance."""
+# Steady-state figures are per unit trained; plotted per this many units.
+PER_UNITS = {"examples": 1_000, "tokens": 1_000_000}
+
+
+def device_markers(runs: Sequence[Run]) -> dict[str, str]:
+    """A marker per device kind, in order of first appearance."""
     kinds = list(dict.fromkeys(run.device_kind for run in runs))
-    return {kind: (MARKERS[i % len(MARKERS)], f"C{i % 10}") for i, kind in enumerate(kinds)}
+    return {kind: MARKERS[i % len(MARKERS)] for i, kind in enumerate(kinds)}
+
+
+def kernel_colours(runs: Sequence[Run]) -> dict[str, str]:
+    """A colour per implementation, backend and precision (`Run.kernel_label`), in order of first appearance."""
+    labels = list(dict.fromkeys(run.kernel_label for run in runs))
+    return {label: f"C{i % 10}" for i, label in enumerate(labels)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,29 +85,31 @@ def _labels_by_place(shown: Sequence[int], xs: Sequence[float], ys: Sequence[flo
 
 
 def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Sequence[bool], path: Path) -> None:
-    """One point per run with both values, marker and colour by device kind, labelled #row; ``hollow`` points have
-    estimated energy; a red cross marks a run that did not converge."""
+    """One point per run with both values, colour by implementation, backend and precision, marker by device kind,
+    labelled #row; ``hollow`` points have estimated energy; a red cross marks a run that did not converge."""
     shown = [index for index in range(len(comparison.runs)) if x.values[index] is not None and y.values[index] is not None]
     x_factor, x_label = x.scale(max(x.values[i] for i in shown))
     y_factor, y_label = y.scale(max(y.values[i] for i in shown))
-    styles = device_styles(comparison.runs)
+    runs = comparison.runs
+    markers, colours = device_markers(runs), kernel_colours(runs)
     figure = _figure()
     axes = figure.add_subplot()
-    labelled = set()
     for index in shown:
-        run = comparison.runs[index]
-        marker, colour = styles[run.device_kind]
+        run = runs[index]
+        colour = colours[run.kernel_label]
         px, py = x.values[index] / x_factor, y.values[index] / y_factor
-        axes.scatter([px], [py], marker=marker, s=70, edgecolors=colour, linewidths=1.5,
-                     facecolors="none" if hollow[index] else colour,
-                     label=None if run.device_kind in labelled else run.device_kind)
-        labelled.add(run.device_kind)
+        axes.scatter([px], [py], marker=markers[run.device_kind], s=70, edgecolors=colour, linewidths=1.5,
+                     facecolors="none" if hollow[index] else colour)
         if comparison.verdicts[index] is not None:
             axes.scatter([px], [py], marker="x", s=110, color="red", linewidths=1.5)
     for (px, py), rows in _labels_by_place(shown, x.values, y.values, x_factor, y_factor).items():
         axes.annotate(" ".join(f"#{index + 1}" for index in rows), (px, py), xytext=(5, 5),
                       textcoords="offset points", fontsize=8)
-    handles, _ = axes.get_legend_handles_labels()
+    shown_runs = [runs[index] for index in shown]
+    handles = [Line2D([], [], marker="o", linestyle="none", color=colours[label], label=label)
+               for label in dict.fromkeys(run.kernel_label for run in shown_runs)]
+    if len(kinds := list(dict.fromkeys(run.device_kind for run in shown_runs))) > 1:
+        handles += [Line2D([], [], marker=markers[kind], linestyle="none", color="grey", label=kind) for kind in kinds]
     if any(hollow[index] for index in shown):
         handles += [Line2D([], [], marker="o", linestyle="none", color="grey", label="measured energy"),
                     Line2D([], [], marker="o", linestyle="none", color="grey", markerfacecolor="none",
@@ -117,18 +131,31 @@ def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Seque
     figure.savefig(path, dpi=120)
 
 
-def _axes(comparison: Comparison) -> dict[str, Axis]:
-    runs = comparison.runs
+def scatter_axes(comparison: Comparison) -> dict[str, Axis]:
+    """Time, cost and energy of each run in the comparison's window, named with it: the whole run's training
+    totals, or the steady state's per `PER_UNITS` units trained."""
+    runs, window = comparison.runs, comparison.window
+    values = [figures(run, window) for run in runs]
+    if window == "whole":
+        return {
+            "time": Axis([value.time for value in values], "training time, whole run", "s"),
+            "cost": Axis([value.cost for value in values], "cost, whole run", "USD"),
+            "energy": Axis([value.energy for value in values], "energy, whole run", "J"),
+        }
+    unit = runs[0].trained_unit
+    per = PER_UNITS[unit]
+    scaled = lambda field: [None if (v := getattr(value, field)) is None else per * v for value in values]  # noqa: E731
+    label = f"per {per:,} {unit}, {WINDOW_LABELS[window]}"
     return {
-        "time": Axis([run.train_time_s for run in runs], "training time", "s"),
-        "cost": Axis([run.cost_usd for run in runs], "cost", "USD"),
-        "energy": Axis([run.energy_j for run in runs], "energy", "J"),
+        "time": Axis(scaled("time"), f"time {label}", "s"),
+        "cost": Axis(scaled("cost"), f"cost {label}", "USD"),
+        "energy": Axis(scaled("energy"), f"energy {label}", "J"),
     }
 
 
 def _pair_plot(comparison: Comparison, x: str, y: str, title: str, path: Path) -> Plot:
     """Plot ``y`` against ``x`` (keys of `_axes`); not drawn when no run has both."""
-    axes = _axes(comparison)
+    axes = scatter_axes(comparison)
     if not any(a is not None and b is not None for a, b in zip(axes[x].values, axes[y].values)):
         return Plot(title, None, f"no run has both {axes[x].quantity} and {axes[y].quantity}")
     hollow = [run.energy_estimated and "energy" in (x, y) for run in comparison.runs]
@@ -149,7 +176,8 @@ def plot_cost_vs_time(comparison: Comparison, path: Path) -> Plot:
 
 
 def plot_quality(comparison: Comparison, path: Path) -> Plot:
-    """D: every run's final quality, grouped by precision along x and coloured by optimizer; marker by backend;
+    """D: every run's final quality, grouped by precision along x and coloured by optimizer; marker by
+    implementation and backend;
     a red cross marks a run that did not converge, the dashed line is the gate's threshold."""
     metric = comparison.gate.metric
     title = f"D: {metric.label} by precision and optimizer"
@@ -159,7 +187,7 @@ def plot_quality(comparison: Comparison, path: Path) -> Plot:
         return Plot(title, None, f"no run has a final {metric.label}")
     precisions = list(dict.fromkeys(run.precision for run in runs))
     optimizers = list(dict.fromkeys(run.optimizer for run in runs))
-    backends = list(dict.fromkeys(run.backend for run in runs))
+    backends = list(dict.fromkeys(f"{run.implementation} {run.backend}" for run in runs))
     width = 0.8 / len(optimizers)
     figure = _figure()
     axes = figure.add_subplot()
@@ -168,14 +196,14 @@ def plot_quality(comparison: Comparison, path: Path) -> Plot:
             continue
         slot = optimizers.index(run.optimizer)
         position = precisions.index(run.precision) + (slot - (len(optimizers) - 1) / 2) * width
-        axes.scatter([position], [value], marker=MARKERS[backends.index(run.backend) % len(MARKERS)], s=60,
-                     color=f"C{slot % 10}")
+        backend = backends.index(f"{run.implementation} {run.backend}")
+        axes.scatter([position], [value], marker=MARKERS[backend % len(MARKERS)], s=60, color=f"C{slot % 10}")
         if comparison.verdicts[index] is not None:
             axes.scatter([position], [value], marker="x", s=110, color="red", linewidths=1.5)
         axes.annotate(f"#{index + 1}", (position, value), xytext=(5, 3), textcoords="offset points", fontsize=7)
     handles = [Line2D([], [], marker="o", linestyle="none", color=f"C{i % 10}", label=name)
                for i, name in enumerate(optimizers)]
-    handles += [Line2D([], [], marker=MARKERS[i % len(MARKERS)], linestyle="none", color="grey", label=f"backend {name}")
+    handles += [Line2D([], [], marker=MARKERS[i % len(MARKERS)], linestyle="none", color="grey", label=name)
                 for i, name in enumerate(backends)]
     axes.axhline(comparison.gate.threshold, color="red", linestyle="--", linewidth=1)
     handles.append(Line2D([], [], color="red", linestyle="--", label=f"threshold {comparison.gate.threshold:g}"))

@@ -1,12 +1,14 @@
 """Compare training runs from any devices by time, cost, energy and utilization.
 
     python -m train.compare LOG_OR_DIR ... [--task T] [--baseline RUN] [--weights PRESET | --weights t,c,e,u]
-                                           [--quality-threshold Q] [--quality-margin F] [--out DIR]
+                                           [--score-window whole|steady] [--quality-threshold Q]
+                                           [--quality-margin F] [--out DIR]
 
 Reads run logs (docs/run-log.md; a directory is searched recursively for *.jsonl run logs), prints the tables
-and writes report.md with the tables (the score under all seven presets at once among them), a recommendation
-per preset, and PNG plots to --out (default reports/<UTC time>/). The arithmetic lives
-in train.compare (reading, scoring, tables, plots); docs/compare.md explains the score.
+(the whole run and the steady state side by side) and writes report.md with the tables (the score under all
+seven presets at once among them), a recommendation per preset, and PNG plots to --out (default
+reports/<UTC time>/). The arithmetic lives in train.compare (reading, scoring, tables, plots); docs/compare.md
+explains the score.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ EXIT_USAGE = 2
 
 
 def _presets_help() -> str:
-    lines = [f"  {name:<12} {weights.describe()}" for name, weights in scoring.WEIGHT_PRESETS.items()]
-    return "weight presets (time, cost, energy, utilization):\n" + "\n".join(lines)
+    lines = [f"  {name:<17} {weights.describe()}" for name, weights in scoring.WEIGHT_PRESETS.items()]
+    aliases = ", ".join(f"{old} = {new}" for old, new in scoring.PRESET_ALIASES.items())
+    return ("the study's weight presets (time, cost, energy, utilization):\n" + "\n".join(lines)
+            + f"\nearlier names, still accepted: {aliases}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Tables, a weighted score and plots comparing training runs (run.jsonl logs) from any devices.\n\n"
             "score = w_t*T + w_c*C + w_e*E - w_u*U, lower is better, where T, C, E, U are time, cost, energy\n"
-            "and MFU, each divided by its maximum over the runs scored. A run whose cost, energy or MFU is null\n"
-            "is not scored while that term's weight is non-zero (never counted as zero). A run whose final quality\n"
-            "misses --quality-threshold or lies more than --quality-margin below the best run's did not converge:\n"
-            "it is shown and never ranked. See docs/compare.md."
+            "and MFU, each divided by its maximum over the runs scored: by default over the whole run (every\n"
+            "training step, warm-up included, as the study scored), with --score-window steady per unit trained in\n"
+            "the steady state. A run whose cost, energy or MFU is null is not scored while that term's weight is\n"
+            "non-zero (never counted as zero; without an MFU for any converged run, utilization is left out). A run\n"
+            "whose final quality misses --quality-threshold or lies more than --quality-margin below the best\n"
+            "run's did not converge: it is shown and never ranked. See docs/compare.md."
         ),
         epilog=_presets_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -54,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", default=scoring.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
                         help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
                              f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")
+    add_window_argument(parser)
     thresholds = ", ".join(f"{task} {quality.METRICS[task].label} {value:g}"
                            for task, value in quality.DEFAULT_THRESHOLDS.items())
     parser.add_argument("--quality-threshold", type=float, metavar="Q",
@@ -69,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_window_argument(parser: argparse.ArgumentParser) -> None:
+    """``--score-window``: the window the score covers (`train.compare.scoring.WINDOWS`)."""
+    parser.add_argument("--score-window", choices=scoring.WINDOWS, default=scoring.DEFAULT_WINDOW,
+                        help="score the whole run (every training step, warm-up included: the study's way; default) "
+                             "or the steady state (time, cost and energy per unit trained after warm-up)")
+
+
 def _default_out_dir() -> Path:
     return Path("reports") / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
@@ -79,7 +93,8 @@ def _load(args: argparse.Namespace) -> scoring.Comparison:
     runs = run_logs.select_task(runs, args.task)
     baseline = run_logs.find_baseline(runs, args.baseline)
     gate = quality.default_gate(runs[0].task, args.quality_threshold, args.quality_margin)
-    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes, gate=gate)
+    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes, gate=gate,
+                           window=args.score_window)
 
 
 def write_report(comparison: scoring.Comparison, out_dir: Path, command: str, extra: str = "") -> Path:
@@ -100,12 +115,15 @@ def utilization_section(comparison: scoring.Comparison, measured: list[measured_
 
 def print_summary(comparison: scoring.Comparison) -> None:
     baseline = comparison.runs[comparison.baseline]
+    print("Whole run (training: every step, warm-up included):")
     print(tables.markdown_table(*tables.runs_table(comparison)))
-    print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label}):")
+    print("\nWarm-up and steady state:")
+    print(tables.markdown_table(*tables.steady_table(comparison)))
+    print(f"\nAgainst the baseline #{comparison.baseline + 1} {baseline.name} ({baseline.configuration_label}):")
     print(tables.markdown_table(*tables.ratios_table(comparison)))
     print("\n" + tables.score_explanation(comparison))
     print(tables.markdown_table(*tables.score_table(comparison)) if comparison.ranking else "No run could be scored.")
-    print("\nScore under each preset (rank in parentheses):")
+    print(f"\nScore under each preset, {scoring.WINDOW_LABELS[comparison.window]} (rank in parentheses):")
     print(tables.markdown_table(*tables.matrix_table(comparison)))
     print("\nRecommendation:\n" + "\n".join(f"  {line}" for line in tables.recommendations(comparison)))
     for note in comparison.notes:

@@ -2,7 +2,11 @@
 
 Each run is a ``run`` record (its configuration) followed, when it ended, by a ``summary`` record (its results).
 Every record read is checked against the run log's one schema (`train.records.runlog.validate`); a problem is named by
-file, line and key. A log normally holds one run; every ``run`` record starts a new one.
+file, line and key. A log normally holds one run; every ``run`` record starts a new one. A schema-1 log (written
+before the windows of train.costs.windows were logged) reads with its warm-up, steady state and wall energy
+unknown, and its energy covering the training loop (compilation and evaluations included). A log that cannot be
+read, and a run whose summary holds no usable training time (a run stopped before its first step, a NaN), are left
+out with a note naming them; the other logs are compared.
 """
 
 from __future__ import annotations
@@ -10,11 +14,37 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from train.records import runlog
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """The summary's ``warmup`` window: the first steps of each segment until the step time settled."""
+
+    steps: int
+    time_s: float
+    energy_j: float | None
+    cost_usd: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Steady:
+    """The summary's ``steady`` window: the steps after warm-up, and their rates over their own time."""
+
+    steps: int
+    time_s: float
+    step_time_s: float | None
+    throughput: float | None  # in the run's trained_unit per second
+    tflops_per_s: float | None
+    mfu: float | None
+    energy_j: float | None
+    power_w: float | None
+    cost_usd: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +63,7 @@ class Run:
     model: str
     params: int | None
     batch_size: int
-    batch_unit: str  # "tokens" (max tokens per batch) or "examples"
+    batch_unit: str  # "tokens" (max tokens per batch), "examples", or "rows of L tokens" (packed LM rows)
     grad_accum: int
     steps: int
     trained: int | None  # how much data the run trained on, in trained_unit
@@ -50,6 +80,19 @@ class Run:
     accuracy: float | None
     perplexity: float | None  # gpt; logs written before it was logged lack it
     memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/costs/memory.py); older logs lack it
+    schema: int = runlog.SCHEMA_VERSION
+    implementation: str = "ls_jax"  # the model's implementation; logs that do not name one trained ls_jax's
+    wall_time_s: float | None = None
+    wall_energy_j: float | None = None  # schema 1: unknown
+    wall_cost_usd: float | None = None
+    warmup: Warmup | None = None  # schema 1: unknown
+    steady: Steady | None = None  # schema 1: unknown
+
+    @property
+    def name(self) -> str:
+        """The run's name in reports: its run directory's name (a sweep names each by its point), or the log
+        file's own name when it is not a run directory's ``run.jsonl``."""
+        return self.source.parent.name if self.source.name == runlog.LOG_FILENAME else self.source.stem
 
     @property
     def configuration(self) -> tuple[str, int, str, str, str]:
@@ -66,6 +109,11 @@ class Run:
         return f"{self.configuration_label} {self.optimizer} {self.batch_label}"
 
     @property
+    def kernel_label(self) -> str:
+        """How the model ran: its implementation, the fused ops' backend and the precision."""
+        return f"{self.implementation} {self.backend} {self.precision}"
+
+    @property
     def batch_label(self) -> str:
         accum = f" x{self.grad_accum} accum" if self.grad_accum > 1 else ""
         return f"{self.batch_size} {self.batch_unit}{accum}"
@@ -75,22 +123,36 @@ class Run:
 _COUNTS = ("tokens", "examples")
 
 
-def _checked(record: dict[str, Any], where: str, counted: Iterable[str] = ()) -> dict[str, Any]:
+def _checked(record: dict[str, Any], where: str, counted: Iterable[str] = (),
+             schema: int = runlog.SCHEMA_VERSION) -> dict[str, Any]:
     """``record`` after `train.records.runlog.validate`; ValueError naming ``where`` and the key when it breaks the schema."""
     try:
-        runlog.validate(record, counted)
+        runlog.validate(record, counted, schema=schema)
     except runlog.RecordError as err:
         raise ValueError(err.at(where)) from None
     return record
 
 
-def _trained(summary: dict[str, Any], where: str) -> tuple[int | None, str, float | None]:
+def _trained(summary: dict[str, Any], where: str, schema: int) -> tuple[int | None, str, float | None]:
     """(amount trained on, its unit, amount per second) from the first count in _COUNTS the summary logs."""
     for name in _COUNTS:
         if name in summary:
-            _checked(summary, where, counted=(name,))
+            _checked(summary, where, counted=(name,), schema=schema)
             return summary[name], name, summary[f"{name}_per_s"]
     return None, _COUNTS[0], None
+
+
+def _warmup(summary: dict[str, Any]) -> Warmup | None:
+    part = summary.get("warmup")
+    return None if part is None else Warmup(part["steps"], part["time_s"], part["energy_j"], part["cost_usd"])
+
+
+def _steady(summary: dict[str, Any], unit: str) -> Steady | None:
+    part = summary.get("steady")
+    if part is None:
+        return None
+    return Steady(part["steps"], part["time_s"], part["step_time_s"], part.get(f"{unit}_per_s"),
+                  part["tflops_per_s"], part["mfu"], part["energy_j"], part["power_w"], part["cost_usd"])
 
 
 def _is_int(value: Any) -> bool:
@@ -98,27 +160,49 @@ def _is_int(value: Any) -> bool:
 
 
 def _batch(batch: dict[str, Any], where: str) -> tuple[int, str, int]:
-    """(size, unit, grad_accum) of a ``batch`` entry: {max_tokens or batch_size, grad_accum}."""
+    """(size, unit, grad_accum) of a ``batch`` entry: {max_tokens or batch_size, grad_accum}; a batch of packed
+    rows (``seq_len`` given, as GPT's) counts rows of that many tokens."""
     sizes = [(batch[key], unit) for key, unit in (("max_tokens", "tokens"), ("batch_size", "examples")) if key in batch]
     accum = batch.get("grad_accum")
     if len(sizes) != 1 or not _is_int(sizes[0][0]) or not _is_int(accum) or accum < 1:
         raise ValueError(f"{where}: batch={batch!r} must hold max_tokens or batch_size, and grad_accum >= 1 (integers)")
-    return sizes[0][0], sizes[0][1], accum
+    size, unit = sizes[0]
+    if unit == "examples" and _is_int(batch.get("seq_len")):
+        unit = f"rows of {batch['seq_len']} tokens"
+    return size, unit, accum
+
+
+class UnusableRun(ValueError):
+    """A well-formed run whose summary cannot be compared (no finite, positive training time): left out with a
+    note, the other runs are compared."""
+
+
+def _check_usable(results: dict[str, Any], run_id: str, where: str) -> None:
+    """Raises UnusableRun for a run that trained no step, and for a non-finite number anywhere in its summary (the
+    harness logs those as null, so such a log was changed by hand) or a training time that is not > 0."""
+    if results["train_time_s"] == 0 and results["steps"] == 0:
+        raise UnusableRun(f"left out run {run_id} ({where}): it stopped before its first step, so it has no time "
+                          "to compare")
+    for key, value in results.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UnusableRun(f"left out run {run_id} ({where}): {key}={value} is not a finite number")
+    if results["train_time_s"] <= 0:
+        raise UnusableRun(f"left out run {run_id} ({where}): train_time_s={results['train_time_s']} must be > 0")
 
 
 def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict[str, Any], where: str) -> Run:
     config = _checked(run_record, run_where)
-    if config["schema"] != runlog.SCHEMA_VERSION:
-        raise ValueError(f"{run_where}: run-log schema {config['schema']}; this version of ls-jax reads schema "
-                         f"{runlog.SCHEMA_VERSION}")
-    results = _checked(summary, where)
-    if results["train_time_s"] <= 0:
-        raise ValueError(f"{where}: train_time_s={results['train_time_s']} must be positive")
+    schema = config["schema"]
+    if schema not in runlog.READABLE_SCHEMAS:
+        raise ValueError(f"{run_where}: run-log schema {schema}; this version of ls-jax reads schema "
+                         f"{' and '.join(map(str, runlog.READABLE_SCHEMAS))}")
+    results = _checked(summary, where, schema=schema)
+    _check_usable(results, config["run_id"], where)
     if (results["energy_j"] is None) != (results["energy_source"] is None):
         raise ValueError(f"{where}: energy_j and energy_source must both be null or both be set, got "
                          f"{results['energy_j']!r} and {results['energy_source']!r}")
     batch_size, batch_unit, grad_accum = _batch(config["batch"], run_where)
-    trained, trained_unit, throughput = _trained(summary, where)
+    trained, trained_unit, throughput = _trained(summary, where, schema)
     return Run(
         source=source,
         run_id=config["run_id"],
@@ -150,6 +234,13 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         accuracy=results["accuracy"],
         perplexity=results.get("perplexity"),
         memory=results.get("memory"),
+        schema=schema,
+        implementation=config.get("implementation", "ls_jax"),
+        wall_time_s=float(results["wall_time_s"]),
+        wall_energy_j=results.get("wall_energy_j"),
+        wall_cost_usd=results.get("wall_cost_usd"),
+        warmup=_warmup(results),
+        steady=_steady(results, trained_unit),
     )
 
 
@@ -211,7 +302,10 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
                          "(still running, or killed before it could finish its log)")
             continue
         summary_number, summary = summaries[-1]
-        runs.append(_run(path, run_record, f"{path}:{run_number}", summary, f"{path}:{summary_number}"))
+        try:
+            runs.append(_run(path, run_record, f"{path}:{run_number}", summary, f"{path}:{summary_number}"))
+        except UnusableRun as err:
+            notes.append(str(err))
     return runs, notes
 
 
@@ -226,9 +320,16 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
     for entry in map(Path, paths):
         if entry.is_dir():
             candidates = sorted(entry.rglob("*.jsonl"))
-            logs = [path for path in candidates if is_run_log(path)]
+            logs, unreadable = [], []
+            for path in candidates:
+                try:
+                    if is_run_log(path):
+                        logs.append(path)
+                except OSError as err:
+                    unreadable.append(path)
+                    notes.append(f"left out {path}: {err.strerror or err}")
             notes += [f"passed over {path}: not a run log (no 'run' record first)" for path in candidates
-                      if path not in logs]
+                      if path not in logs and path not in unreadable]
             if not logs:
                 raise FileNotFoundError(f"{entry}: no run logs (*.jsonl starting with a 'run' record) in this directory")
         elif entry.is_file():
@@ -240,16 +341,21 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
 
 
 def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
-    """Every run with a summary in the logs named by ``paths`` (files or directories), and notes on what was left out.
+    """Every run with a summary in the logs named by ``paths`` (files or directories), and notes on what was left out:
+    runs without a summary or a usable time, and logs that cannot be read (each note names the file, line and key).
 
     Raises:
       FileNotFoundError: a path does not exist, or a directory holds no run log.
-      ValueError: a log is malformed (the message names the file, line and key), or no run has a summary.
+      ValueError: no run is left to compare (the message holds the notes).
     """
     logs, notes = find_run_logs(paths)
     runs: list[Run] = []
     for log in logs:
-        log_runs, log_notes = read_run_log(log)
+        try:
+            log_runs, log_notes = read_run_log(log)
+        except (ValueError, OSError) as err:
+            notes.append(f"left out {log}: {getattr(err, 'strerror', None) or err}")
+            continue
         runs += log_runs
         notes += log_notes
     first_seen: dict[str, Run] = {}

@@ -8,11 +8,18 @@
 
       score_i = w_t * T_i + w_c * C_i + w_e * E_i - w_u * U_i        (lower is better)
 
-  This is the study's normalization (its Table 5.4 divides each column of its Table 5.1 by the column's
-  maximum). Only runs that pass the quality gate (`train.compare.quality`) are scored: a run that did not learn is
-  shown and never ranked. Missing values are never taken as zero: a run whose cost, energy or MFU is null in its log is not scored when
-  that term has a non-zero weight (the notes say which runs and why), and the maxima run over the scored runs
-  only. A term whose maximum is 0 (e.g. every run was free) is 0 for every run.
+  This is the study's normalization (its Table 5.2 divides each column of its Table 5.1 by the column's
+  maximum; tests/data/study-tables-5.toml). Only runs that pass the quality gate (`train.compare.quality`) are
+  scored: a run that did not learn is shown and never ranked. Missing values are never taken as zero: a run whose
+  cost, energy or MFU is null in its log is not scored when that term has a non-zero weight (the notes say which
+  runs and why), and the maxima run over the scored runs only; but where no converged run has an MFU (a device
+  without a datasheet peak, such as a CPU), the utilization term is left out of every score, with a note. A term
+  whose maximum is 0 (e.g. every run was free) is 0 for every run.
+
+The window scored (`WINDOWS`): ``whole`` (default, as the study did) takes each run's training time, cost and
+energy over all its steps, warm-up included, and its MFU over them; ``steady`` takes the steady state's time,
+cost and energy per unit trained (example or token) and its MFU, so runs compare by what they achieve once the
+one-time work of the first steps is done.
 
 Repeated runs of one configuration stay separate rows; only `speedups_by_model_and_batch` averages them.
 """
@@ -49,23 +56,44 @@ class Weights:
         return ", ".join(f"{field.name} {getattr(self, field.name):g}" for field in dataclasses.fields(self))
 
 
-# The study's seven presets (time, cost, energy, utilization): the first-named criterion weighs 0.5, the second 0.3.
+# The study's seven strategies (its Table 5.3) by its names (time, cost, energy, utilization): the first-named
+# criterion weighs 0.5, the second 0.3, the third 0.1.
 WEIGHT_PRESETS: dict[str, Weights] = {
     "balance": Weights(0.3, 0.3, 0.3, 0.1),
-    "time_cost": Weights(0.5, 0.3, 0.1, 0.1),
-    "time_energy": Weights(0.5, 0.1, 0.3, 0.1),
-    "cost_time": Weights(0.3, 0.5, 0.1, 0.1),
-    "cost_energy": Weights(0.1, 0.5, 0.3, 0.1),
-    "energy_time": Weights(0.3, 0.1, 0.5, 0.1),
-    "energy_cost": Weights(0.1, 0.3, 0.5, 0.1),
+    "time_cost_energy": Weights(0.5, 0.3, 0.1, 0.1),
+    "time_energy_cost": Weights(0.5, 0.1, 0.3, 0.1),
+    "cost_time_energy": Weights(0.3, 0.5, 0.1, 0.1),
+    "cost_energy_time": Weights(0.1, 0.5, 0.3, 0.1),
+    "energy_time_cost": Weights(0.3, 0.1, 0.5, 0.1),
+    "energy_cost_time": Weights(0.1, 0.3, 0.5, 0.1),
+}
+# Names earlier versions gave the strategies, still accepted wherever a preset is named.
+PRESET_ALIASES: dict[str, str] = {
+    "time_cost": "time_cost_energy",
+    "time_energy": "time_energy_cost",
+    "cost_time": "cost_time_energy",
+    "cost_energy": "cost_energy_time",
+    "energy_time": "energy_time_cost",
+    "energy_cost": "energy_cost_time",
 }
 DEFAULT_PRESET = "balance"
+WINDOWS = ("whole", "steady")
+DEFAULT_WINDOW = "whole"
+WINDOW_LABELS = {"whole": "whole run", "steady": "steady state"}
+WARMUP_WARNING = 0.10  # of the training time: above it, a run's warm-up is worth a warning
+
+
+def preset_name(text: str) -> str | None:
+    """The preset ``text`` names (itself, or the study's name for an earlier alias), or None."""
+    name = PRESET_ALIASES.get(text, text)
+    return name if name in WEIGHT_PRESETS else None
 
 
 def parse_weights(text: str) -> tuple[str, Weights]:
-    """A preset name, or four comma-separated weights ``t,c,e,u``; returns (name or "custom", weights)."""
-    if text in WEIGHT_PRESETS:
-        return text, WEIGHT_PRESETS[text]
+    """A preset name (or an alias), or four comma-separated weights ``t,c,e,u``; returns (preset name or
+    "custom", weights)."""
+    if (name := preset_name(text)) is not None:
+        return name, WEIGHT_PRESETS[name]
     parts = text.split(",")
     try:
         values = [float(part) for part in parts]
@@ -87,11 +115,17 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Ratios:
-    """A run against the baseline: speedup = t_baseline / t_run, cost = c_run / c_baseline, energy likewise."""
+    """A run against the baseline: speedup = t_baseline / t_run, cost = c_run / c_baseline, energy likewise (whole
+    run); steady speedup = the run's steady throughput / the baseline's."""
 
     speedup: float
     cost: float | None
     energy: float | None
+    steady_speedup: float | None = None
+
+
+def _steady_throughput(run: Run) -> float | None:
+    return None if run.steady is None else run.steady.throughput
 
 
 def ratios_to(baseline: Run, run: Run) -> Ratios:
@@ -99,25 +133,51 @@ def ratios_to(baseline: Run, run: Run) -> Ratios:
         speedup=baseline.train_time_s / run.train_time_s,
         cost=_ratio(run.cost_usd, baseline.cost_usd),
         energy=_ratio(run.energy_j, baseline.energy_j),
+        steady_speedup=_ratio(_steady_throughput(run), _steady_throughput(baseline)),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What a run is scored on in one window: time, cost, energy (whole run: totals in s, USD, J; steady state:
+    per unit trained) and MFU; None where the log lacks it."""
+
+    time: float | None
+    cost: float | None
+    energy: float | None
+    utilization: float | None
+
+
+def figures(run: Run, window: str = DEFAULT_WINDOW) -> Figures:
+    """The run's figures in ``window`` (`WINDOWS`). Steady state: time per unit = 1 / steady throughput, cost and
+    energy per unit = the steady window's over the units it trained (throughput x its time)."""
+    if window == "whole":
+        return Figures(run.train_time_s, run.cost_usd, run.energy_j, run.mfu)
+    steady = run.steady
+    units = None if steady is None or steady.throughput is None else steady.throughput * steady.time_s
+    if not units:
+        return Figures(None, None, None, None if steady is None else steady.mfu)
+    return Figures(steady.time_s / units, _ratio(steady.cost_usd, units), _ratio(steady.energy_j, units), steady.mfu)
 
 
 @dataclasses.dataclass(frozen=True)
 class Score:
     """Max-normalized terms of one run (None where the run lacks a value whose weight is 0) and the score."""
 
-    time: float
+    time: float | None
     cost: float | None
     energy: float | None
     utilization: float | None
     value: float
 
 
-def missing_terms(run: Run, weights: Weights) -> list[str]:
-    """The weighted score terms for which ``run`` has no value."""
-    terms = (("cost", weights.cost, run.cost_usd), ("energy", weights.energy, run.energy_j),
-             ("MFU", weights.utilization, run.mfu))
-    return [name for name, weight, value in terms if weight > 0 and value is None]
+_TERMS = (("time", "time"), ("cost", "cost"), ("energy", "energy"), ("MFU", "utilization"))
+
+
+def missing_terms(run: Run, weights: Weights, window: str = DEFAULT_WINDOW) -> list[str]:
+    """The weighted score terms for which ``run`` has no value in ``window``."""
+    values = figures(run, window)
+    return [name for name, field in _TERMS if getattr(weights, field) > 0 and getattr(values, field) is None]
 
 
 def max_normalized(values: Sequence[float | None]) -> list[float | None]:
@@ -126,20 +186,32 @@ def max_normalized(values: Sequence[float | None]) -> list[float | None]:
     return [None if value is None else (value / top if top > 0 else 0.0) for value in values]
 
 
-def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None) -> list[Score | None]:
-    """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the ``eligible`` runs (default all) that have every
-    weighted term; None for others.
+def utilization_unknown(runs: Sequence[Run], eligible: Sequence[bool], window: str = DEFAULT_WINDOW) -> bool:
+    """Whether no ``eligible`` run has an MFU in ``window`` (while some are eligible): the score then leaves the
+    utilization term out."""
+    chosen = [run for run, ok in zip(runs, eligible) if ok]
+    return bool(chosen) and all(figures(run, window).utilization is None for run in chosen)
 
-    T, C, E, U are time, cost, energy and MFU, each divided by its maximum over the scored runs.
+
+def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None,
+                    window: str = DEFAULT_WINDOW) -> list[Score | None]:
+    """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the ``eligible`` runs (default all) that have every
+    weighted term in ``window``; None for others.
+
+    T, C, E, U are time, cost, energy and MFU, each divided by its maximum over the scored runs; without an MFU
+    for any eligible run, w_u is taken as 0 (`utilization_unknown`).
     """
     eligible = [True] * len(runs) if eligible is None else eligible
-    scored = [index for index, run in enumerate(runs) if eligible[index] and not missing_terms(run, weights)]
-    columns = [max_normalized([getattr(runs[i], key) for i in scored])
-               for key in ("train_time_s", "cost_usd", "energy_j", "mfu")]
+    if utilization_unknown(runs, eligible, window):
+        weights = dataclasses.replace(weights, utilization=0.0)
+    scored = [index for index, run in enumerate(runs) if eligible[index] and not missing_terms(run, weights, window)]
+    values = [figures(runs[index], window) for index in scored]
+    columns = [max_normalized([getattr(value, field) for value in values]) for _, field in _TERMS]
     scores: list[Score | None] = [None] * len(runs)
     for position, index in enumerate(scored):
         time, cost, energy, utilization = (column[position] for column in columns)
-        terms = ((weights.time, time), (weights.cost, cost), (weights.energy, energy), (-weights.utilization, utilization))
+        terms = ((weights.time, time), (weights.cost, cost), (weights.energy, energy),
+                 (-weights.utilization, utilization))
         value = sum(weight * term for weight, term in terms if weight != 0)
         scores[index] = Score(time=time, cost=cost, energy=energy, utilization=utilization, value=value)
     return scores
@@ -147,7 +219,8 @@ def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bo
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """Runs of one task against a baseline run, scored with ``weights``; ``notes`` is what a reader must know."""
+    """Runs of one task against a baseline run, scored with ``weights`` in ``window``; ``notes`` is what a reader
+    must know."""
 
     runs: list[Run]
     baseline: int
@@ -159,6 +232,7 @@ class Comparison:
     gate: Gate
     verdicts: list[str | None]  # None: passed the quality gate; else why the run did not converge
     matrix: dict[str, list[Score | None]]  # preset -> score of each run under it
+    window: str = DEFAULT_WINDOW
 
     @property
     def converged(self) -> list[bool]:
@@ -187,33 +261,71 @@ def _unequal_work_note(runs: Sequence[Run]) -> str | None:
             "the same data for the same number of epochs or tokens")
 
 
+def warmup_note(index: int, run: Run) -> str | None:
+    """One line when warm-up took more than `WARMUP_WARNING` of the run's training time."""
+    if run.warmup is None or run.warmup.time_s <= WARMUP_WARNING * run.train_time_s:
+        return None
+    return (f"#{index + 1} {run.name}: warm-up took {run.warmup.time_s / run.train_time_s:.0%} of its training "
+            f"time ({run.warmup.steps} steps, {run.warmup.time_s:.3g} s): its whole-run figures understate its "
+            "steady state (see the steady-state table)")
+
+
+def schema_note(index: int, run: Run) -> str | None:
+    """One line for a run whose log predates the windows (schema 1)."""
+    if run.schema >= 2:
+        return None
+    energy = (", and its energy covers compilation and evaluations besides the training steps"
+              if run.energy_j is not None else "")
+    return (f"#{index + 1} {run.name}: its log (schema {run.schema}) has no warm-up or steady-state figures"
+            f"{energy}")
+
+
+def _score_notes(runs: Sequence[Run], weights: Weights, window: str, converged: Sequence[bool],
+                 scores: Sequence[Score | None]) -> list[str]:
+    """Why converged runs are not scored, and a term left out of every score."""
+    notes = []
+    if weights.utilization > 0 and utilization_unknown(runs, converged, window):
+        notes.append("no converged run has an MFU (no datasheet peak for its device): the scores leave the "
+                     "utilization term out")
+    for index, run in enumerate(runs):
+        if scores[index] is None and converged[index]:
+            missing = missing_terms(run, weights, window)
+            if utilization_unknown(runs, converged, window) and "MFU" in missing:
+                missing.remove("MFU")
+            names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+            notes.append(f"#{index + 1} {run.name} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
+                         f"unknown ({WINDOW_LABELS[window]}; null in its log) and weighted; a weight of 0 for a term "
+                         "scores runs without it")
+    return notes
+
+
 def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAULT_PRESET,
-            weights: Weights | None = None, notes: Iterable[str] = (), gate: Gate | None = None) -> Comparison:
-    """Ratios to ``runs[baseline]``; weighted scores of the runs that pass ``gate`` (default: the task's,
-    `train.compare.quality.default_gate`) under ``weights`` (preset ``weights_name`` unless given) and under every
-    preset (the score matrix)."""
+            weights: Weights | None = None, notes: Iterable[str] = (), gate: Gate | None = None,
+            window: str = DEFAULT_WINDOW) -> Comparison:
+    """Ratios to ``runs[baseline]``; weighted scores in ``window`` of the runs that pass ``gate`` (default: the
+    task's, `train.compare.quality.default_gate`) under ``weights`` (preset ``weights_name`` unless given) and
+    under every preset (the score matrix)."""
     if not runs:
         raise ValueError("no run to compare")
     if not 0 <= baseline < len(runs):
         raise ValueError(f"baseline index {baseline} is out of range for {len(runs)} runs")
+    if window not in WINDOWS:
+        raise ValueError(f"score window {window!r} is not one of {', '.join(WINDOWS)}")
     if weights is None:
         weights_name, weights = parse_weights(weights_name)
     gate = gate or default_gate(runs[0].task)
     verdicts = gate.verdicts(runs)
     converged = [verdict is None for verdict in verdicts]
-    scores = weighted_scores(runs, weights, converged)
+    scores = weighted_scores(runs, weights, converged, window)
     notes = list(notes)
     for index, (run, verdict) in enumerate(zip(runs, verdicts)):
         if verdict is not None:
-            notes.append(f"#{index + 1} {run.run_id} did not converge ({verdict}): shown, never ranked")
+            notes.append(f"#{index + 1} {run.name} did not converge ({verdict}): shown, never ranked")
         if not run.completed:
-            notes.append(f"#{index + 1} {run.run_id} stopped early ({run.stop_reason}) after {run.steps} steps: its "
+            notes.append(f"#{index + 1} {run.name} stopped early ({run.stop_reason}) after {run.steps} steps: its "
                          "totals cover only that part")
-        if scores[index] is None and converged[index]:
-            missing = missing_terms(run, weights)
-            names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
-            notes.append(f"#{index + 1} {run.run_id} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
-                         "unknown (null in its log) and weighted; a weight of 0 for a term scores runs without it")
+        notes += [note for note in (warmup_note(index, run), schema_note(index, run)) if note]
+    notes += _score_notes(runs, weights, window, converged, scores)
     work_note = _unequal_work_note(runs)
     if work_note:
         notes.append(work_note)
@@ -227,7 +339,8 @@ def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAU
         notes=notes,
         gate=gate,
         verdicts=verdicts,
-        matrix={name: weighted_scores(runs, preset, converged) for name, preset in WEIGHT_PRESETS.items()},
+        matrix={name: weighted_scores(runs, preset, converged, window) for name, preset in WEIGHT_PRESETS.items()},
+        window=window,
     )
 
 
@@ -236,8 +349,8 @@ def recommendation(comparison: Comparison, preset: str) -> str:
     ranked = comparison.ranked_under(preset)
     if not ranked:
         if any(comparison.converged):
-            return (f"{preset}: no converged run could be scored: each lacks a weighted term (cost, energy or MFU; "
-                    "see the notes)")
+            return (f"{preset}: no converged run could be scored: each lacks a weighted term (time, cost, energy or "
+                    "MFU; see the notes)")
         return f"{preset}: no converged run could be scored"
     scores, runs = comparison.matrix[preset], comparison.runs
     best = ranked[0]

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from train.compare.runs import Run
-from train.compare.scoring import WEIGHT_PRESETS, Comparison, recommendation
+from train.compare.scoring import WEIGHT_PRESETS, WINDOW_LABELS, Comparison, recommendation
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -57,15 +57,15 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
                if any(getattr(run, key) is not None for run in runs)]
     header = ["#", "run", "device", "count", "implementation", "backend", "precision", "optimizer", "model", "batch",
-              "time", "cost", "energy", "throughput", "MFU", *quality, "quality gate"]
+              "training time", "cost", "energy", "throughput", "MFU", "wall time", *quality, "quality gate"]
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.run_id, run.device_kind, f"{run.device_count}", run.implementation, run.backend,
+            f"{index + 1}", run.name, run.device_kind, f"{run.device_count}", run.implementation, run.backend,
             run.precision, run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
             _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
-            _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
+            _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"), _optional(run.wall_time_s, format_duration),
         ]
         row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
         row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
@@ -75,17 +75,43 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def steady_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: each run's warm-up (steps, time and its share of the training time) and steady state
+    (median step time, throughput, MFU, power, energy per step); n/a for logs without them."""
+    header = ["#", "run", "configuration", "warm-up", "steady steps", "step time", "throughput", "MFU", "power",
+              "energy/step"]
+    rows = []
+    for index, run in enumerate(comparison.runs):
+        warmup, steady = run.warmup, run.steady
+        row = [f"{index + 1}", run.name, run.kernel_label]
+        if warmup is None or steady is None:
+            rows.append(row + ["n/a"] * (len(header) - len(row)))
+            continue
+        energy_per_step = None if steady.energy_j is None or not steady.steps else steady.energy_j / steady.steps
+        rows.append(row + [
+            f"{warmup.steps} steps, {format_duration(warmup.time_s)} ({warmup.time_s / run.train_time_s:.0%})",
+            f"{steady.steps}", _optional(steady.step_time_s, lambda seconds: f"{significant(seconds)} s"),
+            _optional(steady.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
+            _optional(steady.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
+            _optional(steady.power_w, lambda watts: f"{significant(watts)} W"),
+            _optional(energy_per_step, lambda joules: f"{significant(joules)} J"),
+        ])
+    return header, rows
+
+
 def ratios_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: speedup, cost ratio and energy ratio of each run against the baseline."""
+    """Header and rows: speedup, cost ratio and energy ratio of each run against the baseline over the whole run,
+    and its speedup in the steady state."""
     header = ["#", "run", "device", "implementation", "backend", "precision", "speedup", "cost ratio", "energy ratio",
-              ""]
+              "steady speedup", "role"]
     rows = []
     for index, (run, ratios) in enumerate(zip(comparison.runs, comparison.ratios)):
         rows.append([
-            f"{index + 1}", run.run_id, run.device_kind, run.implementation, run.backend, run.precision,
+            f"{index + 1}", run.name, run.device_kind, run.implementation, run.backend, run.precision,
             f"{ratios.speedup:.2f}x",
             _optional(ratios.cost, lambda ratio: f"{ratio:.2f}x"),
             _optional(ratios.energy, lambda ratio: f"{ratio:.2f}x"),
+            _optional(ratios.steady_speedup, lambda ratio: f"{ratio:.2f}x"),
             "baseline" if index == comparison.baseline else "",
         ])
     return header, rows
@@ -99,7 +125,7 @@ def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         run, score = comparison.runs[index], comparison.scores[index]
         terms = [_optional(term, lambda value: f"{value:.3f}")
                  for term in (score.time, score.cost, score.energy, score.utilization)]
-        rows.append([f"{rank}", f"{index + 1}", run.run_id, run.device_kind, run.implementation, run.backend,
+        rows.append([f"{rank}", f"{index + 1}", run.name, run.device_kind, run.implementation, run.backend,
                      run.precision, *terms,
                      f"{score.value:.4f}"])
     return header, rows
@@ -159,10 +185,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), line(["-" * width for width in widths]), *map(line, rows)])
 
 
+WINDOW_TERMS = {
+    "whole": "the training time, cost and energy of all the run's steps (warm-up included) and its MFU over them",
+    "steady": "the steady state's time, cost and energy per unit trained and its MFU",
+}
+
+
 def score_explanation(comparison: Comparison) -> str:
     weights = comparison.weights
-    return (f"Weights `{comparison.weights_name}` ({weights.describe()}). T, C, E and U are time, cost, energy and "
-            "MFU, each divided by its maximum over the scored runs; score = "
+    return (f"Weights `{comparison.weights_name}` ({weights.describe()}), scoring the "
+            f"{WINDOW_LABELS[comparison.window]}: T, C, E and U are {WINDOW_TERMS[comparison.window]}, each divided "
+            "by its maximum over the scored runs; score = "
             f"{weights.time:g} T + {weights.cost:g} C + {weights.energy:g} E - {weights.utilization:g} U, "
             "lower is better.")
 
@@ -182,10 +215,18 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
     sections = [
         "# Training run comparison",
         f"Created {created} by `{command}` from {len(comparison.runs)} runs of task `{baseline.task}`.",
-        "## Runs",
+        "## Runs: the whole run",
+        "Training time, cost, energy, throughput and MFU cover every training step, warm-up included (compilation, "
+        "evaluation and checkpoints left out); the wall time covers the whole process.",
         markdown_table(*runs_table(comparison)),
-        f"## Against the baseline: #{comparison.baseline + 1} {baseline.run_id} ({baseline.configuration_label})",
-        "Speedup = baseline time / run time; cost and energy ratios = run / baseline.",
+        "## Warm-up and steady state",
+        "Warm-up: the first steps of each start until the step time settled (within 10% of the run's steady "
+        "median); its share of the training time in parentheses. Steady state: the steps after it, their median "
+        "step time and their rates over their own time.",
+        markdown_table(*steady_table(comparison)),
+        f"## Against the baseline: #{comparison.baseline + 1} {baseline.name} ({baseline.configuration_label})",
+        "Speedup = baseline time / run time; cost and energy ratios = run / baseline (whole run); steady speedup = "
+        "run / baseline steady throughput.",
         markdown_table(*ratios_table(comparison)),
         "## Weighted score",
         score_explanation(comparison),
@@ -194,9 +235,9 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         f"A run is ranked only when its final {comparison.gate.describe()}; the others are shown and marked "
         "NOT CONVERGED.",
         "## Score matrix: the seven weight strategies",
-        "Each column scores the converged runs under one preset (T, C, E, U divided by their maxima; lower is "
-        "better); the rank under that preset in parentheses. The energy column says whether the run's energy was "
-        "measured or estimated.",
+        f"Each column scores the converged runs under one strategy of the study ({WINDOW_LABELS[comparison.window]}; "
+        "T, C, E, U divided by their maxima; lower is better); the rank under it in parentheses. The energy column "
+        "says whether the run's energy was measured or estimated.",
         markdown_table(*matrix_table(comparison)),
         "## Recommendation",
         "\n".join(f"- {line}" for line in recommendations(comparison)),
@@ -212,6 +253,6 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
     ]
     if comparison.notes:
         sections += ["## Notes", "\n".join(f"- {note}" for note in comparison.notes)]
-    sections += ["## Sources", "\n".join(f"- #{index + 1} {run.run_id}: `{run.source}`"
+    sections += ["## Sources", "\n".join(f"- #{index + 1} {run.name} (run id {run.run_id}): `{run.source}`"
                                          for index, run in enumerate(comparison.runs))]
     return "\n\n".join(sections) + "\n"

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from train.costs import energy as energy_lib
 from train.costs import metrics as metrics_lib
 from train.errors import UsageError
 from train.costs.precision import parse_precision
@@ -25,7 +26,7 @@ class Hardware:
     peak_tflops_per_device: float | None
     price_per_device_hour: float | None
     price_source: str | None
-    energy: metrics_lib.EnergyMeter
+    energy: energy_lib.EnergyMeter  # started when the devices were detected
 
     @classmethod
     def detect(cls, precision: str, *, device_name: str | None = None, price_override: float | None = None) -> Hardware:
@@ -37,8 +38,9 @@ class Hardware:
         devices = jax.devices()
         spec = metrics_lib.find_device(devices[0].device_kind, device_name)
         precision = parse_precision(precision, devices[0].platform, spec)
-        price, price_source = metrics_lib.resolve_price(spec, price_override)
         local = jax.local_devices()
+        units = metrics_lib.units_per_device(spec, len(local))
+        price, price_source = metrics_lib.resolve_price(spec, price_override, units)
         return cls(
             devices=devices,
             local_devices=local,
@@ -47,7 +49,7 @@ class Hardware:
             peak_tflops_per_device=metrics_lib.peak_tflops(spec, precision),
             price_per_device_hour=price,
             price_source=price_source,
-            energy=metrics_lib.energy_meter(local, spec),
+            energy=energy_lib.energy_meter(local, spec),
         )
 
     @property
@@ -69,13 +71,19 @@ class Hardware:
 
     def energy_joules(self) -> float | None:
         """Energy of every host's devices since the meter started (a collective when there are several hosts)."""
-        local = self.energy.joules()
-        if jax.process_count() == 1:
-            return local
+        return self.sum_over_hosts([self.energy.joules()])[0]
+
+    def sum_over_hosts(self, values: list[float | None]) -> list[float | None]:
+        """Each of ``values`` (this host's energies) summed over every host, None where a host lacks it (a
+        collective when there are several hosts: every process calls it with as many values)."""
+        if jax.process_count() == 1 or not values:
+            return list(values)
         from jax.experimental import multihost_utils
 
-        gathered = multihost_utils.process_allgather(np.asarray(np.nan if local is None else local, np.float64))
-        return None if np.isnan(gathered).any() else float(np.sum(gathered))
+        local = np.asarray([np.nan if value is None else value for value in values], np.float64)
+        gathered = multihost_utils.process_allgather(local).reshape(-1, len(values))
+        sums = gathered.sum(axis=0)
+        return [None if np.isnan(value) else float(value) for value in sums]
 
 
 def detect_hardware(precision: str, device_name: str | None, price_per_hour: float | None) -> Hardware:

@@ -23,7 +23,7 @@ MODEL_OF_WORKLOAD = {"wmt-big-6e6d": "transformer-big", "bert-base": "bert-base"
 
 
 class RunLike(Protocol):
-    run_id: str
+    name: str  # the run's name in reports (its run directory's)
     device_kind: str
     backend: str
     model: str
@@ -84,9 +84,9 @@ def table(runs: Sequence[RunLike], measured: Sequence[Measured]) -> tuple[list[s
         match = for_run(run, measured)
         mfu = "n/a" if run.mfu is None else f"{100 * run.mfu:.1f}%"
         if match is None:
-            rows.append([f"#{index + 1}", run.run_id, "MFU (no counters for this device and backend)", "-", "-", mfu])
+            rows.append([f"#{index + 1}", run.name, "MFU (no counters for this device and backend)", "-", "-", mfu])
         else:
             where = match.workload if same_model(match, run) else f"{match.workload}, not {run.model}"
-            rows.append([f"#{index + 1}", run.run_id, f"measured (ncu, {where})",
+            rows.append([f"#{index + 1}", run.name, f"measured (ncu, {where})",
                          f"{match.achieved_occupancy_pct:.1f}%", f"{match.sm_throughput_pct:.1f}%", mfu])
     return header, rows

@@ -4,11 +4,11 @@ Tables are data with their sources; every lookup returns None where a number is 
 
 - `transformer_train_flops`: the analytic FLOP count of one training step (docs/flops.md derives it);
   `xla_flops`: XLA's own count of a lowered computation (before optimization), for cross-checking.
-- `DEVICES`: per JAX device, the datasheet dense peak TFLOP/s per precision, price per hour and (TPU) power.
+- `DEVICES`: per JAX device, the datasheet dense peak TFLOP/s per precision, price per hour and (TPU, CPU) power.
   A JAX device is one GPU, one TPU v4/v5 chip, or one TPU v2/v3 TensorCore (two per chip), and the numbers are
-  per JAX device accordingly.
-- Energy: NVIDIA GPUs read NVML's total-energy counter (millijoules since driver load) for the devices in use;
-  TPUs estimate mean chip power x devices x time; other devices report None.
+  per JAX device accordingly; a CPU's price and power are per logical CPU (vCPU), and its JAX devices share the
+  logical CPUs this process may run on (`logical_cpus`).
+- Energy meters (NVML, RAPL, estimates) live in `train.costs.energy`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -97,13 +96,13 @@ def host_cost_analysis(lowered: Any) -> dict[str, float] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Price:
-    usd_per_hour: float  # per JAX device
+    usd_per_hour: float  # per JAX device (per logical CPU for an entry with per_logical_cpu)
     source: str  # where and when the list price was read
 
 
 @dataclasses.dataclass(frozen=True)
 class Power:
-    watts: float  # per JAX device
+    watts: float  # per JAX device (per logical CPU for an entry with per_logical_cpu)
     source: str
 
 
@@ -117,6 +116,7 @@ class DeviceSpec:
     peak_source: str
     price: Price | None = None
     power: Power | None = None
+    per_logical_cpu: bool = False  # price and power per logical CPU (vCPU), not per JAX device
 
     def matches(self, device_kind: str) -> bool:
         return re.search(self.pattern, device_kind, re.IGNORECASE) is not None
@@ -131,6 +131,13 @@ _GCP_TPU = "Google Cloud TPU pricing, on-demand us-central1, listed 2024"
 _TPU_ARCH = "Google Cloud TPU system architecture docs, per chip"
 _V4_PAPER = "Jouppi et al., TPU v4, ISCA 2023, Table 1: mean power"
 _LESSONS = "Jouppi et al., Ten Lessons from Three Generations of TPUs, ISCA 2021, Table 1: TDP (no mean published; an upper bound)"
+# JAX names no CPU model ("cpu"), so a CPU's figures are per logical CPU of a typical cloud machine.
+_CPU_PRICE = ("AWS EC2 On-Demand pricing, m6a.large (2 vCPUs of a 3rd-generation AMD EPYC, 8 GiB), Linux, US East "
+              "(N. Virginia): USD 0.0864 per hour, i.e. 0.0432 per vCPU-hour with its memory; listed since 2021, "
+              "read 2026-11")
+_CPU_POWER = ("Cloud Carbon Footprint, AWS average power of a fully busy vCPU (MAX_WATTS_AVG of "
+              "AwsFootprintEstimationConstants.ts, from SPECpower_ssj2008 results), read 2026-11; the CPU's model is "
+              "unknown, so an estimate")
 
 DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("H100-PCIe", r"h100.*pcie", {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0}, _NV.format("H100 PCIe"),
@@ -173,6 +180,9 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("TPU-v5p", r"tpu v5p?$|tpu v5p", {"fp32": 459.0, "bf16": 459.0, "fp16": None},
                _TPU_ARCH + ": 459 TFLOP/s bf16 per chip (one JAX device)",
                Price(4.20, _GCP_TPU + ", per chip")),
+    DeviceSpec("CPU", r"^cpu$", {"fp32": None, "bf16": None, "fp16": None},
+               "no peak: a CPU's peak depends on its model, which JAX does not name",
+               Price(0.0432, _CPU_PRICE), Power(3.5, _CPU_POWER), per_logical_cpu=True),
 )
 DEVICE_NAMES = tuple(spec.name for spec in DEVICES)
 
@@ -197,15 +207,46 @@ def peak_tflops(spec: DeviceSpec | None, precision: str) -> float | None:
     return None if spec is None else spec.peak_tflops.get(precision)
 
 
-def resolve_price(spec: DeviceSpec | None, override: float | None) -> tuple[float | None, str | None]:
-    """(USD per device-hour, its source): ``--price-per-hour`` if given, else the table, else (None, None)."""
+def logical_cpus() -> int:
+    """The logical CPUs (hardware threads; a cloud's vCPUs) this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this OS
+        return os.cpu_count() or 1
+
+
+def units_per_device(spec: DeviceSpec | None, device_count: int) -> float:
+    """How many of ``spec``'s price and power units one JAX device stands for: 1, or for an entry priced per
+    logical CPU, this process's logical CPUs shared among its ``device_count`` JAX devices."""
+    if spec is None or not spec.per_logical_cpu:
+        return 1.0
+    return logical_cpus() / device_count
+
+
+def _per_device(spec: DeviceSpec, source: str, units: float) -> str:
+    """``source`` named after its table entry, with the logical CPUs per device where the entry counts those."""
+    share = f"; x {units:g} logical CPUs per JAX device" if spec.per_logical_cpu else ""
+    return f"{spec.name}: {source}{share}"
+
+
+def resolve_price(spec: DeviceSpec | None, override: float | None,
+                  units: float = 1.0) -> tuple[float | None, str | None]:
+    """(USD per device-hour, its source): ``--price-per-hour`` if given, else the table's price x ``units``
+    (`units_per_device`), else (None, None)."""
     if override is not None:
         if override < 0:
             raise ValueError(f"--price-per-hour must be >= 0, got {override}")
         return override, "--price-per-hour"
     if spec is None or spec.price is None:
         return None, None
-    return spec.price.usd_per_hour, f"{spec.name}: {spec.price.source}"
+    return spec.price.usd_per_hour * units, _per_device(spec, spec.price.source, units)
+
+
+def device_power(spec: DeviceSpec | None, units: float = 1.0) -> Power | None:
+    """The power of one JAX device: the table's x ``units`` (`units_per_device`), or None without a figure."""
+    if spec is None or spec.power is None:
+        return None
+    return Power(spec.power.watts * units, _per_device(spec, spec.power.source, units))
 
 
 def cost_usd(seconds: float, device_count: int, price_per_device_hour: float | None) -> float | None:
@@ -216,111 +257,6 @@ def mfu(tflops_per_s: float | None, peak_per_device: float | None, device_count:
     if tflops_per_s is None or not peak_per_device:
         return None
     return tflops_per_s / (peak_per_device * device_count)
-
-
-# ------------------------------------------------------------------------------------------------ energy
-
-
-class EnergyMeter:
-    """Energy used by the devices since `start`, in joules; ``source`` says how it is known."""
-
-    source: str | None = None
-    method: str | None = None  # a sentence for the run log
-
-    def start(self) -> None:
-        pass
-
-    def joules(self) -> float | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class NvmlEnergy(EnergyMeter):
-    """Sum over GPUs of NVML's total-energy counter, minus its value at `start`."""
-
-    source = "nvml"
-    method = "NVML nvmlDeviceGetTotalEnergyConsumption, summed over the GPUs in use, end minus start"
-
-    def __init__(self, nvml: Any, indices: Sequence[int]):
-        self._nvml = nvml
-        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-        self._start_mj = 0
-
-    def _total_mj(self) -> int:
-        return sum(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in self._handles)
-
-    def start(self) -> None:
-        self._start_mj = self._total_mj()
-
-    def joules(self) -> float:
-        return (self._total_mj() - self._start_mj) / 1000.0
-
-    def close(self) -> None:
-        self._nvml.nvmlShutdown()
-
-
-class EstimatedEnergy(EnergyMeter):
-    """Power per device x number of devices x wall time since `start`."""
-
-    source = "estimated"
-
-    def __init__(self, power: Power, device_count: int, clock: Callable[[], float] = time.monotonic):
-        self._watts = power.watts * device_count
-        self._clock = clock
-        self._start = clock()
-        self.method = f"{power.watts:g} W per device x {device_count} devices x time ({power.source})"
-
-    def start(self) -> None:
-        self._start = self._clock()
-
-    def joules(self) -> float:
-        return self._watts * (self._clock() - self._start)
-
-
-def _visible_nvml_indices(nvml: Any, cuda_ordinals: Sequence[int]) -> list[int]:
-    """NVML indices of the GPUs JAX uses, given their CUDA ordinals.
-
-    NVML ignores CUDA_VISIBLE_DEVICES, so the ordinals are mapped through it (its entries are indices or UUIDs).
-    CUDA numbers GPUs in the same order as NVML when CUDA_DEVICE_ORDER=PCI_BUS_ID, and on machines whose GPUs
-    are all alike also by default.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(cuda_ordinals)
-    by_uuid = {}
-    for index in range(nvml.nvmlDeviceGetCount()):
-        uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))
-        by_uuid[uuid.decode() if isinstance(uuid, bytes) else uuid] = index
-    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
-    nvml_indices = [int(e) if e.isdigit() else by_uuid[e] for e in entries]
-    return [nvml_indices[ordinal] for ordinal in cuda_ordinals]
-
-
-def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any = None) -> EnergyMeter:
-    """The best energy meter for ``devices`` (this host's JAX devices): NVML, a TPU estimate, or none.
-
-    ``nvml`` is the ``pynvml`` module (nvidia-ml-py); it is imported here when None and GPUs are in use.
-    """
-    platform = devices[0].platform
-    if platform == "gpu":
-        if nvml is None:
-            try:
-                import pynvml as nvml
-            except ImportError:
-                return EnergyMeter()
-        try:
-            nvml.nvmlInit()
-            indices = _visible_nvml_indices(nvml, [d.local_hardware_id for d in devices])
-            meter = NvmlEnergy(nvml, indices)
-            meter.start()
-        except Exception:  # noqa: BLE001 - no NVML, or a GPU without the energy counter (pre-Volta)
-            return EnergyMeter()
-        return meter
-    if platform == "tpu" and spec is not None and spec.power is not None:
-        return EstimatedEnergy(spec.power, len(devices))
-    return EnergyMeter()
 
 
 # ------------------------------------------------------------------------------------------------ memory

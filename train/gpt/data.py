@@ -37,6 +37,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import numpy as np
 
 from train.gpt import synthetic as gpt_synthetic
+from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
 from train.data.stream import EpochStream, fixed_eval_plan, host_rows, import_tfds, plan_fixed_epoch
 from train.errors import DataError, UsageError
@@ -65,16 +66,15 @@ class Tokenizer(Protocol):
 
 
 def read_text(path: str | Path) -> list[str]:
-    """The documents of a text file (one per non-blank line) or of a directory (one per ``*.txt`` file)."""
+    """The documents of a UTF-8 text file (one per non-blank line) or of a directory (one per ``*.txt`` file)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
             raise DataError(f"--data text:{path}: the directory holds no .txt files")
-        documents = [text for text in (file.read_text(encoding="utf-8").strip() for file in files) if text]
+        documents = [text for text in (files_lib.utf8_text(file).strip() for file in files) if text]
     elif path.is_file():
-        with open(path, encoding="utf-8") as f:
-            documents = [line.strip() for line in f if line.strip()]
+        documents = [line.strip() for line in files_lib.utf8_lines(path) if line.strip()]
     else:
         raise DataError(f"--data text:{path}: no such file or directory")
     if not documents:

@@ -156,7 +156,8 @@ TASK = Task(
     resolve_config=gpt_config.resolve_config,
     check_config=gpt_config.check_config,
     setup=setup,
-    throughput=lambda s: f"{format_value(s['tokens_per_s'], ',.0f')} tokens/s",
     score=lambda record: format_value(record["perplexity"], ".3f"),
+    memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
+                  "or choose a smaller --preset (on a CPU, e.g. --preset gpt2-tiny --max-seq-len 256)",
 )
 

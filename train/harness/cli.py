@@ -10,6 +10,8 @@ prints one line naming the cause and what to do.
 from __future__ import annotations
 
 import argparse
+import inspect
+import logging
 import math
 import os
 import signal
@@ -19,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
+from train.costs import memory_budget
 from train.costs import metrics as metrics_lib
 from train.records.checkpoints import Checkpoints
 from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
@@ -48,6 +51,9 @@ def check_implementation(implementation: str, remat: str) -> None:
     if implementation == "flax" and remat != "none":
         raise UsageError(f"--remat {remat} needs --implementation ls_jax: the plain Flax baseline has no gradient "
                          "checkpointing")
+
+
+SEED_LIMIT = 2**32
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +99,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
     group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
                        help="no TensorBoard event files")
+    group.add_argument("--verbose", action="store_const", const=True,
+                       help="also print what the libraries log (orbax, absl, asyncio); by default only the "
+                            "harness's own lines")
 
     group = parser.add_argument_group("cost and hardware")
     group.add_argument("--price-per-hour", type=float,
@@ -120,13 +129,16 @@ def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, A
         f"defaults: {line({k: v for k, v in defaults.items() if k not in real_data})}\n"
         f"with --data synthetic: {line({k: defaults[k] for k in real_data})}\n"
         f"with real data: {line(real_data)}\n"
-        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults"
+        f"{notes}on --resume RUN_DIR the saved configuration replaces the defaults\n"
+        f"before compiling, a step's memory is estimated and, on a CPU, held against the host's available memory "
+        f"(${memory_budget.ENV_VAR} sets the limit on any device): a step that cannot fit stops the start"
     )
 
 
 def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
                  fractions: Iterable[str] = ()) -> None:
-    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); ``lr`` must be > 0."""
+    """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); every task's ``lr`` must
+    be > 0, ``seed`` in [0, 2**32) and ``price_per_hour`` >= 0."""
     for name, ok, rule in [*((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
                            *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
                            *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions)]:
@@ -135,6 +147,11 @@ def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), no
             raise UsageError(f"{flag(name)} must be {rule}, got {value}")
     if not (math.isfinite(config.lr) and config.lr > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
+    if not 0 <= config.seed < SEED_LIMIT:  # a JAX key holds 32 bits of a seed: larger ones would repeat others
+        raise UsageError(f"--seed must be an integer in [0, {SEED_LIMIT}), got {config.seed}")
+    price = config.price_per_hour
+    if price is not None and not (math.isfinite(price) and price >= 0):
+        raise UsageError(f"--price-per-hour must be a finite number >= 0, got {price}")
 
 
 def check_choice(config: TrainingConfig, name: str, choices: Iterable[str]) -> None:
@@ -181,24 +198,53 @@ def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
 
 
 def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:
-    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do."""
+    """The exit code of `train.errors` for how the run ended, with one line saying what happened and what to do.
+
+    Every command offered works: ``--resume`` of a run stopped before its first checkpoint starts it again from
+    step 0 (`train.records.rundir`)."""
     saved = checkpoints.all_steps()
-    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else "no checkpoint"
+    kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else None
     if result.stop_reason == "nan":
-        print(f"error: the loss or the parameters became non-finite after step {result.steps}; the last good "
-              f"checkpoint is {kept} (lower --lr, or raise --warmup-steps or --clip-norm, and start again from it)",
+        fix = "lower --lr, or raise --warmup-steps or --clip-norm"
+        where = (f"the last good checkpoint is {kept} ({fix}, and start again from it)" if kept else
+                 f"no checkpoint was written before it ({fix}, and start the run again)")
+        print(f"error: the loss or the parameters became non-finite after step {result.steps}; {where}",
               file=sys.stderr)
         return EXIT_NUMERICS
     if result.stop_reason == "io_error":
-        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is {kept}",
-              file=sys.stderr)
+        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is "
+              f"{kept or 'none'}", file=sys.stderr)
         return EXIT_IO
     if result.stop_reason == "signal":
         name = signal.Signals(result.signal_number).name
-        print(f"stopped by {name} after step {result.steps}; the newest checkpoint is {kept}; "
-              f"continue with: {resume_command}", file=sys.stderr)
+        then = (f"the newest checkpoint is {kept}; continue with: {resume_command}" if kept else
+                f"no checkpoint was written yet; start it again from step 0 with: {resume_command}")
+        print(f"stopped by {name} after step {result.steps}; {then}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + int(result.signal_number)
     return EXIT_FINISHED
+
+
+LIBRARY_LOGGERS = ("absl", "asyncio")  # orbax logs through absl
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Unless ``verbose``: the records of `LIBRARY_LOGGERS` below CRITICAL and the exceptions Python reports as
+    ignored in coroutines (orbax's readers and writers, left behind by a failed read or write) are not printed. The
+    harness says what went wrong in one line of its own (a damaged checkpoint names its file and the error)."""
+    if verbose:
+        return
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    previous = sys.unraisablehook
+    if getattr(previous, "_ls_jax_coroutines_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not inspect.iscoroutine(unraisable.object):
+            previous(unraisable)
+
+    hook._ls_jax_coroutines_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 USER_ERRORS = (UsageError, DataError, FileNotFoundError, ImportError, backend_lib.KernelsUnavailableError)

@@ -45,11 +45,15 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     progress: bool = True
     tensorboard: bool = True
+    verbose: bool = False
     price_per_hour: float | None = None
     device_name: str | None = None
     shard_optimizer: bool = False
     distributed: bool = False
     peer_timeout: int = 60
+    # Not a flag: set on --resume when --steps changed the schedule, the (step, rate) the rate moves on from
+    # (train.harness.optimizer.continued); kept in config.json so a later resume follows the same schedule.
+    lr_transition: list[float] | None = None
 
     def replace(self: C, **changes: Any) -> C:
         return dataclasses.replace(self, **changes)

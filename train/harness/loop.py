@@ -8,15 +8,17 @@ A task supplies, besides the loss of `train.harness.step`,
   - ``evaluate(state, final) -> [eval record fields]``.
 
 Timing: steps are dispatched one ahead of the host: the host reads step n's metrics after it has queued step n+1,
-and step n's time is the time between the completions of steps n-1 and n. Evaluations and checkpoint writes stop
-the clock. `Counters` hold the run's totals over every resumed segment; a checkpoint saves them.
+and step n's time is the time between the completions of steps n-1 and n. Evaluations and the start of a checkpoint
+(the state copied off the devices; its files are written while training goes on) stop the clock. The energy meter
+is read at the same instants as the clock (`train.costs.windows.Reading`): at every step's end, this host's meter,
+and at the edges of compilation, evaluations and checkpoints, every host's, each time once the device has finished
+the work before it. `Counters` hold the run's totals over every resumed segment; a checkpoint saves them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol
@@ -25,6 +27,7 @@ import jax
 from tqdm import tqdm
 
 from train.costs import memory
+from train.costs.windows import Reading, Span, Tally, add_optional
 from train.records import runlog
 from train.records.checkpoints import Checkpoints, is_finite
 from train.errors import Interrupted
@@ -35,6 +38,7 @@ from train.harness.step import Batch, TrainState
 from train.harness.step_compiler import StepCompiler
 from train.harness import progress
 from train.harness.progress import Counters, Interval
+from train.harness.signals import StopSignals
 
 
 @dataclasses.dataclass
@@ -51,45 +55,6 @@ class BatchStream(Protocol):
     position: Mapping[str, int]
 
     def __next__(self) -> tuple[Batch, dict[str, int]]: ...
-
-
-class StopSignals:
-    """SIGINT and SIGTERM while active. Inside `interruptible` (setup, compilation, evaluation: nothing is being
-    written) a signal raises `Interrupted` at once; elsewhere it sets ``received`` and the loop stops at the next
-    step boundary, so a checkpoint or log write is never cut in half."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._interruptible = False
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-        if self._interruptible:
-            self._interruptible = False
-            raise Interrupted(signum)
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        """A phase a signal ends at once; one that came before it ends it on entry."""
-        if self.received is not None:
-            raise Interrupted(self.received)
-        self._interruptible = True
-        try:
-            yield
-        finally:
-            self._interruptible = False
-
-    def __enter__(self) -> StopSignals:
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 @dataclasses.dataclass
@@ -148,7 +113,9 @@ class _Loop:
         self.wall_start = config.started_at
         self.wall_before = counters.wall_time_s
         self.energy_before = counters.energy_j
-        hardware.energy.start()
+        self.wall_energy_before = counters.wall_energy_j
+        self.loop_started = hardware.energy_joules()  # every host's meter, started at device detection
+        self.step_energies: list[float | None] = []  # this host's, of the steps since `_close_counters`
         self.fp16 = state.loss_scale is not None
         shown = config.progress_bar and jax.process_index() == 0
         # A bar redraws itself with carriage returns, which a file or pipe keeps as one ever-growing line.
@@ -163,13 +130,38 @@ class _Loop:
 
     # -- time, energy, records
 
+    def _loop_energy(self, meter: float | None) -> float | None:
+        """The energy from each segment's compilation on (every host's), given the meter's reading now."""
+        since_start = None if meter is None or self.loop_started is None else meter - self.loop_started
+        return add_optional(self.energy_before, since_start)
+
     def _energy(self) -> float | None:
-        measured = self.hardware.energy_joules()
-        return None if measured is None or self.energy_before is None else self.energy_before + measured
+        return self._loop_energy(self.hardware.energy_joules())
+
+    def _step_reading(self) -> Reading:
+        """The clock and this host's meter, at the end of a step (no collective: every step reads it)."""
+        return Reading(time.monotonic(), self.hardware.energy.joules())
+
+    def _edge_reading(self) -> Reading:
+        """The clock and every host's meter, at an edge of one-time work (a collective on several hosts)."""
+        return Reading(time.monotonic(), self.hardware.energy_joules())
+
+    @contextlib.contextmanager
+    def _window(self, tally: Tally) -> Iterator[None]:
+        """Adds the time and energy of the work inside to ``tally`` (nothing when it raises)."""
+        before = self._edge_reading()
+        yield
+        tally.add(self._edge_reading().since(before))
 
     def _close_counters(self) -> None:
-        self.counters.wall_time_s = self.wall_before + time.monotonic() - self.wall_start
-        self.counters.energy_j = self._energy()
+        """Brings the counters up to now: wall time, the hosts' step energies and the energy totals."""
+        counters = self.counters
+        counters.wall_time_s = self.wall_before + time.monotonic() - self.wall_start
+        meter, *steps = self.hardware.sum_over_hosts([self.hardware.energy.joules(), *self.step_energies])
+        self.step_energies = []
+        counters.add_step_energies(steps)
+        counters.energy_j = self._loop_energy(meter)
+        counters.wall_energy_j = add_optional(self.wall_energy_before, meter)
 
     def _log_interval(self, step: int, metrics: Mapping[str, float]) -> None:
         record = progress.interval_record(
@@ -186,7 +178,7 @@ class _Loop:
         self.interval = Interval()
 
     def _evaluate(self, final: bool) -> None:
-        with self.signals.interruptible():
+        with self._window(self.counters.evaluation), self.signals.interruptible():
             results = self.evaluate(self.state, final)
         for fields in results:
             record = runlog.eval_record(self.step, fields)
@@ -194,25 +186,37 @@ class _Loop:
             self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
 
     def _save(self) -> bool:
-        """Checkpoints the state unless it is already saved; False (nothing written) when it is not finite.
+        """Starts a checkpoint of the state unless it is already saved; False (nothing written) when it is not
+        finite. The files are written while training goes on (`_wait_for_checkpoint`).
 
         Raises:
-          CheckpointWriteError: the checkpoint could not be written.
+          CheckpointWriteError: this checkpoint, or the one before it, could not be written.
         """
         if self.checkpoints is None or self.saved_step == self.step:
             return True
-        if not is_finite(self.state):
+        if not is_finite(self.state):  # this also waits for the device, before the window opens
             return False
-        self._close_counters()
-        progress = {
-            "step": self.step,
-            "model": self.model_signature,
-            "data": dict(self.stream.position),
-            "counters": self.counters.to_dict(),
-        }
-        self.checkpoints.save(self.step, self.state, progress)
+        with self._window(self.counters.checkpoints):
+            self._close_counters()
+            progress = {
+                "step": self.step,
+                "model": self.model_signature,
+                "data": dict(self.stream.position),
+                "counters": self.counters.to_dict(),
+                "lr": float(self.lr_fn(self.step)),  # the next step's rate: a resume with other --steps goes on from it
+            }
+            self.checkpoints.save(self.step, self.state, progress)
         self.saved_step = self.step
         return True
+
+    def _wait_for_checkpoint(self) -> None:
+        """Returns once the checkpoint being written in the background is on disk (`Checkpoints.save`).
+
+        Raises:
+          CheckpointWriteError: it could not be written.
+        """
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
     # -- steps
 
@@ -230,24 +234,21 @@ class _Loop:
             self.compiler.xla_flops[StepCompiler.key(batch)],
         )
 
-    def _finish(self, pending: _Pending, step_time: float) -> bool:
-        """Accounts for a finished step; False when it was not finite (and fp16 did not skip it)."""
+    def _finish(self, pending: _Pending, span: Span) -> bool:
+        """Accounts for a finished step that took ``span``; False when it was not finite (and fp16 did not skip it)."""
         metrics = {key: float(value) for key, value in jax.device_get(pending.metrics).items()}
         if not metrics["finite"] and not self.fp16:
             return False
         counters = self.counters
-        counters.train_time_s += step_time
-        counters.step_times.append(step_time)
-        counters.flops += pending.flops
+        counters.add_step(span.time_s, pending.flops, pending.counts)
+        self.step_energies.append(span.energy_j)
         if pending.xla_flops is None:
             counters.xla_flops_known = False
         else:
             counters.xla_flops += pending.xla_flops
-        for name, count in pending.counts.items():
-            counters.counts[name] = counters.counts.get(name, 0) + count
         # An fp16 step skipped for overflow has no meaningful loss; its time and tokens still count.
         totals = {key: value for key, value in metrics.items() if key not in ("grad_norm", "finite", "loss_scale")}
-        self.interval.add(step_time, pending.flops, totals if metrics["finite"] else {}, pending.counts)
+        self.interval.add(span.time_s, pending.flops, totals if metrics["finite"] else {}, pending.counts)
         self.progress.update(1)
         if pending.step % self.config.log_every == 0:
             self._log_interval(pending.step, metrics)
@@ -264,29 +265,31 @@ class _Loop:
     def _steps(self) -> tuple[str, int | None]:
         """Runs steps until the last one, a signal or a non-finite loss: (stop reason, first bad step or None)."""
         signals = self.signals
+        self.counters.segment_starts.append(len(self.counters.step_times))  # a warm-up starts here
         pending: _Pending | None = None
-        clock = time.monotonic()  # when the oldest unaccounted step could start
+        last = self._step_reading()  # when the oldest unaccounted step could start
         while self.step < self.config.num_steps and signals.received is None:
             current = self._dispatch()
             if pending is not None:  # read step n-1 while step n runs
-                done = time.monotonic()
-                if not self._finish(pending, done - clock):
+                jax.block_until_ready(pending.metrics)  # the clock and meter read once step n-1 is done
+                done = self._step_reading()
+                if not self._finish(pending, done.since(last)):
                     return "nan", pending.step
-                clock = done
+                last = done
             pending = current
             if self._sync_point() or signals.received is not None:
                 jax.block_until_ready(self.state)
                 pending = None
-                if not self._finish(current, time.monotonic() - clock):
+                if not self._finish(current, self._step_reading().since(last)):
                     return "nan", current.step
                 if self.config.eval_every > 0 and self.step % self.config.eval_every == 0 and self.step < self.config.num_steps:
                     self._evaluate(final=False)
                 if self.step % self.config.checkpoint_every == 0 and not self._save():
                     return "nan", self.step
-                clock = time.monotonic()
+                last = self._step_reading()
         if pending is not None:  # a signal came after the last check
             jax.block_until_ready(self.state)
-            if not self._finish(pending, time.monotonic() - clock):
+            if not self._finish(pending, self._step_reading().since(last)):
                 return "nan", pending.step
         return ("finished" if signals.received is None else "signal"), None
 
@@ -294,18 +297,23 @@ class _Loop:
         """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
         run: (stop reason, first bad step or None, what could not be written or None)."""
         try:
-            with self.signals.interruptible():
+            with self._window(self.counters.compilation), self.signals.interruptible():
                 self.compiler.precompile(self.state, self.batch_shapes)
+                if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
+                    self.compiler.warm_up(self.state)
             stop_reason, bad_step = self._steps()
             self.progress.close()
             if stop_reason != "nan" and not self._save():
                 stop_reason, bad_step = "nan", self.step
+            self._wait_for_checkpoint()
             if stop_reason == "finished":
                 self._evaluate(final=True)
             return stop_reason, bad_step, None
         except Interrupted:  # compilation or an evaluation was cut short: save the steps taken since the last save
             try:
-                return ("signal", None, None) if self._save() else ("nan", self.step, None)
+                saved = self._save()
+                self._wait_for_checkpoint()
+                return ("signal", None, None) if saved else ("nan", self.step, None)
             except OSError as err:
                 return "io_error", None, _write_error(err)
         except OSError as err:  # a checkpoint or log write failed: training must not go on unsaved

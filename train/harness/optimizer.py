@@ -3,7 +3,7 @@ measured against, with decoupled weight decay on matrices; and the learning-rate
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,44 @@ def linear_warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int) -> 
     if warmup_steps == 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak_lr, warmup_steps), decay], [warmup_steps])
+
+
+TRANSITION_FRACTION = 0.1  # of the steps left, over which a resumed run's rate moves to its new schedule
+
+
+def continued(schedule: optax.Schedule, transition: tuple[int, float] | None, total_steps: int) -> optax.Schedule:
+    """``schedule`` as a run resumed with another ``--steps`` follows it, without a jump in the rate.
+
+    ``transition`` = (step, rate): the step the run resumed at and the rate its schedule had there. From that step
+    the rate moves linearly to ``schedule`` over a tenth of the steps left (at least one), then follows it; before
+    that step it is ``schedule``'s. So a linear decay extended by a longer --steps goes on from where it was (0, for
+    a run that finished its decay) up to the longer decay's rate, then decays to 0 at the new --steps.
+    """
+    if transition is None:
+        return schedule
+    start, rate = int(transition[0]), float(transition[1])
+    end = min(total_steps, start + max(1, round(TRANSITION_FRACTION * (total_steps - start))))
+
+    def moved(count):
+        target = schedule(end)
+        blend = jnp.clip((count - start) / max(end - start, 1), 0.0, 1.0)
+        during = rate + (target - rate) * blend
+        return jnp.where((count >= start) & (count < end), during, schedule(count))
+
+    return moved
+
+
+def on_host(schedule: optax.Schedule) -> Callable[[int], float]:
+    """The schedule's value at a step, computed on the host's CPU for the run log. Evaluated eagerly on a GPU it
+    would compile each of its ops there on first use (about half a second of host time at the first interval
+    record) and wait behind the training steps queued on the device's stream."""
+    cpu = jax.devices("cpu")[0]
+
+    def value(step: int) -> float:
+        with jax.default_device(cpu):
+            return float(schedule(step))
+
+    return value
 
 
 def decay_mask(params: Any) -> Any:

@@ -1,23 +1,34 @@
 """What a run has done so far and the records that say it: the run's totals (`Counters`, saved in every
 checkpoint), the sums of one logging interval (`Interval`), and the ``run``, ``interval`` and ``summary`` records
-of the run log (train.records.runlog holds their schema)."""
+of the run log (train.records.runlog holds their schema; train.costs.windows defines the windows the summary's
+figures cover)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
 from train.costs import metrics as metrics_lib
+from train.costs import windows
 from train.costs.hardware import Hardware
+from train.costs.windows import Tally
 from train.harness.config import Run
 from train.records.runlog import QUALITY_KEYS, energy_fields, identity
+
+_TALLIES = ("compilation", "evaluation", "checkpoints")
 
 
 @dataclasses.dataclass
 class Counters:
-    """Totals over the whole run (all resumed segments): saved in checkpoints, reported in the summary."""
+    """Totals over the whole run (all resumed segments): saved in checkpoints, reported in the summary.
+
+    Per training step: its time, energy (every host's, once `add_step_energies` has them), FLOPs and counts;
+    ``segment_starts`` are the indices of the first step of each segment (the start, then every resume), where
+    a warm-up begins. ``energy_j`` is the energy from each segment's compilation on (the interval records'),
+    ``wall_energy_j`` from each segment's device detection on.
+    """
 
     train_time_s: float = 0.0
     wall_time_s: float = 0.0
@@ -29,13 +40,53 @@ class Counters:
     step_times: list[float] = dataclasses.field(default_factory=list)
     last_loss: float | None = None
     last_eval: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wall_energy_j: float | None = 0.0
+    step_energy_j: list[float | None] = dataclasses.field(default_factory=list)
+    step_flops: list[float | None] = dataclasses.field(default_factory=list)
+    step_counts: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
+    segment_starts: list[int] = dataclasses.field(default_factory=list)
+    compilation: Tally = dataclasses.field(default_factory=Tally)
+    evaluation: Tally = dataclasses.field(default_factory=Tally)
+    checkpoints: Tally = dataclasses.field(default_factory=Tally)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Counters:
-        return cls(**data)
+        """The counters a checkpoint saved. One written before the windows were counted lacks the per-step
+        energies, FLOPs and counts (unknown: None), its one-time work (unknown energy) and its segments (one)."""
+        fields = dict(data)
+        for name in _TALLIES:
+            fields[name] = Tally(**fields[name]) if name in fields else Tally(energy_j=None)
+        if "segment_starts" not in fields:
+            fields["segment_starts"] = [0]
+            fields["wall_energy_j"] = None
+        counters = cls(**fields)
+        steps = len(counters.step_times)
+        counters.step_energy_j = _padded(counters.step_energy_j, steps)
+        counters.step_flops = _padded(counters.step_flops, steps)
+        counters.step_counts = {name: _padded(counters.step_counts.get(name, []), steps) for name in counters.counts}
+        return counters
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def add_step(self, time_s: float, flops: float, counts: Mapping[str, int]) -> None:
+        """Adds a finished training step of ``time_s`` seconds (its energy comes with `add_step_energies`)."""
+        self.train_time_s += time_s
+        self.step_times.append(time_s)
+        self.flops += flops
+        self.step_flops.append(flops)
+        for name, count in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + count
+            self.step_counts.setdefault(name, [None] * (len(self.step_times) - 1)).append(count)
+
+    def add_step_energies(self, energies: Sequence[float | None]) -> None:
+        """The energies of the steps added since the last call, in order (J, every host's; None: not measured)."""
+        self.step_energy_j.extend(energies)
+
+
+def _padded(values: list[Any], length: int) -> list[Any]:
+    """``values`` with None in front up to ``length``: the entries a checkpoint did not record."""
+    return [None] * (length - len(values)) + list(values)
 
 
 @dataclasses.dataclass
@@ -105,11 +156,62 @@ def interval_record(step: int, interval: Interval, *, elapsed_s: float, lr: floa
     }
 
 
+def _cost(seconds: float, hardware: Hardware) -> float | None:
+    return metrics_lib.cost_usd(seconds, hardware.device_count, hardware.price_per_device_hour)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def tally_part(tally: Tally, hardware: Hardware) -> dict[str, Any]:
+    """A one-time window of the summary: how often it ran, its time, energy and cost."""
+    return {"count": tally.count, "time_s": tally.time_s, "energy_j": tally.energy_j,
+            "cost_usd": _cost(tally.time_s, hardware)}
+
+
+def _pick(values: Sequence[Any], indices: Sequence[int]) -> list[Any]:
+    return [values[index] for index in indices]
+
+
+def warmup_part(counters: Counters, steps: Sequence[int], hardware: Hardware) -> dict[str, Any]:
+    """The summary's ``warmup``: the warm-up ``steps`` (indices) of every segment, their time, energy and cost."""
+    time_s = sum(_pick(counters.step_times, steps))
+    return {"steps": len(steps), "time_s": time_s, "energy_j": windows.total(_pick(counters.step_energy_j, steps)),
+            "cost_usd": _cost(time_s, hardware)}
+
+
+def steady_part(counters: Counters, steps: Sequence[int], hardware: Hardware) -> dict[str, Any]:
+    """The summary's ``steady``: the steps (indices) after warm-up, with their median step time and their rates
+    (throughput, TFLOP/s, MFU, power) over their own time."""
+    time_s = sum(_pick(counters.step_times, steps))
+    energy = windows.total(_pick(counters.step_energy_j, steps))
+    flops = windows.total(_pick(counters.step_flops, steps))
+    tflops = None if flops is None else _ratio(flops / 1e12, time_s)
+    return {
+        "steps": len(steps),
+        "time_s": time_s,
+        "step_time_s": statistics.median(_pick(counters.step_times, steps)) if steps else None,
+        **{f"{name}_per_s": _ratio(windows.total(_pick(counters.step_counts.get(name, []), steps)), time_s)
+           for name in counters.counts},
+        "tflops_per_s": tflops,
+        "mfu": metrics_lib.mfu(tflops, hardware.peak_tflops_per_device, hardware.device_count),
+        "energy_j": energy,
+        "energy_per_step_j": _ratio(energy, len(steps)),
+        "power_w": _ratio(energy, time_s),
+        "cost_usd": _cost(time_s, hardware),
+    }
+
+
 def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, steps: int) -> dict[str, Any]:
-    """The ``summary`` record from the run's totals."""
+    """The ``summary`` record from the run's totals: the training window (every step) and the wall window a user
+    pays for, the warm-up and steady parts of training, and the one-time work (compilation, evaluation,
+    checkpoints)."""
     train_time = counters.train_time_s
     measured_steps = len(counters.step_times)
     tflops = counters.flops / train_time / 1e12 if train_time > 0 else None
+    flags = windows.warmup_flags(counters.step_times, counters.segment_starts)
+    train_energy = windows.total(counters.step_energy_j)
     return {
         "type": "summary",
         "completed": stop_reason == "finished",
@@ -127,10 +229,44 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "tflops_per_s": tflops,
         "mfu": metrics_lib.mfu(tflops, hardware.peak_tflops_per_device, hardware.device_count),
         "peak_memory_bytes": metrics_lib.peak_memory_bytes(hardware.local_devices),
-        **energy_fields(counters.energy_j, hardware.energy.source),
-        "energy_estimated": counters.energy_j is not None and hardware.energy.source == "estimated",
-        "cost_usd": metrics_lib.cost_usd(train_time, hardware.device_count, hardware.price_per_device_hour),
+        **energy_fields(train_energy, hardware.energy.source),
+        "energy_estimated": train_energy is not None and hardware.energy.source == "estimated",
+        "cost_usd": _cost(train_time, hardware),
+        "wall_energy_j": counters.wall_energy_j,
+        "wall_cost_usd": _cost(counters.wall_time_s, hardware),
+        "warmup": warmup_part(counters, [i for i, warm in enumerate(flags) if warm], hardware),
+        "steady": steady_part(counters, [i for i, warm in enumerate(flags) if not warm], hardware),
+        **{name: tally_part(getattr(counters, name), hardware) for name in _TALLIES},
         "final_loss": counters.last_loss,
         **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
         "memory": None,
     }
+
+
+def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def _energy_cost(part: Mapping[str, Any], energy_key: str = "energy_j", cost_key: str = "cost_usd") -> str:
+    return f"{format_value(part[energy_key], '.4g', ' J')}, {format_value(part[cost_key], '.4g', ' USD')}"
+
+
+def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    """The summary's windows for people: the steady state, the warm-up, the whole run (training and wall) and the
+    one-time work, one line each; ``throughput`` words a record's ``<count>_per_s`` in the task's units."""
+    steady, warmup = summary["steady"], summary["warmup"]
+    one_time = ", ".join(f"{name} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)"
+                         for name in _TALLIES)
+    return [
+        f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
+        f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "
+        f"MFU {format_value(steady['mfu'], '.1%')}, {format_value(steady['energy_per_step_j'], '.4g', ' J')}/step "
+        f"at {format_value(steady['power_w'], '.4g', ' W')}",
+        f"  warm-up     {warmup['steps']} steps until the step time settled: {warmup['time_s']:.2f} s, "
+        f"{_energy_cost(warmup)}",
+        f"  training    {summary['steps']} steps, {summary['train_time_s']:.2f} s: {throughput(summary)}, "
+        f"{format_value(summary['tflops_per_s'])} TFLOP/s, MFU {format_value(summary['mfu'], '.1%')}, "
+        f"{_energy_cost(summary)}",
+        f"  wall        {summary['wall_time_s']:.1f} s: {_energy_cost(summary, 'wall_energy_j', 'wall_cost_usd')}; "
+        f"{one_time}",
+    ]

@@ -1,6 +1,6 @@
 """Continuing a run with ``--resume``: what a checkpoint must agree on with the run restoring it (the model's
-name and shapes; the harness adds the optimizer and precision), the newest checkpoint that verifies, and whether
-the run has anything left to train."""
+name and shapes; the harness adds the optimizer and precision), the newest checkpoint that verifies, and what to
+say when a finished run has nothing left to train."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import jax
 from ls_jax.layers import LayerConfig
 from train.harness.progress import Counters
 from train.harness.step import TrainState
-from train.records import runlog
 from train.records.checkpoints import CheckpointCorruptError, CheckpointMismatchError, Checkpoints
 from train.errors import UsageError
 
@@ -42,8 +41,9 @@ def stack_signature(config: Any, vocab_size: int, layer: LayerConfig, num_layers
 
 def restore_latest(
     checkpoints: Checkpoints, state: TrainState, model_signature: dict[str, Any], run_dir: Path
-) -> tuple[TrainState, int, dict[str, int], Counters]:
-    """(state, step, data position, counters) of the newest checkpoint that verifies, onto ``state``'s shardings.
+) -> tuple[TrainState, int, dict[str, int], Counters, float | None]:
+    """(state, step, data position, counters, learning rate of the next step) of the newest checkpoint that
+    verifies, onto ``state``'s shardings (the rate is None in checkpoints written before it was saved).
 
     A checkpoint whose files cannot be read or whose arrays fail their checksum is skipped with one line naming
     it, and the next older one is tried; once one verifies, the skipped ones are moved to
@@ -72,15 +72,18 @@ def restore_latest(
         if jax.process_index() == 0:
             for bad in damaged:  # the resumed run writes these steps again
                 print(f"moved the damaged checkpoint {bad} to {checkpoints.set_aside(bad)}", file=sys.stderr)
-        return restored, step, progress["data"], Counters.from_dict(progress["counters"])
+        return restored, step, progress["data"], Counters.from_dict(progress["counters"]), progress.get("lr")
     raise UsageError(f"--resume {run_dir}: none of the checkpoints {steps} in {checkpoints.directory} can be read")
 
 
-def finished(run_dir: Path) -> bool:
-    """Whether the run log ends with the summary of a finished run (its final evaluation done)."""
-    path = run_dir / runlog.LOG_FILENAME
-    records = runlog.read(path) if path.exists() else []
-    return bool(records) and records[-1]["type"] == "summary" and records[-1]["completed"]
+def transition(saved: tuple[int, float] | None, schedule: Any, kept: list[float] | None) -> list[float] | None:
+    """The (step, rate) a resumed run's rate moves on from (`train.harness.optimizer.continued`): ``kept`` (the
+    run's own, or None) while ``schedule`` gives the rate the restored checkpoint saved, ``saved`` = (its step,
+    that rate); else ``saved`` (the run resumes with other --steps or --lr)."""
+    if saved is None:
+        return kept
+    step, rate = saved
+    return kept if abs(float(schedule(step)) - rate) <= 1e-6 * max(abs(rate), 1e-12) else [step, rate]
 
 
 def say_nothing_to_do(task: str, run_dir: Path, step: int, steps: int) -> None:

@@ -5,7 +5,8 @@ The FLOP count is XLA's cost analysis of the step as lowered, before optimizatio
 the H100 the compiled step's count was 38-40% of the analytic one), so the compiled module's count is not the step's.
 
 Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
-compilation. The step takes the state (placed as `train.harness.parallel.StateLayout` says) and a batch sharded along its
+compilation; on a GPU each compiled step then runs once on a copy of the state (`StepCompiler.warm_up`), so neither
+does the one-time work of a first execution. The step takes the state (placed as `train.harness.parallel.StateLayout` says) and a batch sharded along its
 row axis (axis 1, after the grad-accumulation axis), runs per device inside ``shard_map``, and donates the state.
 """
 
@@ -16,6 +17,8 @@ import os
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from train.costs import metrics as metrics_lib
 from train.harness.parallel import StateLayout
@@ -37,6 +40,7 @@ class StepCompiler:
             donate_argnums=(0,),
         )
         self._parallel = parallel
+        self._copy_state = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
         self._compiled: dict[tuple, Any] = {}
         self.xla_flops: dict[tuple, float | None] = {}
 
@@ -71,6 +75,22 @@ class StepCompiler:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             for (key, before), compiled in zip(lowered.items(), pool.map(lambda item: item.compile(), lowered.values())):
                 self._store(key, before, compiled)
+
+    def warm_up(self, state: TrainState) -> None:
+        """Runs every compiled step once on a copy of ``state`` and a batch of ones, and drops the result.
+
+        The first execution of a step does one-time work inside it: cuDNN builds the graphs of the attention
+        handlers at their initialize stage (about 2 s of a BERT-base step's first execution on an H100), CUDA loads
+        modules. Done here, that work stays out of the training steps and their time and energy. ``state`` itself is
+        untouched (the step donates only the copy); while this runs the device holds the state twice.
+        """
+        scratch = self._copy_state(state)
+        sharding = self._parallel.rows_sharding(1)
+        for key, compiled in self._compiled.items():
+            batch = {name: jax.make_array_from_callback(shape, sharding, lambda index, s=shape, d=dtype: np.ones(s, d)[index])
+                     for name, shape, dtype in key}
+            scratch, _ = compiled(scratch, batch)
+        jax.block_until_ready(scratch)
 
     def memory_analysis(self) -> Any | None:
         """XLA's memory analysis of the compiled step with the most temporaries, or None before any compiled."""

@@ -20,26 +20,31 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from ls_jax import backend as backend_lib
 from train.harness import cli, peers, progress
-from train.costs import memory
+from train.harness.progress import format_value
+from train.costs import memory, memory_budget
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
 from train.data.stream import EpochStream
 from train.costs.hardware import Hardware, detect_hardware
-from train.harness.loop import LoopConfig, StopSignals, TrainResult, train
+from train.harness.loop import LoopConfig, TrainResult, train
+from train.harness.signals import StopSignals
 from train.harness import optimizer as optimizer_lib
 from train.costs.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
 from train.harness.parallel import (DATA_AXIS, DataParallel, StateLayout, from_process_zero, initialize_distributed,
                             wait_for_processes)
 from train.costs.precision import master_dtype, precision_signature
-from train.records.rundir import load_saved_config, prepare_run_dir, save_config
+from train.records import rundir
+from train.records.rundir import load_saved_config, save_config
 from train.harness import config as config_lib
 from train.harness import resume
 from train.harness.config import Run, TrainingConfig
 from train.records.runlog import RunLog
+from train.harness.progress import Counters
 from train.harness.step import LossFn, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
 
@@ -82,9 +87,9 @@ class Task:
     resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
     check_config: Callable[[Any], None]  # raises UsageError naming a flag out of range
     setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
-    throughput: Callable[[Mapping[str, Any]], str]  # the summary's throughput in the task's units
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
     loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
+    memory_advice: str = "lower the batch size, or train a smaller model"  # the flags that make a step smaller
 
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
@@ -105,6 +110,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
     config = config.replace(backend=cli.kernel_mode(config, given))
+    cli.quiet_libraries(config.verbose)
     task.check_config(config)
     cli.check_optimizer(config)
     if given.get("peer_timeout") is not None and not config.distributed:
@@ -114,20 +120,27 @@ def _start(task: Task, argv: list[str]) -> int:
             raise cli.UsageError(f"--peer-timeout must be >= 1 second, got {config.peer_timeout}")
         initialize_distributed(heartbeat_timeout_s=2 * config.peer_timeout)  # the peer watch speaks first
     run_id = saved["run_id"] if saved else from_process_zero("run_id", runlog.new_run_id())
-    run_dir = prepare_run_dir(config.resume, config.run_dir, run_id)
-    wait_for_processes("run directory checked")  # before process 0 starts the run log there
     command = shlex.join(["python", "-m", f"train.{task.name}", *argv])
-    resume = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
-    with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume, config.peer_timeout):
-        with backend_lib.use(config.backend):
-            backend_lib.active_backend()
-            return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+    owner = jax.process_index() == 0  # the one process that writes the run directory, and holds its lock
+    with rundir.claim(config.resume, config.run_dir, run_id, command=command, owner=owner) as claimed:
+        if from_process_zero("restart", "yes" if claimed.restart else "no") == "yes":
+            if owner:
+                print(f"{claimed.path}: its run stopped before its first checkpoint; starting it again from step 0",
+                      file=sys.stderr)
+            config = config.replace(resume=None, lr_transition=None)  # starts over, on the schedule of its --steps
+        wait_for_processes("run directory checked")  # before process 0 starts the run log there
+        run_dir = claimed.path
+        resume_command = f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))} --distributed"
+        with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume_command, config.peer_timeout):
+            with backend_lib.use(config.backend):
+                backend_lib.active_backend()
+                return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
 
-def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
-                  layout: StateLayout) -> TrainState:
-    """The step-0 state placed as ``layout`` says: the pretrained params or ones drawn from the init key; with a
-    sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
+def state_builder(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
+                  layout: StateLayout) -> Callable[[Any], TrainState]:
+    """``create(pretrained) -> TrainState``: the step-0 state from the pretrained params or ones drawn from the init
+    key; with a sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
     init_key, train_key = jax.random.split(setup.init_rng)
     sharded = layout.sharded_optimizer
     init_optimizer = None if sharded is None else sharded.init
@@ -136,8 +149,23 @@ def initial_state(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: b
         params = setup.init_params(init_key) if pretrained is None else pretrained
         return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer)
 
-    abstract = jax.eval_shape(create, setup.pretrained_params)
-    return jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+    return create
+
+
+def check_memory(task: Task, setup: TaskSetup, state: TrainState, layout: StateLayout) -> None:
+    """Stops the start with one line when a step of the largest batch shape needs more memory than one device has
+    (`train.costs.memory_budget`); ``state`` may be abstract, so this runs before anything is allocated."""
+    limit = memory_budget.available(jax.local_devices()[0])
+    if limit is None:
+        return
+    shards = layout.parallel.num_shards
+    largest = max(setup.batch_shapes, key=lambda shapes: sum(np.prod(shape) for shape, _ in shapes.values()))
+    micro_batch = {name: jax.ShapeDtypeStruct((shape[1] // shards, *shape[2:]), dtype)
+                   for name, (shape, dtype) in largest.items()}
+    accumulated = next(iter(largest.values()))[0][0] > 1
+    need = memory_budget.estimate(setup.loss_fn, state.params, state.opt_state, micro_batch, accumulated=accumulated,
+                                  optimizer_shards=shards if layout.sharded_optimizer else 1)
+    memory_budget.check(need, limit, task.memory_advice)
 
 
 def make_layout(config: TrainingConfig, tx: optax.GradientTransformation, parallel: DataParallel) -> StateLayout:
@@ -166,21 +194,39 @@ def param_count(params: Any) -> int:
     return int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A run ready to train: its configuration (a resume may add its schedule's transition), the task's setup (the
+    learning rate as the run follows it), the state, the batches from where it resumes, and what writes it."""
+
+    run: Run
+    setup: TaskSetup
+    state: TrainState
+    stream: EpochStream
+    counters: Counters | None
+    hardware: Hardware
+    checkpoints: Checkpoints
+    tx: optax.GradientTransformation
+    signature: dict[str, Any]
+    layout: StateLayout
+
+
 def _train(task: Task, run: Run) -> int:
-    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on (`train.harness.loop.StopSignals`):
-    before training starts they stop the run at once, with nothing to save."""
+    """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on
+    (`train.harness.signals.StopSignals`): before training starts they stop the run at once, with nothing to save."""
     with StopSignals() as signals:
         with signals.interruptible():
             prepared = _prepare(task, run)
         if prepared is None:
             return 0
-        setup, state, stream, counters, hardware, checkpoints, tx, signature, layout = prepared
+        run, setup, state, layout = prepared.run, prepared.setup, prepared.state, prepared.layout
+        hardware = prepared.hardware
         config, run_dir = run.config, run.run_dir
         run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
         if not config.resume:
             run_log.write(progress.run_record(
-                task.name, run, hardware, optimizer=optimizer_fields(config, tx, state, layout),
+                task.name, run, hardware, optimizer=optimizer_fields(config, prepared.tx, state, layout),
                 implementation=setup.implementation, model=setup.model_name,
                 params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
                 config=setup.config_record,
@@ -191,66 +237,111 @@ def _train(task: Task, run: Run) -> int:
         result = train(
             state,
             compiler=StepCompiler(
-                make_train_step(setup.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer),
+                make_train_step(setup.loss_fn, prepared.tx, axis_name=DATA_AXIS,
+                                sharded_optimizer=layout.sharded_optimizer),
                 layout, state,
             ),
             parallel=layout.parallel,
-            stream=stream,
+            stream=prepared.stream,
             flops_fn=setup.flops_fn,
-            lr_fn=lambda step: float(setup.learning_rate(step)),
-            evaluate=setup.evaluate,
+            lr_fn=optimizer_lib.on_host(setup.learning_rate),
+            evaluate=reporting(task, setup.evaluate, setup.steps),
             hardware=hardware,
             run_log=run_log,
-            checkpoints=checkpoints,
-            model_signature=signature,
+            checkpoints=prepared.checkpoints,
+            model_signature=prepared.signature,
             config=LoopConfig(
                 num_steps=setup.steps, log_every=config.log_every, eval_every=setup.eval_every,
                 checkpoint_every=setup.checkpoint_every, progress_bar=config.progress, started_at=run.started_at,
             ),
-            counters=counters,
+            counters=prepared.counters,
             signals=signals,
             batch_shapes=setup.batch_shapes,
         )
-    return _finish(task, run, result, run_log, checkpoints, hardware)
+    return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
 
 
-def _prepare(task: Task, run: Run):
+def _optimizer(config: TrainingConfig, schedule: optax.Schedule, param_dtype: Any,
+               parallel: DataParallel) -> tuple[optax.GradientTransformation, StateLayout]:
+    tx = optimizer_lib.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
+                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
+                                      **cli.hyperparameters(config))
+    return tx, make_layout(config, tx, parallel)
+
+
+def _prepare(task: Task, run: Run) -> Prepared | None:
     """The task's setup, the optimizer and the state to train from (restored on ``--resume``); None when a resumed
     run finished at or beyond ``--steps`` (it says so, and its run log is left as it is). A run stopped at its
-    last step before its final evaluation ended resumes into that evaluation."""
+    last step before its final evaluation ended resumes into that evaluation. A run resumed with another --steps
+    (or --lr) goes on from the learning rate it had (`train.harness.optimizer.continued`)."""
     config, run_dir = run.config, run.run_dir
     hardware = detect_hardware(config.precision, config.device_name, config.price_per_hour)
     precision = hardware.precision
     parallel = DataParallel.over_all_devices()
 
     setup = task.setup(run, precision, parallel)
+    plan = setup.learning_rate
+    setup = dataclasses.replace(setup,
+                                learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
     signature = {**setup.model_signature, "implementation": setup.implementation, "optimizer": config.optimizer,
                  **precision_signature(config.master_weights, precision)}
     param_dtype = master_dtype(config.master_weights, precision)
-    tx = optimizer_lib.make_optimizer(config.optimizer, setup.learning_rate, weight_decay=config.weight_decay,
-                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
-                                      **cli.hyperparameters(config))
-    layout = make_layout(config, tx, parallel)
-    state = initial_state(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
+    tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
+    create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
+    abstract = jax.eval_shape(create, setup.pretrained_params)
+    check_memory(task, setup, abstract, layout)
+    state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config.resume:
-        saved, step, position, counters = resume.restore_latest(checkpoints, layout.saved_abstract(state), signature, run_dir)
+        saved, step, position, counters, rate = resume.restore_latest(checkpoints, layout.saved_abstract(state),
+                                                                      signature, run_dir)
         state = layout.from_saved(saved)
-        if step >= setup.steps and resume.finished(run_dir):
+        if step >= setup.steps and rundir.finished(run_dir):
             resume.say_nothing_to_do(task.name, run_dir, step, setup.steps)
             checkpoints.close()
             hardware.energy.close()
             return None
+        transition = resume.transition(None if rate is None else (step, rate),
+                                       optimizer_lib.on_host(setup.learning_rate), config.lr_transition)
+        changed = transition != config.lr_transition
+        if changed:  # the same optimizer state, with the schedule the run goes on with
+            config = config.replace(lr_transition=transition)
+            run = dataclasses.replace(run, config=config)
+            setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, transition, setup.steps))
+            tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
         if jax.process_index() == 0:
             runlog.truncate_for_resume(run_dir, step)
-            print(f"resuming {run_dir} at step {step}", file=sys.stderr)
+            moved = f"; its learning rate goes on from {rate:.3g} into the schedule of --steps {setup.steps}"
+            print(f"resuming {run_dir} at step {step}{moved if changed else ''}", file=sys.stderr)
         stream = stream.at(position)
-    return setup, state, stream, counters, hardware, checkpoints, tx, signature, layout
+    return Prepared(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
 
 
-def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
-    return "n/a" if value is None else f"{value:{spec}}{unit}"
+def format_rate(value: float | None) -> str:
+    """A throughput, in one format for every task: whole numbers with thousands separated (28,821), three
+    significant digits below 100 (41.3)."""
+    return format_value(value, ",.0f" if value is not None and value >= 100 else ".3g")
+
+
+def throughput(counted: Sequence[str], summary: Mapping[str, Any]) -> str:
+    """The summary's rate of each thing a step counts: ``28,821 tokens/s, 14,350 target tokens/s``."""
+    return ", ".join(f"{format_rate(summary.get(f'{name}_per_s'))} {name.replace('_', ' ')}/s" for name in counted)
+
+
+def reporting(task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
+              steps: int) -> Callable[[TrainState, bool], list[dict[str, Any]]]:
+    """``evaluate`` that also prints each evaluation during training as one line, ``step 100/300  evaluation:
+    valid perplexity 12.345`` (the final one is in the summary), on the main host."""
+
+    def run(state: TrainState, final: bool) -> list[dict[str, Any]]:
+        records = evaluate(state, final)
+        if not final and jax.process_index() == 0:
+            scores = ", ".join(f"{record['split']} {task.metric} {task.score(record)}" for record in records)
+            tqdm.write(f"step {int(jax.device_get(state.step))}/{steps}  evaluation: {scores}", file=sys.stderr)
+        return records
+
+    return run
 
 
 def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints,
@@ -265,18 +356,18 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
         log_path = run_dir / runlog.LOG_FILENAME
         evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
-        print(
+        source = s["energy_source"]
+        energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
+            source, f"measured ({source})")
+        print("\n".join([
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-            f"({s['wall_time_s']:.1f} s wall)\n"
-            f"  throughput  {task.throughput(s)}, step {format_value(s['step_time_s'], '.3f', ' s')}\n"
-            f"  compute     {format_value(s['tflops_per_s'])} TFLOP/s, MFU {format_value(s['mfu'], '.1%')}\n"
-            f"  energy      {format_value(s['energy_j'], '.4g', ' J')} "
-            f"({s['energy_source'] or 'not measured on this device'}), cost {format_value(s['cost_usd'], '.4f', ' USD')}\n"
-            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}\n"
-            f"  memory      {memory.describe(s['memory'])}\n"
-            f"  run log     {log_path}\n"
-            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl\n"
+            f"({s['wall_time_s']:.1f} s wall); energy {energy}",
+            *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+            f"  memory      {memory.describe(s['memory'])}",
+            f"  run log     {log_path}",
+            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
             f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
-        )
+            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
+        ]))
     return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 
 from train.imdb import synthetic as imdb_synthetic
+from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
 from train.data import stream as data_lib
 from train.data.stream import EpochStream, host_rows, import_tfds
@@ -110,27 +111,25 @@ def _existing_file(path: str | Path) -> Path:
 def read_csv(path: str | Path, text_field: str, label_field: str) -> Split:
     """A CSV file with a header row naming its columns (any others are ignored)."""
     path = _existing_file(path)
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None:
-            raise DataError(f"{path} is empty: a CSV file needs a header row naming its columns")
-        rows = ((f"{path} line {reader.line_num}", row) for row in reader)
-        return _split_from_rows(rows, str(path), text_field, label_field)
+    reader = csv.DictReader(files_lib.utf8_lines(path, newline=""))
+    if reader.fieldnames is None:
+        raise DataError(f"{path} is empty: a CSV file needs a header row naming its columns")
+    rows = ((f"{path} line {reader.line_num}", row) for row in reader)
+    return _split_from_rows(rows, str(path), text_field, label_field)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where} is not JSON: {err.msg}") from err
-            if not isinstance(record, dict):
-                raise DataError(f"{where} is a JSON {type(record).__name__}, not an object")
-            yield where, record
+    for number, line in enumerate(files_lib.utf8_lines(path), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where} is not JSON: {err.msg}") from err
+        if not isinstance(record, dict):
+            raise DataError(f"{where} is a JSON {type(record).__name__}, not an object")
+        yield where, record
 
 
 def read_jsonl(path: str | Path, text_field: str, label_field: str) -> Split:

@@ -70,11 +70,12 @@ class Classifier:
         """input_ids (B, T) int, each row's tokens then ``pad_id`` -> logits (B, num_labels); dropout from
         ``rng`` unless ``deterministic``."""
         rngs = None if rng is None else {"dropout": rng}
-        real = input_ids != self.pad_id
-        if self.implementation == "flax":  # padding as each row's length, as the reference's attention takes it
-            lengths = jnp.sum(real, axis=-1, dtype=jnp.int32)
+        # Padding as each row's length: cuDNN's attention masks it without a (B, T) bias tensor.
+        lengths = jnp.sum(input_ids != self.pad_id, axis=-1, dtype=jnp.int32)
+        if self.implementation == "flax":
             return self.module.apply({"params": params}, input_ids, lengths, deterministic, rngs=rngs)
-        return self.module.apply({"params": params}, input_ids, real, deterministic=deterministic, rngs=rngs)
+        return self.module.apply({"params": params}, input_ids, lengths=lengths, deterministic=deterministic,
+                                 rngs=rngs)
 
     def init(self, key: jax.Array, seq_len: int) -> Any:
         """Random parameters for rows of ``seq_len`` tokens."""

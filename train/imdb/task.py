@@ -144,7 +144,8 @@ TASK = Task(
     resolve_config=imdb_config.resolve_config,
     check_config=imdb_config.check_config,
     setup=setup,
-    throughput=lambda s: f"{format_value(s['examples_per_s'], '.1f')} examples/s",
     score=lambda record: format_value(record["accuracy"], ".2%"),
+    memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
+                  "or choose a smaller --preset",
 )
 

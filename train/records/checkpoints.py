@@ -4,13 +4,16 @@ A checkpoint holds two items: ``state``, the pytree of arrays (params, optimizer
 scale), and ``progress``, a JSON object with everything else a run needs to continue exactly (data position,
 cumulative time/token/energy counters), a ``model`` signature that a resume compares before restoring arrays, and
 a ``checksum`` of every array that a restore verifies, so a damaged checkpoint is never trained from.
-The last ``keep`` checkpoints are kept. `Checkpoints.save` returns once the checkpoint is on disk: a failed write
-(a full disk) is raised there, never discovered steps later.
+The last ``keep`` checkpoints are kept. `Checkpoints.save` returns once the arrays are copied off the devices
+and writes the files in the background, so training goes on while a checkpoint is written; the next `save` or
+`wait` finishes that write first, and a write that failed (a full disk) is raised there, naming its step. A
+damaged checkpoint is reported with the file or array that cannot be read and the reader's error.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -98,6 +101,31 @@ def _os_error(err: BaseException) -> OSError | None:
     return None
 
 
+def _root_cause(err: BaseException) -> str:
+    """``Type: first line`` of the innermost exception of a chain: orbax wraps TensorStore's message, which names
+    the array and the file, in exceptions of its own."""
+    seen = set()
+    while id(err) not in seen and (err.__cause__ or err.__context__) is not None:
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+_JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "metadata", "_sharding")
+
+
+def _unreadable_json(directory: Path) -> str | None:
+    """The first of a checkpoint's JSON files (orbax's metadata, the progress record) that is not valid JSON."""
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and (path.name in _JSON_FILES or path.parent.name == "array_metadatas"):
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                return f"{path} is not valid JSON ({type(err).__name__}: {err})"
+    return None
+
+
 def _free_bytes(directory: Path) -> int | None:
     try:
         return shutil.disk_usage(directory).free
@@ -164,6 +192,7 @@ class Checkpoints:
         self.directory = Path(directory).resolve()
         self._saved_form = saved_form or (lambda state: state)
         self._write_failed = False
+        self._pending: tuple[int, bool, int] | None = None  # (step, it existed before, bytes) of the save in flight
         remove_partial_checkpoints(self.directory)  # what a crash cut short; nothing writes before the run opens
         _filter_write_failure_logs()
         _quiet_closed_loop_callbacks()
@@ -178,35 +207,57 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, progress: dict[str, Any]) -> None:
-        """Writes ``state`` and ``progress`` (plus the state's checksum) as checkpoint ``step`` and waits for it.
+        """Starts writing ``state`` and ``progress`` (plus the state's checksum) as checkpoint ``step``: returns once
+        the arrays are copied off the devices; the files are written in the background (`wait`).
 
         Raises:
-          CheckpointWriteError: the files could not be written; the partial checkpoint is removed.
+          CheckpointWriteError: this checkpoint, or the one before it (finished here first), could not be written;
+            the partial checkpoint is removed.
         """
+        self.wait()
         state = self._saved_form(state)
         progress = {**progress, "checksum": checksum(state)}
-        existed = step in self._manager.all_steps()
+        self._pending = (step, step in self._manager.all_steps(), _state_bytes(state))
         try:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)),
                 force=True,
             )
-            self._manager.wait_until_finished()
         except Exception as err:  # orbax wraps the writer's OSError in its own and asyncio's errors
-            cause = _os_error(err)
-            if cause is None:
-                raise
-            self._write_failed = True
-            self._remove_partial(step, keep_final=existed)
-            raise CheckpointWriteError(cause.errno, self._write_advice(step, state, cause)) from err
+            self._failed(err)
 
-    def _write_advice(self, step: int, state: Any, cause: OSError) -> str:
+    def wait(self) -> None:
+        """Returns once the checkpoint being written is on disk.
+
+        Raises:
+          CheckpointWriteError: it could not be written; the partial checkpoint is removed.
+        """
+        if self._pending is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._failed(err)
+        self._pending = None
+
+    def _failed(self, err: Exception) -> None:
+        """Raises the failure of the pending save: a CheckpointWriteError for a disk error, else ``err`` itself."""
+        step, existed, size = self._pending
+        self._pending = None
+        cause = _os_error(err)
+        if cause is None:
+            raise err
+        self._write_failed = True
+        self._remove_partial(step, keep_final=existed)
+        raise CheckpointWriteError(cause.errno, self._write_advice(step, size, cause)) from err
+
+    def _write_advice(self, step: int, size: int, cause: OSError) -> str:
         problem = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
         free = _free_bytes(self.directory)
         free_text = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
         return (f"cannot write checkpoint {step} in {self.directory}: {problem} ({free_text} free, a checkpoint "
-                f"needs about {_state_bytes(state) / 2**20:.1f} MiB); free space there, then resume the run")
+                f"needs about {size / 2**20:.1f} MiB); free space there, then resume the run")
 
     def _remove_partial(self, step: int, *, keep_final: bool) -> None:
         """Deletes what a failed save left (orbax's temporary directory), so the space comes back."""
@@ -245,7 +296,8 @@ class Checkpoints:
         try:
             progress = self.progress(step)
         except Exception as err:  # a truncated or overwritten JSON file, a missing item
-            raise CheckpointCorruptError(f"its progress record cannot be read ({type(err).__name__})") from err
+            damage = self._damage(step, "progress", err)
+            raise CheckpointCorruptError(f"its progress record cannot be read: {damage}") from err
         saved = progress.get("model")
         if saved is not None:
             saved = {**(later_keys or {}), **saved}
@@ -261,18 +313,25 @@ class Checkpoints:
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             )
         except Exception as err:  # TensorStore cannot decode a damaged chunk, metadata unreadable
-            raise CheckpointCorruptError(f"its arrays cannot be read ({type(err).__name__})") from err
+            raise CheckpointCorruptError(f"its arrays cannot be read: {self._damage(step, 'state', err)}") from err
         if "checksum" in progress and checksum(restored["state"]) != progress["checksum"]:
             raise CheckpointCorruptError("its arrays differ from the checksum written with them")
         return restored["state"], progress
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
+    def _damage(self, step: int, item: str, err: Exception) -> str:
+        """What is wrong with ``item`` (state, progress) of checkpoint ``step``: a JSON file of it that does not
+        parse, else the reader's error."""
+        return _unreadable_json(self.directory / str(step) / item) or _root_cause(err)
 
     def close(self) -> None:
-        """Waits for the writes in flight and releases the writer. After a save that failed (and was reported as a
-        `CheckpointWriteError`), its other writers may fail later with a disk error of their own, not raised, and
-        may have recreated directories of the partial checkpoint after `save` removed it: removed again."""
+        """Waits for the writes in flight and releases the writer. A write that fails here, of a run that stops for
+        another reason, is one warning. After a save that failed (and was reported as a `CheckpointWriteError`),
+        its other writers may fail later with a disk error of their own, not raised, and may have recreated
+        directories of the partial checkpoint after `save` removed it: removed again."""
+        try:
+            self.wait()
+        except CheckpointWriteError as err:
+            print(f"warning: {err}", file=sys.stderr)
         try:
             self._manager.wait_until_finished()
             self._manager.close()

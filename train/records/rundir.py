@@ -1,16 +1,28 @@
 """The run directory: where a run keeps its configuration, run log and checkpoints, and how ``--resume`` continues
-a run from it exactly."""
+a run from it exactly.
+
+One run at a time: the process that writes the directory (process 0 of a multi-process job) holds its lock
+(`train.records.lock`) from the start of the run to its end. A directory whose run stopped before its first
+checkpoint (a signal during compilation, an out-of-memory kill) holds nothing to continue from: a new start or a
+``--resume`` there starts that run again from step 0. A start that fails before its run log begins (bad data, a bad
+flag found late, a signal during setup) leaves no directory it made behind.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 
-from train.records import runlog
 from train.errors import UsageError
+from train.records import runlog
+from train.records.checkpoints import CHECKPOINT_DIR, complete_steps
+from train.records.lock import DirectoryInUse, RunDirectoryLock
 
 CONFIG_FILENAME = "config.json"
 
@@ -20,29 +32,106 @@ def load_saved_config(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / CONFIG_FILENAME
     if not path.is_file():
         raise UsageError(f"--resume {run_dir}: no {CONFIG_FILENAME} there; is it a run directory?")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"--resume {run_dir}: {path} is not a saved configuration ({err})") from None
 
 
-def prepare_run_dir(resume: str | None, run_dir: str | None, run_id: str) -> Path:
-    """The run directory (``--resume``, ``--run-dir`` or runs/<run_id>), created and proven writable.
+def finished(run_dir: Path) -> bool:
+    """Whether the run log ends with the summary of a finished run (its final evaluation done)."""
+    path = run_dir / runlog.LOG_FILENAME
+    records = runlog.read(path) if path.exists() else []
+    return bool(records) and records[-1]["type"] == "summary" and records[-1]["completed"]
 
-    Raises:
-      UsageError: a new run would overwrite an existing one, or the directory cannot be written.
-    """
-    if resume:
-        path = Path(resume)
-    else:
-        path = Path(run_dir or Path("runs") / run_id)
-        if (path / runlog.LOG_FILENAME).exists():
-            raise UsageError(f"{path} already holds a run; pass --resume {path} or another --run-dir")
+
+def stopped_before_first_checkpoint(run_dir: Path) -> bool:
+    """Whether the directory holds a run log but no complete checkpoint and no finished summary: a run with
+    nothing to continue from, which can only start again."""
+    return ((run_dir / runlog.LOG_FILENAME).exists() and not complete_steps(run_dir / CHECKPOINT_DIR)
+            and not finished(run_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A run directory prepared for this start; ``restart``: it held a run stopped before its first checkpoint,
+    whose log was cleared, so training starts from step 0 (also on ``--resume``)."""
+
+    path: Path
+    restart: bool
+
+
+def _make(path: Path) -> Path | None:
+    """Creates ``path`` and its missing parents; returns the topmost directory it created (None: it existed)."""
+    missing = [parent for parent in (path, *path.parents) if not parent.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}") from err
+    return missing[-1] if missing else None
+
+
+def _probe_writable(path: Path) -> None:
+    try:
         probe = path / f".write-test-{jax.process_index()}"  # one per process: they check at once
         probe.write_text("")
         probe.unlink()
     except OSError as err:
         raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}") from err
-    return path
+
+
+def _lock(path: Path, command: str) -> RunDirectoryLock:
+    lock = RunDirectoryLock(path)
+    try:
+        lock.acquire(command)
+    except DirectoryInUse as err:
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        raise UsageError(f"cannot write the run directory {path}: {err.strerror or err}") from err
+    return lock
+
+
+def _check_start(path: Path, resume: bool) -> bool:
+    """Whether this start runs a stopped run again from step 0 (its log is then removed).
+
+    Raises:
+      UsageError: a new run would overwrite a run that has a checkpoint or finished.
+    """
+    if not stopped_before_first_checkpoint(path):
+        if not resume and (path / runlog.LOG_FILENAME).exists():
+            raise UsageError(f"{path} already holds a run; pass --resume {path} or another --run-dir")
+        return False
+    (path / runlog.LOG_FILENAME).unlink()
+    return True
+
+
+@contextlib.contextmanager
+def claim(resume: str | None, run_dir: str | None, run_id: str, *, command: str, owner: bool) -> Iterator[Claim]:
+    """The run directory (``--resume``, ``--run-dir`` or runs/<run_id>), created, proven writable and, with
+    ``owner`` (the process that writes it), locked for as long as the context lasts.
+
+    The owner checks what the directory holds (`_check_start`) once it holds the lock, so two starts never both
+    pass the check; a start refused the lock changes nothing there. When the context ends with an exception
+    before the run log was begun, the owner removes the directories this start made.
+
+    Raises:
+      UsageError: another run holds the directory, a new run would overwrite an existing one, or the directory
+        cannot be written.
+    """
+    path = Path(resume) if resume else Path(run_dir or Path("runs") / run_id)
+    made = _make(path)
+    lock = _lock(path, command) if owner else None
+    try:
+        restart = _check_start(path, bool(resume)) if owner else False
+        _probe_writable(path)
+        yield Claim(path, restart)
+    except BaseException:
+        if lock is not None and made is not None and not (path / runlog.LOG_FILENAME).exists():
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def save_config(run_dir: Path, config: Mapping[str, Any]) -> None:

@@ -5,7 +5,13 @@ object per line) with TensorBoard events.
 written and `train.compare` checks every record it reads, so a log it accepts has every key with the right type.
 Throughput keys depend on what a task counts: a task counting ``tokens`` and ``target_tokens`` logs
 ``tokens_per_s`` and ``target_tokens_per_s`` in intervals, and ``tokens``, ``target_tokens`` and both rates in the
-summary.
+summary and its ``steady`` part. The summary's parts (`PARTS`: ``warmup``, ``steady``, ``compilation``,
+``evaluation``, ``checkpoints``) are objects with a schema of their own, each one window of the run
+(train.costs.windows).
+
+Schema 2 added the windows: the summary's ``energy_j`` covers the training steps (schema 1: the training loop,
+compilation and evaluations included), beside the wall window and the parts. A reader takes a schema-1 log with
+the schema-2 keys missing (`SCHEMA_2_KEYS`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 LOG_FILENAME = "run.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -57,8 +64,23 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "completed": (bool,), "stop_reason": (str,), "steps": (int,), "train_time_s": _NUM, "wall_time_s": _NUM,
         "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
         "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
-        "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "final_loss": _OPT_NUM,
-        "bleu": _OPT_NUM, "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
+        "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "wall_energy_j": _OPT_NUM,
+        "wall_cost_usd": _OPT_NUM, "warmup": (dict,), "steady": (dict,), "compilation": (dict,),
+        "evaluation": (dict,), "checkpoints": (dict,), "final_loss": _OPT_NUM, "bleu": _OPT_NUM,
+        "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
+    },
+}
+_ONE_TIME = {"count": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM}
+# The objects inside a record, by record type and key: their own keys (``steady`` adds ``<count>_per_s``).
+PARTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
+    "summary": {
+        "warmup": {"steps": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM},
+        "steady": {"steps": (int,), "time_s": _NUM, "step_time_s": _OPT_NUM, "tflops_per_s": _OPT_NUM,
+                   "mfu": _OPT_NUM, "energy_j": _OPT_NUM, "energy_per_step_j": _OPT_NUM, "power_w": _OPT_NUM,
+                   "cost_usd": _OPT_NUM},
+        "compilation": _ONE_TIME,
+        "evaluation": _ONE_TIME,
+        "checkpoints": _ONE_TIME,
     },
 }
 # The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
@@ -72,16 +94,24 @@ LATER_KEYS: dict[str, frozenset[str]] = {
     "eval": frozenset({"perplexity"}),
     "summary": frozenset({"perplexity", "memory"}),
 }
+# Keys schema 2 added: a schema-1 log lacks them.
+SCHEMA_2_KEYS: dict[str, frozenset[str]] = {
+    "summary": frozenset({"wall_energy_j", "wall_cost_usd", *PARTS["summary"]}),
+}
 
 
 def throughput_keys(record_type: str, counted: Iterable[str]) -> dict[str, tuple[type, ...]]:
-    """The task-dependent keys: ``<count>_per_s`` in intervals; ``<count>`` and ``<count>_per_s`` in the summary."""
+    """The task-dependent keys: ``<count>_per_s`` in intervals; ``<count>`` and ``<count>_per_s`` in the summary;
+    ``<count>_per_s`` (null without a steady step) in the summary's ``steady`` part (record type
+    ``summary.steady``)."""
     keys: dict[str, tuple[type, ...]] = {}
     for name in counted:
         if record_type in ("interval", "summary"):
             keys[f"{name}_per_s"] = _NUM
         if record_type == "summary":
             keys[name] = (int,)
+        if record_type == "summary.steady":
+            keys[f"{name}_per_s"] = _OPT_NUM
     return keys
 
 
@@ -136,14 +166,29 @@ class RecordError(ValueError):
         return f"{where}: {reason}"
 
 
-def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, complete: bool = False) -> None:
-    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record; a key of
-    `LATER_KEYS` may be missing unless ``complete`` (what a writer checks)."""
+def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, schema: int = SCHEMA_VERSION,
+             complete: bool = False) -> None:
+    """Raises RecordError naming the first missing key or wrongly typed value of a run-log record (or of one of
+    its `PARTS`) of a log of version ``schema``; a key of `LATER_KEYS` may be missing unless ``complete`` (what a
+    writer checks), one of `SCHEMA_2_KEYS` in a schema-1 log."""
     record_type = record.get("type")
     if record_type not in SCHEMA:
         raise RecordError(record)
-    expected = {**SCHEMA[record_type], **throughput_keys(record_type, counted)}
+    counted = tuple(counted)
     may_lack = frozenset() if complete else LATER_KEYS.get(record_type, frozenset())
+    if schema < 2:
+        may_lack |= SCHEMA_2_KEYS.get(record_type, frozenset())
+    _check_keys(record, {**SCHEMA[record_type], **throughput_keys(record_type, counted)}, may_lack)
+    for name, keys in PARTS.get(record_type, {}).items():
+        if name in record:
+            part_type = f"{record_type}.{name}"
+            _check_keys({**record[name], "type": part_type}, {**keys, **throughput_keys(part_type, counted)})
+
+
+def _check_keys(record: Mapping[str, Any], expected: Mapping[str, tuple[type, ...]],
+                may_lack: frozenset[str] = frozenset()) -> None:
+    """Raises RecordError for the first key of ``expected`` that ``record`` lacks (unless in ``may_lack``) or
+    holds with another type."""
     for key, types in expected.items():
         if key not in record:
             if key in may_lack:
@@ -220,11 +265,12 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
     """Rewrites a run log as it was when the checkpoint at ``step`` was written.
 
     Drops the summary and every interval/eval record after ``step``, so a resumed run continues one log that
-    reads as a single run (the steps after the checkpoint are trained again, identically).
+    reads as a single run (the steps after the checkpoint are trained again, identically). The run record takes
+    this version's schema: the summary the resumed run writes is of this version.
     """
     path = Path(run_dir) / LOG_FILENAME
     kept = [
-        r for r in read(path)
+        {**r, "schema": SCHEMA_VERSION} if r["type"] == "run" else r for r in read(path)
         if r["type"] == "run" or (r["type"] in ("interval", "eval") and r["step"] <= step)
     ]
     path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")

@@ -1,15 +1,18 @@
 """Run a grid of training runs, each in its own run directory, then compare them all.
 
-    python -m train.sweep [SPEC.toml] [--out DIR] [--device NAME] [--dry-run]
+    python -m train.sweep [SPEC.toml] [--out DIR] [--device NAME] [--score-window whole|steady] [--dry-run]
 
 SPEC (`train.sweep.spec`; default: the embedded train/sweep/specs/cpu-default.toml) lists grids over task, device,
 preset, optimizer, precision, backend, batch, length, steps and seeds. Each run goes to OUT/<run name> (``{device}``
 in OUT stands for this machine's device, e.g. h100-sxm), marked with
 the sweep's name (sweep.json). Running the sweep again skips the finished runs, resumes an interrupted one from
-its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint.
+its latest checkpoint (``train.<task> --resume``) and starts again one that stopped before its first checkpoint
+(the harness starts such a run again from step 0 in its own directory, under the directory's lock).
 A run whose device axis names another device is not run here: its command is printed, and its run directory,
 copied back into OUT, joins the comparison. The sweep ends with ``train.compare`` over every finished run of each
-task (OUT/report, or OUT/report-<task>).
+task (OUT/report, or OUT/report-<task>): the whole run and the steady state side by side, the score under the
+study's seven strategies (whole run by default, as the study scored; ``--score-window steady`` scores the steady
+state, and picks a ``from_best`` grid's best by it too) and one recommendation per strategy.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -157,15 +159,13 @@ class Sweep:
         if self.dry_run:
             print(f"{label}: would run {shlex.join(command)}", flush=True)
             return
-        if state == "restart":
-            shutil.rmtree(run_dir)  # stopped before its first checkpoint: nothing to resume from
         _mark(run_dir, self.spec, point)
         print(f"{label}: {'resuming' if state == 'interrupted' else 'running'}: {shlex.join(command)}", flush=True)
         started = time.monotonic()
         code = self.runner(command)
         outcome = "finished" if code == 0 else f"FAILED with exit code {code}"
         if code != 0:
-            self.failed.append(point.name)
+            self.failed.append(_failure(point.name, run_dir, code))
         print(f"{label}: {outcome} in {time.monotonic() - started:.0f} s{_quality(run_dir)}", flush=True)
 
 
@@ -181,26 +181,34 @@ class Sweep:
         print(f"{label}: for {point.device}, run there: {remote_command(point, run_dir, self.spec)}", flush=True)
 
 
+def _failure(name: str, run_dir: Path, code: int) -> str:
+    """A failed run as the sweep's last line names it: where its log is, or that it has none."""
+    log = run_dir / runlog.LOG_FILENAME
+    return f"{name} (exit code {code}, log {log})" if log.exists() else (
+        f"{name} (exit code {code}, no run log: it stopped before training; its output is above)")
+
+
 def _quality(run_dir: Path) -> str:
     summary = _summary(run_dir) or {}
     found = [f"{key} {summary[key]:.4g}" for key in runlog.QUALITY_KEYS if summary.get(key) is not None]
     return f", {', '.join(found)}" if found else ""
 
 
-def best_point(spec: Spec, candidates: Sequence[Point], preset: str) -> dict[str, Any] | None:
-    """The point of the best converged finished run among ``candidates`` under ``preset``, or None."""
+def best_point(spec: Spec, candidates: Sequence[Point], preset: str,
+               window: str = scoring.DEFAULT_WINDOW) -> dict[str, Any] | None:
+    """The point of the best converged finished run among ``candidates`` under ``preset`` in ``window``, or None."""
     finished = {str((spec.out / p.name / runlog.LOG_FILENAME).resolve()): p for p in candidates
                 if _summary(spec.out / p.name)}
     if not finished:
         return None
     runs, _ = run_logs.load_runs(list(finished))
-    ranked = scoring.compare(runs).ranked_under(preset)
+    ranked = scoring.compare(runs, window=window).ranked_under(preset)
     return finished[str(runs[ranked[0]].source)].values if ranked else None
 
 
-def report(spec: Spec, names: Sequence[str]) -> int:
-    """`train.compare` over the finished runs ``names`` in OUT, one report per task; 0 when there was nothing to
-    compare."""
+def report(spec: Spec, names: Sequence[str], window: str = scoring.DEFAULT_WINDOW) -> int:
+    """`train.compare` over the finished runs ``names`` in OUT, scored in ``window``, one report per task; 0 when
+    there was nothing to compare."""
     logs = [spec.out / name / runlog.LOG_FILENAME for name in names if _summary(spec.out / name)]
     if not logs:
         print("no finished run to compare yet", flush=True)
@@ -210,7 +218,8 @@ def report(spec: Spec, names: Sequence[str]) -> int:
     for task in tasks:
         out = spec.out / ("report" if len(tasks) == 1 else f"report-{task}")
         print(f"\ncomparing the {task} runs into {out}", flush=True)
-        code = max(code, compare.main([*map(str, logs), "--task", task, "--out", str(out)]))
+        code = max(code, compare.main([*map(str, logs), "--task", task, "--weights", spec.weights, "--out", str(out),
+                                       "--score-window", window]))
     return code
 
 
@@ -221,8 +230,10 @@ def with_device_in_out(spec: Spec, device: Callable[[], str]) -> Spec:
     return dataclasses.replace(spec, out=Path(str(spec.out).replace("{device}", device().lower())))
 
 
-def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False) -> int:
-    """Every grid in order (a ``from_best`` grid after the grids before it ran), then the report."""
+def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False,
+              window: str = scoring.DEFAULT_WINDOW) -> int:
+    """Every grid in order (a ``from_best`` grid after the grids before it ran), then the report, scored in
+    ``window``."""
     spec = with_device_in_out(spec, device)
     sweep = Sweep(spec, device=device, runner=runner, dry_run=dry_run)
     done: dict[str, Point] = {}
@@ -231,7 +242,7 @@ def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run:
     for index, grid in enumerate(spec.grids):
         chosen = None
         if grid.from_best:
-            chosen = best_point(spec, list(done.values()), grid.from_best)
+            chosen = best_point(spec, list(done.values()), grid.from_best, window)
             if chosen is None:
                 print(f"grid #{index + 1}: no converged run of the grids before it has finished here yet, so its "
                       f"best under {grid.from_best} is unknown; run the sweep again once they have", flush=True)
@@ -245,13 +256,13 @@ def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run:
         total = max(total, len(done) + len(todo))
         sweep.run_all(todo, len(done) + 1, total)
         done.update((point.name, point) for point in todo)
-    code = 0 if dry_run else report(spec, list(done))
+    code = 0 if dry_run else report(spec, list(done), window)
     if sweep.elsewhere:
         print(f"\n{len(sweep.elsewhere)} runs are for other devices; copy their run directories into {spec.out} and "
               "run the sweep again to compare them with the rest", flush=True)
     if sweep.failed:
-        print(f"error: {len(sweep.failed)} runs failed: {', '.join(sweep.failed)}; their logs are in {spec.out}; "
-              "run the sweep again to retry them", file=sys.stderr)
+        print(f"error: {len(sweep.failed)} runs failed: {'; '.join(sweep.failed)}; run the sweep again to retry "
+              "them", file=sys.stderr)
         return EXIT_RUN_FAILED
     return code
 
@@ -260,7 +271,11 @@ def load_spec(path: Path | None) -> Spec:
     path = path or DEFAULT_SPEC
     if not path.is_file():
         raise UsageError(f"{path}: no such sweep spec file")
-    return parse(path.read_text(encoding="utf-8"), path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a sweep spec: not UTF-8 text, so not TOML") from None
+    return parse(text, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="the sweep's directory instead of the spec's out")
     parser.add_argument("--device", help="this machine's device as the spec's device axis names it (default: "
                                          "detected: cpu, or the device table's name such as H100-SXM)")
+    compare.add_window_argument(parser)
     parser.add_argument("--dry-run", action="store_true", help="print what each run would do; run nothing")
     return parser
 
@@ -281,7 +297,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) 
         if args.out:
             spec = dataclasses.replace(spec, out=args.out)
         device = (lambda: args.device) if args.device else detect_device
-        return run_sweep(spec, device=device, runner=runner, dry_run=args.dry_run)
+        return run_sweep(spec, device=device, runner=runner, dry_run=args.dry_run, window=args.score_window)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE

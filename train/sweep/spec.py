@@ -2,6 +2,7 @@
 
     name = "bert-study"          # the sweep's name: every run directory it makes carries it
     out = "runs/bert-study"      # where the run directories go (relative: to the current directory)
+    weights = "balance"          # the report's score weights: a preset or "t,c,e,u" (default balance)
     [axes]                       # values common to every grid: a value or a list of values
     task = "imdb"
     steps = 300
@@ -18,6 +19,9 @@ Axes (`AXES`): task, device, preset, implementation, optimizer, lr, precision, b
 max_tokens, max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
 at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
 that is set; its name joins them.
+
+Every run's command line is parsed by its task's own parser and its configuration checked as the run would check
+it, when the spec is read: a flag the task does not know, or a value out of range, stops the sweep before any run.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ from typing import Any
 from ls_jax.layers.config import REMAT_MODES
 from train.errors import UsageError
 from train.harness.cli import IMPLEMENTATIONS
+from train.gpt import config as gpt_config
 from train.harness.optimizer import OPTIMIZERS
 from train.costs.precision import PRECISION_DTYPES
-from train.compare.scoring import WEIGHT_PRESETS
+from train.compare.scoring import DEFAULT_PRESET, WEIGHT_PRESETS, parse_weights, preset_name
+from train.imdb import config as imdb_config
+from train.wmt import config as wmt_config
 
 TASKS = ("imdb", "wmt", "gpt")
 BACKENDS = ("auto", "ffi", "xla")
@@ -53,6 +60,8 @@ _NOT_FLAGS = ("task", "device")
 _SHORT = {"lr": "lr", "batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e",
           "seed": "seed", "remat": "remat-"}
 _TASK_AXES = {"max_tokens": ("wmt",), "max_seq_len": ("imdb", "gpt"), "batch_size": ("imdb", "gpt")}
+_TASK_CONFIGS = {"imdb": imdb_config, "wmt": wmt_config, "gpt": gpt_config}  # each task's parser and checks
+_KEYS = ("name", "out", "weights", "axes", "flags", "grid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,7 @@ class Spec:
     grids: list[Grid]
     flags: dict[str, Any]
     source: str  # the TOML text, copied into the output directory
+    weights: str = DEFAULT_PRESET  # the report's score weights, as train.compare --weights takes them
 
 
 def _as_list(key: str, value: Any, where: str) -> list[Any]:
@@ -156,9 +166,10 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     table = dict(table)
     from_best = table.pop("from_best", None)
     if from_best is not None:
-        if from_best not in WEIGHT_PRESETS:
+        if not isinstance(from_best, str) or preset_name(from_best) is None:
             raise UsageError(f"{where}: from_best = {from_best!r} is not a weight preset; choose from "
                              f"{', '.join(WEIGHT_PRESETS)}")
+        from_best = preset_name(from_best)
         if previous == 0:
             raise UsageError(f"{where}: from_best needs a grid before it to take the best run from")
     axes = {**common, **_axes(table, where)}
@@ -172,23 +183,69 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     return Grid(axes, from_best)
 
 
+def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
+    """Parses ``point``'s flags with its task's own parser and checks the configuration they make, as the run
+    would.
+
+    Raises:
+      UsageError: a flag the task does not know, a value it cannot parse, or one out of range.
+    """
+    module = _TASK_CONFIGS[point.task]
+    parser = module.build_parser()
+
+    def refuse(message: str) -> None:
+        raise UsageError(f"{where}: train.{point.task} {message}")
+
+    parser.error = refuse  # argparse would print its usage and exit; one line instead
+    given = vars(parser.parse_args(point.flags(flags)))
+    try:
+        module.check_config(module.resolve_config(given, None))
+    except UsageError as err:
+        refuse(str(err))
+
+
+def _weights(value: Any, where: str) -> str:
+    """The ``weights`` key as train.compare's --weights takes it: a preset name or four numbers t,c,e,u."""
+    text = ",".join(map(str, value)) if isinstance(value, list) else value
+    if not isinstance(text, str):
+        raise UsageError(f"{where}: weights = {value!r} must be a preset name or four numbers t,c,e,u")
+    try:
+        parse_weights(text)
+    except ValueError as err:
+        raise UsageError(f"{where}: weights: {str(err).removeprefix('--weights ')}") from None
+    return text
+
+
+def _name(document: Mapping[str, Any], where: str) -> str:
+    if not document:
+        raise UsageError(f"{where} is empty: a sweep spec needs a name and a task (see train/sweep/specs/"
+                         "cpu-default.toml)")
+    if "name" not in document:
+        raise UsageError(f'{where}: no name; add one, e.g. name = "my-sweep" (it marks every run directory of the '
+                         "sweep)")
+    name = document["name"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise UsageError(f"{where}: name = {name!r} must be a non-empty string of letters, digits, '_', '.', '-'")
+    return name
+
+
 def parse(text: str, source: Path | None = None) -> Spec:
     """The Spec of a TOML text (read from ``source``, named in messages); ``out`` defaults to runs/<name>.
 
     Raises:
-      UsageError: invalid TOML, an unknown key or axis, an axis value out of its choices, an empty grid.
+      UsageError: invalid TOML, an unknown key or axis, an axis value out of its choices, an empty grid, weights
+        that are no preset or four numbers, or a run's flags that its task's parser or checks refuse.
     """
     where = str(source) if source else "the sweep spec"
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"{where}: not valid TOML ({err})") from None
-    unknown = [key for key in document if key not in ("name", "out", "axes", "flags", "grid")]
+    unknown = [key for key in document if key not in _KEYS]
     if unknown:
-        raise UsageError(f"{where}: unknown key {unknown[0]!r}; a spec has name, out, [axes], [flags], [[grid]]")
-    name = document.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise UsageError(f"{where}: name = {name!r} must be a non-empty string of letters, digits, '_', '.', '-'")
+        raise UsageError(f"{where}: unknown key {unknown[0]!r}; a spec has name, out, weights, [axes], [flags], "
+                         "[[grid]]")
+    name = _name(document, where)
     common = _axes(document.get("axes", {}), f"{where} [axes]")
     tables = document.get("grid", [{}])
     if not isinstance(tables, list):
@@ -202,7 +259,11 @@ def parse(text: str, source: Path | None = None) -> Spec:
     out = document.get("out", f"runs/{name}")
     if not isinstance(out, str) or not out:
         raise UsageError(f"{where}: out = {out!r} must be a directory path")
-    return Spec(name=name, out=Path(out), grids=grids, flags=dict(flags), source=text)
+    for number, grid in enumerate(grids, 1):
+        for point in grid.points():
+            check_command(point, flags, f"{where} [[grid]] #{number} ({point.name})")
+    return Spec(name=name, out=Path(out), grids=grids, flags=dict(flags), source=text,
+                weights=_weights(document.get("weights", DEFAULT_PRESET), where))
 
 
 def points(spec: Spec, best: Sequence[Mapping[str, Any] | None] = ()) -> list[Point]:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
 from train.wmt import synthetic as wmt_synthetic
 from train.data.stream import EpochStream, host_rows, import_tfds
@@ -60,8 +61,7 @@ def synthetic_corpus(seed: int = 0, *, train: int = 20000, valid: int = 500, tes
 def _read_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
+    lines = [line.rstrip("\n") for line in files_lib.utf8_lines(path)]
     if not lines:
         raise DataError(f"data file is empty: {path}")
     return lines

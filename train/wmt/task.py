@@ -150,9 +150,9 @@ TASK = Task(
     resolve_config=wmt_config.resolve_config,
     check_config=wmt_config.check_config,
     setup=setup,
-    throughput=lambda s: (f"{format_value(s['tokens_per_s'], '.0f')} tokens/s, "
-                          f"{format_value(s['target_tokens_per_s'], '.0f')} target tokens/s"),
     score=lambda record: format_value(record["bleu"], ".2f"),
     loss_name="label-smoothed training loss, see --label-smoothing",
+    memory_advice="lower --max-tokens (raise --grad-accum to keep the batch), add --remat layer, or choose a "
+                  "smaller --preset",
 )
 

@@ -18,6 +18,7 @@ from ls_jax.layers.transformer import TransformerDecoderLayer, TransformerEncode
 from ls_jax.models import BertForSequenceClassification, Transformer
 from train.imdb import model as imdb_model
 from train.wmt import model as wmt_model
+from train.wmt.config import WmtConfig
 from train.bench.steps import transformer_steps, zoo_steps
 
 BERT_VOCAB = zoo_steps.MODELS["bert-base"].vocab
@@ -73,8 +74,8 @@ def build(name: str, rows: int, length: int) -> BenchModel:
 
 def _transformer(name: str, rows: int, length: int) -> BenchModel:
     rng = np.random.default_rng(0)
-    config = wmt_model.model_config({"preset": TRANSFORMER_PRESETS[name], "dropout": 0.1, "remat": "none"},
-                                     transformer_steps.VOCAB, "bf16")
+    config = wmt_model.model_config(WmtConfig(preset=TRANSFORMER_PRESETS[name], dropout=0.1, remat="none"),
+                                    transformer_steps.VOCAB, "bf16")
     module = Transformer(config)
     tokens = rng.integers(4, transformer_steps.VOCAB, size=(1, rows, length), dtype=np.int32)
     batch = {"src": tokens, "tgt_in": tokens, "labels": np.roll(tokens, -1, axis=-1)}

@@ -134,9 +134,12 @@ def reference_apply(model, params, batch, deterministic: bool = True, rngs=None)
 
 
 def ls_jax_apply(model, params, batch, deterministic: bool = True, rngs=None) -> jax.Array:
-    """Logits of an ls_jax model on a `make_batch` batch."""
-    return model.apply({"params": params}, batch["input_ids"], batch.get("attention_mask"),
-                       deterministic=deterministic, rngs=rngs)
+    """Logits of an ls_jax model on a `make_batch` batch: BERT's right padding as each row's length."""
+    if "attention_mask" in batch:
+        lengths = jnp.sum(batch["attention_mask"], axis=-1, dtype=jnp.int32)
+        return model.apply({"params": params}, batch["input_ids"], lengths=lengths, deterministic=deterministic,
+                           rngs=rngs)
+    return model.apply({"params": params}, batch["input_ids"], deterministic=deterministic, rngs=rngs)
 
 
 def reference_step(name: str, attention: str, batch) -> TrainStep:

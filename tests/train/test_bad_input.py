@@ -1,0 +1,126 @@
+"""Bad input to the three training entry points is one ``error:`` line (exit code 2 for a flag, 3 for the data),
+never a traceback, and a start that fails leaves no run directory behind: data files whose bytes are not UTF-8,
+seeds and prices out of range."""
+
+import json
+
+import pytest
+
+from train.gpt import task as gpt
+from train.gpt.config import GptConfig
+from train.harness.training import run_training
+from train.imdb import task as imdb
+from train.records.rundir import save_config
+from train.wmt import task as wmt
+
+TASKS = {"gpt": gpt.TASK, "imdb": imdb.TASK, "wmt": wmt.TASK}
+NOT_UTF8 = "caf\xe9 au lait".encode("latin-1")  # a Latin-1 text: byte 0xe9 is no UTF-8 sequence
+
+
+def run(task, argv, capsys):
+    """Exit code and stderr of ``python -m train.<task> ARGV``, in this process."""
+    code = run_training(TASKS[task], argv)
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(err):
+    assert "Traceback" not in err and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def write_latin1_text(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"a first line in plain ascii\n" + NOT_UTF8 + b"\n")
+    return path
+
+
+def write_gpt_directory(tmp_path):
+    directory = tmp_path / "documents"
+    directory.mkdir()
+    (directory / "a.txt").write_text("a document in UTF-8\n")
+    (directory / "b.txt").write_bytes(NOT_UTF8)
+    return directory, directory / "b.txt"
+
+
+def write_imdb(tmp_path, kind):
+    path = tmp_path / f"reviews.{kind}"
+    if kind == "csv":
+        path.write_bytes(b"text,label\n\"a good film\",1\n\"" + NOT_UTF8 + b"\",0\n")
+    else:
+        path.write_bytes(json.dumps({"text": "a good film", "label": 1}).encode() + b"\n"
+                         + b'{"text": "' + NOT_UTF8 + b'", "label": 0}\n')
+    return path
+
+
+def write_wmt(tmp_path):
+    directory = tmp_path / "parallel"
+    directory.mkdir()
+    for split in ("train", "valid"):
+        (directory / f"{split}.de").write_text("ein Satz\n")
+        (directory / f"{split}.en").write_text("a sentence\n")
+    (directory / "train.de").write_bytes(b"ein Satz\n" + NOT_UTF8 + b"\n")
+    (directory / "train.en").write_text("a sentence\nanother one\n")
+    return directory, directory / "train.de"
+
+
+@pytest.mark.parametrize("case", ["gpt-file", "gpt-directory", "imdb-csv", "imdb-jsonl", "imdb-test-data", "wmt"])
+def test_data_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, capsys, case):
+    if case == "gpt-file":
+        bad = write_latin1_text(tmp_path)
+        task, flags, line = "gpt", ["--data", f"text:{bad}"], 2
+    elif case == "gpt-directory":
+        directory, bad = write_gpt_directory(tmp_path)
+        task, flags, line = "gpt", ["--data", f"text:{directory}"], 1
+    elif case == "imdb-test-data":
+        bad = write_imdb(tmp_path, "csv")
+        task, flags, line = "imdb", ["--data", "synthetic", "--test-data", f"csv:{bad}"], 3
+    elif case.startswith("imdb"):
+        kind = case.split("-")[1]
+        bad = write_imdb(tmp_path, kind)
+        task, flags, line = "imdb", ["--data", f"{kind}:{bad}"], 3 if kind == "csv" else 2
+    else:
+        directory, bad = write_wmt(tmp_path)
+        task, flags, line = "wmt", ["--data", f"text:{directory}"], 2
+    run_dir = tmp_path / "runs" / "bad-data"
+    code, err = run(task, [*flags, "--run-dir", str(run_dir), "--no-progress", "--no-tensorboard"], capsys)
+    assert code == 3, err
+    assert_one_line(err)
+    assert f"error: {bad} is not UTF-8 text (byte 0xe9 at line {line}, byte" in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "--seed must be an integer in [0, 4294967296), got -1"),
+    (["--seed", str(2**32)], f"--seed must be an integer in [0, 4294967296), got {2**32}"),
+    (["--price-per-hour", "-1"], "--price-per-hour must be a finite number >= 0, got -1.0"),
+    (["--price-per-hour", "nan"], "--price-per-hour must be a finite number >= 0, got nan"),
+])
+def test_a_seed_or_price_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, task, flags, message):
+    run_dir = tmp_path / "run"
+    code, err = run(task, [*flags, "--run-dir", str(run_dir)], capsys)
+    assert code == 2
+    assert err == f"error: {message}\n"
+    assert not run_dir.exists()
+
+
+def test_a_failed_start_keeps_a_directory_the_user_made(tmp_path, capsys):
+    given = tmp_path / "mine"
+    given.mkdir()
+    (given / "notes.txt").write_text("my notes\n")
+    bad = write_latin1_text(tmp_path)
+    code, err = run("gpt", ["--data", f"text:{bad}", "--run-dir", str(given), "--no-tensorboard"], capsys)
+    assert code == 3
+    assert_one_line(err)
+    assert (given / "notes.txt").read_text() == "my notes\n"
+
+
+def test_resuming_the_run_of_another_task_names_it(tmp_path, capsys):
+    run_dir = tmp_path / "gpt-run"
+    run_dir.mkdir()
+    save_config(run_dir, {"task": "gpt", "run_id": "20261128T000000Z-000000", **GptConfig().to_dict()})
+    before = sorted(run_dir.iterdir())
+    code, err = run("imdb", ["--resume", str(run_dir)], capsys)
+    assert code == 2
+    assert err == (f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume "
+                   f"{run_dir}\n")
+    assert sorted(run_dir.iterdir()) == before

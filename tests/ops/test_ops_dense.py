@@ -25,7 +25,9 @@ def test_transposed_kernel_equals_the_kernel_transposed():
     tied, tied_vjp = jax.vjp(lambda t: ops.dense(x, t, transposed_kernel=True), table)
     plain, plain_vjp = jax.vjp(lambda k: ops.dense(x, k), table.T)
     np.testing.assert_array_equal(np.asarray(tied, np.float32), np.asarray(plain, np.float32))
-    np.testing.assert_array_equal(np.asarray(tied_vjp(cotangent)[0]), np.asarray(plain_vjp(cotangent)[0]).T)
+    # The table gradient sums over tokens: the two layouts may add in another order (1 ulp apart on some CPUs).
+    np.testing.assert_allclose(np.asarray(tied_vjp(cotangent)[0]), np.asarray(plain_vjp(cotangent)[0]).T,
+                               rtol=1e-6, atol=1e-6)
 
 
 def _backward_jaxpr(transposed: bool) -> jax.extend.core.ClosedJaxpr:

@@ -52,7 +52,8 @@ def profile_run(template, name, backend, times, watts):
     steady = [time for time, flag in zip(times, flags) if not flag]
     cost = lambda seconds: seconds * PRICE / 3600  # noqa: E731
     return dataclasses.replace(
-        template, run_id=name, task="imdb", backend=backend, bleu=None, accuracy=0.9, schema=2,
+        template, run_id=name, source=template.source.parents[1] / name / template.source.name, task="imdb",
+        backend=backend, bleu=None, accuracy=0.9, schema=2,
         train_time_s=sum(times), cost_usd=cost(sum(times)), energy_j=watts * sum(times), mfu=None,
         trained=3200, trained_unit="examples", throughput=3200 / sum(times),
         warmup=Warmup(len(warm), sum(warm), watts * sum(warm), cost(sum(warm))),

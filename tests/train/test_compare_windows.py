@@ -133,7 +133,7 @@ def test_cli_scores_the_steady_state_of_a_real_cpu_log(tmp_path, capsys):
     assert compare.main([str(CPU_LOG), "--score-window", "steady", "--quality-threshold", "0", "--out", str(out)]) == 0
     stdout, stderr = capsys.readouterr()
     assert "Warm-up and steady state:" in stdout and "Score under each preset, steady state" in stdout
-    assert "balance: #1 (cpu x1 xla fp32 adamw 8 examples), score" in stdout
+    assert "balance: #1 (cpu x1 ls_jax xla fp32 adamw 8 examples), score" in stdout
     assert "the scores leave the utilization term out" in stderr
     report = (out / "report.md").read_text()
     assert "## Warm-up and steady state" in report and "scoring the steady state" in report

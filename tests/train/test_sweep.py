@@ -317,7 +317,7 @@ def test_the_default_sweep_recommends_one_run_per_strategy_in_under_ten_minutes(
     recommendations = out.split("Recommendation:\n")[1].split("\n\n")[0].splitlines()
     assert [line.split(":")[0].strip() for line in recommendations] == list(scoring.WEIGHT_PRESETS)
     for line in recommendations:
-        best = r": #[1-4] \(cpu x1 xla fp32 (optax-adamw|adan) (16|32) examples\), score \d\.\d{3}"
+        best = r": #[1-4] \(cpu x1 ls_jax xla fp32 (optax-adamw|adan) (16|32) examples\), score \d\.\d{3}"
         assert re.search(best, line), line
     sweep_dir = tmp_path / "runs" / "sweep-cpu-default"
     assert (sweep_dir / "report" / "report.md").is_file()

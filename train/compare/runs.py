@@ -56,7 +56,6 @@ class Run:
     task: str
     device_kind: str
     device_count: int
-    implementation: str  # whose model: "ls_jax" or "flax" (the plain baseline)
     backend: str
     precision: str
     optimizer: str
@@ -209,8 +208,6 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         task=config["task"],
         device_kind=config["device_kind"],
         device_count=config["device_count"],
-        # Logs written before the run record named it trained ls_jax's models, the only ones the tasks had then.
-        implementation=config.get("implementation", "ls_jax"),
         backend=config["backend"],
         precision=config["precision"],
         optimizer=config["optimizer"],

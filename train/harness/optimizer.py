@@ -104,8 +104,9 @@ def continued(schedule: optax.Schedule, transition: tuple[int, float] | None, to
 def on_host(schedule: optax.Schedule) -> Callable[[int], float]:
     """The schedule's value at a step, computed on the host's CPU for the run log. Evaluated eagerly on a GPU it
     would compile each of its ops there on first use (about half a second of host time at the first interval
-    record) and wait behind the training steps queued on the device's stream."""
-    cpu = jax.devices("cpu")[0]
+    record) and wait behind the training steps queued on the device's stream. The CPU is this process's own: in a
+    job of several CPU processes ``jax.devices("cpu")[0]`` is process 0's, whose values no other process can read."""
+    cpu = jax.local_devices(backend="cpu")[0]
 
     def value(step: int) -> float:
         with jax.default_device(cpu):

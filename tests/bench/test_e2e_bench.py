@@ -60,6 +60,7 @@ def test_kernel_trace_without_a_directory_leaves_nothing_behind(tmp_path):
     assert any((tmp_path / "kept").rglob("*.trace.json.gz"))
 
 
+@pytest.mark.slow
 def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
     assert e2e.main(["--quick", "--models", "wmt", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "e2e-cpu.json").read_text())
@@ -95,6 +96,7 @@ def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():
     assert e2e.target_basis_tflops(None) is None
 
 
+@pytest.mark.slow
 def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     from ls_jax import optim
 

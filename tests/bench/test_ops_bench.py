@@ -56,6 +56,7 @@ def _assert_timing(result: dict, bytes_moved: int, copy_bandwidth_GBps: float) -
     assert "device_ms" not in result  # device time is traced on a GPU only
 
 
+@pytest.mark.slow
 def test_quick_run_on_xla_writes_every_case_into_out(tmp_path, capsys):
     results_before = _results_dir_state()
     assert bench.main(["ops", "--quick", "--backends", "xla", "--out", str(tmp_path)]) == 0

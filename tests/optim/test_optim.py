@@ -278,6 +278,7 @@ def test_xla_step_names_its_workspace_limit():
         _abstract_step_jaxpr([(2**32 - 4,), (8,)])
 
 
+@pytest.mark.slow
 def test_520_leaves_match_optax():
     """The reference runs op by op: compiling optax for 520 distinct leaves takes XLA on CPU ~20 s."""
     _check_tree("adan", _many_leaves(520), steps=3, jit_reference=False)

@@ -57,7 +57,7 @@ def one_device(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded-optimizer"])
+@pytest.mark.parametrize("sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["replicated", "sharded-optimizer"])
 def test_two_devices_match_one_device(one_device, tmp_path, sharded):
     run_dir = tmp_path / "two"
     _train(run_dir, "--steps", "6", *(["--shard-optimizer"] if sharded else []), devices=2)
@@ -73,6 +73,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(one_device, tmp_path):
     """Without --run-dir: both processes must agree on one new runs/<run id> and check it at the same time."""
     port = _free_port()
@@ -91,6 +92,7 @@ def test_two_processes_match_one_process(one_device, tmp_path):
     np.testing.assert_allclose(_losses(run_dir), _losses(one_device), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_another_device_count(one_device, tmp_path):
     """A checkpoint of 2 devices with a sharded optimizer holds the replicated state: 1 device continues it exactly
     as it continues the 1-device run's own checkpoint."""

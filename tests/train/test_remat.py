@@ -44,6 +44,7 @@ def residual_bytes(loss, params):
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(pullback))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [_causal_encoder_loss, _decoder_loss], ids=["causal-encoder", "decoder"])
 def test_remat_keeps_loss_and_gradients_and_fewer_activations(build):
     results = {}

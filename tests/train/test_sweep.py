@@ -331,6 +331,7 @@ def test_the_default_sweep_recommends_one_run_per_strategy_in_under_ten_minutes(
 # ------------------------------------------------------------------------------------------- running runs
 
 
+@pytest.mark.slow
 def test_run_skip_resume_and_extend(tmp_path, capsys):
     spec = tiny_spec(tmp_path)
     runner = InProcess()

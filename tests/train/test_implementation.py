@@ -128,6 +128,7 @@ def test_the_plain_criteria_compute_the_fused_ops_sums():
 # ------------------------------------------------------------------------------------------- decoding with a cache
 
 
+@pytest.mark.slow
 def test_the_plain_gpt_decodes_a_prompt_then_tokens_as_the_full_forward():
     model_cfg = gpt_model.preset_config("gpt2-tiny", vocab_size=50, dtype=jnp.float32, max_seq_len=16)
     model = gpt_model.build_model("flax", model_cfg)
@@ -147,6 +148,7 @@ def test_the_plain_gpt_decodes_a_prompt_then_tokens_as_the_full_forward():
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(tokens[:, 3:]))
 
 
+@pytest.mark.slow
 def test_the_plain_transformer_decodes_through_ls_jax_decoding():
     """Greedy decoding of the reference through ls_jax.models.decoding equals argmax over full forwards; beam 1
     is greedy; the cache's steps give the teacher-forced logits."""

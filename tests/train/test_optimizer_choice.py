@@ -153,3 +153,20 @@ def test_the_logged_learning_rate_is_the_schedules_value_as_a_float():
     lr = on_host(schedule)
     assert [lr(0), lr(4), lr(12)] == [float(schedule(0)), 0.5, 0.0]
     assert all(type(lr(step)) is float for step in (1, 7))
+
+
+def test_the_logged_learning_rate_compiles_at_setup_not_at_the_first_record(caplog):
+    """Evaluated eagerly, the schedule compiled each of its ops at the first interval record, charged to the steps
+    of the second interval; `on_host` compiles it once when it is made."""
+    schedule = linear_warmup_decay(0.5, 4, 12)
+    lr = on_host(schedule)
+
+    def compilations(evaluate) -> int:
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+            evaluate()
+        return sum("Compiling" in record.getMessage() for record in caplog.records)
+
+    assert compilations(lambda: [lr(3), lr(8)]) == 0
+    assert compilations(lambda: jax.jit(lambda step: schedule(step) + 1)(5)) == 1  # a compilation is seen
+    assert [lr(3), lr(8)] == pytest.approx([0.375, 0.25])

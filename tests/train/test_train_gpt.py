@@ -139,6 +139,7 @@ def test_a_log_written_before_perplexity_still_reads(default_run, tmp_path):
 # ------------------------------------------------------------------------------------ text data and resume
 
 
+@pytest.mark.slow
 def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file, compilation_cache):  # noqa: F811
     run_dir = tmp_path / "r"
     assert run_training(gpt.TASK, text_job(text_file, run_dir, "--steps", "2", "--prompt", "the cat", "--prompt", "two")) == 0

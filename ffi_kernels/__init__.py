@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from pathlib import Path
 from types import ModuleType
 
 import jax

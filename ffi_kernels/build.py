@@ -106,7 +106,10 @@ def detect_archs() -> tuple[str, ...]:
     try:
         output = subprocess.run(
             ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True, timeout=30,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return DEFAULT_ARCHS
@@ -223,8 +226,10 @@ def include_dirs() -> list[str]:
         raise KernelBuildError("building the kernels needs pybind11: pip install pybind11 (or ls-jax[gpu])") from err
     python = sysconfig.get_paths()["include"]
     if not (Path(python) / "Python.h").is_file():
-        raise KernelBuildError(f"Python headers not found in {python}: install the python{sys.version_info.major}."
-                               f"{sys.version_info.minor} development package to build the kernels")
+        raise KernelBuildError(
+            f"Python headers not found in {python}: install the python{sys.version_info.major}."
+            f"{sys.version_info.minor} development package to build the kernels"
+        )
     return [jax.ffi.include_dir(), pybind11.get_include(), python]
 
 
@@ -277,8 +282,9 @@ def _run(command: list[str], what: str) -> None:
         logger.info("%s:\n%s", what, process.stderr)
 
 
-def _compile_and_link(nvcc: Path, archs: Sequence[str], work: Path, output: Path, verbose: bool,
-                      cudnn: CudnnConfig | None) -> None:
+def _compile_and_link(
+    nvcc: Path, archs: Sequence[str], work: Path, output: Path, verbose: bool, cudnn: CudnnConfig | None
+) -> None:
     flags = compile_flags(archs) + (["-Xptxas=-v"] if verbose else [])
     units = sources(with_cudnn=cudnn is not None)
     objects = [work / (source.name + ".o") for source in units]
@@ -318,10 +324,12 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists() and manifest.exists() and not force:
             recorded = json.loads(manifest.read_text())
-            return BuildResult(library, tuple(recorded["archs"]), recorded["seconds"], cached=True,
-                               cudnn_missing=cudnn_missing)
-        logger.warning("ls_jax: compiling the CUDA kernels for %s into %s (once per version and GPU)",
-                       ", ".join(archs), target_dir)
+            return BuildResult(
+                library, tuple(recorded["archs"]), recorded["seconds"], cached=True, cudnn_missing=cudnn_missing
+            )
+        logger.warning(
+            "ls_jax: compiling the CUDA kernels for %s into %s (once per version and GPU)", ", ".join(archs), target_dir
+        )
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=target_dir) as work:
             staged = Path(work) / library.name
@@ -335,11 +343,16 @@ def build(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ffi_kernels.build", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", action="append", metavar="SM",
-                        help=f"GPU architecture to compile for, e.g. sm_90 (repeatable; default: the local GPUs', "
-                             f"else {' '.join(DEFAULT_ARCHS)})")
+    parser = argparse.ArgumentParser(
+        prog="python -m ffi_kernels.build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--arch",
+        action="append",
+        metavar="SM",
+        help=f"GPU architecture to compile for, e.g. sm_90 (repeatable; default: the local GPUs', "
+        f"else {' '.join(DEFAULT_ARCHS)})",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even when a cached build exists")
     parser.add_argument("--verbose", action="store_true", help="print ptxas register and spill reports")
     parser.add_argument("--cache-dir", type=Path, help="cache root (default: $LS_JAX_CACHE/kernels)")

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from train.bench import common  # noqa: E402
+from train.bench import common
 from train.bench.tracing import ncu_report, ncu_run
 
 DROPOUT = 0.1
@@ -33,8 +33,17 @@ EXTRA_METRICS = (
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
 )
-METRICS = (ncu_report.TIME, ncu_report.INSTRUCTIONS, ncu_report.IPC, ncu_report.SM_THROUGHPUT, ncu_report.OCCUPANCY,
-           ncu_report.DRAM_READ, ncu_report.DRAM_WRITE, *ncu_report.TENSOR_OPS, *EXTRA_METRICS)
+METRICS = (
+    ncu_report.TIME,
+    ncu_report.INSTRUCTIONS,
+    ncu_report.IPC,
+    ncu_report.SM_THROUGHPUT,
+    ncu_report.OCCUPANCY,
+    ncu_report.DRAM_READ,
+    ncu_report.DRAM_WRITE,
+    *ncu_report.TENSOR_OPS,
+    *EXTRA_METRICS,
+)
 
 
 def child(case: tuple[int, int, int, int], rate: float) -> None:
@@ -68,8 +77,9 @@ def child(case: tuple[int, int, int, int], rate: float) -> None:
     profiler_range(False)
 
 
-def profile(ncu: str, metrics: list[str], case: tuple[int, int, int, int], rate: float,
-            work_dir: Path) -> list[ncu_report.Kernel]:
+def profile(
+    ncu: str, metrics: list[str], case: tuple[int, int, int, int], rate: float, work_dir: Path
+) -> list[ncu_report.Kernel]:
     """The kernels of one pass at dropout ``rate``, profiled by ncu in a child process."""
     child = [sys.executable, __file__, "--child", "--rate", str(rate), "--case", ",".join(map(str, case))]
     report, _ = ncu_run.run_under_ncu(ncu, metrics, child, work_dir, TIMEOUT_S, f"attention at dropout {rate}")
@@ -90,20 +100,35 @@ def main() -> None:
     ncu = ncu_run.find_ncu(None)
     metrics, missing = ncu_run.split_supported(METRICS, ncu_run.available_metrics(ncu))
     with tempfile.TemporaryDirectory() as scratch:
-        passes = {f"dropout {rate}": profile(ncu, metrics, case, rate, Path(scratch) / str(rate))
-                  for rate in (0.0, DROPOUT)}
+        passes = {
+            f"dropout {rate}": profile(ncu, metrics, case, rate, Path(scratch) / str(rate)) for rate in (0.0, DROPOUT)
+        }
     kernels = {name: [{"kernel": k.name, **k.metrics} for k in found] for name, found in passes.items()}
     environment = common.environment()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"attention-dropout-ncu-{common.device_slug(environment['device_kind'])}.json"
-    out.write_text(json.dumps({"environment": environment, "case": dict(zip("BLHD", case)), "metrics": metrics,
-                               "metrics_not_available": missing, "passes": kernels}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "environment": environment,
+                "case": dict(zip("BLHD", case)),
+                "metrics": metrics,
+                "metrics_not_available": missing,
+                "passes": kernels,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     for name, rows in kernels.items():
         print(name)
         for row in rows:
             if "sdpa" in row["kernel"]:
-                cells = "  ".join(f"{metric.split('.')[0].split('__')[-1]}={row[metric]:.4g}" for metric in metrics
-                                  if row.get(metric) is not None)
+                cells = "  ".join(
+                    f"{metric.split('.')[0].split('__')[-1]}={row[metric]:.4g}"
+                    for metric in metrics
+                    if row.get(metric) is not None
+                )
                 print(f"  {row['kernel'][:70]}\n    {cells}")
     print(f"wrote {out}")
 

@@ -36,8 +36,20 @@ def _free_port() -> int:
 
 
 def _command(task: str, run_dir: Path, steps: int, backend: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", f"train.{task}", *TASK_ARGS[task], *COMMON, "--steps", str(steps),
-            "--backend", backend, "--run-dir", str(run_dir), *extra]
+    return [
+        sys.executable,
+        "-m",
+        f"train.{task}",
+        *TASK_ARGS[task],
+        *COMMON,
+        "--steps",
+        str(steps),
+        "--backend",
+        backend,
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -65,13 +77,22 @@ def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, t
     return {**_run_summary(run_dir), "wall_s": time.perf_counter() - started}
 
 
-def process_per_gpu(task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int,
-                    cpu: bool) -> dict:
+def process_per_gpu(
+    task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int, cpu: bool
+) -> dict:
     port, started = _free_port(), time.perf_counter()
     processes = [
-        subprocess.Popen(_command(task, run_dir, steps, backend, "--distributed"), cwd=ROOT,
-                         env={**os.environ, **_devices_env(gpu, cpu), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-                              "JAX_NUM_PROCESSES": str(len(gpus)), "JAX_PROCESS_ID": str(rank)})
+        subprocess.Popen(
+            _command(task, run_dir, steps, backend, "--distributed"),
+            cwd=ROOT,
+            env={
+                **os.environ,
+                **_devices_env(gpu, cpu),
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": str(len(gpus)),
+                "JAX_PROCESS_ID": str(rank),
+            },
+        )
         for rank, gpu in enumerate(gpus)
     ]
     try:
@@ -109,21 +130,38 @@ def main(argv: list[str] | None = None) -> int:
     checks = []
     with tempfile.TemporaryDirectory() as scratch:
         for task in args.tasks.split(","):
-            single = one_process(task, Path(scratch) / f"{task}-one", args.steps, args.backend, args.gpus,
-                                 args.timeout, args.cpu)
-            multi = process_per_gpu(task, Path(scratch) / f"{task}-per-gpu", args.steps, args.backend, gpus,
-                                    args.timeout, args.cpu)
+            single = one_process(
+                task, Path(scratch) / f"{task}-one", args.steps, args.backend, args.gpus, args.timeout, args.cpu
+            )
+            multi = process_per_gpu(
+                task, Path(scratch) / f"{task}-per-gpu", args.steps, args.backend, gpus, args.timeout, args.cpu
+            )
             verdict = compare(single["losses"], multi["losses"], args.rtol)
-            checks.append({"task": task, "one_process_all_gpus": single, "one_process_per_gpu": multi,
-                           **verdict})
-            print(f"{task}: max relative loss difference {verdict['max_relative_difference']}, "
-                  f"{'match' if verdict['match'] else 'MISMATCH'}", flush=True)
+            checks.append({"task": task, "one_process_all_gpus": single, "one_process_per_gpu": multi, **verdict})
+            print(
+                f"{task}: max relative loss difference {verdict['max_relative_difference']}, "
+                f"{'match' if verdict['match'] else 'MISMATCH'}",
+                flush=True,
+            )
     device = "cpu" if args.cpu else _device_kind()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"multiprocess-{device}x{len(gpus)}.json"
-    path.write_text(json.dumps({"backend": args.backend, "gpus": len(gpus), "precision": "fp32", "dropout": 0,
-                                "steps": args.steps, "rtol": args.rtol, "device": device, "checks": checks},
-                               indent=2) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "backend": args.backend,
+                "gpus": len(gpus),
+                "precision": "fp32",
+                "dropout": 0,
+                "steps": args.steps,
+                "rtol": args.rtol,
+                "device": device,
+                "checks": checks,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {path}")
     return 0 if all(check["match"] for check in checks) else 1
 
@@ -131,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 def _device_kind() -> str:
     """'h100', 'h200', ... from nvidia-smi (this process never starts JAX on the GPUs the runs use)."""
     try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, check=True).stdout.splitlines()[0].lower()
+        name = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=True
+            )
+            .stdout.splitlines()[0]
+            .lower()
+        )
     except (OSError, subprocess.CalledProcessError, IndexError):
         return "gpu"
     return next((kind for kind in ("h200", "h100", "a100") if kind in name), "gpu")

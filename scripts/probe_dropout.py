@@ -1,4 +1,5 @@
 """Device probe: the kernel library builds, loads and runs one op bit-exactly against XLA."""
+
 import time
 
 import jax

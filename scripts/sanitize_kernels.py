@@ -38,8 +38,9 @@ def forward_backward(op: Callable[..., Any], *primals: jax.Array) -> Case:
 
     def loss(*args):
         outputs = op(*args)
-        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(outputs)
-                   if jnp.issubdtype(x.dtype, jnp.floating))
+        return sum(
+            jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)
+        )
 
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(primals))))), primals
 
@@ -57,54 +58,86 @@ def cases(dtype: Any) -> dict[str, Case]:
     labels = jnp.array([[1, 0, 1002], [5, 0, 0]], jnp.int32)
     return {
         "layer_norm": forward_backward(lambda x, g, b: ops.layer_norm(x, g, b), x, gamma, beta),
-        "layer_norm+residual": forward_backward(lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r),
-                                                x, r, gamma, beta),
-        **{f"bias_dropout_residual+layer_norm[{h}]": forward_backward(
-            lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.1, seed=seed),
-            x[:, :h], bias[:h], r[:, :h], gamma[:h], beta[:h]) for h in (hidden, 1000)},
+        "layer_norm+residual": forward_backward(
+            lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r), x, r, gamma, beta
+        ),
+        **{
+            f"bias_dropout_residual+layer_norm[{h}]": forward_backward(
+                lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.1, seed=seed),
+                x[:, :h],
+                bias[:h],
+                r[:, :h],
+                gamma[:h],
+                beta[:h],
+            )
+            for h in (hidden, 1000)
+        },
         "dropout": forward_backward(lambda x: ops.dropout(x, rate=0.1, seed=seed), x),
         "bias_dropout_residual": forward_backward(
-            lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed), x, bias, r),
-        **{f"bias_act_dropout[{act}]": forward_backward(
-            lambda x, b, act=act: ops.bias_act_dropout(x, b, activation=act, dropout_rate=0.1, seed=seed), x, bias)
-           for act in ("relu", "gelu", "gelu_tanh")},
+            lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed), x, bias, r
+        ),
+        **{
+            f"bias_act_dropout[{act}]": forward_backward(
+                lambda x, b, act=act: ops.bias_act_dropout(x, b, activation=act, dropout_rate=0.1, seed=seed), x, bias
+            )
+            for act in ("relu", "gelu", "gelu_tanh")
+        },
         "attn_softmax[short keys, padding]": forward_backward(
-            lambda s: ops.attn_softmax(s, mask, scale=0.125, dropout_rate=0.1, seed=seed), normal(6, (2, 3, 5, 37), dtype)),
+            lambda s: ops.attn_softmax(s, mask, scale=0.125, dropout_rate=0.1, seed=seed),
+            normal(6, (2, 3, 5, 37), dtype),
+        ),
         "attn_softmax[long keys, causal]": forward_backward(
             lambda s: ops.attn_softmax(s, causal=True, scale=0.125, dropout_rate=0.1, seed=seed),
-            normal(7, (1, 2, 3, 4100), dtype)),
+            normal(7, (1, 2, 3, 4100), dtype),
+        ),
         # bf16/f16 reach the fused attention kernels (both register sizes); f32 runs the attn_softmax kernels.
         "self_attention[7 positions, causal, padding, bias]": forward_backward(
             lambda qkv, b: ops.self_attention(qkv, key_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
-            normal(14, (2, 7, 3, 2, 64), dtype), normal(18, (3, 2, 64), jnp.float32)),
+            normal(14, (2, 7, 3, 2, 64), dtype),
+            normal(18, (3, 2, 64), jnp.float32),
+        ),
         "self_attention[100 positions, 192 heads: blocks loop over heads]": forward_backward(
-            lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (3, 100, 3, 64, 64), dtype)),
+            lambda qkv: ops.self_attention(qkv, dropout_rate=0.1, seed=seed), normal(15, (3, 100, 3, 64, 64), dtype)
+        ),
         "cross_attention[128 queries, 40 keys, bias]": forward_backward(
             lambda q, kv, b: ops.cross_attention(q, kv, bias=b, dropout_rate=0.1, seed=seed),
-            normal(16, (1, 128, 2, 64), dtype), normal(17, (1, 40, 2, 2, 64), dtype), normal(19, (2, 64), jnp.float32)),
+            normal(16, (1, 128, 2, 64), dtype),
+            normal(17, (1, 40, 2, 2, 64), dtype),
+            normal(19, (2, 64), jnp.float32),
+        ),
         # Beyond the fused kernels' 128 positions bf16/f16 run cuDNN's flash attention (its workspace from the
         # library's pool), f32 the attn_softmax kernels.
         "self_attention[cuDNN: 301 positions, causal, padding with a row all padding, dropout, bias]": forward_backward(
             lambda qkv, b: ops.self_attention(qkv, long_mask, bias=b, causal=True, dropout_rate=0.1, seed=seed),
-            normal(20, (2, 301, 3, 2, 64), dtype), normal(21, (3, 2, 64), jnp.float32)),
+            normal(20, (2, 301, 3, 2, 64), dtype),
+            normal(21, (3, 2, 64), jnp.float32),
+        ),
         "self_attention[cuDNN: 301 positions, key lengths with a row of length 0, no bias tensor]": forward_backward(
             lambda qkv: ops.self_attention(qkv, lengths=jnp.array([250, 0]), dropout_rate=0.1, seed=seed),
-            normal(24, (2, 301, 3, 2, 64), dtype)),
+            normal(24, (2, 301, 3, 2, 64), dtype),
+        ),
         "cross_attention[cuDNN: 131 queries, 1037 keys, head_dim 128, scattered mask, dropout]": forward_backward(
             lambda q, kv: ops.cross_attention(q, kv, scattered_mask, dropout_rate=0.1, seed=seed),
-            normal(22, (2, 131, 2, 128), dtype), normal(23, (2, 1037, 2, 2, 128), dtype)),
+            normal(22, (2, 131, 2, 128), dtype),
+            normal(23, (2, 1037, 2, 2, 128), dtype),
+        ),
         "embed[learned positions]": forward_backward(
             lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
-            normal(8, (101, 72), dtype), normal(9, (6, 72), dtype)),
+            normal(8, (101, 72), dtype),
+            normal(9, (6, 72), dtype),
+        ),
         "embed[sinusoidal]": forward_backward(
             lambda t: ops.embed(tokens, t, scale=2.0, padding_id=0, dropout_rate=0.1, seed=seed),
-            normal(10, (101, 72), dtype)),
+            normal(10, (101, 72), dtype),
+        ),
         "embed[one id everywhere: runs split into chunks]": forward_backward(
             lambda t: ops.embed(jnp.zeros((5, 203), jnp.int32), t, dropout_rate=0.1, seed=seed),
-            normal(24, (2, 72), dtype)),
+            normal(24, (2, 72), dtype),
+        ),
         "label_smoothed_cross_entropy": forward_backward(
             lambda logits: ops.label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=0),
-            normal(11, (2, 3, 1003), dtype)),
+            normal(11, (2, 3, 1003), dtype),
+        ),
     }
 
 
@@ -121,8 +154,9 @@ def optimizer_cases() -> dict[str, Case]:
 
     master = ls_jax.optim.adamw(1e-3, weight_decay=0.01, storage_dtype=jnp.bfloat16, master_weights=True)
     return {
-        "adan+clip": step(optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01)),
-                          mixed),
+        "adan+clip": step(
+            optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01)), mixed
+        ),
         "adamw": step(ls_jax.optim.adamw(1e-3, weight_decay=0.01), mixed),
         "adamw+master": step(master, bf16),
     }

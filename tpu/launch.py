@@ -85,18 +85,46 @@ def remote_line(words: Sequence[str]) -> str:
 
 def ssh(target: Target, workers: str, command: str) -> tuple[str, ...]:
     """gcloud argv running the shell ``command`` on ``workers`` (``all``, ``0``, ``1,3``, ``0-3``) concurrently."""
-    return ("gcloud", "compute", "tpus", "tpu-vm", "ssh", target.tpu, *target.flags(), f"--worker={workers}",
-            "--command", command)
+    return (
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "ssh",
+        target.tpu,
+        *target.flags(),
+        f"--worker={workers}",
+        "--command",
+        command,
+    )
 
 
 def scp_to(target: Target, workers: str, local: Path, remote: str) -> tuple[str, ...]:
-    return ("gcloud", "compute", "tpus", "tpu-vm", "scp", str(local), f"{target.tpu}:{remote}", *target.flags(),
-            f"--worker={workers}")
+    return (
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "scp",
+        str(local),
+        f"{target.tpu}:{remote}",
+        *target.flags(),
+        f"--worker={workers}",
+    )
 
 
 def scp_from(target: Target, worker: str, remote: str, local: Path) -> tuple[str, ...]:
-    return ("gcloud", "compute", "tpus", "tpu-vm", "scp", f"{target.tpu}:{remote}", str(local), *target.flags(),
-            f"--worker={worker}")
+    return (
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "scp",
+        f"{target.tpu}:{remote}",
+        str(local),
+        *target.flags(),
+        f"--worker={worker}",
+    )
 
 
 def wheel_name(version: str) -> str:
@@ -115,8 +143,9 @@ def setup_steps(target: Target, workers: str, package: str | Path, python: str) 
     if isinstance(package, Path):
         remote_package = f"{REMOTE_WORK_DIR}/{package.name}"
         steps += [
-            Step("setup", "make the work directory on every worker",
-                 ssh(target, workers, f"mkdir -p {REMOTE_WORK_DIR}")),
+            Step(
+                "setup", "make the work directory on every worker", ssh(target, workers, f"mkdir -p {REMOTE_WORK_DIR}")
+            ),
             Step("setup", f"copy {package.name} to every worker", scp_to(target, workers, package, remote_package)),
         ]
         requirement = remote_package
@@ -141,12 +170,18 @@ def with_tpu_defaults(command: Sequence[str], python: str) -> list[str]:
     return command
 
 
-def run_step(target: Target, workers: str, launch_dir: str, command: Sequence[str], python: str,
-             env: Mapping[str, str]) -> Step:
+def run_step(
+    target: Target, workers: str, launch_dir: str, command: Sequence[str], python: str, env: Mapping[str, str]
+) -> Step:
     """The training command on ``workers``, all at once, in ``launch_dir`` with RUN_ENV and ``env`` set."""
     assignments = [f"{name}={shlex.quote(value)}" for name, value in {**RUN_ENV, **env}.items()]
-    line = " ".join([f"mkdir -p {shlex.quote(launch_dir)} && cd {shlex.quote(launch_dir)} &&", *assignments,
-                     remote_line(with_tpu_defaults(command, python))])
+    line = " ".join(
+        [
+            f"mkdir -p {shlex.quote(launch_dir)} && cd {shlex.quote(launch_dir)} &&",
+            *assignments,
+            remote_line(with_tpu_defaults(command, python)),
+        ]
+    )
     return Step("run", f"run the command on workers {workers}", ssh(target, workers, line))
 
 
@@ -154,8 +189,10 @@ def fetch_steps(target: Target, launch_dir: str, logs_to: Path) -> list[Step]:
     """Copy every run.jsonl under ``launch_dir`` on worker 0 into ``logs_to``, keeping the directory layout."""
     archive = f"{launch_dir}.logs.tgz"
     local_archive = logs_to / Path(archive).name
-    pack = (f"cd {shlex.quote(launch_dir)} && find . -name run.jsonl -print0 "
-            f"| tar -czf {shlex.quote('../' + Path(archive).name)} --null -T -")
+    pack = (
+        f"cd {shlex.quote(launch_dir)} && find . -name run.jsonl -print0 "
+        f"| tar -czf {shlex.quote('../' + Path(archive).name)} --null -T -"
+    )
     return [
         Step("fetch", "pack the run logs on worker 0", ssh(target, "0", pack)),
         Step("fetch", "copy them here", scp_from(target, "0", archive, local_archive), creates=logs_to),
@@ -192,21 +229,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tpu", required=True, help="TPU VM name (gcloud compute tpus tpu-vm create NAME ...)")
     parser.add_argument("--zone", required=True, help="its zone, e.g. us-central1-f")
     parser.add_argument("--project", help="Google Cloud project (default: gcloud's configured project)")
-    parser.add_argument("--workers", default="all",
-                        help="workers to set up and run on: all (default; multi-host slices need all), 0, 1,3 or 0-3")
+    parser.add_argument(
+        "--workers",
+        default="all",
+        help="workers to set up and run on: all (default; multi-host slices need all), 0, 1,3 or 0-3",
+    )
     stage = parser.add_mutually_exclusive_group()
     stage.add_argument("--setup-only", action="store_true", help="install on the workers, run nothing")
     stage.add_argument("--skip-setup", action="store_true", help="the workers are set up already: run and fetch")
-    parser.add_argument("--package",
-                        help="what to install: a local .whl/.tar.gz file, or a pip requirement such as "
-                             "'ls-jax @ git+https://github.com/ORG/ls-jax@COMMIT' "
-                             f"(default: a wheel built from this checkout into {WHEEL_DIR})")
-    parser.add_argument("--python", default="python3",
-                        help="Python interpreter on the workers (default python3; e.g. ~/venv/bin/python)")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra environment variable for the command (repeatable)")
-    parser.add_argument("--logs-to", type=Path,
-                        help="local directory for the fetched run logs (default: runs/<tpu>-<launch id>)")
+    parser.add_argument(
+        "--package",
+        help="what to install: a local .whl/.tar.gz file, or a pip requirement such as "
+        "'ls-jax @ git+https://github.com/ORG/ls-jax@COMMIT' "
+        f"(default: a wheel built from this checkout into {WHEEL_DIR})",
+    )
+    parser.add_argument(
+        "--python",
+        default="python3",
+        help="Python interpreter on the workers (default python3; e.g. ~/venv/bin/python)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment variable for the command (repeatable)",
+    )
+    parser.add_argument(
+        "--logs-to", type=Path, help="local directory for the fetched run logs (default: runs/<tpu>-<launch id>)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser
 
@@ -308,16 +359,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# {step.description}\n{step.show()}")
         return 0
     if shutil.which("gcloud") is None:
-        print("error: the gcloud CLI is not on PATH. Install the Google Cloud SDK "
-              "(https://cloud.google.com/sdk/docs/install), run `gcloud auth login`, then try again.",
-              file=sys.stderr)
+        print(
+            "error: the gcloud CLI is not on PATH. Install the Google Cloud SDK "
+            "(https://cloud.google.com/sdk/docs/install), run `gcloud auth login`, then try again.",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         return execute(steps)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: a command already started on the workers may still be running there "
-              f"(see it with: gcloud compute tpus tpu-vm ssh {args.tpu} --zone={args.zone} --worker=all "
-              "--command 'ps -ef | grep train')", file=sys.stderr)
+        print(
+            f"\ninterrupted: a command already started on the workers may still be running there "
+            f"(see it with: gcloud compute tpus tpu-vm ssh {args.tpu} --zone={args.zone} --worker=all "
+            "--command 'ps -ef | grep train')",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -47,16 +47,16 @@ class MultiHeadAttention(nn.Module):
         defer_residual: bool = False,
     ) -> jax.Array | DeferredResidual:
         """Args:
-          x: (B, Q, H) query stream (and, for self-attention, keys and values).
-          key_value: cross-attention only: (B, K, 2, heads, head_dim) keys [:, :, 0] and values [:, :, 1].
-          key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding): any mask.
-          key_lengths: optional (B,) integer, the number of visible keys of each row when they are a prefix (right
-            padding; ``ls_jax.ops.attention_lengths``): the same as the mask ``arange(K) < key_lengths[:, None]``,
-            which cuDNN's attention takes without a bias tensor. At most one of ``key_mask`` and ``key_lengths``.
-          decode: self-attention only: append this step's keys/values to the "cache" collection and attend
-            over everything cached so far (incremental decoding, one or more tokens per call).
-          deterministic: disable dropout.
-          defer_residual: pre-LN only: return ``DeferredResidual`` for the next LayerNorm to form.
+        x: (B, Q, H) query stream (and, for self-attention, keys and values).
+        key_value: cross-attention only: (B, K, 2, heads, head_dim) keys [:, :, 0] and values [:, :, 1].
+        key_mask: optional (B, K) boolean, True for keys that may be attended (False at padding): any mask.
+        key_lengths: optional (B,) integer, the number of visible keys of each row when they are a prefix (right
+          padding; ``ls_jax.ops.attention_lengths``): the same as the mask ``arange(K) < key_lengths[:, None]``,
+          which cuDNN's attention takes without a bias tensor. At most one of ``key_mask`` and ``key_lengths``.
+        decode: self-attention only: append this step's keys/values to the "cache" collection and attend
+          over everything cached so far (incremental decoding, one or more tokens per call).
+        deterministic: disable dropout.
+        defer_residual: pre-LN only: return ``DeferredResidual`` for the next LayerNorm to form.
         """
         cfg = self.config
         if self.self_attention == (key_value is not None):
@@ -70,21 +70,21 @@ class MultiHeadAttention(nn.Module):
         if not self.self_attention:
             query = dense(cfg, (cfg.nhead, cfg.head_dim), use_bias=False, name="query")(h)
             query_bias = self.param("query_bias", nn.initializers.zeros, query.shape[2:], jnp.float32)
-            context = ops.cross_attention(query, key_value, key_mask, key_lengths=key_lengths, bias=query_bias,
-                                          dropout_rate=rate, seed=seed)
+            context = ops.cross_attention(
+                query, key_value, key_mask, key_lengths=key_lengths, bias=query_bias, dropout_rate=rate, seed=seed
+            )
         else:
             qkv = dense(cfg, (3, cfg.nhead, cfg.head_dim), use_bias=False, name="qkv")(h)
             qkv_bias = self.param("qkv_bias", nn.initializers.zeros, qkv.shape[2:], jnp.float32)
             if decode:
                 context = self._attend_cached(qkv + qkv_bias.astype(qkv.dtype), rate, seed)
             else:
-                context = ops.self_attention(qkv, key_mask, lengths=key_lengths, bias=qkv_bias, causal=self.causal,
-                                             dropout_rate=rate, seed=seed)
+                context = ops.self_attention(
+                    qkv, key_mask, lengths=key_lengths, bias=qkv_bias, causal=self.causal, dropout_rate=rate, seed=seed
+                )
         out = dense(cfg, cfg.hidden_size, input_axes=2, use_bias=False, name="out")(context)
         out_bias = self.param("out_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
-        return sublayer_output(
-            cfg, self, out, out_bias, x, deterministic=deterministic, defer_residual=defer_residual
-        )
+        return sublayer_output(cfg, self, out, out_bias, x, deterministic=deterministic, defer_residual=defer_residual)
 
     def _attend_cached(self, qkv: jax.Array, rate: float, seed: jax.Array | None) -> jax.Array:
         """Causal self-attention of this call's (B, L, 3, heads, d) qkv over the KV cache extended with it."""

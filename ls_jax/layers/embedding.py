@@ -16,8 +16,8 @@ from ls_jax.layers.config import LayerConfig
 def sinusoidal_positions(num_positions: int, hidden_size: int) -> jax.Array:
     """Fixed position table (P, H), f32: sines in the first half of the features, cosines in the second.
 
-        inv_freq[i] = 10000 ** (-i / (H/2 - 1)),   i < H/2
-        table[p]    = [sin(p * inv_freq), cos(p * inv_freq)]    (a zero column pads an odd H)
+    inv_freq[i] = 10000 ** (-i / (H/2 - 1)),   i < H/2
+    table[p]    = [sin(p * inv_freq), cos(p * inv_freq)]    (a zero column pads an odd H)
     """
     half = hidden_size // 2
     inv_freq = jnp.exp(jnp.arange(half, dtype=jnp.float32) * (-math.log(10000.0) / max(half - 1, 1)))

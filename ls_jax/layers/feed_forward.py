@@ -37,6 +37,4 @@ class FeedForward(nn.Module):
         h = ops.bias_act_dropout(h, fc1_bias, activation=cfg.activation_fn, dropout_rate=rate, seed=seed)
         h = dense(cfg, cfg.hidden_size, use_bias=False, name="fc2")(h)
         fc2_bias = self.param("fc2_bias", nn.initializers.zeros, (cfg.hidden_size,), jnp.float32)
-        return sublayer_output(
-            cfg, self, h, fc2_bias, x, deterministic=deterministic, defer_residual=defer_residual
-        )
+        return sublayer_output(cfg, self, h, fc2_bias, x, deterministic=deterministic, defer_residual=defer_residual)

@@ -41,8 +41,12 @@ class TransformerEncoderLayer(nn.Module):
         """x (B, S, H); key_mask (B, S) boolean, False at padding, or key_lengths (B,) integer for right padding
         (at most one; ``MultiHeadAttention``); decode: causal KV-cache step."""
         x = MultiHeadAttention(self.config, causal=self.causal, name="self_attention")(
-            x, key_mask=key_mask, key_lengths=key_lengths, decode=decode, deterministic=deterministic,
-            defer_residual=True
+            x,
+            key_mask=key_mask,
+            key_lengths=key_lengths,
+            decode=decode,
+            deterministic=deterministic,
+            defer_residual=True,
         )
         return FeedForward(self.config, name="feed_forward")(
             x, deterministic=deterministic, defer_residual=defer_residual
@@ -87,35 +91,64 @@ class _PositionalEncoderLayer(TransformerEncoderLayer):
     """The encoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
 
     def __call__(self, x, key_mask, key_lengths, decode, deterministic, defer_residual):
-        return super().__call__(x, key_mask, key_lengths=key_lengths, decode=decode, deterministic=deterministic,
-                                defer_residual=defer_residual)
+        return super().__call__(
+            x,
+            key_mask,
+            key_lengths=key_lengths,
+            decode=decode,
+            deterministic=deterministic,
+            defer_residual=defer_residual,
+        )
 
 
 class _PositionalDecoderLayer(TransformerDecoderLayer):
     """The decoder layer with its switches positional, so that ``nn.remat`` can hold them static."""
 
     def __call__(self, x, cross_key_value, src_mask, src_lengths, decode, deterministic, defer_residual):
-        return super().__call__(x, cross_key_value, src_mask, src_lengths=src_lengths, decode=decode,
-                                deterministic=deterministic, defer_residual=defer_residual)
+        return super().__call__(
+            x,
+            cross_key_value,
+            src_mask,
+            src_lengths=src_lengths,
+            decode=decode,
+            deterministic=deterministic,
+            defer_residual=defer_residual,
+        )
 
 
 # What the backward keeps of a checkpointed layer: its inputs only ("layer"), or also every matmul output.
 _REMAT_POLICIES = {"layer": None, "gemm-outputs": jax.checkpoint_policies.dots_saveable}
 
 
-def _layer(config: LayerConfig, decode: bool, plain: type[nn.Module], positional: type[nn.Module], *attributes,
-           name: str, arguments: tuple, static: tuple):
+def _layer(
+    config: LayerConfig,
+    decode: bool,
+    plain: type[nn.Module],
+    positional: type[nn.Module],
+    *attributes,
+    name: str,
+    arguments: tuple,
+    static: tuple,
+):
     """Calls a layer as ``config.remat`` says: plain, or checkpointed (``nn.remat``, the switches ``static`` held
     static). ``arguments`` end with the key lengths (or None). Cached decoding never checkpoints. The parameters are
     named and shaped alike either way."""
     if config.remat == "none" or decode:
         decode_, deterministic, defer_residual = static
         *arguments, lengths = arguments
-        return plain(config, *attributes, name=name)(*arguments, **{plain.LENGTHS_ARGUMENT: lengths}, decode=decode_,
-                                                      deterministic=deterministic, defer_residual=defer_residual)
+        return plain(config, *attributes, name=name)(
+            *arguments,
+            **{plain.LENGTHS_ARGUMENT: lengths},
+            decode=decode_,
+            deterministic=deterministic,
+            defer_residual=defer_residual,
+        )
     first_static = 1 + len(arguments)  # argument 0 is the module
-    layer = nn.remat(positional, policy=_REMAT_POLICIES[config.remat],
-                     static_argnums=tuple(range(first_static, first_static + len(static))))
+    layer = nn.remat(
+        positional,
+        policy=_REMAT_POLICIES[config.remat],
+        static_argnums=tuple(range(first_static, first_static + len(static))),
+    )
     return layer(config, *attributes, name=name)(*arguments, *static)
 
 
@@ -151,9 +184,16 @@ class TransformerEncoder(nn.Module):
         """x (B, S, H) embedded tokens; key_mask (B, S) boolean, False at padding, or key_lengths (B,) integer for
         right padding (at most one). Returns (B, S, H)."""
         for index in range(self.num_layers):
-            x = _layer(self.config, decode, TransformerEncoderLayer, _PositionalEncoderLayer, self.causal,
-                       name=f"layer_{index}", arguments=(x, key_mask, key_lengths),
-                       static=(decode, deterministic, True))
+            x = _layer(
+                self.config,
+                decode,
+                TransformerEncoderLayer,
+                _PositionalEncoderLayer,
+                self.causal,
+                name=f"layer_{index}",
+                arguments=(x, key_mask, key_lengths),
+                static=(decode, deterministic, True),
+            )
         return _final_layer_norm(self.config, x)
 
 
@@ -190,9 +230,15 @@ class TransformerDecoder(nn.Module):
         # element L times, the gradient of a split one concatenation.
         layer_key_values = jax.lax.split(cross_key_value, (1,) * self.num_layers, axis=2)
         for index, key_value in enumerate(layer_key_values):
-            x = _layer(self.config, decode, TransformerDecoderLayer, _PositionalDecoderLayer, name=f"layer_{index}",
-                       arguments=(x, jnp.squeeze(key_value, 2), src_mask, src_lengths),
-                       static=(decode, deterministic, True))
+            x = _layer(
+                self.config,
+                decode,
+                TransformerDecoderLayer,
+                _PositionalDecoderLayer,
+                name=f"layer_{index}",
+                arguments=(x, jnp.squeeze(key_value, 2), src_mask, src_lengths),
+                static=(decode, deterministic, True),
+            )
         return _final_layer_norm(self.config, x)
 
     def _cross_key_values(self, encoded, src_mask, decode: bool) -> tuple[jax.Array, jax.Array | None]:

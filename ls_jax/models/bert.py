@@ -58,7 +58,7 @@ class BertConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> BertConfig:
-        """"bert-base" or "bert-large"; ``overrides`` replace BertConfig fields."""
+        """ "bert-base" or "bert-large"; ``overrides`` replace BertConfig fields."""
         if name not in _PRESETS:
             raise ValueError(f"unknown BERT preset {name!r}; valid presets are {', '.join(PRESETS)}")
         return replace_checked(cls(**_PRESETS[name]), overrides)

@@ -57,9 +57,7 @@ def _next_logits(model: Seq2Seq, params: Params, cache: Cache, tokens: jax.Array
 
     PAD and BOS get -inf: a decoder never emits them (PAD only fills the output after EOS).
     """
-    logits, state = model.apply(
-        {"params": params, "cache": cache}, tokens[:, None], method="decode", mutable=["cache"]
-    )
+    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, None], method="decode", mutable=["cache"])
     logits = logits[:, 0].astype(jnp.float32).at[:, jnp.array([PAD_ID, BOS_ID])].set(-jnp.inf)
     return logits, state["cache"]
 

@@ -17,8 +17,13 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # A small model for the synthetic corpus and CPU runs; no dropout: its training data never repeats.
     "gpt2-tiny": dict(
         layer=LayerConfig.preset(
-            "gpt2-small", hidden_size=128, intermediate_size=512, nhead=4, max_seq_len=256,
-            attn_prob_dropout_ratio=0.0, hidden_dropout_ratio=0.0,
+            "gpt2-small",
+            hidden_size=128,
+            intermediate_size=512,
+            nhead=4,
+            max_seq_len=256,
+            attn_prob_dropout_ratio=0.0,
+            hidden_dropout_ratio=0.0,
         ),
         num_layers=2,
     ),

@@ -128,12 +128,14 @@ class Transformer(nn.Module):
         """src_tokens (B, S), tgt_in_tokens (B, T) integer -> logits (B, T, V) in the compute dtype."""
         check_tokens("tgt_in_tokens", tgt_in_tokens)
         encoded, src_lengths = self._encode(src_tokens, deterministic=deterministic)
-        hidden = self._decoder_hidden(tgt_in_tokens, encoded, None, src_lengths=src_lengths, decode=False,
-                                      deterministic=deterministic)
+        hidden = self._decoder_hidden(
+            tgt_in_tokens, encoded, None, src_lengths=src_lengths, decode=False, deterministic=deterministic
+        )
         return self._logits(hidden)
 
     def encode(self, src_tokens: jax.Array, *, deterministic: bool = True) -> tuple[jax.Array, jax.Array]:
-        """src_tokens (B, S) integer -> (encoded (B, S, H), src_mask (B, S) boolean, False from a row's first PAD on)."""
+        """src_tokens (B, S) integer -> (encoded (B, S, H), src_mask (B, S) boolean, False from a row's first PAD
+        on)."""
         encoded, src_lengths = self._encode(src_tokens, deterministic=deterministic)
         return encoded, lengths_mask(src_lengths, src_tokens.shape[1])
 
@@ -158,13 +160,15 @@ class Transformer(nn.Module):
         check_tokens("tgt_tokens", tgt_tokens)
         return self._logits(self._decoder_hidden(tgt_tokens, None, None, decode=True, deterministic=deterministic))
 
-    def _decoder_hidden(self, tgt_tokens, encoded, src_mask, *, src_lengths=None, decode: bool,
-                        deterministic: bool) -> jax.Array:
+    def _decoder_hidden(
+        self, tgt_tokens, encoded, src_mask, *, src_lengths=None, decode: bool, deterministic: bool
+    ) -> jax.Array:
         # The scope puts a shared embedding's target lookup in the decoder's stage of a step's trace.
         with jax.named_scope("decoder"):
             embedded = self._target_embedding()(tgt_tokens, decode=decode, deterministic=deterministic)
-        return self.decoder(embedded, encoded, src_mask, src_lengths=src_lengths, decode=decode,
-                            deterministic=deterministic)
+        return self.decoder(
+            embedded, encoded, src_mask, src_lengths=src_lengths, decode=decode, deterministic=deterministic
+        )
 
     def _logits(self, hidden: jax.Array) -> jax.Array:
         with jax.named_scope("output_projection"):

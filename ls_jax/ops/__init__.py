@@ -5,8 +5,8 @@ around ``attn_softmax``, for attention over a KV cache."""
 
 from ls_jax.ops.attention import attention_unfused, cross_attention, self_attention
 from ls_jax.ops.bias import ACTIVATIONS, Activation, bias_act_dropout, bias_dropout_residual
-from ls_jax.ops.dense import dense
 from ls_jax.ops.cross_entropy import label_smoothed_cross_entropy
+from ls_jax.ops.dense import dense
 from ls_jax.ops.dropout import dropout
 from ls_jax.ops.embedding import embed
 from ls_jax.ops.layer_norm import layer_norm

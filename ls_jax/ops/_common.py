@@ -182,7 +182,11 @@ def _vary_like_inputs(impl: Callable[..., Any]) -> Callable[..., Any]:
         if not axes:
             return outputs
         return jax.tree.map(
-            lambda y: y if _varying_axes(y) >= axes else jax.lax.pcast(y, tuple(sorted(axes - _varying_axes(y))), to="varying"),
+            lambda y: (
+                y
+                if _varying_axes(y) >= axes
+                else jax.lax.pcast(y, tuple(sorted(axes - _varying_axes(y))), to="varying")
+            ),
             outputs,
         )
 

@@ -54,10 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax import backend
-from ls_jax.ops import _common
-from ls_jax.ops import attention_cudnn
-from ls_jax.ops import attention_lengths
-from ls_jax.ops import random
+from ls_jax.ops import _common, attention_cudnn, attention_lengths, random
 from ls_jax.ops.softmax import attn_softmax
 
 _f32 = jnp.float32
@@ -199,8 +196,14 @@ def _backward_ffi(dout, sources, bias, key_mask, keep_bits, lse, *, causal, drop
         "ls_attention_bwd", (d_query_source, bias_partials, *d_key_value_source), vmap_method="sequential"
     )
     d_query_source, bias_partials, *d_key_value_source = call(
-        dout, sources[0], sources[-1], _bias_operand(sources, bias), lse, keep_bits,
-        *_mask_operand(key_mask), **_kernel_attributes(sources[0], causal, dropout_rate)
+        dout,
+        sources[0],
+        sources[-1],
+        _bias_operand(sources, bias),
+        lse,
+        keep_bits,
+        *_mask_operand(key_mask),
+        **_kernel_attributes(sources[0], causal, dropout_rate),
     )
     return (d_query_source, *d_key_value_source), _bias_grad(bias_partials, bias)
 
@@ -305,8 +308,10 @@ def cudnn_enabled() -> bool:
     off, to compare with the unfused attention."""
     value = os.environ.get(CUDNN_ENV_VAR, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{CUDNN_ENV_VAR} must be 0 (the unfused attention beyond the fused kernels) or 1 (cuDNN's "
-                         f"flash attention, the default), got {value!r}")
+        raise ValueError(
+            f"{CUDNN_ENV_VAR} must be 0 (the unfused attention beyond the fused kernels) or 1 (cuDNN's "
+            f"flash attention, the default), got {value!r}"
+        )
     return value == "1"
 
 
@@ -322,7 +327,8 @@ def _cudnn_reason(sources: Sources, masked: bool, causal: bool, dropout_rate: fl
     if missing is not None and backend.requested_mode() == "ffi":
         raise backend.KernelsUnavailableError(
             f"{backend.ENV_VAR}=ffi: attention of these shapes needs the cuDNN attention targets, which the kernel "
-            f"library was built without: {missing}")
+            f"library was built without: {missing}"
+        )
     return missing
 
 
@@ -379,15 +385,18 @@ def _attend(sources: Sources, bias, key_mask, key_lengths, causal: bool, dropout
         reason = _unsupported(sources)
         if reason is None:
             *sources, bias, key_mask, seed = _common.vary_together(
-                *sources, bias, _key_mask_of(key_mask, key_lengths, keys), seed)
+                *sources, bias, _key_mask_of(key_mask, key_lengths, keys), seed
+            )
             return _attention(tuple(sources), bias, key_mask, seed, bool(causal), float(dropout_rate))
         masked = key_mask is not None or key_lengths is not None
         reason = _cudnn_reason(sources, masked, causal, dropout_rate)
         if reason is None:
             *sources, bias, key_mask, key_lengths, seed = _common.vary_together(
-                *sources, bias, key_mask, key_lengths, seed)
-            return _cudnn_attention(tuple(sources), bias, key_mask, key_lengths, seed, bool(causal),
-                                    float(dropout_rate))
+                *sources, bias, key_mask, key_lengths, seed
+            )
+            return _cudnn_attention(
+                tuple(sources), bias, key_mask, key_lengths, seed, bool(causal), float(dropout_rate)
+            )
         _common.log_fallback_once("attention", reason, "the unfused attention (the attn_softmax kernels)")
     key_mask = _key_mask_of(key_mask, key_lengths, keys)
     mask = None if key_mask is None else key_mask[:, None, None, :]
@@ -426,8 +435,9 @@ def self_attention(
     _common.check_activation("qkv", qkv)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, length, 3, heads, head_dim), got {qkv.shape}")
-    lengths = attention_lengths.check_lengths(lengths, batch=qkv.shape[0], keys=qkv.shape[1], name="lengths",
-                                              key_mask=key_mask)
+    lengths = attention_lengths.check_lengths(
+        lengths, batch=qkv.shape[0], keys=qkv.shape[1], name="lengths", key_mask=key_mask
+    )
     return _attend((qkv,), _check_bias(bias, qkv.shape[2:], qkv), key_mask, lengths, causal, dropout_rate, seed)
 
 
@@ -468,8 +478,9 @@ def cross_attention(
             f"key_value must have shape (batch, keys, 2, heads, head_dim) = ({batch}, keys, 2, {heads}, {head_dim}), "
             f"got {key_value.shape}"
         )
-    key_lengths = attention_lengths.check_lengths(key_lengths, batch=batch, keys=key_value.shape[1],
-                                                  name="key_lengths", key_mask=key_mask)
+    key_lengths = attention_lengths.check_lengths(
+        key_lengths, batch=batch, keys=key_value.shape[1], name="key_lengths", key_mask=key_mask
+    )
     query_source = query[:, :, None]
     bias = _check_bias(bias, query.shape[2:], query_source)
     return _attend((query_source, key_value), bias, key_mask, key_lengths, False, dropout_rate, seed)

@@ -95,8 +95,10 @@ def _head_dim_reason(head_dim: int) -> str | None:
     capability = _compute_capability()
     if head_dim <= MAX_HEAD_DIM_HOPPER and capability.startswith("9."):
         return None
-    return (f"cuDNN attention takes head_dim up to {MAX_HEAD_DIM} (up to {MAX_HEAD_DIM_HOPPER} on compute "
-            f"capability 9.x, forward and backward), got {head_dim} on compute capability {capability or 'unknown'}")
+    return (
+        f"cuDNN attention takes head_dim up to {MAX_HEAD_DIM} (up to {MAX_HEAD_DIM_HOPPER} on compute "
+        f"capability 9.x, forward and backward), got {head_dim} on compute capability {capability or 'unknown'}"
+    )
 
 
 def shape_reason(sources, masked: bool, causal: bool, dropout_rate: float) -> str | None:
@@ -109,8 +111,10 @@ def shape_reason(sources, masked: bool, causal: bool, dropout_rate: float) -> st
     if queries == 1 and keys == 1:
         return "cuDNN's attention backward does not take a single query over a single key"
     if causal and queries != keys and (queries > keys or masked or dropout_rate > 0.0):
-        return (f"cuDNN's causal attention with queries != keys ({queries} and {keys}) takes queries < keys, no key "
-                f"mask and no dropout")
+        return (
+            f"cuDNN's causal attention with queries != keys ({queries} and {keys}) takes queries < keys, no key "
+            f"mask and no dropout"
+        )
     return _head_dim_reason(q_source.shape[-1])
 
 
@@ -129,8 +133,9 @@ def _mask_bias(key_mask: jax.Array, dtype) -> jax.Array:
     return jnp.where(padded, 0.0, MASKED_LOGIT).astype(dtype)
 
 
-def _mask_operands(key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int,
-                   dtype) -> tuple[jax.Array, ...]:
+def _mask_operands(
+    key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int, dtype
+) -> tuple[jax.Array, ...]:
     """The handlers' trailing optional operands: (seq_len_q, seq_len_kv) for key lengths, (seq_len_q, seq_len_kv,
     mask_bias) for a key mask, or nothing."""
     if key_lengths is not None:
@@ -141,8 +146,9 @@ def _mask_operands(key_mask: jax.Array | None, key_lengths: jax.Array | None, qu
     return (*_seq_lengths(key_mask, queries), _mask_bias(key_mask, dtype))
 
 
-def _visible_rows(key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int,
-                  causal: bool) -> jax.Array | None:
+def _visible_rows(
+    key_mask: jax.Array | None, key_lengths: jax.Array | None, queries: int, causal: bool
+) -> jax.Array | None:
     """(B, Q) boolean: whether each query sees at least one key; None when every query does."""
     if key_lengths is not None:  # key 0 is visible to every query (causal: k = 0 <= q) of a row of length > 0
         return jnp.broadcast_to((key_lengths > 0)[:, None], (key_lengths.shape[0], queries))
@@ -159,8 +165,9 @@ def _zero_invisible(x: jax.Array, visible: jax.Array | None) -> jax.Array:
 
 
 def _attributes(sources, causal: bool, dropout_rate: float) -> dict:
-    return dict(causal=bool(causal), dropout_rate=np.float32(dropout_rate),
-                logit_scale=np.float32(sources[0].shape[-1] ** -0.5))
+    return dict(
+        causal=bool(causal), dropout_rate=np.float32(dropout_rate), logit_scale=np.float32(sources[0].shape[-1] ** -0.5)
+    )
 
 
 def forward(sources, key_mask, key_lengths, seed, *, causal: bool, dropout_rate: float):
@@ -171,8 +178,9 @@ def forward(sources, key_mask, key_lengths, seed, *, causal: bool, dropout_rate:
     call = jax.ffi.ffi_call(FORWARD_TARGET, (out_type, stats_type), vmap_method="sequential")
     # A packed qkv is passed as both sources.
     mask_operands = _mask_operands(key_mask, key_lengths, queries, q_source.dtype)
-    out, stats = call(q_source, kv_source, seed_operand(seed), *mask_operands,
-                      **_attributes(sources, causal, dropout_rate))
+    out, stats = call(
+        q_source, kv_source, seed_operand(seed), *mask_operands, **_attributes(sources, causal, dropout_rate)
+    )
     return _zero_invisible(out, _visible_rows(key_mask, key_lengths, queries, causal)), stats[..., 0]
 
 
@@ -182,7 +190,14 @@ def backward(dout, sources, key_mask, key_lengths, seed, out, stats, *, causal: 
     dout = _zero_invisible(dout, _visible_rows(key_mask, key_lengths, queries, causal))
     gradient_types = tuple(jax.ShapeDtypeStruct(source.shape, source.dtype) for source in sources)
     call = jax.ffi.ffi_call(BACKWARD_TARGET, gradient_types, vmap_method="sequential")
-    d_sources = call(dout, q_source, kv_source, out, stats[..., None], seed_operand(seed),
-                     *_mask_operands(key_mask, key_lengths, queries, q_source.dtype),
-                     **_attributes(sources, causal, dropout_rate))
+    d_sources = call(
+        dout,
+        q_source,
+        kv_source,
+        out,
+        stats[..., None],
+        seed_operand(seed),
+        *_mask_operands(key_mask, key_lengths, queries, q_source.dtype),
+        **_attributes(sources, causal, dropout_rate),
+    )
     return tuple(d_sources)

@@ -43,8 +43,9 @@ def check_lengths(
     if not isinstance(lengths, jax.core.Tracer):
         values = np.asarray(lengths)
         if values.size and (values.min() < 0 or values.max() > keys):
-            raise ValueError(f"{name} must be in [0, {keys}] (the number of keys), got values from {values.min()} to "
-                             f"{values.max()}")
+            raise ValueError(
+                f"{name} must be in [0, {keys}] (the number of keys), got values from {values.min()} to {values.max()}"
+            )
     return jnp.clip(jnp.asarray(lengths), 0, keys).astype(jnp.int32)
 
 

@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffi_kernels
-from ls_jax.ops import _common
-from ls_jax.ops import random
+from ls_jax.ops import _common, random
 
 _f32 = jnp.float32
 Activation = Literal["relu", "gelu", "gelu_tanh"]
@@ -211,9 +210,7 @@ def _activation_attributes(activation: Activation, rate: float) -> dict[str, np.
 
 
 def _bias_act_dropout_forward_ffi(x, bias, seed, *, activation, rate):
-    call = jax.ffi.ffi_call(
-        "ls_bias_act_dropout_fwd", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential"
-    )
+    call = jax.ffi.ffi_call("ls_bias_act_dropout_fwd", jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
     return call(x, bias, random.seed_operand(seed), **_activation_attributes(activation, rate))
 
 

@@ -150,7 +150,9 @@ def label_smoothed_cross_entropy(
     _common.check_activation("logits", logits)
     _common.check_integer("labels", labels)
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"labels have shape {labels.shape} but logits have {logits.shape}; expected {logits.shape[:-1]}")
+        raise ValueError(
+            f"labels have shape {labels.shape} but logits have {logits.shape}; expected {logits.shape[:-1]}"
+        )
     if logits.shape[-1] < 2:
         raise ValueError(f"label smoothing needs a vocabulary of at least 2 classes, got {logits.shape[-1]}")
     if not 0.0 <= epsilon < 1.0:

@@ -105,7 +105,7 @@ def dense(
     in_shape = kernel.shape[split:] if transposed_kernel else kernel.shape[:split]
     out_shape = kernel.shape[:split] if transposed_kernel else kernel.shape[split:]
     if tuple(x.shape[x.ndim - input_axes :]) != tuple(in_shape):
-        raise ValueError(f"x's last {input_axes} axes {x.shape[x.ndim - input_axes:]} must be the kernel's {in_shape}")
+        raise ValueError(f"x's last {input_axes} axes {x.shape[x.ndim - input_axes :]} must be the kernel's {in_shape}")
     if bias is not None:
         _common.check_activation("bias", bias)
         if tuple(bias.shape) != tuple(out_shape):

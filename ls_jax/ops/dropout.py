@@ -14,8 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ls_jax.ops import _common
-from ls_jax.ops import random
+from ls_jax.ops import _common, random
 
 _f32 = jnp.float32
 

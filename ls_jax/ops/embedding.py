@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.ops import _common
-from ls_jax.ops import random
+from ls_jax.ops import _common, random
 
 _f32 = jnp.float32
 
@@ -117,9 +116,7 @@ def _backward_ffi(dy, tokens, positions, seed, *, static: _Static):
     dy = dy.reshape(-1, dy.shape[-1])
     tokens = tokens.reshape(-1)
     token_rows = jnp.clip(tokens, 0, static.table_shape[0] - 1)
-    dtable = _table_grad_ffi(
-        dy, tokens, token_rows, static.table_shape, static.table_dtype, static.scale, seed, static
-    )
+    dtable = _table_grad_ffi(dy, tokens, token_rows, static.table_shape, static.table_dtype, static.scale, seed, static)
     dpos = None
     if static.pos_shape is not None:
         pos_rows = jnp.clip(positions.reshape(-1), 0, static.pos_shape[0] - 1)

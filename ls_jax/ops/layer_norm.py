@@ -37,8 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ffi_kernels
-from ls_jax.ops import _common
-from ls_jax.ops import random
+from ls_jax.ops import _common, random
 from ls_jax.ops.bias import bias_dropout_residual_backward_xla, bias_dropout_residual_forward_xla
 
 _f32 = jnp.float32
@@ -68,9 +67,7 @@ def _grads_f32(dy, s, mean, rstd, gamma):
     dy32 = dy.astype(_f32)
     xhat = (s.astype(_f32) - mean[..., None]) * rstd[..., None]
     g = dy32 * gamma.astype(_f32)
-    ds = rstd[..., None] * (
-        g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
-    )
+    ds = rstd[..., None] * (g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
     row_axes = tuple(range(dy.ndim - 1))
     return ds, jnp.sum(dy32 * xhat, axis=row_axes), jnp.sum(dy32, axis=row_axes)
 
@@ -97,9 +94,7 @@ def _forward_ffi(x, gamma, beta, *, eps):
 def _add_forward_ffi(x, residual, gamma, beta, *, eps):
     activation = jax.ShapeDtypeStruct(x.shape, x.dtype)
     stats = jax.ShapeDtypeStruct(x.shape[:-1], _f32)
-    call = jax.ffi.ffi_call(
-        "ls_layer_norm_add_fwd", (activation, activation, stats, stats), vmap_method="sequential"
-    )
+    call = jax.ffi.ffi_call("ls_layer_norm_add_fwd", (activation, activation, stats, stats), vmap_method="sequential")
     return call(x, residual, gamma, beta, eps=np.float32(eps))
 
 
@@ -182,9 +177,7 @@ def _layer_norm_fwd(x, gamma, beta, eps):
 
 def _layer_norm_bwd(eps, res, dy):
     s, mean, rstd, gamma = res
-    return _common.dispatch(
-        "layer_norm", _backward_xla, _backward_ffi, (dy, s, mean, rstd, gamma), _unsupported(s)
-    )
+    return _common.dispatch("layer_norm", _backward_xla, _backward_ffi, (dy, s, mean, rstd, gamma), _unsupported(s))
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)

@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.ops import _common
-from ls_jax.ops import random
+from ls_jax.ops import _common, random
 
 _f32 = jnp.float32
 
@@ -151,9 +150,7 @@ def _attn_softmax_bwd(scale, causal, dropout_rate, res, dy):
     probs, seed, mask = res
     backward_xla = functools.partial(_backward_xla, scale=scale, dropout_rate=dropout_rate)
     backward_ffi = functools.partial(_backward_ffi, scale=scale, dropout_rate=dropout_rate)
-    dscores = _common.dispatch(
-        "attn_softmax", backward_xla, backward_ffi, (dy, probs, seed), _unsupported(probs, None)
-    )
+    dscores = _common.dispatch("attn_softmax", backward_xla, backward_ffi, (dy, probs, seed), _unsupported(probs, None))
     dmask = None
     if mask is not None and mask.dtype != jnp.bool_:
         dmask = _reduce_to_shape(dscores.astype(_f32) / scale, mask.shape).astype(mask.dtype)

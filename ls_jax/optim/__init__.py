@@ -17,7 +17,8 @@ per-leaf offsets and sizes, each leaf starting 16-byte aligned). On CUDA with th
 when clipping), in place when the jitted step donates params and optimizer state. Elsewhere (CPU, TPU, or
 ``LS_JAX_KERNELS=xla``) the same math runs in jax.numpy: each large leaf's moments are updated in place in the
 workspaces and the small leaves' together (a few kernels per large leaf), then each leaf's new parameters; the
-workspaces are indexed with 32-bit offsets there (unsigned past 2^31 elements), so at most 2^32 - 1 elements. Both give the same
+workspaces are indexed with 32-bit offsets there (unsigned past 2^31 elements), so at most 2^32 - 1 elements. Both
+give the same
 numbers, so checkpoints move freely between backends and devices. ``update`` returns the updates in each
 parameter's dtype (the gradient's when called without params). The workspace is
 one buffer per moment, replicated like the parameters under plain data parallelism; ``shard_optimizer`` (ZeRO-1,

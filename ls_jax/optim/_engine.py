@@ -39,7 +39,8 @@ import numpy as np
 import optax
 
 from ls_jax import backend
-from ls_jax.optim import _kernel, master as master_lib
+from ls_jax.optim import _kernel
+from ls_jax.optim import master as master_lib
 from ls_jax.optim.base import FusedGradientTransformation
 from ls_jax.optim.workspace import WorkspaceLayout, check_leaves
 
@@ -96,7 +97,9 @@ def check_positive_int(name: str, value: Any) -> None:
 def check_options(max_grad_norm: Any, storage_dtype: Any, master_weights: bool) -> jnp.dtype | None:
     """Validates the options every workspace optimizer shares; returns the storage dtype (or None)."""
     if master_weights and storage_dtype is None:
-        raise ValueError("master_weights keeps an f32 copy of 16-bit params: it needs storage_dtype bfloat16 or float16")
+        raise ValueError(
+            "master_weights keeps an f32 copy of 16-bit params: it needs storage_dtype bfloat16 or float16"
+        )
     if max_grad_norm is not None:
         number = _as_number("max_grad_norm", max_grad_norm)
         if number is not None and not number > 0.0:
@@ -201,16 +204,31 @@ def _offset_dtype(layout: WorkspaceLayout) -> np.dtype:
 def _gather(buffer: jax.Array, index: jax.Array) -> jax.Array:
     """``buffer[index]`` for a sorted, unique ``index`` (jnp indexing would narrow a uint32 one to int32)."""
     numbers = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
-    return jax.lax.gather(buffer, index[:, None], numbers, (1,), indices_are_sorted=True, unique_indices=True,
-                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return jax.lax.gather(
+        buffer,
+        index[:, None],
+        numbers,
+        (1,),
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
 
 
 def _scatter(buffer: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     """``buffer`` with ``buffer[index] = values`` for a sorted, unique ``index``."""
-    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
-                                              scatter_dims_to_operand_dims=(0,))
-    return jax.lax.scatter(buffer, index[:, None], values, numbers, indices_are_sorted=True, unique_indices=True,
-                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+    )
+    return jax.lax.scatter(
+        buffer,
+        index[:, None],
+        values,
+        numbers,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
 
 
 def _outputs_and_copies(config: StepConfig, new: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array] | None]:
@@ -355,8 +373,10 @@ def _check_master(leaves: Sequence[jax.Array], storage_dtype: jnp.dtype) -> None
     for leaf in leaves:
         if leaf.dtype != expected:
             found = f"{leaf.dtype}{list(leaf.shape)}"
-            raise ValueError(f"with {storage_dtype} params the master weights are {expected} leaves (see "
-                             f"ls_jax.optim.master), found {found}: was the state made by this optimizer's init?")
+            raise ValueError(
+                f"with {storage_dtype} params the master weights are {expected} leaves (see "
+                f"ls_jax.optim.master), found {found}: was the state made by this optimizer's init?"
+            )
 
 
 def _check_params_match(grads: Any, params: Any, layout: WorkspaceLayout) -> None:
@@ -463,8 +483,9 @@ def workspace_transformation(
         del extra_args
         outputs, new_state = step(updates, state, params, "updates", grad_norm_axis, mask_params)
         if master_weights:  # the updates that take the params to the new 16-bit copies, exact in f32
-            outputs = [new.astype(jnp.float32) - old.astype(jnp.float32)
-                       for new, old in zip(outputs, jax.tree.leaves(params))]
+            outputs = [
+                new.astype(jnp.float32) - old.astype(jnp.float32) for new, old in zip(outputs, jax.tree.leaves(params))
+            ]
         return jax.tree.unflatten(jax.tree.structure(updates), outputs), new_state
 
     def apply(grads, state, params, *, grad_norm_axis=None, mask_params=None, **extra_args):

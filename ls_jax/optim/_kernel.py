@@ -52,8 +52,10 @@ def _vary_together(operands: list) -> tuple[list, dict]:
     axes = frozenset().union(*(varying_axes(x) for x in operands))
     if not axes:
         return operands, {}
-    cast = [x if varying_axes(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
-            for x in operands]
+    cast = [
+        x if varying_axes(x) == axes else jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying")
+        for x in operands
+    ]
     aval = jax.typeof(cast[0])
     sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
     return cast, {"sharding": sharding, "manual_axis_type": aval.manual_axis_type}
@@ -70,11 +72,13 @@ def step(config, grads, params, moments, scalars):
     else:
         param_operands = list(params) if has_params else []
     operands, axes = _vary_together([scalars, *grads, *param_operands, *moments])
-    result_types = [jax.ShapeDtypeStruct(shape, dtype, **axes)
-                    for shape, dtype in zip(config.layout.shapes, config.out_dtypes)]
+    result_types = [
+        jax.ShapeDtypeStruct(shape, dtype, **axes) for shape, dtype in zip(config.layout.shapes, config.out_dtypes)
+    ]
     result_types += [jax.ShapeDtypeStruct(moment.shape, jnp.float32, **axes) for moment in moments]
-    result_types += [jax.ShapeDtypeStruct(shape, dtype, **axes)
-                     for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)]
+    result_types += [
+        jax.ShapeDtypeStruct(shape, dtype, **axes) for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)
+    ]
     if config.clip:
         result_types.append(jax.ShapeDtypeStruct((NORM_PARTIALS,), jnp.float32, **axes))
     first_moment = 1 + num_leaves + len(param_operands)

@@ -63,8 +63,9 @@ def _split(joined: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
     return [joined[..., end - length : end] for end, length in zip(ends, lengths)]
 
 
-def reduce_scatter(grads: Any, axis_name: str, num_shards: int, *, average: bool, reduce_dtype: Any,
-                   bucket_bytes: int) -> Any:
+def reduce_scatter(
+    grads: Any, axis_name: str, num_shards: int, *, average: bool, reduce_dtype: Any, bucket_bytes: int
+) -> Any:
     """Inside shard_map: row r (this device's) of ``sum_d grads_d`` (``/ N`` when ``average``), a tree of ``(c_i,)``
     in the gradients' dtypes, summed in ``reduce_dtype`` (None: the gradients' dtype). One psum_scatter per bucket."""
     leaves, treedef = jax.tree.flatten(grads)
@@ -109,8 +110,9 @@ def _paths(tree: Any) -> list[str]:
 def check_same_shapes(what: str, tree: Any, like: Any) -> None:
     """Raises ValueError unless ``tree`` has ``like``'s structure and leaf shapes."""
     if jax.tree.structure(tree) != jax.tree.structure(like):
-        raise ValueError(f"{what} do not have the params' tree structure:\n{jax.tree.structure(tree)}\n"
-                         f"{jax.tree.structure(like)}")
+        raise ValueError(
+            f"{what} do not have the params' tree structure:\n{jax.tree.structure(tree)}\n{jax.tree.structure(like)}"
+        )
     for name, leaf, want in zip(_paths(tree), jax.tree.leaves(tree), jax.tree.leaves(like)):
         if tuple(leaf.shape) != tuple(want.shape):
             raise ValueError(f"{what} leaf {name} has shape {tuple(leaf.shape)} but the param has {tuple(want.shape)}")
@@ -119,12 +121,16 @@ def check_same_shapes(what: str, tree: Any, like: Any) -> None:
 def check_state_like(what: str, state: Any, expected: Any, hint: str) -> None:
     """Raises ValueError unless ``state`` has the structure, shapes and dtypes of ``expected`` (ShapeDtypeStructs)."""
     if jax.tree.structure(state) != jax.tree.structure(expected):
-        raise ValueError(f"{what} has tree structure {jax.tree.structure(state)} but this optimizer and these params "
-                         f"need {jax.tree.structure(expected)}: was it {hint}?")
+        raise ValueError(
+            f"{what} has tree structure {jax.tree.structure(state)} but this optimizer and these params "
+            f"need {jax.tree.structure(expected)}: was it {hint}?"
+        )
     for name, leaf, want in zip(_paths(state), jax.tree.leaves(state), jax.tree.leaves(expected)):
         if tuple(jnp.shape(leaf)) != tuple(want.shape) or jnp.result_type(leaf) != want.dtype:
-            raise ValueError(f"{what} leaf {name} is {jnp.result_type(leaf)}{list(jnp.shape(leaf))} but this optimizer "
-                             f"and these params need {want.dtype}{list(want.shape)}: was it {hint}?")
+            raise ValueError(
+                f"{what} leaf {name} is {jnp.result_type(leaf)}{list(jnp.shape(leaf))} but this optimizer "
+                f"and these params need {want.dtype}{list(want.shape)}: was it {hint}?"
+            )
 
 
 # ---- state conversion ---------------------------------------------------------------------------------------------
@@ -158,8 +164,9 @@ class StatePlan:
         shard_template = jax.eval_shape(tx.init, shard_params)
         full_layout, shard_layout = WorkspaceLayout.of(params), WorkspaceLayout.of(shard_params)
         kinds = []
-        for name, full, shard in zip(_paths(full_template), jax.tree.leaves(full_template),
-                                     jax.tree.leaves(shard_template)):
+        for name, full, shard in zip(
+            _paths(full_template), jax.tree.leaves(full_template), jax.tree.leaves(shard_template)
+        ):
             if full.shape == (full_layout.total,) and shard.shape == (shard_layout.total,):
                 kinds.append("workspace")
             elif shard.shape == (row_length(math.prod(full.shape), num_shards),):
@@ -167,18 +174,22 @@ class StatePlan:
             elif full.shape == shard.shape:
                 kinds.append("same")
             else:
-                raise ValueError(f"optimizer state leaf {name} ({full.shape} for the params, {shard.shape} for a shard) "
-                                 f"is neither a workspace, per parameter, nor the same on every device: it cannot be "
-                                 f"sharded")
+                raise ValueError(
+                    f"optimizer state leaf {name} ({full.shape} for the params, {shard.shape} for a shard) "
+                    f"is neither a workspace, per parameter, nor the same on every device: it cannot be "
+                    f"sharded"
+                )
         return cls(num_shards, full_template, shard_template, tuple(kinds), full_layout, shard_layout)
 
     def check_replicated(self, state: Any) -> Any:
-        check_state_like("replicated optimizer state", state, self.full_template,
-                         "made by this optimizer's init for these params")
+        check_state_like(
+            "replicated optimizer state", state, self.full_template, "made by this optimizer's init for these params"
+        )
         return state
 
     def unshard(self, state: Any) -> Any:
         """Sharded -> replicated (see the class docstring)."""
+
         def convert(kind: str, leaf: jax.Array, full: jax.ShapeDtypeStruct) -> jax.Array:
             if kind == "workspace":
                 row_views = jax.vmap(self.shard_layout.views)(leaf)  # per param leaf, (N, c_i)
@@ -187,8 +198,10 @@ class StatePlan:
                 return unrows(leaf, full.shape)
             return leaf[0]
 
-        leaves = [convert(kind, leaf, full) for kind, leaf, full in
-                  zip(self.kinds, jax.tree.leaves(state), jax.tree.leaves(self.full_template))]
+        leaves = [
+            convert(kind, leaf, full)
+            for kind, leaf, full in zip(self.kinds, jax.tree.leaves(state), jax.tree.leaves(self.full_template))
+        ]
         return jax.tree.unflatten(jax.tree.structure(self.full_template), leaves)
 
     def shard(self, state: Any) -> Any:

@@ -98,6 +98,7 @@ def join_halves(high: jax.Array, low: jax.Array) -> jax.Array:
 
 def initial_master(params: Any, storage_dtype: Any) -> Any:
     """The master of ``params`` (any float dtype, the values to train) for params stored in ``storage_dtype``."""
+
     def master(p: jax.Array) -> jax.Array:
         p = p.astype(jnp.float32)
         return low_half(p, p.astype(jnp.bfloat16)) if is_split(storage_dtype) else p
@@ -116,14 +117,19 @@ def master_params(state: MasterWeightsState, params: Any) -> Any:
     if not isinstance(state, MasterWeightsState):
         raise TypeError(f"expected a MasterWeightsState, got {type(state).__name__}")
     if jax.tree.structure(params) != jax.tree.structure(state.master):
-        raise ValueError(f"params do not match the master's structure:\n{jax.tree.structure(params)}\n"
-                         f"{jax.tree.structure(state.master)}")
+        raise ValueError(
+            f"params do not match the master's structure:\n{jax.tree.structure(params)}\n"
+            f"{jax.tree.structure(state.master)}"
+        )
+
     def master(p: jax.Array, m: jax.Array) -> jax.Array:
         if m.dtype != LOW_HALF_DTYPE:
             return m
         if p.dtype != jnp.bfloat16 or p.shape != m.shape:
-            raise ValueError(f"the master's low halves {m.dtype}{list(m.shape)} need bfloat16 params of their shape, "
-                             f"got {p.dtype}{list(p.shape)}")
+            raise ValueError(
+                f"the master's low halves {m.dtype}{list(m.shape)} need bfloat16 params of their shape, "
+                f"got {p.dtype}{list(p.shape)}"
+            )
         return join_halves(p, m)
 
     return jax.tree.map(master, params, state.master)

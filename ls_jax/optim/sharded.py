@@ -95,6 +95,7 @@ class ShardedOptimizer:
         stacked, so every leaf gets a leading dimension ``num_shards``. Runs outside ``shard_map``, as one compiled
         function; ``out_sharding`` (e.g. ``state_sharding(mesh)``) places the state as it is made, so no device
         ever holds all of it."""
+
         def sharded_init(params):
             return jax.vmap(self.tx.init)(jax.tree.map(lambda p: layout_lib.rows(p, self.num_shards), params))
 
@@ -129,8 +130,12 @@ class ShardedOptimizer:
         self._check_local_gradients(grads, state)
         local_state = self._local_state(state, params)
         grad_rows = layout_lib.reduce_scatter(
-            grads, self.axis_name, self.num_shards, average=self.average_gradients,
-            reduce_dtype=self.reduce_dtype, bucket_bytes=self.bucket_bytes,
+            grads,
+            self.axis_name,
+            self.num_shards,
+            average=self.average_gradients,
+            reduce_dtype=self.reduce_dtype,
+            bucket_bytes=self.bucket_bytes,
         )
         param_rows = layout_lib.own_rows(params, self.axis_name, self.num_shards)
         new_rows, new_state = self.tx.apply(
@@ -142,7 +147,9 @@ class ShardedOptimizer:
         )
         return new_params, jax.tree.map(lambda x: x[None], new_state), grad_rows
 
-    def apply_with_grad_norm(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any, jax.Array]:
+    def apply_with_grad_norm(
+        self, grads: Any, state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any, jax.Array]:
         """``apply``, and the global norm of the summed gradients (before clipping), ``sqrt(psum_d |G_d|^2)``: a
         scalar the same on every device, from the rows each device holds after the reduce-scatter."""
         new_params, new_state, grad_rows = self._apply(grads, state, params, **extra_args)
@@ -215,9 +222,15 @@ class ShardedOptimizer:
         return jax.tree.map(lambda x: x[0], state)
 
     def _checked(self, state: Any, plan: layout_lib.StatePlan) -> Any:
-        stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((self.num_shards, *s.shape), s.dtype), plan.shard_template)
-        layout_lib.check_state_like("sharded optimizer state", state, stacked,
-                                    f"made by init for these params with num_shards={self.num_shards}")
+        stacked = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((self.num_shards, *s.shape), s.dtype), plan.shard_template
+        )
+        layout_lib.check_state_like(
+            "sharded optimizer state",
+            state,
+            stacked,
+            f"made by init for these params with num_shards={self.num_shards}",
+        )
         return state
 
 
@@ -250,7 +263,9 @@ def shard_optimizer(
             f"one), got {type(tx).__name__}"
         )
     if not isinstance(num_shards, (int, np.integer)) or isinstance(num_shards, bool) or num_shards < 1:
-        raise ValueError(f"num_shards must be a positive integer (the size of mesh axis {axis_name!r}), got {num_shards!r}")
+        raise ValueError(
+            f"num_shards must be a positive integer (the size of mesh axis {axis_name!r}), got {num_shards!r}"
+        )
     if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     return ShardedOptimizer(tx, axis_name, int(num_shards), average_gradients, reduce_dtype, int(bucket_bytes))

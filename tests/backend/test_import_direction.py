@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from helpers import imports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,13 +25,16 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_the_cycle_finder_sees_a_cycle_through_a_type_checking_import(tmp_path):
-    _write_package(tmp_path, {
-        "train/__init__.py": "",
-        "train/a.py": "from train import b\n",
-        "train/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from train.c import Thing\n",
-        "train/c.py": "def f():\n    from train.a import x\n",
-        "train/d.py": "from train import a, b\n",
-    })
+    _write_package(
+        tmp_path,
+        {
+            "train/__init__.py": "",
+            "train/a.py": "from train import b\n",
+            "train/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from train.c import Thing\n",
+            "train/c.py": "def f():\n    from train.a import x\n",
+            "train/d.py": "from train import a, b\n",
+        },
+    )
     assert imports.cycles(imports.module_edges(tmp_path, ["train"])) == [["train.a", "train.b", "train.c"]]
 
 
@@ -41,8 +43,10 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
     edges = {(importer, imported) for _, _, importer, imported in imports.import_edges(REPO, ["ls_jax", "train"])}
 
     def linked(importer_package: str, imported_package: str) -> bool:
-        return any(importer.startswith(importer_package + ".") and (imported + ".").startswith(imported_package + ".")
-                   for importer, imported in edges)
+        return any(
+            importer.startswith(importer_package + ".") and (imported + ".").startswith(imported_package + ".")
+            for importer, imported in edges
+        )
 
     assert linked("ls_jax.ops", "ffi_kernels")
     assert linked("ls_jax.layers", "ls_jax.ops")
@@ -54,48 +58,54 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
     assert linked("train.bench", "train.wmt")
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("train.harness.loop", "ffi_kernels"),
-    ("train.bench.ops", "ffi_kernels.build"),
-    ("tpu.launch", "ffi_kernels"),
-    ("ls_jax.layers.attention", "ffi_kernels"),
-    ("ls_jax.models.bert", "ffi_kernels"),
-    ("ls_jax.ops.dropout", "ls_jax.layers"),
-    ("ls_jax.ops.attention", "ls_jax.models.gpt"),
-    ("ls_jax.ops", "train.harness.loop"),
-    ("ls_jax.optim.adan", "ls_jax.layers.common"),
-    ("ls_jax.layers.common", "ls_jax.models"),
-    ("ls_jax.models.transformer", "train.costs.metrics"),
-    ("ls_jax", "train"),
-    ("ls_jax.backend", "ls_jax.ops"),
-    ("ffi_kernels.build", "ls_jax.backend"),
-    ("train.records.rundir", "train.harness.loop"),
-    ("train.costs.metrics", "train.harness.config"),
-    ("train.harness.training", "train.wmt.task"),
-    ("train.wmt.model", "train.bench.e2e"),
-    ("train.reference.zoo", "train.harness.step"),
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("train.harness.loop", "ffi_kernels"),
+        ("train.bench.ops", "ffi_kernels.build"),
+        ("tpu.launch", "ffi_kernels"),
+        ("ls_jax.layers.attention", "ffi_kernels"),
+        ("ls_jax.models.bert", "ffi_kernels"),
+        ("ls_jax.ops.dropout", "ls_jax.layers"),
+        ("ls_jax.ops.attention", "ls_jax.models.gpt"),
+        ("ls_jax.ops", "train.harness.loop"),
+        ("ls_jax.optim.adan", "ls_jax.layers.common"),
+        ("ls_jax.layers.common", "ls_jax.models"),
+        ("ls_jax.models.transformer", "train.costs.metrics"),
+        ("ls_jax", "train"),
+        ("ls_jax.backend", "ls_jax.ops"),
+        ("ffi_kernels.build", "ls_jax.backend"),
+        ("train.records.rundir", "train.harness.loop"),
+        ("train.costs.metrics", "train.harness.config"),
+        ("train.harness.training", "train.wmt.task"),
+        ("train.wmt.model", "train.bench.e2e"),
+        ("train.reference.zoo", "train.harness.step"),
+    ],
+)
 def test_forbidden_imports_name_the_rule(importer, imported):
     assert imports.check_import(importer, imported) is not None
 
 
-@pytest.mark.parametrize("importer, imported", [
-    ("ls_jax.ops.layer_norm", "ffi_kernels"),
-    ("ls_jax.backend", "ffi_kernels"),
-    ("ls_jax.optim._kernel", "ffi_kernels"),
-    ("ls_jax.ops.attention", "ls_jax.backend"),
-    ("ls_jax.layers.attention", "ls_jax.ops.attention"),
-    ("ls_jax.models.bert", "ls_jax.layers"),
-    ("ls_jax.models.bert", "ls_jax.ops"),
-    ("train.wmt", "ls_jax.models"),
-    ("train.harness.loop", "ls_jax.optim"),
-    ("tpu.launch", "train.wmt"),
-    ("train.wmt", "jax.numpy"),
-    ("ffi_kernels", "ffi_kernels.build"),
-    ("train.harness.loop", "train.records.runlog"),
-    ("train.sweep.runner", "train.compare.scoring"),
-    ("train.bench.e2e", "train.reference.zoo"),
-])
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("ls_jax.ops.layer_norm", "ffi_kernels"),
+        ("ls_jax.backend", "ffi_kernels"),
+        ("ls_jax.optim._kernel", "ffi_kernels"),
+        ("ls_jax.ops.attention", "ls_jax.backend"),
+        ("ls_jax.layers.attention", "ls_jax.ops.attention"),
+        ("ls_jax.models.bert", "ls_jax.layers"),
+        ("ls_jax.models.bert", "ls_jax.ops"),
+        ("train.wmt", "ls_jax.models"),
+        ("train.harness.loop", "ls_jax.optim"),
+        ("tpu.launch", "train.wmt"),
+        ("train.wmt", "jax.numpy"),
+        ("ffi_kernels", "ffi_kernels.build"),
+        ("train.harness.loop", "train.records.runlog"),
+        ("train.sweep.runner", "train.compare.scoring"),
+        ("train.bench.e2e", "train.reference.zoo"),
+    ],
+)
 def test_allowed_imports_pass(importer, imported):
     assert imports.check_import(importer, imported) is None
 
@@ -164,6 +174,6 @@ def test_a_violation_names_file_line_and_rule(tmp_path):
     _write_package(tmp_path, {"train/__init__.py": "", "train/harness/loop.py": "import os\nimport ffi_kernels\n"})
     (violation,) = imports.violations(tmp_path)
     assert str(violation) == (
-        "train/harness/loop.py:2: train.harness.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, ls_jax.optim import "
-        "ffi_kernels"
+        "train/harness/loop.py:2: train.harness.loop imports ffi_kernels: only ls_jax.backend, ls_jax.ops, "
+        "ls_jax.optim import ffi_kernels"
     )

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import normal, seed_array
 
 import ffi_kernels
 from ffi_kernels import build
 from ls_jax import backend, ops
 from ls_jax.ops import random
-from helpers.ops import normal, seed_array
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,8 +73,9 @@ def test_library_builds_for_sm80_and_exports_every_target(built):
     assert {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} <= _declared_targets()
     assert set(capsules) == _declared_targets(with_cudnn=built.cudnn_missing is None)
     staged = {name: handlers for name, handlers in capsules.items() if isinstance(handlers, dict)}
-    assert set(staged) == ({"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} if built.cudnn_missing is None
-                           else set()), "cuDNN attention builds its graphs in the initialize stage"
+    assert set(staged) == (
+        {"ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"} if built.cudnn_missing is None else set()
+    ), "cuDNN attention builds its graphs in the initialize stage"
     stage_capsules = [capsule for handlers in staged.values() for capsule in handlers.values()]
     assert all(set(handlers) == {"initialize", "execute"} for handlers in staged.values())
     plain = [capsule for name, capsule in capsules.items() if name not in staged]
@@ -94,13 +95,17 @@ def test_second_build_of_the_same_sources_is_cached(built):
 
 def test_each_architecture_gets_machine_code_and_the_newest_also_ptx():
     gencode = [flag for flag in build.compile_flags(("sm_80", "sm_90")) if flag.startswith("-gencode")]
-    assert gencode == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-                       "-gencode=arch=compute_90,code=compute_90"]
+    assert gencode == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
 
 
 def test_build_cli_help():
-    process = subprocess.run([sys.executable, "-m", "ffi_kernels.build", "--help"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
+    process = subprocess.run(
+        [sys.executable, "-m", "ffi_kernels.build", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert process.returncode == 0, process.stderr
     assert "--arch" in process.stdout and "--force" in process.stdout and "LS_JAX_CACHE" in process.stdout
 
@@ -153,8 +158,22 @@ def _run_host_program(tmp_path, program: str, stdin: str) -> str:
     source = tmp_path / "program.cu"
     source.write_text(program)
     binary = tmp_path / "program"
-    subprocess.run([str(nvcc), "-std=c++17", "-I", str(build.CSRC), "-isystem", jax.ffi.include_dir(), str(source),
-                    "-o", str(binary)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            str(nvcc),
+            "-std=c++17",
+            "-I",
+            str(build.CSRC),
+            "-isystem",
+            jax.ffi.include_dir(),
+            str(source),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True).stdout
 
 
@@ -224,7 +243,9 @@ def test_dropout_ops_lower_to_their_kernels_with_the_xla_mask_attributes(kernels
     assert re.search(r"scale = 1.1111111\d* : f32", text)
     bdr = lambda x, b, r: ops.bias_dropout_residual(x, b, r, dropout_rate=0.1, seed=seed)
     assert _targets(_cuda_module(lambda *p: _forward_and_backward(bdr, *p), x, bias, x)) == {
-        "ls_bias_dropout_residual_fwd", "ls_bias_dropout_residual_bwd"}
+        "ls_bias_dropout_residual_fwd",
+        "ls_bias_dropout_residual_bwd",
+    }
     for index, activation in enumerate(ops.ACTIVATIONS):
         bad = lambda x, b: ops.bias_act_dropout(x, b, activation=activation)
         text = _cuda_module(lambda *p: _forward_and_backward(bad, *p), x, bias)

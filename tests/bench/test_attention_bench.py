@@ -25,12 +25,16 @@ def test_the_unfused_peak_grows_with_length_at_a_constant_token_count():
 
 
 def test_kernel_times_print_each_variants_largest_kernels():
-    result = {"ffi": {"kernel_ms": {"sdpa_fprop": 0.5, "sdpa_bprop": 1.25, "bias": 0.01}},
-              "ffi_dropout": {"kernel_ms": {"sdpa_bprop_dropout": 2.0}}}
+    result = {
+        "ffi": {"kernel_ms": {"sdpa_fprop": 0.5, "sdpa_bprop": 1.25, "bias": 0.01}},
+        "ffi_dropout": {"kernel_ms": {"sdpa_bprop_dropout": 2.0}},
+    }
     lines = attention_bench._format_kernels(result, shown=2).splitlines()
-    assert [line.split() for line in lines] == [["ffi", "0.500", "ms", "sdpa_fprop"],
-                                                ["ffi", "1.250", "ms", "sdpa_bprop"],
-                                                ["ffi_dropout", "2.000", "ms", "sdpa_bprop_dropout"]]
+    assert [line.split() for line in lines] == [
+        ["ffi", "0.500", "ms", "sdpa_fprop"],
+        ["ffi", "1.250", "ms", "sdpa_bprop"],
+        ["ffi_dropout", "2.000", "ms", "sdpa_bprop_dropout"],
+    ]
 
 
 def test_form_cases_keep_the_token_count_and_hidden_size():
@@ -47,13 +51,16 @@ def test_every_form_compares_ls_jax_with_the_same_function_of_dot_product_attent
     benchmark gives its references compute the same values."""
     import jax
     import numpy as np
+
     from ls_jax import backend
 
     for form in ("masked", "causal", "cross", "head_dim_128"):
         batch, length, heads, head_dim = 2, 48, 2, {"head_dim_128": 128}.get(form, 16)
         parts = (1, 2) if form == "cross" else (3,)
-        sources = tuple(attention_bench._normal(seed, (batch, length, p, heads, head_dim), jnp.float32)
-                        for seed, p in enumerate(parts))
+        sources = tuple(
+            attention_bench._normal(seed, (batch, length, p, heads, head_dim), jnp.float32)
+            for seed, p in enumerate(parts)
+        )
         bias = attention_bench._normal(7, (parts[0], heads, head_dim), jnp.float32)
         variants = attention_bench.form_variants(form, batch, length, on_gpu=True)
         with backend.use("xla"):
@@ -61,12 +68,22 @@ def test_every_form_compares_ls_jax_with_the_same_function_of_dot_product_attent
         theirs = jax.jit(variants["xla"][1])(sources, bias)
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5, err_msg=form)
     assert set(attention_bench.form_variants("masked", 2, 48, on_gpu=True)) == {
-        "ffi", "ffi_key_mask", "cudnn", "cudnn_padded_queries", "xla"}
+        "ffi",
+        "ffi_key_mask",
+        "cudnn",
+        "cudnn_padded_queries",
+        "xla",
+    }
     assert set(attention_bench.form_variants("causal", 2, 48, on_gpu=False)) == {"xla"}
 
 
 def test_a_form_case_on_cpu_runs_xla_and_records_its_form_and_lengths():
     result = attention_bench.run_form_case("masked", 512, on_gpu=False, quick=True, samples=1)
     assert (result["form"], result["batch"], result["length"], result["heads"], result["head_dim"]) == (
-        "masked", 4, 64, 16, 64)
+        "masked",
+        4,
+        64,
+        16,
+        64,
+    )
     assert result["key_lengths"] == [64, 56, 48, 40] and set(result) >= {"xla"} and "cudnn" not in result

@@ -29,22 +29,32 @@ def test_counters_refuses_a_seq_len_for_a_whole_wmt_step(tmp_path, capsys):
     assert "--seq-len applies to the encoder workloads; wmt-big-6e6d is a whole training step" in line
 
 
-@pytest.mark.parametrize("workload, layers, says", [
-    ("wmt-big-6e6d", "3", "an even number from 2 to 12 for wmt-big-6e6d (half encoder, half decoder layers), got 3"),
-    ("wmt-big-6e6d", "14", "an even number from 2 to 12"),
-    ("bert-base", "13", "--layers takes 1 to 12 for bert-base, got 13"),
-])
+@pytest.mark.parametrize(
+    "workload, layers, says",
+    [
+        (
+            "wmt-big-6e6d",
+            "3",
+            "an even number from 2 to 12 for wmt-big-6e6d (half encoder, half decoder layers), got 3",
+        ),
+        ("wmt-big-6e6d", "14", "an even number from 2 to 12"),
+        ("bert-base", "13", "--layers takes 1 to 12 for bert-base, got 13"),
+    ],
+)
 def test_counters_refuses_a_layer_count_the_workload_cannot_run(workload, layers, says, tmp_path, capsys):
     line = _refused(counters.main, ["--workload", workload, "--layers", layers, "--out", str(tmp_path)], capsys)
     assert says in line
 
 
-@pytest.mark.parametrize("model, flags, named", [
-    ("bert-base", ["--tokens", "4096"], "--tokens"),
-    ("gpt2-small", ["--tokens", "4096"], "--tokens"),
-    ("big-6e6d", ["--seq-len", "128"], "--seq-len"),
-    ("big-6e6d", ["--seq-len", "128", "--rows", "8"], "--seq-len and --rows"),
-])
+@pytest.mark.parametrize(
+    "model, flags, named",
+    [
+        ("bert-base", ["--tokens", "4096"], "--tokens"),
+        ("gpt2-small", ["--tokens", "4096"], "--tokens"),
+        ("big-6e6d", ["--seq-len", "128"], "--seq-len"),
+        ("big-6e6d", ["--seq-len", "128", "--rows", "8"], "--seq-len and --rows"),
+    ],
+)
 def test_profile_refuses_the_shape_flags_of_another_family(model, flags, named, tmp_path, capsys):
     line = _refused(profile.main, ["--model", model, *flags, "--out", str(tmp_path)], capsys)
     assert f"error: {named} does not apply to {model}" in line

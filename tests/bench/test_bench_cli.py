@@ -22,6 +22,7 @@ def test_top_level_help_names_the_suites(capsys):
 
 def test_results_go_to_runs_bench_without_a_gpu(capsys, tmp_path):
     from train.bench import common
+
     assert common.out_dir(None) == common.REPO_ROOT / "runs" / "bench"  # the CPU test machine
     assert common.out_dir(tmp_path) == tmp_path
     with pytest.raises(SystemExit):

@@ -12,11 +12,14 @@ from train.bench.steps import counter_workloads
 
 def compiled_dot_flops(hlo: str) -> int:
     """2 x output elements x contracted size, summed over the dot instructions of an optimized HLO module."""
-    shapes = {name: [int(d) for d in dims.split(",") if d] for name, dims in
-              re.findall(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]", hlo, re.MULTILINE)}
+    shapes = {
+        name: [int(d) for d in dims.split(",") if d]
+        for name, dims in re.findall(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]", hlo, re.MULTILINE)
+    }
     total = 0
     for out, lhs, attributes in re.findall(
-            r"=\s*\w+\[([\d,]*)\]\S*\s+dot\(%([\w.\-]+),\s*%[\w.\-]+\),(.*)$", hlo, re.MULTILINE):
+        r"=\s*\w+\[([\d,]*)\]\S*\s+dot\(%([\w.\-]+),\s*%[\w.\-]+\),(.*)$", hlo, re.MULTILINE
+    ):
         contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
         size = math.prod(shapes[lhs][int(d)] for d in contracted.split(","))
         total += 2 * math.prod(int(d) for d in out.split(",")) * size
@@ -29,8 +32,11 @@ def test_encoder_block_returns_gradients_of_params_and_input(implementation):
     loss, (param_grads, input_grad) = jax.block_until_ready(workload())
     assert bool(jnp.isfinite(loss))
     assert input_grad.shape == (1, 8, 768) and bool(jnp.all(jnp.isfinite(input_grad.astype(jnp.float32))))
-    kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(param_grads)
-               if "kernel" in jax.tree_util.keystr(path)]
+    kernels = [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(param_grads)
+        if "kernel" in jax.tree_util.keystr(path)
+    ]
     # QKV (fused or not), the attention output and the two feed-forward matrices: 4H^2 + 2HF weights.
     assert sum(leaf.size for leaf in kernels) == 4 * 768**2 + 2 * 768 * 3072
     assert "HloModule" in workload.compiled.as_text()

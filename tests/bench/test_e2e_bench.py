@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.costs import metrics
 from train.bench import e2e
-from train.bench.tracing import kernel_trace
 from train.bench.steps import transformer_steps
+from train.bench.tracing import kernel_trace
+from train.costs import metrics
 
 
 def _linear_memory(base: float, per_token: float, tokens: list[int]) -> dict[int, int]:
@@ -74,8 +74,9 @@ def test_quick_run_measures_reference_and_ls_jax_side_by_side(tmp_path):
         assert record["commit"] and record["run"] == report["results"]["tiny-2e2d/256/reference"]["run"]
     ratio = report["speedup_vs_reference"]["tiny-2e2d/256"]["ls_jax_xla"]
     timed = report["results"]
-    assert math.isclose(ratio, timed["tiny-2e2d/256/reference"]["step_time_s"]
-                        / timed["tiny-2e2d/256/ls_jax_xla"]["step_time_s"])
+    assert math.isclose(
+        ratio, timed["tiny-2e2d/256/reference"]["step_time_s"] / timed["tiny-2e2d/256/ls_jax_xla"]["step_time_s"]
+    )
     assert (tmp_path / "e2e-cpu.png").stat().st_size > 0
     assert report["setup"]["vocab"] == transformer_steps.VOCAB  # a WMT model ran: its setup is written
     assert report["target_basis_tflops"] is None and timed["tiny-2e2d/256/reference"]["mfu_vs_target_basis"] is None
@@ -104,7 +105,9 @@ def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     train_step = transformer_steps.build_step("ls_jax_xla", "tiny-2e2d", batch, layers_each=1)
     paths = [[key.key for key in path] for path, _ in jax.tree_util.tree_leaves_with_path(train_step.state[0])]
     assert sorted({"/".join(path[:2]) for path in paths if path[1].startswith("layer_")}) == [
-        "decoder/layer_0", "encoder/layer_0"]  # the model's widths at the depth asked for
+        "decoder/layer_0",
+        "encoder/layer_0",
+    ]  # the model's widths at the depth asked for
     initial_params = jax.tree.map(np.asarray, train_step.state[0])  # the steps donate the state's buffers
     for _ in range(2):
         assert math.isfinite(float(train_step.run(batch)))

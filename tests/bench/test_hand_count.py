@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from train.costs import metrics
 from train.bench.steps import hand_count
 from train.bench.steps.hand_count import Gemm
+from train.costs import metrics
 
 
 def test_a_gemm_costs_2mnk_and_reads_and_writes_each_matrix_once():
@@ -39,30 +39,42 @@ def test_encoder_block_minimal_bytes_by_hand():
     assert count.dram_bytes == 2 * (projections + 32 + 64)
 
 
-@pytest.mark.parametrize("batch, src, tgt, hidden, ffn, heads, enc, dec, vocab", [
-    (3, 8, 6, 16, 32, 4, 2, 2, 50),
-    (32, 64, 64, 1024, 4096, 16, 6, 6, 32768),
-])
-def test_hand_count_of_a_step_matches_the_run_logs_analytic_count(batch, src, tgt, hidden, ffn, heads, enc, dec,
-                                                                  vocab):
+@pytest.mark.parametrize(
+    "batch, src, tgt, hidden, ffn, heads, enc, dec, vocab",
+    [
+        (3, 8, 6, 16, 32, 4, 2, 2, 50),
+        (32, 64, 64, 1024, 4096, 16, 6, 6, 32768),
+    ],
+)
+def test_hand_count_of_a_step_matches_the_run_logs_analytic_count(batch, src, tgt, hidden, ffn, heads, enc, dec, vocab):
     count = hand_count.training_step(batch, src, tgt, hidden, ffn, heads, enc, dec, vocab)
-    analytic = metrics.transformer_train_flops(batch=batch, src_len=src, tgt_len=tgt, hidden=hidden, ffn=ffn,
-                                               encoder_layers=enc, decoder_layers=dec, vocab=vocab)
+    analytic = metrics.transformer_train_flops(
+        batch=batch,
+        src_len=src,
+        tgt_len=tgt,
+        hidden=hidden,
+        ffn=ffn,
+        encoder_layers=enc,
+        decoder_layers=dec,
+        vocab=vocab,
+    )
     assert count.gemm_flops == analytic
     assert count.elementwise_flops > 0 and count.flops > analytic
 
 
 def test_encoder_block_matches_the_analytic_count_of_one_encoder_layer():
     count = hand_count.encoder_block(batch=4, seq_len=16, hidden=32, ffn=64, heads=4)
-    assert count.gemm_flops == metrics.transformer_train_flops(batch=4, src_len=16, tgt_len=0, hidden=32, ffn=64,
-                                                               encoder_layers=1, decoder_layers=0, vocab=0)
+    assert count.gemm_flops == metrics.transformer_train_flops(
+        batch=4, src_len=16, tgt_len=0, hidden=32, ffn=64, encoder_layers=1, decoder_layers=0, vocab=0
+    )
 
 
 def test_parameter_count_is_the_reference_models():
     from train.reference.transformer import ReferenceConfig, ReferenceTransformer
 
-    config = ReferenceConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_heads=4, num_encoder_layers=2,
-                             num_decoder_layers=3)
+    config = ReferenceConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3
+    )
     tokens = jnp.ones((1, 4), jnp.int32)
     shapes = jax.eval_shape(ReferenceTransformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
     actual = sum(leaf.size for leaf in jax.tree.leaves(shapes))

@@ -45,10 +45,19 @@ def test_parse_reads_the_requested_metrics_among_the_raw_pages_word_attributes()
         ncu_report.parse_csv(text, ["dram__bytes_written.sum"])
 
 
-@pytest.mark.parametrize("text, unit, value", [
-    ("1,234.5", "byte", 1234.5), ("2", "Kbyte", 2e3), ("1.5", "Mbyte", 1.5e6), ("3", "usecond", 3e3),
-    ("7", "msecond", 7e6), ("80.5", "%", 80.5), ("", "byte", None), ("n/a", "inst", None),
-])
+@pytest.mark.parametrize(
+    "text, unit, value",
+    [
+        ("1,234.5", "byte", 1234.5),
+        ("2", "Kbyte", 2e3),
+        ("1.5", "Mbyte", 1.5e6),
+        ("3", "usecond", 3e3),
+        ("7", "msecond", 7e6),
+        ("80.5", "%", 80.5),
+        ("", "byte", None),
+        ("n/a", "inst", None),
+    ],
+)
 def test_parse_number_to_base_units(text, unit, value):
     assert ncu_report.parse_number(text, unit) == value
 
@@ -90,7 +99,10 @@ def test_categories_follow_the_profile_suite(kernels):
     assert summary["total"]["kernels"] == 4
     stages = summary["stages"]  # the GEMM and the ls_jax kernel have no HLO instruction of their name
     assert {name: entry["kernels"] for name, entry in stages.items()} == {
-        "unattributed": 2, "encoder forward": 1, "output projection + loss": 1}
+        "unattributed": 2,
+        "encoder forward": 1,
+        "output projection + loss": 1,
+    }
 
 
 def test_normalise_divides_by_the_reference(kernels):
@@ -116,16 +128,22 @@ def test_result_file_keeps_other_workloads_and_figure_is_written(tmp_path, kerne
 def test_ncu_command_profiles_only_the_marked_range_of_every_process(tmp_path):
     command = ncu_run.ncu_command("/bin/ncu", ["a.sum", "b.sum"], tmp_path / "log.csv", ["python", "-m", "x"])
     joined = " ".join(command)
-    for flags in ("--csv --page raw", "--print-units base", "--metrics a.sum,b.sum",
-                  "--target-processes application-only", "--profile-from-start off",
-                  f"--log-file {tmp_path / 'log.csv'}"):
+    for flags in (
+        "--csv --page raw",
+        "--print-units base",
+        "--metrics a.sum,b.sum",
+        "--target-processes application-only",
+        "--profile-from-start off",
+        f"--log-file {tmp_path / 'log.csv'}",
+    ):
         assert flags in joined
     assert command[-3:] == ["python", "-m", "x"]
 
 
 def test_metrics_the_gpu_lacks_are_listed_not_requested():
-    have, lack = ncu_run.split_supported(["dram__bytes_read.sum", "sm__ops_path_tensor_src_bf16_dst_fp32.sum"],
-                                         {"dram__bytes_read"})
+    have, lack = ncu_run.split_supported(
+        ["dram__bytes_read.sum", "sm__ops_path_tensor_src_bf16_dst_fp32.sum"], {"dram__bytes_read"}
+    )
     assert have == ["dram__bytes_read.sum"] and lack == ["sm__ops_path_tensor_src_bf16_dst_fp32.sum"]
     assert ncu_run.split_supported(["x.sum"], None) == (["x.sum"], [])
 
@@ -154,7 +172,8 @@ def test_a_kernel_limit_is_passed_to_ncu_and_said_in_the_result(tmp_path):
     assert "of 2 of the model's 12 identical layers" in counters.sampled(False, None, 2, 12)
     assert "identical layers" not in counters.sampled(False, None, 12, 12)
     assert "training step of the model with 1 encoder and 1 decoder layers of its 6 + 6" in counters.sampled(
-        True, None, 2, 12)
+        True, None, 2, 12
+    )
     command = ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"), layers=2)
     assert command[command.index("--layers") + 1] == "2"
     assert "--layers" not in ncu_run.child_command("bert-base", "reference", 1, 512, Path("/w"))
@@ -174,7 +193,10 @@ def test_a_hung_profile_is_killed_at_the_timeout(tmp_path):
 
 def test_ncu_failure_shows_the_end_of_its_log(tmp_path):
     # The log file is the argument after --log-file; a failing ncu writes its error there.
-    failing = _script(tmp_path / "ncu", 'while [ "$1" != --log-file ]; do shift; done\n'
-                                        'echo "==ERROR== ERR_NVGPUCTRPERM - no permission" > "$2"\nexit 1')
+    failing = _script(
+        tmp_path / "ncu",
+        'while [ "$1" != --log-file ]; do shift; done\n'
+        'echo "==ERROR== ERR_NVGPUCTRPERM - no permission" > "$2"\nexit 1',
+    )
     with pytest.raises(RuntimeError, match="ERR_NVGPUCTRPERM - no permission"):
         ncu_run.profile(failing, ["a.sum"], "encoder-block", "reference", 2, 16, tmp_path / "work", timeout_s=30)

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from ls_jax import ops
-from train.bench import suites as bench
 from train.bench import common
 from train.bench import ops as ops_bench
+from train.bench import suites as bench
 
 # ls_jax.ops functions with no kernel of their own: dense is the layers' GEMM (XLA everywhere), dropout_seed makes
 # a seed, attention_unfused is two einsums around attn_softmax (which has its cases).

@@ -3,8 +3,8 @@
 import pytest
 
 from ls_jax import backend
-from train.bench.tracing import kernel_trace
 from train.bench.steps import zoo_steps
+from train.bench.tracing import kernel_trace
 
 pytestmark = pytest.mark.gpu
 STEPS = 2

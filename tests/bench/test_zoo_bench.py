@@ -36,32 +36,51 @@ def test_references_have_the_ls_jax_models_parameter_count(name, attention):
 
 def _ls_jax_params(reference: dict, kind: str) -> dict:
     """The reference's parameters laid out as the ls_jax model's (fused QKV, biases beside their kernels)."""
+
     def attention(block):
         a = block["self_attention"]
         return {
             "qkv": {"kernel": jnp.stack([a[p]["kernel"] for p in ("query", "key", "value")], axis=1)},
             "qkv_bias": jnp.stack([a[p]["bias"] for p in ("query", "key", "value")]),
-            "out": {"kernel": a["out"]["kernel"]}, "out_bias": a["out"]["bias"],
+            "out": {"kernel": a["out"]["kernel"]},
+            "out_bias": a["out"]["bias"],
             "layer_norm": block["attention_layer_norm"],
         }
 
     def feed_forward(block):
         f = block["feed_forward"]
-        return {"fc1": {"kernel": f["fc1"]["kernel"]}, "fc1_bias": f["fc1"]["bias"],
-                "fc2": {"kernel": f["fc2"]["kernel"]}, "fc2_bias": f["fc2"]["bias"],
-                "layer_norm": block["output_layer_norm"]}
+        return {
+            "fc1": {"kernel": f["fc1"]["kernel"]},
+            "fc1_bias": f["fc1"]["bias"],
+            "fc2": {"kernel": f["fc2"]["kernel"]},
+            "fc2_bias": f["fc2"]["bias"],
+            "layer_norm": block["output_layer_norm"],
+        }
 
-    layers = {name: {"self_attention": attention(block), "feed_forward": feed_forward(block)}
-              for name, block in reference.items() if name.startswith("layer_")}
+    layers = {
+        name: {"self_attention": attention(block), "feed_forward": feed_forward(block)}
+        for name, block in reference.items()
+        if name.startswith("layer_")
+    }
     if kind == "gpt":
-        return {"embedding": {"embedding": reference["token_embedding"]["embedding"],
-                              "position_embedding": reference["position_embedding"]["embedding"]},
-                "decoder": {**layers, "final_layer_norm": reference["final_layer_norm"]}}
-    return {"embeddings": {"word_embedding": reference["word_embedding"]["embedding"],
-                           "position_embedding": reference["position_embedding"]["embedding"],
-                           "token_type_embedding": reference["token_type_embedding"]["embedding"],
-                           "layer_norm": reference["embedding_layer_norm"]},
-            "encoder": layers, "pooler": reference["pooler"], "classifier": reference["classifier"]}
+        return {
+            "embedding": {
+                "embedding": reference["token_embedding"]["embedding"],
+                "position_embedding": reference["position_embedding"]["embedding"],
+            },
+            "decoder": {**layers, "final_layer_norm": reference["final_layer_norm"]},
+        }
+    return {
+        "embeddings": {
+            "word_embedding": reference["word_embedding"]["embedding"],
+            "position_embedding": reference["position_embedding"]["embedding"],
+            "token_type_embedding": reference["token_type_embedding"]["embedding"],
+            "layer_norm": reference["embedding_layer_norm"],
+        },
+        "encoder": layers,
+        "pooler": reference["pooler"],
+        "classifier": reference["classifier"],
+    }
 
 
 @pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny"])
@@ -71,10 +90,12 @@ def test_references_compute_the_ls_jax_models_function(name, attention):
     (BERT, rows of 5 to 16 real tokens) or causal (GPT-2), through either attention core."""
     batch = zoo_steps.make_batch(name, 3, 16, seed=1)
     config = zoo_steps.ls_jax_config(name)
-    ls_jax = type(zoo_steps.ls_jax_model(name))(dataclasses.replace(
-        config, layer=dataclasses.replace(config.layer, dtype=jnp.float32)))
+    ls_jax = type(zoo_steps.ls_jax_model(name))(
+        dataclasses.replace(config, layer=dataclasses.replace(config.layer, dtype=jnp.float32))
+    )
     reference = type(zoo_steps.reference_model(name, attention))(
-        dataclasses.replace(zoo_steps.reference_config(name, attention), dtype=jnp.float32))
+        dataclasses.replace(zoo_steps.reference_config(name, attention), dtype=jnp.float32)
+    )
     params = reference.init(jax.random.PRNGKey(2), **zoo_steps._init_args(reference, batch))["params"]
     expected = zoo_steps.ls_jax_apply(ls_jax, _ls_jax_params(params, zoo_steps.MODELS[name].kind), batch)
     got = zoo_steps.reference_apply(reference, params, batch)
@@ -85,20 +106,42 @@ def test_references_compute_the_ls_jax_models_function(name, attention):
         mask = np.asarray(batch["attention_mask"])
         row = int(np.argmin(mask.sum(-1)))
         changed = {**batch, "input_ids": batch["input_ids"].at[row, -1].set(7)}
-        np.testing.assert_allclose(np.asarray(zoo_steps.reference_apply(reference, params, changed))[row],
-                                   np.asarray(got)[row], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(zoo_steps.reference_apply(reference, params, changed))[row],
+            np.asarray(got)[row],
+            rtol=1e-5,
+            atol=1e-6,
+        )
         real_changed = {**batch, "input_ids": batch["input_ids"].at[row, 1].set(7)}
-        assert not np.allclose(np.asarray(zoo_steps.reference_apply(reference, params, real_changed))[row],
-                               np.asarray(got)[row], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(
+            np.asarray(zoo_steps.reference_apply(reference, params, real_changed))[row],
+            np.asarray(got)[row],
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_the_cudnn_core_refuses_attention_dropout():
     with pytest.raises(ValueError, match="has no dropout: set attention_dropout_rate=0"):
-        ZooConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=2, num_layers=1, max_positions=8,
-                  attention="cudnn")
+        ZooConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_heads=2,
+            num_layers=1,
+            max_positions=8,
+            attention="cudnn",
+        )
     with pytest.raises(ValueError, match="attention must be one of einsum, cudnn, xla"):
-        ZooConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=2, num_layers=1, max_positions=8,
-                  attention="flash")
+        ZooConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_heads=2,
+            num_layers=1,
+            max_positions=8,
+            attention="flash",
+        )
 
 
 def test_model_families_expand_and_unknown_names_are_named():
@@ -139,7 +182,12 @@ def test_quick_run_measures_bert_and_gpt_against_plain_flax(tmp_path):
     assert e2e.main(["--quick", "--models", "bert,gpt", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "e2e-cpu.json").read_text())
     timed = report["results"]
-    assert set(timed) == {"bert-tiny/64/flax", "bert-tiny/64/ls_jax_xla", "gpt2-tiny/64/flax", "gpt2-tiny/64/ls_jax_xla"}
+    assert set(timed) == {
+        "bert-tiny/64/flax",
+        "bert-tiny/64/ls_jax_xla",
+        "gpt2-tiny/64/flax",
+        "gpt2-tiny/64/ls_jax_xla",
+    }
     for key, record in timed.items():
         model = zoo_steps.MODELS[key.split("/")[0]]
         assert (record["batch_rows"], record["seq_len"]) == (model.rows, 64)

@@ -105,21 +105,30 @@ def _within(module: str, package: str) -> bool:
 
 def layer_of(module: str, layers: Sequence[Sequence[str]] = LAYERS) -> int | None:
     """The index in ``layers`` of the longest package prefix of ``module``, or None outside all of them."""
-    matches = [(len(package), index) for index, group in enumerate(layers) for package in group
-               if _within(module, package)]
+    matches = [
+        (len(package), index) for index, group in enumerate(layers) for package in group if _within(module, package)
+    ]
     return max(matches)[1] if matches else None
 
 
-def check_import(importer: str, imported: str, layers: Sequence[Sequence[str]] = LAYERS,
-                 kernel_package: str = KERNEL_PACKAGE, bridges: Sequence[str] = KERNEL_BRIDGES) -> str | None:
+def check_import(
+    importer: str,
+    imported: str,
+    layers: Sequence[Sequence[str]] = LAYERS,
+    kernel_package: str = KERNEL_PACKAGE,
+    bridges: Sequence[str] = KERNEL_BRIDGES,
+) -> str | None:
     """The rule ``importer`` breaks by importing ``imported``, or None where the import is allowed."""
     source, target = layer_of(importer, layers), layer_of(imported, layers)
     if source is None or target is None:
         return None
     if target > source:
         return f"a lower layer imports a higher one ({' <- '.join('/'.join(group) for group in layers)})"
-    if (_within(imported, kernel_package) and not _within(importer, kernel_package)
-            and not any(_within(importer, bridge) for bridge in bridges)):
+    if (
+        _within(imported, kernel_package)
+        and not _within(importer, kernel_package)
+        and not any(_within(importer, bridge) for bridge in bridges)
+    ):
         return f"only {', '.join(bridges)} import {kernel_package}"
     return None
 
@@ -136,14 +145,22 @@ def import_edges(root: Path, packages: Sequence[str]) -> Iterator[tuple[Path, in
 
 def _most_general(found: list[Violation]) -> list[Violation]:
     """Drops ``from a import b``'s ``a.b`` where ``a`` on the same line already breaks a rule."""
-    return [v for v in found if not any(
-        u.path == v.path and u.line == v.line and u.imported != v.imported and _within(v.imported, u.imported)
-        for u in found
-    )]
+    return [
+        v
+        for v in found
+        if not any(
+            u.path == v.path and u.line == v.line and u.imported != v.imported and _within(v.imported, u.imported)
+            for u in found
+        )
+    ]
 
 
-def violations(root: Path, layers: Sequence[Sequence[str]] = LAYERS, kernel_package: str = KERNEL_PACKAGE,
-               bridges: Sequence[str] = KERNEL_BRIDGES) -> list[Violation]:
+def violations(
+    root: Path,
+    layers: Sequence[Sequence[str]] = LAYERS,
+    kernel_package: str = KERNEL_PACKAGE,
+    bridges: Sequence[str] = KERNEL_BRIDGES,
+) -> list[Violation]:
     """Every import against the layering in the top-level packages of ``layers`` under ``root``, ordered by file
     and line."""
     top_level = sorted({package.split(".")[0] for group in layers for package in group})
@@ -182,8 +199,10 @@ def module_edges(root: Path, packages: Sequence[str]) -> dict[str, set[str]]:
     imports inside functions included."""
     paths = {module_name(root, path): path for package in packages for path in (root / package).rglob("*.py")}
     modules = set(paths)
-    return {module: {target for target in loaded_modules(path, module, modules) if target and target != module}
-            for module, path in paths.items()}
+    return {
+        module: {target for target in loaded_modules(path, module, modules) if target and target != module}
+        for module, path in paths.items()
+    }
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -30,6 +30,7 @@ def mlp_params(seed: int = 0):
 
 def tied_params():
     """The MLP's params with a bf16 rounding tie (low half 0x8000, even high half) as every leaf's first element."""
+
     def plant_tie(p):
         bits = jax.lax.bitcast_convert_type(p, jnp.uint32).reshape(-1)
         return jax.lax.bitcast_convert_type(bits.at[0].set(0x3D4C8000).reshape(p.shape), jnp.float32)  # 0.04993

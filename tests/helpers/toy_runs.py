@@ -26,8 +26,14 @@ def start(run_dir: Path | None, *flags: str, env: dict[str, str] | None = None) 
     ``run_dir`` is None), its stdout and stderr piped as text."""
     environment = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}", **(env or {})}
     where = [] if run_dir is None else ["--run-dir", str(run_dir)]
-    return subprocess.Popen([sys.executable, "-m", "helpers.toy_task", *where, *QUIET, *flags],
-                            cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "helpers.toy_task", *where, *QUIET, *flags],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(process: subprocess.Popen, line: str, timeout: float = 240) -> list[str]:
@@ -42,8 +48,9 @@ def wait_for_line(process: subprocess.Popen, line: str, timeout: float = 240) ->
     pytest.fail(f"{line!r} never printed: {''.join(seen)}")
 
 
-def signal_at_line(process: subprocess.Popen, line: str, signum: int = signal.SIGTERM,
-                   timeout: float = 240) -> tuple[str, int]:
+def signal_at_line(
+    process: subprocess.Popen, line: str, signum: int = signal.SIGTERM, timeout: float = 240
+) -> tuple[str, int]:
     """Sends ``signum`` once ``process`` has printed ``line`` on stderr; returns (stderr, exit code)."""
     seen = wait_for_line(process, line, timeout)
     process.send_signal(signum)

@@ -92,8 +92,11 @@ def setup(run, precision: str, parallel) -> TaskSetup:
     config = run.config
     nan_from = config.nan_lr_from
 
-    base = (linear_warmup_decay(config.lr, config.warmup_steps, config.steps) if config.linear_decay else
-            lambda count: jnp.float32(config.lr))
+    base = (
+        linear_warmup_decay(config.lr, config.warmup_steps, config.steps)
+        if config.linear_decay
+        else lambda count: jnp.float32(config.lr)
+    )
 
     def learning_rate(count):
         return base(count) if nan_from is None else jnp.where(count >= nan_from, jnp.nan, base(count))

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import kernel_targets, on_backend, relative_error
 
 from ls_jax.models.gpt import GPTLMHeadModel
-from helpers.kernels import kernel_targets, on_backend, relative_error
-from train.gpt import data as gpt_data, model as gpt_model
+from train.gpt import data as gpt_data
+from train.gpt import model as gpt_model
 
 pytestmark = pytest.mark.gpu
 
@@ -19,9 +20,17 @@ VOCAB, SEQ_LEN = 96, 64
 
 def model_and_params(dtype, dropout=0.0):
     # head_dim 64: the fused attention kernels' shape, as in GPT-2.
-    config = gpt_model.preset_config("gpt2-tiny", vocab_size=VOCAB, dtype=dtype, max_seq_len=SEQ_LEN,
-                                     hidden_size=256, intermediate_size=1024, nhead=4,
-                                     hidden_dropout_ratio=dropout, attn_prob_dropout_ratio=dropout)
+    config = gpt_model.preset_config(
+        "gpt2-tiny",
+        vocab_size=VOCAB,
+        dtype=dtype,
+        max_seq_len=SEQ_LEN,
+        hidden_size=256,
+        intermediate_size=1024,
+        nhead=4,
+        hidden_dropout_ratio=dropout,
+        attn_prob_dropout_ratio=dropout,
+    )
     model = GPTLMHeadModel(dataclasses.replace(config, num_layers=2))
     params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, SEQ_LEN), jnp.int32))["params"]
     return model, params
@@ -70,9 +79,11 @@ def test_kv_cache_sampling_agrees_between_backends():
     model, params = model_and_params(jnp.float32)
     prompt = jnp.asarray([[2, 10, 11, 12], [2, 40, 41, 42]], jnp.int32)
     for temperature in (0.0, 1.0):
+
         def sample(params):
-            return gpt_model.generate(model, params, prompt, max_new_tokens=24, rng=jax.random.key(3),
-                                      temperature=temperature, top_k=20)
+            return gpt_model.generate(
+                model, params, prompt, max_new_tokens=24, rng=jax.random.key(3), temperature=temperature, top_k=20
+            )
 
         ffi, xla = (np.asarray(on_backend(mode, sample, params)) for mode in ("ffi", "xla"))
         np.testing.assert_array_equal(ffi, xla)

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
+from helpers.ops import normal, seed_array
 
 import ffi_kernels
 from ls_jax import ops
 from ls_jax.ops import _common, random
-from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
-from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
 
@@ -105,8 +105,19 @@ def test_the_backward_rejects_a_keep_mask_of_the_wrong_shape():
     lse, bias = jnp.zeros((1, 2, 16), F32), jnp.zeros((3, 2, 64), BF16)
     outputs = (jax.ShapeDtypeStruct(qkv.shape, BF16), jax.ShapeDtypeStruct((1, 1, 3, 2, 64), F32))
     call = jax.ffi.ffi_call("ls_attention_bwd", outputs)
-    backward = jax.jit(lambda keep_bits: call(dout, qkv, qkv, bias, lse, keep_bits, causal=False,
-                                              logit_scale=np.float32(0.125), **random.dropout_attributes(0.1)))
+    backward = jax.jit(
+        lambda keep_bits: call(
+            dout,
+            qkv,
+            qkv,
+            bias,
+            lse,
+            keep_bits,
+            causal=False,
+            logit_scale=np.float32(0.125),
+            **random.dropout_attributes(0.1),
+        )
+    )
     message = r"keep_bits must have shape \(1, 2, 16, 2\), got \(1, 2, 16, 16\)"
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         jax.block_until_ready(backward(jnp.zeros((1, 2, 16, 16), jnp.uint8)))
@@ -140,8 +151,11 @@ def test_dropout_drops_the_probabilities_attn_softmax_drops():
 
 @pytest.mark.parametrize(
     "dtype, length, head_dim, reason",
-    [(F32, 16, 64, "cuDNN attention takes bfloat16 or float16"), (BF16, 129, 20, "a multiple of 8, got 20"),
-     (F16, 16, 36, "a multiple of 8, got 36")],
+    [
+        (F32, 16, 64, "cuDNN attention takes bfloat16 or float16"),
+        (BF16, 129, 20, "a multiple of 8, got 20"),
+        (F16, 16, 36, "a multiple of 8, got 36"),
+    ],
     ids=["float32", "longer than 128, head_dim 20", "head_dim 36"],
 )
 def test_shapes_neither_fused_kernels_nor_cudnn_take_run_the_softmax_kernels(dtype, length, head_dim, reason, caplog):

@@ -7,13 +7,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import (
+    TOLERANCE,
+    assert_backends_agree,
+    keep_rate_bounds,
+    kernel_targets,
+    on_backend,
+    relative_error,
+    value_and_grads,
+)
+from helpers.ops import normal, seed_array
 
 from ls_jax import backend, ops
 from ls_jax.ops import attention, attention_cudnn
-from helpers.kernels import (
-    TOLERANCE, assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, relative_error, value_and_grads,
-)
-from helpers.ops import normal, seed_array
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +85,8 @@ def _assert_as_accurate_as_xla(run, primals, cotangent, dtype, label, xla_form=l
         assert bool(jnp.all(jnp.isfinite(ours.astype(F32)))), f"{label} leaf {index}: non-finite values"
         error, xla_error = relative_error(ours, exact), relative_error(theirs, exact)
         assert error <= max(tolerance, 1.25 * xla_error), (
-            f"{label} leaf {index}: relative error {error:.3g} against f32, the XLA backend's {xla_error:.3g}")
+            f"{label} leaf {index}: relative error {error:.3g} against f32, the XLA backend's {xla_error:.3g}"
+        )
     return got
 
 
@@ -101,16 +108,18 @@ CASES = [
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{q}x{k or q}-{m}-{'causal' if c else 'full'}"
-                                                          for q, k, m, c in CASES])
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"{q}x{k or q}-{m}-{'causal' if c else 'full'}" for q, k, m, c in CASES]
+)
 def test_cudnn_attention_matches_xla(index, dtype, head_dim):
     queries, keys, mask_kind, causal = CASES[index]
     heads, batch = (1, 2) if (keys or queries) >= 2048 else (2, 2)
     op, primals, cotangent = _case(index, queries, keys, mask_kind, causal, dtype, head_dim, heads=heads, batch=batch)
     run = value_and_grads(op)
     assert kernel_targets(run, primals, cotangent) == TARGETS
-    got = _assert_as_accurate_as_xla(run, primals, cotangent, dtype, f"cudnn attention {CASES[index]} {head_dim}",
-                                     _bias_grad_summed_in_f32)
+    got = _assert_as_accurate_as_xla(
+        run, primals, cotangent, dtype, f"cudnn attention {CASES[index]} {head_dim}", _bias_grad_summed_in_f32
+    )
     if mask_kind == "padded":
         assert not np.asarray(got[0][-1], np.float32).any(), "the all-padding row gives zeros"
 
@@ -232,15 +241,18 @@ def _call_forward(query_source, key_value_source):
     stats = jax.ShapeDtypeStruct((query_source.shape[0], query_source.shape[3], query_source.shape[1], 1), F32)
     call = jax.ffi.ffi_call(attention_cudnn.FORWARD_TARGET, (out, stats))
     seed = jnp.zeros((2,), jnp.uint32)
-    return jax.jit(lambda q, kv: call(q, kv, seed, causal=False, dropout_rate=np.float32(0.0),
-                                      logit_scale=np.float32(0.125)))(query_source, key_value_source)
+    return jax.jit(
+        lambda q, kv: call(q, kv, seed, causal=False, dropout_rate=np.float32(0.0), logit_scale=np.float32(0.125))
+    )(query_source, key_value_source)
 
 
 @pytest.mark.parametrize(
     "query_shape, key_value_shape, dtype, message",
-    [((1, 200, 1, 2, 64), (1, 300, 2, 2, 32), BF16, "must agree in batch, heads and head_dim"),
-     ((1, 200, 1, 2, 12), (1, 300, 2, 2, 12), BF16, "head_dim a multiple of 8 up to 256, got 12"),
-     ((1, 200, 1, 2, 64), (1, 300, 2, 2, 64), F32, "must be bfloat16 or float16 for cuDNN attention")],
+    [
+        ((1, 200, 1, 2, 64), (1, 300, 2, 2, 32), BF16, "must agree in batch, heads and head_dim"),
+        ((1, 200, 1, 2, 12), (1, 300, 2, 2, 12), BF16, "head_dim a multiple of 8 up to 256, got 12"),
+        ((1, 200, 1, 2, 64), (1, 300, 2, 2, 64), F32, "must be bfloat16 or float16 for cuDNN attention"),
+    ],
 )
 def test_bad_operands_are_clear_errors(query_shape, key_value_shape, dtype, message):
     query_source, key_value_source = normal(60, query_shape, dtype), normal(61, key_value_shape, dtype)
@@ -249,6 +261,7 @@ def test_bad_operands_are_clear_errors(query_shape, key_value_shape, dtype, mess
 
 
 # ---- key lengths (right padding: cuDNN's sequence lengths without a bias), causal, cross, head_dim 128 / 256 ----
+
 
 def _lengths(keys):
     """Right padding of four rows: 37 keys of padding, a row of length 0, a row of one key, a full row."""
@@ -263,26 +276,40 @@ def _lengths_case(index, form, length, head_dim, dtype, rate=0.0, heads=2):
         queries = length // 2 + 1
         query = normal(index, (4, queries, heads, head_dim), dtype)
         key_value = normal(100 + index, (4, length, 2, heads, head_dim), dtype)
-        op = lambda q, kv, bias: ops.cross_attention(q, kv, key_lengths=lengths, bias=bias, dropout_rate=rate,
-                                                     seed=seed)
+        op = lambda q, kv, bias: ops.cross_attention(
+            q, kv, key_lengths=lengths, bias=bias, dropout_rate=rate, seed=seed
+        )
         primals = (query, key_value, normal(300 + index, (heads, head_dim), F32))
     else:
         queries = length
-        op = lambda qkv, bias: ops.self_attention(qkv, lengths=lengths, bias=bias, causal=form == "causal",
-                                                  dropout_rate=rate, seed=seed)
-        primals = (normal(index, (4, length, 3, heads, head_dim), dtype), normal(300 + index, (3, heads, head_dim), F32))
+        op = lambda qkv, bias: ops.self_attention(
+            qkv, lengths=lengths, bias=bias, causal=form == "causal", dropout_rate=rate, seed=seed
+        )
+        primals = (
+            normal(index, (4, length, 3, heads, head_dim), dtype),
+            normal(300 + index, (3, heads, head_dim), F32),
+        )
     return op, primals, normal(200 + index, (4, queries, heads, head_dim), dtype)
 
 
 LENGTH_CASES = [  # (length, form, head_dim, dtype)
-    (512, "self", 64, BF16), (1024, "causal", 64, BF16), (2048, "self", 128, BF16), (2048, "causal", 256, BF16),
-    (1024, "cross", 128, BF16), (512, "cross", 256, BF16), (1031, "causal", 128, F16), (512, "self", 64, F32),
+    (512, "self", 64, BF16),
+    (1024, "causal", 64, BF16),
+    (2048, "self", 128, BF16),
+    (2048, "causal", 256, BF16),
+    (1024, "cross", 128, BF16),
+    (512, "cross", 256, BF16),
+    (1031, "causal", 128, F16),
+    (512, "self", 64, F32),
     (1024, "causal", 128, F32),
 ]
 
 
-@pytest.mark.parametrize("length, form, head_dim, dtype", LENGTH_CASES,
-                         ids=[f"{l}-{f}-{d}-{jnp.dtype(t).name}" for l, f, d, t in LENGTH_CASES])
+@pytest.mark.parametrize(
+    "length, form, head_dim, dtype",
+    LENGTH_CASES,
+    ids=[f"{n}-{f}-{d}-{jnp.dtype(t).name}" for n, f, d, t in LENGTH_CASES],
+)
 def test_key_lengths_match_xla(length, form, head_dim, dtype):
     """bf16 / f16 run cuDNN with sequence lengths and no bias; f32 runs the unfused attention (its softmax kernels)
     with the mask the lengths stand for. A row of length 0 gives 0 output and 0 gradient of its sources."""
@@ -290,8 +317,9 @@ def test_key_lengths_match_xla(length, form, head_dim, dtype):
     run = value_and_grads(op)
     want_targets = TARGETS if dtype != F32 else {"ls_attn_softmax_fwd", "ls_attn_softmax_bwd"}
     assert kernel_targets(run, primals, cotangent) == want_targets
-    out, grads = _assert_as_accurate_as_xla(run, primals, cotangent, dtype, f"key lengths {length} {form} {head_dim}",
-                                            _bias_grad_summed_in_f32)
+    out, grads = _assert_as_accurate_as_xla(
+        run, primals, cotangent, dtype, f"key lengths {length} {form} {head_dim}", _bias_grad_summed_in_f32
+    )
     assert not np.asarray(out[1], np.float32).any(), "the row of length 0 gives zeros"
     for source_grad in grads[:-1]:
         assert not np.asarray(source_grad[1], np.float32).any(), "and its sources get no gradient"
@@ -313,8 +341,9 @@ def test_dropout_with_key_lengths_keeps_one_minus_rate_of_the_visible_keys():
 
     out = np.asarray(on_backend("ffi", lambda q, kv: attend(seed_array(44), q, kv), query, key_value), np.float32)
     again = np.asarray(on_backend("ffi", lambda q, kv: attend(seed_array(44), q, kv), query, key_value), np.float32)
-    probs = np.asarray(on_backend("xla", lambda q, kv: ops.cross_attention(q, kv, key_lengths=lengths), query,
-                                  key_value), np.float32)
+    probs = np.asarray(
+        on_backend("xla", lambda q, kv: ops.cross_attention(q, kv, key_lengths=lengths), query, key_value), np.float32
+    )
     np.testing.assert_array_equal(out, again)
     assert not out[0, :, :, 100:].any() and not probs[0, :, :, 100:].any(), "keys past the length get nothing"
     visible = np.concatenate([out[0, :, :, :100].ravel(), out[1].ravel()])
@@ -333,8 +362,9 @@ def test_causal_self_attention_with_key_lengths_and_dropout_is_one_function_of_i
     assert kernel_targets(run, primals, cotangent) == TARGETS
     first, again = on_backend("ffi", run, primals, cotangent), on_backend("ffi", run, primals, cotangent)
     _assert_same_run(again, first, dtype, "key lengths, causal, dropout, one seed")
-    other = on_backend("ffi", value_and_grads(_lengths_case(62, "causal", 1024, 128, dtype, rate=0.1)[0]), primals,
-                       cotangent)
+    other = on_backend(
+        "ffi", value_and_grads(_lengths_case(62, "causal", 1024, 128, dtype, rate=0.1)[0]), primals, cotangent
+    )
     differs = np.asarray(first[0][3], np.float32) != np.asarray(other[0][3], np.float32)  # the full row
     assert differs.mean() > 0.5, "another seed drops other probabilities, changing most outputs"
     assert not np.asarray(first[0][1], np.float32).any(), "the row of length 0 gives zeros"

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from ls_jax import backend, ops
 from helpers.kernels import assert_backends_agree, kernel_targets, on_backend
 from helpers.ops import normal
+
+from ls_jax import backend, ops
 
 pytestmark = pytest.mark.gpu
 
@@ -35,9 +35,7 @@ def _loss_and_grad(epsilon, pad_id, g_loss=0.7, g_nll=-1.3):
     Distinct cotangents for the two sums exercise both terms of the backward kernel."""
 
     def objective(logits, labels):
-        loss_sum, nll_sum, num_tokens = ops.label_smoothed_cross_entropy(
-            logits, labels, epsilon=epsilon, pad_id=pad_id
-        )
+        loss_sum, nll_sum, num_tokens = ops.label_smoothed_cross_entropy(logits, labels, epsilon=epsilon, pad_id=pad_id)
         return g_loss * loss_sum + g_nll * nll_sum, (loss_sum, nll_sum, num_tokens)
 
     def run(logits, labels):

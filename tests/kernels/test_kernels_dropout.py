@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from ls_jax import ops
 from helpers.kernels import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
 from helpers.ops import normal, random_cotangent, seed_array
+
+from ls_jax import ops
 
 pytestmark = pytest.mark.gpu
 
@@ -138,8 +138,11 @@ def test_relu_saves_the_packed_sign_of_its_output(dtype):
 
 def test_relu_backward_rejects_a_mask_of_the_wrong_shape():
     dy = normal(0, (4, 64), BF16)
-    outputs = (jax.ShapeDtypeStruct(dy.shape, BF16), jax.ShapeDtypeStruct((64,), F32),
-               jax.ShapeDtypeStruct((8, 1, 64), F32))
+    outputs = (
+        jax.ShapeDtypeStruct(dy.shape, BF16),
+        jax.ShapeDtypeStruct((64,), F32),
+        jax.ShapeDtypeStruct((8, 1, 64), F32),
+    )
     call = jax.ffi.ffi_call("ls_bias_relu_dropout_bwd", outputs)
     backward = jax.jit(lambda dy, mask: call(dy, mask, scale=np.float32(1.0)))
     message = r"relu mask of an activation of shape \(4, 64\) must have shape \(4, 8\) .* got \(4, 64\)"

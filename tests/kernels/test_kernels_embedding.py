@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from ls_jax import ops
 from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, value_and_grads
 from helpers.ops import normal, random_cotangent, seed_array
+
+from ls_jax import ops
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +30,9 @@ def _embed_case(hidden, dtype, table_dtype, pos_dtype, rate, seed):
     pos_table = None if pos_dtype is None else normal(seed + 2, (POSITIONS, hidden), pos_dtype)
 
     def run(table, pos_table, cotangent, dropout_seed):
-        op = lambda t, p: ops.embed(tokens, t, p, scale=2.0, padding_id=PAD, dropout_rate=rate, seed=dropout_seed,
-                                    dtype=dtype)
+        op = lambda t, p: ops.embed(
+            tokens, t, p, scale=2.0, padding_id=PAD, dropout_rate=rate, seed=dropout_seed, dtype=dtype
+        )
         return value_and_grads(op)((table, pos_table), cotangent)
 
     cotangent = random_cotangent(seed + 3, jnp.zeros(tokens.shape + (hidden,), dtype))

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, relative_error, value_and_grads
+from helpers.ops import normal, random_cotangent, seed_array
 
 from ls_jax import ops
 from ls_jax.ops import _common
 from ls_jax.ops.layer_norm import MAX_KERNEL_HIDDEN
-from helpers.kernels import assert_backends_agree, kernel_targets, on_backend, relative_error, value_and_grads
-from helpers.ops import normal, random_cotangent, seed_array
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +85,9 @@ def test_bias_dropout_residual_layer_norm_matches_xla_and_the_two_kernels(dtype,
     cases = [_bdr_case(i, shape, dtype, param_dtype) for i, shape in enumerate(BDR_SHAPES)]
     run = lambda op: lambda cases: [value_and_grads(op)(primals, ct) for primals, ct in cases]
     assert kernel_targets(run(fused), cases) == {
-        "ls_bias_dropout_residual_layer_norm_fwd", "ls_bias_dropout_residual_layer_norm_bwd"}
+        "ls_bias_dropout_residual_layer_norm_fwd",
+        "ls_bias_dropout_residual_layer_norm_bwd",
+    }
     got, two_ops = on_backend("ffi", run(fused), cases), on_backend("ffi", run(composed), cases)
     want = on_backend("xla", run(fused), cases)
     for shape, got_case, two_ops_case, want_case in zip(BDR_SHAPES, got, two_ops, want):

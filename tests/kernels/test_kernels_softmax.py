@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from ls_jax import ops
 from helpers.kernels import assert_backends_agree, keep_rate_bounds, kernel_targets, on_backend, value_and_grads
 from helpers.ops import normal, random_cotangent, seed_array
+
+from ls_jax import ops
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,7 @@ def _run(cases, dtype, seed):
     def run(arrays, cotangents):
         results = []
         for (_, _, causal, rate), (scores, mask, float_mask), cotangent in zip(cases, arrays, cotangents):
+
             def op(scores, *float_mask_arg, mask=mask, causal=causal, rate=rate):
                 m = float_mask_arg[0] if float_mask_arg else mask
                 return ops.attn_softmax(scores, m, scale=0.7, causal=causal, dropout_rate=rate, seed=seed)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.kernels import kernel_targets, on_backend, relative_error
 
 from ls_jax import backend
 from ls_jax.layers import CrossEntropyCriterion, LayerConfig
@@ -23,7 +24,6 @@ from ls_jax.models import (
     TransformerConfig,
 )
 from ls_jax.models.decoding import beam_search, greedy_decode
-from helpers.kernels import kernel_targets, on_backend, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -120,7 +120,9 @@ def test_transformer_training_step_bfloat16_is_no_noisier_than_xla(pre_layer_nor
             label = f"key {key} {jax.tree_util.keystr(path)}"
             assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{label}: non-finite"
             ffi_error, xla_error = rms_relative_error(got, want), rms_relative_error(xla_got, want)
-            assert ffi_error <= factor * xla_error + slack, f"{label}: ffi {ffi_error:.3g} vs xla {xla_error:.3g} from f32"
+            assert ffi_error <= factor * xla_error + slack, (
+                f"{label}: ffi {ffi_error:.3g} vs xla {xla_error:.3g} from f32"
+            )
 
 
 def test_decoding_produces_the_same_tokens():

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.optim import decay_matrices, mlp_grad, mlp_params, tied_params, warmup_cosine
 
 import ls_jax.optim as lo
 from ls_jax import backend
 from ls_jax.models.bert import BertConfig, BertForSequenceClassification
 from ls_jax.optim import master
-from helpers.optim import decay_matrices, mlp_grad, mlp_params, tied_params, warmup_cosine
 
 pytestmark = pytest.mark.gpu
 
@@ -130,8 +130,21 @@ def test_kernel_keeps_the_split_master_exact():
     """At lr 0 a step rewrites every bf16 master value unchanged: the kernel joins and splits the halves bit for
     bit as ls_jax.optim.master does (ties rounded away from zero, the largest finite values, infinities, signed
     zeros), and a low half from other params (zero params, a negative low half) neither crosses zero nor makes NaN."""
-    special = np.array([0x3F808000, 0xBF808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
-                        0x00000000, 0x80000000, 0x3F807FFF], np.uint32)
+    special = np.array(
+        [
+            0x3F808000,
+            0xBF808000,
+            0x3F818000,
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x00000000,
+            0x80000000,
+            0x3F807FFF,
+        ],
+        np.uint32,
+    )
     values = {**tied_params(), "special": jax.lax.bitcast_convert_type(jnp.asarray(special), jnp.float32)}
     params = jax.tree.map(master.round_to_bf16, values)
     lows = jax.tree.map(lambda v, p: master.low_half(v, p), values, params)
@@ -144,13 +157,19 @@ def test_kernel_keeps_the_split_master_exact():
         with backend.use(mode):
             new_params, new_state = jax.jit(functools.partial(lo.fused_apply, tx))(grads, state, params)
         new_master = jax.tree.leaves(lo.master_params(new_state, new_params))
-        for index, (got, got_param, want) in enumerate(zip(new_master, jax.tree.leaves(new_params),
-                                                           jax.tree.leaves(expected))):
-            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32),
-                                          err_msg=f"{mode}: master leaf {index}")
-            np.testing.assert_array_equal(np.asarray(got_param).view(np.uint16),
-                                          np.asarray(master.round_to_bf16(want)).view(np.uint16),
-                                          err_msg=f"{mode}: params leaf {index}")
+        for index, (got, got_param, want) in enumerate(
+            zip(new_master, jax.tree.leaves(new_params), jax.tree.leaves(expected))
+        ):
+            np.testing.assert_array_equal(
+                np.asarray(got).view(np.uint32),
+                np.asarray(want).view(np.uint32),
+                err_msg=f"{mode}: master leaf {index}",
+            )
+            np.testing.assert_array_equal(
+                np.asarray(got_param).view(np.uint16),
+                np.asarray(master.round_to_bf16(want)).view(np.uint16),
+                err_msg=f"{mode}: params leaf {index}",
+            )
 
 
 def test_mixed_dtypes_f32_params_with_bf16_grads():
@@ -216,6 +235,8 @@ def test_xla_step_updates_the_workspaces_in_place(name):
         compiled = jax.jit(_update_then_apply(tx), donate_argnums=(1, 2)).lower(params, state, params).compile()
     size = jax.tree.leaves(state)[1].size  # (count, first moment, ...): every moment is one workspace
     workspace = f"f32[{size}]"
-    copies = [line.strip()[:120] for line in compiled.as_text().splitlines() if f"= {workspace}" in line and " copy(" in line]
+    copies = [
+        line.strip()[:120] for line in compiled.as_text().splitlines() if f"= {workspace}" in line and " copy(" in line
+    ]
     assert not copies, copies
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * size * 4

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ls_jax.optim as lo
 from ls_jax import backend
@@ -24,12 +25,19 @@ F32_TOLERANCE = 1e-6
 BF16_ULP = 2.0**-7
 
 OPTIMIZERS = {  # from the clipping threshold
-    "adan_mask_clip": lambda clip: lo.adan(1e-2, eps_root=1e-8, weight_decay=0.05, mask=_decay_matrices,
-                                           max_grad_norm=clip),
+    "adan_mask_clip": lambda clip: lo.adan(
+        1e-2, eps_root=1e-8, weight_decay=0.05, mask=_decay_matrices, max_grad_norm=clip
+    ),
     "adamw_mask_clip": lambda clip: lo.adamw(1e-2, weight_decay=0.05, mask=_decay_matrices, max_grad_norm=clip),
     "adam": lambda clip: lo.adam(1e-2),
-    "adamw_bf16_master_clip": lambda clip: lo.adamw(1e-2, weight_decay=0.05, mask=_decay_matrices, max_grad_norm=clip,
-                                                    storage_dtype=jnp.bfloat16, master_weights=True),
+    "adamw_bf16_master_clip": lambda clip: lo.adamw(
+        1e-2,
+        weight_decay=0.05,
+        mask=_decay_matrices,
+        max_grad_norm=clip,
+        storage_dtype=jnp.bfloat16,
+        master_weights=True,
+    ),
 }
 
 
@@ -48,8 +56,7 @@ def _odd_tree():
 def _device_grads(params, step, num_devices, dtype):
     """Per-device gradients (leading dimension ``num_devices``) on a 2^-8 grid, so that sums are exact in bf16."""
     rng = np.random.default_rng(1000 + step)
-    return jax.tree.map(
-        lambda p: (rng.integers(-63, 64, (num_devices, *np.shape(p))) * 2.0**-8).astype(dtype), params)
+    return jax.tree.map(lambda p: (rng.integers(-63, 64, (num_devices, *np.shape(p))) * 2.0**-8).astype(dtype), params)
 
 
 def _relative_error(actual, expected):
@@ -86,10 +93,13 @@ def test_sharded_kernel_matches_replicated_kernel(name, num_devices):
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     params = jax.tree.map(lambda p: jnp.asarray(p, dtype), master)
     device_grads = [_device_grads(params, step, num_devices, dtype) for step in range(STEPS)]
-    means = [jax.tree.map(lambda g: jnp.mean(jnp.asarray(g, jnp.float32), axis=0).astype(dtype), grads)
-             for grads in device_grads]
-    norms = [float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(m))))
-             for m in means]
+    means = [
+        jax.tree.map(lambda g: jnp.mean(jnp.asarray(g, jnp.float32), axis=0).astype(dtype), grads)
+        for grads in device_grads
+    ]
+    norms = [
+        float(jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(m)))) for m in means
+    ]
     clip = float(np.median(norms))  # half the steps clip
     assert min(norms) < clip < max(norms), norms
     tx = OPTIMIZERS[name](clip)

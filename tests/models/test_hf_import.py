@@ -13,8 +13,13 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from ls_jax.layers import LayerConfig  # noqa: E402
-from ls_jax.models import BertConfig, BertForSequenceClassification, GPTConfig, GPTLMHeadModel  # noqa: E402
-from ls_jax.models import hf  # noqa: E402
+from ls_jax.models import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPTConfig,
+    GPTLMHeadModel,
+    hf,  # noqa: E402
+)
 
 TOLERANCE = 1e-5
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.layers import normal, random_params
 
 from ls_jax.layers import (
     CrossEntropyCriterion,
@@ -22,7 +23,6 @@ from ls_jax.layers import (
     TransformerEncoderLayer,
     sinusoidal_positions,
 )
-from helpers.layers import normal, random_params
 
 HIDDEN, HEADS, FFN = 32, 4, 48
 ACTIVATIONS = {
@@ -372,9 +372,7 @@ def test_dropout_depends_on_the_rng_only_when_not_deterministic():
 def test_deferred_residual_chains_layers_like_formed_outputs(dtype):
     """A pre-LN layer with defer_residual=True returns its output unformed; it resolves to the plain output, and
     the next layer's LayerNorm, forming it in one op, gives the plain chain's output and gradients, with dropout."""
-    cfg = layer_config(
-        dtype=dtype, attn_prob_dropout_ratio=0.2, activation_dropout_ratio=0.2, hidden_dropout_ratio=0.2
-    )
+    cfg = layer_config(dtype=dtype, attn_prob_dropout_ratio=0.2, activation_dropout_ratio=0.2, hidden_dropout_ratio=0.2)
     x = normal(0, (2, 5, HIDDEN))
     layer = TransformerEncoderLayer(cfg)
     first, second = random_params(layer, x, seed=1), random_params(layer, x, seed=2)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.layers import random_params
+from helpers.ops import jaxpr_output_shapes
 
 from ls_jax.layers import CrossEntropyCriterion
 from ls_jax.models import BOS_ID, EOS_ID, PAD_ID, PRESETS, Transformer, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
-from helpers.layers import random_params
-from helpers.ops import jaxpr_output_shapes
 
 VOCAB = 16
 MAX_LEN = 8

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, check_vjp, normal, seed_array
+from test_ops_softmax import reference_attn_softmax
 
 from ls_jax import backend, ops
 from ls_jax.ops import attention
 from ls_jax.ops.random import keep_mask
-from test_ops_softmax import reference_attn_softmax
-from helpers.ops import BF16, F32, check_vjp, normal, seed_array
 
 
 @pytest.fixture(params=["unfused", "fused"], autouse=True)
@@ -57,8 +57,9 @@ def test_self_attention_matches_reference(dtype, length, lengths, causal, rate):
     seed = seed_array(1)
     keep = _keep(seed, rate, batch, heads, length, length)
     op = lambda qkv: ops.self_attention(qkv, key_mask, causal=causal, dropout_rate=rate, seed=seed)
-    ref = lambda qkv: reference_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], key_mask, causal=causal,
-                                          keep=keep, rate=rate)
+    ref = lambda qkv: reference_attention(
+        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], key_mask, causal=causal, keep=keep, rate=rate
+    )
     check_vjp(op, ref, (qkv,), dtype)
 
 
@@ -163,8 +164,10 @@ def _bad_call(qkv=None, query=None, key_value=None, key_mask=None, **kwargs):
         (dict(qkv=jnp.zeros((2, 4, 2, 2, 8))), r"qkv must have shape \(batch, length, 3, heads, head_dim\)"),
         (dict(key_mask=jnp.ones((2, 5), bool)), r"key_mask must have shape \(batch, keys\) = \(2, 4\), got \(2, 5\)"),
         (dict(dropout_rate=0.1), "dropout_rate > 0 needs a seed"),
-        (dict(query=jnp.zeros((2, 3, 2, 8)), key_value=jnp.zeros((2, 5, 3, 2, 8))),
-         r"key_value must have shape \(batch, keys, 2, heads, head_dim\) = \(2, keys, 2, 2, 8\)"),
+        (
+            dict(query=jnp.zeros((2, 3, 2, 8)), key_value=jnp.zeros((2, 5, 3, 2, 8))),
+            r"key_value must have shape \(batch, keys, 2, heads, head_dim\) = \(2, keys, 2, 2, 8\)",
+        ),
         (dict(query=jnp.zeros((2, 3, 2, 8), BF16)), "key_value has dtype float32 but query has bfloat16"),
         (dict(query=jnp.zeros((2, 3, 16))), r"query must have shape \(batch, queries, heads, head_dim\)"),
         (dict(bias=jnp.zeros((2, 8))), r"bias must have shape \(3, 2, 8\), got \(2, 8\)"),

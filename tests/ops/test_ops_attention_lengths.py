@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import normal
 
 import ffi_kernels
 from ls_jax import backend, ops
 from ls_jax.ops import attention, attention_cudnn, attention_lengths
-from helpers.ops import normal
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 LENGTHS = [37, 0, 64, 1]  # a row of length 0, a full row, a row of one key
@@ -87,8 +87,10 @@ def test_self_attention_lengths_equal_the_prefix_mask(dtype, causal):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_cross_attention_key_lengths_equal_the_prefix_mask(dtype):
-    primals = ((normal(2, (4, 24, 2, 16), dtype), normal(3, (4, 64, 2, 2, 16), dtype)),
-               normal(4, (2, 16), F32, scale=0.5))
+    primals = (
+        (normal(2, (4, 24, 2, 16), dtype), normal(3, (4, 64, 2, 2, 16), dtype)),
+        normal(4, (2, 16), F32, scale=0.5),
+    )
     _assert_lengths_match_mask(_cross_op(), primals, 64, 24, dtype)
 
 
@@ -108,18 +110,21 @@ def test_cudnn_formulation_xla_implementation_takes_lengths_as_the_prefix_mask(d
 
 
 def test_lengths_mask_is_the_prefix():
-    np.testing.assert_array_equal(attention_lengths.lengths_mask(jnp.array([0, 2, 3]), 3),
-                                  [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(
+        attention_lengths.lengths_mask(jnp.array([0, 2, 3]), 3), [[0, 0, 0], [1, 1, 0], [1, 1, 1]]
+    )
 
 
 @pytest.mark.parametrize(
     "lengths, message",
-    [(np.array([3, 4, 5]), r"lengths must have shape \(batch,\) = \(2,\), got \(3,\)"),
-     (np.array([[3], [4]]), r"lengths must have shape \(batch,\) = \(2,\), got \(2, 1\)"),
-     (np.array([3.0, 4.0]), "lengths must be an integer array .* got float"),
-     (np.array([True, False]), "lengths must be an integer array .* got bool"),
-     (np.array([3, 9]), r"lengths must be in \[0, 8\] \(the number of keys\), got values from 3 to 9"),
-     (np.array([-1, 2]), r"lengths must be in \[0, 8\]")],
+    [
+        (np.array([3, 4, 5]), r"lengths must have shape \(batch,\) = \(2,\), got \(3,\)"),
+        (np.array([[3], [4]]), r"lengths must have shape \(batch,\) = \(2,\), got \(2, 1\)"),
+        (np.array([3.0, 4.0]), "lengths must be an integer array .* got float"),
+        (np.array([True, False]), "lengths must be an integer array .* got bool"),
+        (np.array([3, 9]), r"lengths must be in \[0, 8\] \(the number of keys\), got values from 3 to 9"),
+        (np.array([-1, 2]), r"lengths must be in \[0, 8\]"),
+    ],
 )
 def test_bad_lengths_are_value_errors_naming_the_problem(lengths, message):
     qkv = jnp.zeros((2, 8, 3, 1, 8))
@@ -157,6 +162,7 @@ def kernels_enabled(monkeypatch):
 
 def _cudnn_calls(op, *primals):
     """The operand types of each ls_attention_cudnn_* custom call of op's forward and backward lowered for CUDA."""
+
     def run(*primals):
         out, vjp = jax.vjp(op, *primals)
         return out, vjp(jnp.ones_like(out))

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import normal, seed_array
 
 import ffi_kernels
 from ls_jax import backend, ops
 from ls_jax.ops import _common, attention, attention_cudnn
-from helpers.ops import normal, seed_array
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -75,8 +75,10 @@ def _operands(index, case):
         sources = (normal(index, (batch, queries, 3, heads, head_dim)),)
         keys = queries
     else:
-        sources = (normal(index, (batch, queries, 1, heads, head_dim)),
-                   normal(50 + index, (batch, keys, 2, heads, head_dim)))
+        sources = (
+            normal(index, (batch, queries, 1, heads, head_dim)),
+            normal(50 + index, (batch, keys, 2, heads, head_dim)),
+        )
     bias = normal(70 + index, sources[0].shape[2:], scale=0.5)
     return sources, bias, _mask(mask_kind, batch, keys, rng), normal(90 + index, (batch, queries, heads, head_dim))
 
@@ -114,7 +116,9 @@ def _check_against_reference(op, index, case):
     for got, want in zip(d_sources, want_sources):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
     want_bias = np.sum(want_sources[0], axis=(0, 1))
-    np.testing.assert_allclose(np.reshape(d_bias, want_bias.shape), want_bias, rtol=2e-4, atol=2e-5 * np.abs(want_bias).max())
+    np.testing.assert_allclose(
+        np.reshape(d_bias, want_bias.shape), want_bias, rtol=2e-4, atol=2e-5 * np.abs(want_bias).max()
+    )
     if key_mask is not None and not np.asarray(key_mask[-1]).any():
         assert not np.asarray(out[-1]).any(), "a row with no visible key gives zeros"
     if causal and case[4] is not None and case[3] > case[4]:
@@ -175,8 +179,9 @@ def test_cudnn_mask_operands_are_exact_for_any_mask():
     visible = attention_cudnn._visible_rows(key_mask, None, 9, causal=True)
     np.testing.assert_array_equal(visible[1], [False] + [True] * 8)
     assert not np.asarray(visible[2]).any() and np.asarray(visible[0]).all()
-    np.testing.assert_array_equal(attention_cudnn._visible_rows(key_mask, None, 2, causal=False),
-                                  [[1, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(
+        attention_cudnn._visible_rows(key_mask, None, 2, causal=False), [[1, 1], [1, 1], [0, 0]]
+    )
 
 
 @pytest.fixture
@@ -208,16 +213,22 @@ def test_long_attention_lowers_to_the_cudnn_targets(kernels_enabled, monkeypatch
     assert "tensor<2x200xbf16>" in text, "mask_bias rows of 200 keys (a multiple of 8)"
     short_but_wide = normal(1, (2, 64, 3, 4, 256), jnp.float16)
     assert _lowered_targets(lambda x: ops.self_attention(x), short_but_wide)[0] == {
-        "ls_attention_cudnn_fwd", "ls_attention_cudnn_bwd"}, "head_dim 256 on compute capability 9.x"
+        "ls_attention_cudnn_fwd",
+        "ls_attention_cudnn_bwd",
+    }, "head_dim 256 on compute capability 9.x"
 
 
 @pytest.mark.parametrize(
     "dtype, head_dim, reason",
-    [(F32, 64, "cuDNN attention takes bfloat16 or float16"), (BF16, 20, "a multiple of 8, got 20"),
-     (BF16, 264, "up to 128 (up to 256 on compute capability 9.x")],
+    [
+        (F32, 64, "cuDNN attention takes bfloat16 or float16"),
+        (BF16, 20, "a multiple of 8, got 20"),
+        (BF16, 264, "up to 128 (up to 256 on compute capability 9.x"),
+    ],
 )
-def test_shapes_cudnn_does_not_take_fall_back_to_the_unfused_attention(kernels_enabled, monkeypatch, caplog,
-                                                                       dtype, head_dim, reason):
+def test_shapes_cudnn_does_not_take_fall_back_to_the_unfused_attention(
+    kernels_enabled, monkeypatch, caplog, dtype, head_dim, reason
+):
     monkeypatch.setattr(attention_cudnn, "missing", lambda: None)
     _common.log_fallback_once.cache_clear()
     qkv = normal(0, (1, 130, 3, 2, head_dim), dtype)
@@ -227,8 +238,7 @@ def test_shapes_cudnn_does_not_take_fall_back_to_the_unfused_attention(kernels_e
     assert reason in caplog.text and "running the unfused attention" in caplog.text
 
 
-def test_missing_cudnn_package_falls_back_in_auto_mode_and_is_an_error_under_ffi(kernels_enabled, monkeypatch,
-                                                                                  caplog):
+def test_missing_cudnn_package_falls_back_in_auto_mode_and_is_an_error_under_ffi(kernels_enabled, monkeypatch, caplog):
     missing = "cuDNN attention needs the cuDNN frontend headers: pip install nvidia-cudnn-frontend (or ls-jax[gpu])"
     monkeypatch.setattr(attention_cudnn, "missing", lambda: missing)
     _common.log_fallback_once.cache_clear()
@@ -248,8 +258,9 @@ def test_cudnn_shape_reasons_name_the_limit(kernels_enabled):
     assert reason((1, 300, 1, 2, 128), (1, 500, 2, 2, 128)) is None
     assert "single query over a single key" in reason((1, 1, 1, 2, 128), (1, 1, 2, 2, 128))
     assert reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True) is None, "bottom-right diagonal"
-    assert "takes queries < keys, no key mask and no dropout" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), True,
-                                                                         causal=True)
+    assert "takes queries < keys, no key mask and no dropout" in reason(
+        (1, 300, 1, 2, 64), (1, 500, 2, 2, 64), True, causal=True
+    )
     assert "takes queries < keys" in reason((1, 600, 1, 2, 64), (1, 500, 2, 2, 64), causal=True)
     assert "takes queries < keys" in reason((1, 300, 1, 2, 64), (1, 500, 2, 2, 64), causal=True, rate=0.1)
 

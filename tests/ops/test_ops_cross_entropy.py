@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers.ops import BF16, F32, assert_close, check_vjp, normal
 
 from ls_jax.ops import label_smoothed_cross_entropy
-from helpers.ops import BF16, F32, assert_close, check_vjp, normal
 
 
 def fairseq_label_smoothed_nll(logits, labels, epsilon, pad_id):

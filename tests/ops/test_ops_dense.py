@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, check_vjp, normal
 
 from ls_jax import ops
 from ls_jax.layers import Dense
-from helpers.ops import BF16, F32, check_vjp, normal
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -26,8 +26,9 @@ def test_transposed_kernel_equals_the_kernel_transposed():
     plain, plain_vjp = jax.vjp(lambda k: ops.dense(x, k), table.T)
     np.testing.assert_array_equal(np.asarray(tied, np.float32), np.asarray(plain, np.float32))
     # The table gradient sums over tokens: the two layouts may add in another order (1 ulp apart on some CPUs).
-    np.testing.assert_allclose(np.asarray(tied_vjp(cotangent)[0]), np.asarray(plain_vjp(cotangent)[0]).T,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(tied_vjp(cotangent)[0]), np.asarray(plain_vjp(cotangent)[0]).T, rtol=1e-6, atol=1e-6
+    )
 
 
 def _backward_jaxpr(transposed: bool) -> jax.extend.core.ClosedJaxpr:

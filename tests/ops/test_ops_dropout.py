@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, check_vjp, normal, seed_array
 
 from ls_jax.ops import ACTIVATIONS, bias_act_dropout, bias_dropout_residual, dropout
 from ls_jax.ops.random import keep_mask
-from helpers.ops import BF16, F32, check_vjp, normal, seed_array
 
 
 def reference_dropout(x, keep, rate):

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, check_vjp, normal, random_cotangent, seed_array
 
 from ls_jax.ops import embed
 from ls_jax.ops.random import keep_mask
-from helpers.ops import BF16, F32, check_vjp, normal, random_cotangent, seed_array
 
 PAD = 0
 

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, apply_vjp, assert_close, check_vjp, normal, random_cotangent, seed_array
 
 from ls_jax.ops import bias_dropout_residual, layer_norm
-from helpers.ops import BF16, F32, apply_vjp, assert_close, check_vjp, normal, random_cotangent, seed_array
 
 EPS = 1e-5
 
@@ -177,8 +177,10 @@ def _valid():
         (dict(gamma=jnp.ones(7, F32)), r"gamma must have shape \(8,\), got \(7,\)"),
         (dict(beta=jnp.ones((1, 8), F32)), r"beta must have shape \(8,\)"),
         (dict(gamma=jnp.ones(8, jnp.float16)), "gamma must be float32, got float16"),
-        (dict(x=jnp.ones((2, 3, 8), BF16), residual=jnp.ones((2, 3, 8), BF16), gamma=jnp.ones(8, BF16)),
-         "beta has dtype float32 but gamma has bfloat16"),
+        (
+            dict(x=jnp.ones((2, 3, 8), BF16), residual=jnp.ones((2, 3, 8), BF16), gamma=jnp.ones(8, BF16)),
+            "beta has dtype float32 but gamma has bfloat16",
+        ),
         (dict(residual=jnp.ones((2, 8), F32)), r"residual has shape \(2, 8\) but x has \(2, 3, 8\)"),
         (dict(residual=jnp.ones((2, 3, 8), BF16)), "residual has dtype bfloat16 but x has float32"),
         (dict(eps=0.0), "eps must be positive"),

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import BF16, F32, check_vjp, normal, random_cotangent, seed_array
 
 from ls_jax.ops import attn_softmax
 from ls_jax.ops.random import keep_mask
-from helpers.ops import BF16, F32, check_vjp, normal, random_cotangent, seed_array
 
 
 def reference_attn_softmax(scores, mask=None, *, scale=1.0, causal=False, keep=None, rate=0.0):

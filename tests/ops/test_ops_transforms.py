@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import F32, apply_vjp, assert_close, normal, random_cotangent, seed_array, value_and_vjp
 
 from ls_jax import ops
 from ls_jax.ops._common import vary_together
-from helpers.ops import F32, apply_vjp, assert_close, normal, random_cotangent, seed_array, value_and_vjp
 
 SEED = seed_array(0)
 _TOKENS = jnp.array([[5, 2, 7, 0], [1, 3, 3, 0]], jnp.int32)
@@ -123,14 +123,23 @@ def _model_loss(params, tokens, labels, seed):
     """A small Transformer-shaped block using every op; returns (loss_sum, num_tokens)."""
     hidden = params["table"].shape[1]
     h = ops.embed(
-        tokens, params["table"], params["pos"], scale=math.sqrt(hidden), padding_id=0,
-        dropout_rate=0.1, seed=_op_seed(seed, 0),
+        tokens,
+        params["table"],
+        params["pos"],
+        scale=math.sqrt(hidden),
+        padding_id=0,
+        dropout_rate=0.1,
+        seed=_op_seed(seed, 0),
     )
     h = ops.layer_norm(h, params["gamma"], params["beta"])
     scores = jnp.einsum("bqh,bkh->bqk", h, h)[:, None]
     probs = ops.attn_softmax(
-        scores, (tokens != 0)[:, None, None, :], scale=1 / math.sqrt(hidden), causal=True,
-        dropout_rate=0.1, seed=_op_seed(seed, 1),
+        scores,
+        (tokens != 0)[:, None, None, :],
+        scale=1 / math.sqrt(hidden),
+        causal=True,
+        dropout_rate=0.1,
+        seed=_op_seed(seed, 1),
     )
     context = jnp.einsum("bnqk,bkh->bqh", probs, h)
     ffn = ops.bias_act_dropout(context, params["bias1"], activation="gelu", dropout_rate=0.1, seed=_op_seed(seed, 2))
@@ -141,9 +150,7 @@ def _model_loss(params, tokens, labels, seed):
     probs = ops.attn_softmax(scores, params["position_bias"], causal=True, dropout_rate=0.1, seed=_op_seed(seed, 4))
     out = out + jnp.einsum("bnqk,bkh->bqh", probs, out)
     out = ops.dropout(out, rate=0.1, seed=_op_seed(seed, 5))
-    loss_sum, _, num_tokens = ops.label_smoothed_cross_entropy(
-        out @ params["table"].T, labels, epsilon=0.1, pad_id=0
-    )
+    loss_sum, _, num_tokens = ops.label_smoothed_cross_entropy(out @ params["table"].T, labels, epsilon=0.1, pad_id=0)
     return loss_sum, num_tokens
 
 
@@ -154,8 +161,12 @@ def _model_inputs(batch):
     tokens[::2, -2:] = 0
     labels = np.roll(tokens, -1, axis=1)
     params = dict(
-        table=normal(1, (vocab, hidden)), pos=normal(2, (length, hidden)), gamma=1 + normal(3, (hidden,), scale=0.1),
-        beta=normal(4, (hidden,), scale=0.1), bias1=normal(5, (hidden,)), bias2=normal(6, (hidden,)),
+        table=normal(1, (vocab, hidden)),
+        pos=normal(2, (length, hidden)),
+        gamma=1 + normal(3, (hidden,), scale=0.1),
+        beta=normal(4, (hidden,), scale=0.1),
+        bias1=normal(5, (hidden,)),
+        bias2=normal(6, (hidden,)),
         position_bias=normal(7, (length, length)),
     )
     return params, jnp.asarray(tokens, jnp.int32), jnp.asarray(labels, jnp.int32)
@@ -195,9 +206,7 @@ def sharded_check():
     loss, count, grads = step(params, tokens, labels)
 
     shards = zip(jnp.split(tokens, NUM_DEVICES), jnp.split(labels, NUM_DEVICES))
-    per_shard = [
-        loss_and_grad(params, t, l, SEED.at[1].add(jnp.uint32(i))) for i, (t, l) in enumerate(shards)
-    ]
+    per_shard = [loss_and_grad(params, t, y, SEED.at[1].add(jnp.uint32(i))) for i, (t, y) in enumerate(shards)]
     expected = jax.tree.map(lambda *leaves: sum(leaves), *per_shard)
     assert_close((loss, count, grads), (expected[0][0], expected[0][1], expected[1]), F32)
 
@@ -228,7 +237,10 @@ def test_data_parallel_shard_map_and_sharded_jit():
     )
     result = subprocess.run(
         [sys.executable, "-c", "import test_ops_transforms as t; t.sharded_check()"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sharded ok" in result.stdout

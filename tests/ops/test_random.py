@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.ops import seed_array
 
 from ls_jax.ops import random
-from helpers.ops import seed_array
 
 _MASK32 = 0xFFFFFFFF
 

@@ -5,10 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import ls_jax.optim as lo
-from ls_jax import backend
-from ls_jax.optim import _engine, master
 from helpers.ops import jaxpr_output_shapes
 from helpers.optim import (
     assert_trajectories_close,
@@ -22,6 +18,10 @@ from helpers.optim import (
     trajectory,
     warmup_cosine,
 )
+
+import ls_jax.optim as lo
+from ls_jax import backend
+from ls_jax.optim import _engine, master
 
 MAX_NORM = 0.5  # the MLP's gradient norm crosses it during the run: both clipped and unclipped steps occur
 WEIGHT_DECAY = 0.05
@@ -212,8 +212,14 @@ def test_odd_leaf_sizes_match_optax(name):
 def _mixed_sizes():
     """Leaves on both sides of the XLA step's small-leaf threshold, odd sizes among them (padded workspaces)."""
     small = _engine.SMALL_LEAF_ELEMENTS
-    shapes = {"a_large_odd": (small + 1,), "b_small": (3,), "c_threshold": (small // 256, 256), "d_below": (small - 1,),
-              "e_large": (2, small // 2 + 2), "f_scalar": ()}
+    shapes = {
+        "a_large_odd": (small + 1,),
+        "b_small": (3,),
+        "c_threshold": (small // 256, 256),
+        "d_below": (small - 1,),
+        "e_large": (2, small // 2 + 2),
+        "f_scalar": (),
+    }
     keys = jax.random.split(jax.random.PRNGKey(3), len(shapes))
     return {name: jax.random.normal(key, shape) for (name, shape), key in zip(shapes.items(), keys)}
 
@@ -243,14 +249,21 @@ def _abstract_step_jaxpr(shapes):
     params = {f"leaf{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i, shape in enumerate(shapes)}
     tx = lo.adamw(1e-2)
     with backend.use("xla"):
-        return jax.make_jaxpr(lambda g, s, p: lo.fused_apply(tx, g, s, p))(params, jax.eval_shape(tx.init, params), params)
+        return jax.make_jaxpr(lambda g, s, p: lo.fused_apply(tx, g, s, p))(
+            params, jax.eval_shape(tx.init, params), params
+        )
 
 
 def _index_dtypes(closed) -> set[tuple[str, np.dtype]]:
     """(primitive, dtype of its offsets or indices) of every dynamic_update_slice, scatter and gather of ``closed``."""
-    return {(eqn.primitive.name, eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice"
-             else eqn.invars[1].aval.dtype)
-            for eqn in closed.jaxpr.eqns if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")}
+    return {
+        (
+            eqn.primitive.name,
+            eqn.invars[-1].aval.dtype if eqn.primitive.name == "dynamic_update_slice" else eqn.invars[1].aval.dtype,
+        )
+        for eqn in closed.jaxpr.eqns
+        if eqn.primitive.name in ("dynamic_update_slice", "scatter", "gather")
+    }
 
 
 def test_xla_step_offsets_past_int32_keep_their_value():
@@ -262,8 +275,12 @@ def test_xla_step_offsets_past_int32_keep_their_value():
     closed = _abstract_step_jaxpr(shapes)
     constants = [np.asarray(c) for c in closed.consts]
     assert any(c.dtype == np.uint32 and list(c) == list(layout.offsets) for c in constants)
-    assert any(c.dtype == np.uint32 and list(c) == list(range(layout.offsets[1], layout.offsets[1] + 3)) for c in constants)
-    assert _index_dtypes(closed) == {(name, np.dtype(np.uint32)) for name in ("dynamic_update_slice", "scatter", "gather")}
+    assert any(
+        c.dtype == np.uint32 and list(c) == list(range(layout.offsets[1], layout.offsets[1] + 3)) for c in constants
+    )
+    assert _index_dtypes(closed) == {
+        (name, np.dtype(np.uint32)) for name in ("dynamic_update_slice", "scatter", "gather")
+    }
 
 
 def test_xla_step_offsets_are_int32_where_they_fit():
@@ -377,13 +394,22 @@ def test_master_weights_follow_the_f32_run(fused, storage):
     rounded to nearest. bf16 params carry the master's high halves and the state its int16 low halves; f16 params
     keep an f32 master."""
     f32_params = mlp_params()
-    tx = lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM,
-                  storage_dtype=storage, master_weights=True)
+    tx = lo.adamw(
+        warmup_cosine(),
+        weight_decay=WEIGHT_DECAY,
+        mask=decay_matrices,
+        max_grad_norm=MAX_NORM,
+        storage_dtype=storage,
+        master_weights=True,
+    )
     grads = lambda params, step: jax.tree.map(lambda g: g.astype(storage), _bf16_grads(params, step))  # noqa: E731
     as_f32 = lambda params, step: jax.tree.map(lambda g: g.astype(jnp.float32), grads(params, step))  # noqa: E731
     exact, _ = trajectory(
         lo.adamw(warmup_cosine(), weight_decay=WEIGHT_DECAY, mask=decay_matrices, max_grad_norm=MAX_NORM),
-        f32_params, steps=20, fused=True, grad_fn=as_f32,
+        f32_params,
+        steps=20,
+        fused=True,
+        grad_fn=as_f32,
     )
     start = jax.tree.map(lambda p: p.astype(storage), f32_params)
     ours, state = trajectory(tx, start, steps=20, fused=fused, grad_fn=grads, state=tx.init(f32_params))
@@ -410,7 +436,8 @@ def test_bf16_master_halves_are_exact_through_ties():
         np.testing.assert_array_equal(joined[1:], bits[1:])
         assert joined[0] == bits[0] - 1, "init saturates at astype's tie"
     exact_state = lo.MasterWeightsState(
-        state.inner, jax.tree.map(lambda p: master.low_half(p, master.round_to_bf16(p)), params))
+        state.inner, jax.tree.map(lambda p: master.low_half(p, master.round_to_bf16(p)), params)
+    )
     exact_start = jax.tree.map(master.round_to_bf16, params)
     new_params, new_state = lo.fused_apply(tx, _bf16_grads(start, 0), exact_state, exact_start)
     assert_trees_close(lo.master_params(new_state, new_params), params, rtol=0, atol=0)
@@ -423,20 +450,39 @@ def test_bf16_master_halves_are_exact_through_ties():
 def test_bf16_master_halves_of_special_values():
     """Splitting and joining is the identity on every f32 bit pattern class: signed zeros, subnormals, halfway
     cases both ways, the largest finite values (whose high half rounds to infinity), infinities; NaN stays NaN."""
-    patterns = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F808000, 0x3F818000, 0xBF808000,
-                         0x3F807FFF, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000], np.uint32)
+    patterns = np.array(
+        [
+            0x00000000,
+            0x80000000,
+            0x00000001,
+            0x807FFFFF,
+            0x3F808000,
+            0x3F818000,
+            0xBF808000,
+            0x3F807FFF,
+            0x3F80FFFF,
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+            0x7F800000,
+            0xFF800000,
+        ],
+        np.uint32,
+    )
     x = jax.lax.bitcast_convert_type(jnp.asarray(patterns), jnp.float32)
     high = master.round_to_bf16(x)
     joined = master.join_halves(high, master.low_half(x, high))
     np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(joined, jnp.uint32)), patterns)
     np.testing.assert_array_equal(  # nearest, ties away from zero: 1.00390625 (0x3F808000) rounds up, not to even
-        np.asarray(high[4:9], np.float32), np.array([1.0078125, 1.015625, -1.0078125, 1.0, 1.0078125], np.float32))
+        np.asarray(high[4:9], np.float32), np.array([1.0078125, 1.015625, -1.0078125, 1.0, 1.0078125], np.float32)
+    )
     assert np.isinf(np.asarray(high[9], np.float32)) and np.isinf(np.asarray(high[10], np.float32))
-    stale = master.join_halves(jnp.asarray([0.0, -0.0, np.inf, -np.inf, 1.0], jnp.bfloat16),
-                               jnp.asarray([-5, -5, 5, 5, -5], jnp.int16))
+    stale = master.join_halves(
+        jnp.asarray([0.0, -0.0, np.inf, -np.inf, 1.0], jnp.bfloat16), jnp.asarray([-5, -5, 5, 5, -5], jnp.int16)
+    )
     np.testing.assert_array_equal(  # a low half from other params: never across zero, never NaN
         np.asarray(jax.lax.bitcast_convert_type(stale, jnp.uint32)),
-        np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x3F800000 - 5], np.uint32))
+        np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x3F800000 - 5], np.uint32),
+    )
     nans = jax.lax.bitcast_convert_type(jnp.asarray([0x7F800001, 0xFFFFFFFF, 0x7FC00000], jnp.uint32), jnp.float32)
     nan_high = master.round_to_bf16(nans)
     assert np.isnan(np.asarray(nan_high, np.float32)).all()

@@ -7,8 +7,6 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state
-
-import ls_jax.optim as lo
 from helpers.optim import (
     MLP,
     assert_trajectories_close,
@@ -18,6 +16,8 @@ from helpers.optim import (
     trajectory,
     warmup_cosine,
 )
+
+import ls_jax.optim as lo
 
 
 @pytest.mark.parametrize(

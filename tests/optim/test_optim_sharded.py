@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ls_jax.optim as lo
 from ls_jax import backend
@@ -41,9 +42,14 @@ def _params():
     """Leaves of sizes 35, 7, 21, 3, 1 (scalar), 1 and 697: none a multiple of 2 or 4. NumPy-made (no compiles)."""
     rng = np.random.default_rng(0)
     return {
-        "dense": {"kernel": np.float32(0.4) * rng.standard_normal((5, 7), np.float32),
-                  "bias": np.full((7,), 0.1, np.float32)},
-        "out": {"kernel": np.float32(0.4) * rng.standard_normal((7, 3), np.float32), "bias": np.zeros((3,), np.float32)},
+        "dense": {
+            "kernel": np.float32(0.4) * rng.standard_normal((5, 7), np.float32),
+            "bias": np.full((7,), 0.1, np.float32),
+        },
+        "out": {
+            "kernel": np.float32(0.4) * rng.standard_normal((7, 3), np.float32),
+            "bias": np.zeros((3,), np.float32),
+        },
         "scale": np.float32(1.5),
         "gain": np.ones((1,), np.float32),
         "table": np.float32(0.1) * rng.standard_normal((41, 17), np.float32),
@@ -60,8 +66,9 @@ def _loss(params, batch):
 
     tokens, features, targets = batch
     embedded = params["table"][tokens]
-    hidden = jnp.tanh((features + embedded[:, :5] - embedded[:, 5:10]) @ params["dense"]["kernel"]
-                      + params["dense"]["bias"])
+    hidden = jnp.tanh(
+        (features + embedded[:, :5] - embedded[:, 5:10]) @ params["dense"]["kernel"] + params["dense"]["bias"]
+    )
     prediction = (hidden @ params["out"]["kernel"] + params["out"]["bias"]) * params["scale"] * params["gain"]
     return jnp.mean((prediction - targets) ** 2)
 
@@ -76,8 +83,11 @@ def _batch(step: int, num_devices: int, per_device: int = 4):
     """The global batch of ``step``: ``per_device`` examples for each device, device d's rows d*per_device..."""
     rng = np.random.default_rng(100 + step)
     size = num_devices * per_device
-    return (rng.integers(0, 41, (size,), np.int32), rng.standard_normal((size, 5), np.float32),
-            rng.standard_normal((size, 3), np.float32))
+    return (
+        rng.integers(0, 41, (size,), np.int32),
+        rng.standard_normal((size, 5), np.float32),
+        rng.standard_normal((size, 3), np.float32),
+    )
 
 
 def _device_batch(batch, device: int, num_devices: int):
@@ -135,8 +145,9 @@ def _autodiff_step(opt, mesh, check_vma=True):
         return opt.apply(jax.grad(_loss)(local, batch), state, params)
 
     spec = opt.state_spec()
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec),
-                                 check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec), check_vma=check_vma)
+    )
 
 
 def _given_grads_step(opt, mesh):
@@ -226,7 +237,9 @@ def check_mask_and_clip_matter():
     }
     final = {key: _replicated_run(tx, params, _replicated_init(tx)(params), 2, 2)[0] for key, tx in runs.items()}
     for other in ("unmasked", "unclipped"):
-        differ = np.abs(np.asarray(final[other]["dense"]["bias"]) - np.asarray(final["masked_clipped"]["dense"]["bias"]))
+        differ = np.abs(
+            np.asarray(final[other]["dense"]["bias"]) - np.asarray(final["masked_clipped"]["dense"]["bias"])
+        )
         assert differ.max() > 1e-5, f"{other} does not change the run, so the comparison could not catch it"
 
 
@@ -234,17 +247,23 @@ def check_bf16_master_weights(num_devices: int):
     """bf16 params and gradients, f32 master (low halves) sharded; gradients on a grid whose sums are exact in bf16,
     so both sides step with the same averaged gradients, and max_grad_norm at their median norm clips half the steps."""
 
-
     master = _params()
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), master)
     rng = np.random.default_rng(0)
-    per_device = [jax.tree.map(lambda p: rng.integers(-63, 64, (num_devices, *p.shape)) * 2.0**-10, params)
-                  for _ in range(STEPS)]
+    per_device = [
+        jax.tree.map(lambda p: rng.integers(-63, 64, (num_devices, *p.shape)) * 2.0**-10, params) for _ in range(STEPS)
+    ]
     means = [jax.tree.map(lambda g: np.sum(g, 0) / num_devices, grads) for grads in per_device]
     max_norm = float(np.median([math.sqrt(sum(np.sum(g**2) for g in jax.tree.leaves(m))) for m in means]))
     per_device, means = jax.tree.map(lambda g: np.asarray(g, jnp.bfloat16), (per_device, means))
-    tx = lo.adamw(1e-2, weight_decay=0.05, mask=_decay_matrices, max_grad_norm=max_norm,
-                  storage_dtype=jnp.bfloat16, master_weights=True)
+    tx = lo.adamw(
+        1e-2,
+        weight_decay=0.05,
+        mask=_decay_matrices,
+        max_grad_norm=max_norm,
+        storage_dtype=jnp.bfloat16,
+        master_weights=True,
+    )
     opt = lo.shard_optimizer(tx, "data", num_shards=num_devices)
     mesh = _mesh(num_devices)
     step_fn = _given_grads_step(opt, mesh)
@@ -265,16 +284,19 @@ def check_bf16_master_weights(num_devices: int):
 def check_state_bytes_per_device():
     """Per device, the sharded state holds 1/N of the replicated state's bytes up to the padding."""
 
-
     params = {**_params(), "big": jnp.zeros((999, 101))}  # so that the padding is small beside the state
     sizes = [leaf.size for leaf in jax.tree.leaves(params)]
-    for tx, moments, master_bytes in ((_optimizers(True)["adan"], 4, 0),
-                                      (lo.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True), 2, 2)):
+    for tx, moments, master_bytes in (
+        (_optimizers(True)["adan"], 4, 0),
+        (lo.adamw(1e-3, storage_dtype=jnp.bfloat16, master_weights=True), 2, 2),
+    ):
         replicated = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(jax.eval_shape(tx.init, params)))
         for n in (2, 4):
             opt = lo.shard_optimizer(tx, "data", num_shards=n)
             state = opt.init(params, out_sharding=opt.state_sharding(_mesh(n)))
-            per_device = [sum(leaf.addressable_shards[d].data.nbytes for leaf in jax.tree.leaves(state)) for d in range(n)]
+            per_device = [
+                sum(leaf.addressable_shards[d].data.nbytes for leaf in jax.tree.leaves(state)) for d in range(n)
+            ]
             rows = [-(-size // n) for size in sizes]
             expected = 4 + moments * 4 * sum(-(-c // 4) * 4 for c in rows) + master_bytes * sum(rows)
             assert per_device == [expected] * n, (n, per_device, expected)
@@ -285,7 +307,6 @@ def check_state_bytes_per_device():
 
 def check_resume_on_another_device_count():
     """4 shards -> replicated (the exact replicated state) -> 2 shards continues as the replicated run does."""
-
 
     tx = _optimizers(True)["adan"]
     params = _params()
@@ -308,8 +329,6 @@ def check_cuda_lowering_calls_the_kernel_once():
     """With the kernels enabled, the sharded step lowered for CUDA runs one ls_optim_step on the rows, clipping done
     before it with the norm all-reduced over the axis, one reduce-scatter and one all-gather per bucket."""
 
-
-
     params = _params()
     mesh = _mesh(2)
     enabled = backend.kernels_enabled
@@ -317,11 +336,15 @@ def check_cuda_lowering_calls_the_kernel_once():
     try:
         for bucket_bytes, tx in ((2**20, _optimizers(True)["adan"]), (256, _optimizers(True)["adamw"])):
             opt = lo.shard_optimizer(tx, "data", num_shards=2, bucket_bytes=bucket_bytes)
-            args = (_replicate(params, mesh), opt.init(params, out_sharding=opt.state_sharding(mesh)),
-                    _split(_batch(0, 2), mesh))
+            args = (
+                _replicate(params, mesh),
+                opt.init(params, out_sharding=opt.state_sharding(mesh)),
+                _split(_batch(0, 2), mesh),
+            )
             unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
-            text = jax.export.export(_autodiff_step(opt, mesh), platforms=["cuda"],
-                                     disabled_checks=unchecked)(*args).mlir_module()
+            text = jax.export.export(_autodiff_step(opt, mesh), platforms=["cuda"], disabled_checks=unchecked)(
+                *args
+            ).mlir_module()
             leaves = jax.tree.leaves(params)
             rows = [-(-leaf.size // 2) for leaf in leaves]
             buckets = _shard_layout.buckets([jnp.float32] * len(leaves), [2 * 4 * c for c in rows], bucket_bytes)
@@ -349,7 +372,6 @@ def _raises(fn, *fragments):
 
 def check_bad_inputs():
 
-
     tx = _optimizers(True)["adamw"]
     params = _params()
     two_mesh = _mesh(2)
@@ -360,20 +382,36 @@ def check_bad_inputs():
 
     _raises(lambda: four.state_sharding(two_mesh), "num_shards=4", "'data' has 2 devices")
     # The state placed by hand on the 2-device mesh: apply itself names the mismatch.
-    _raises(lambda: _autodiff_step(four, two_mesh)(rep, _split(four.init(params), two_mesh), batch),
-            "num_shards=4", "'data' has 2 devices")
+    _raises(
+        lambda: _autodiff_step(four, two_mesh)(rep, _split(four.init(params), two_mesh), batch),
+        "num_shards=4",
+        "'data' has 2 devices",
+    )
     other = {key: value for key, value in params.items() if key != "gain"}
-    _raises(lambda: _autodiff_step(two, two_mesh)(rep, _split(two.init(other), two_mesh), batch),
-            ".mu is float32[1, ", "made by init for these params with num_shards=2")
+    _raises(
+        lambda: _autodiff_step(two, two_mesh)(rep, _split(two.init(other), two_mesh), batch),
+        ".mu is float32[1, ",
+        "made by init for these params with num_shards=2",
+    )
     chained = lo.shard_optimizer(lo.chain(optax.scale(1.0), tx), "data", num_shards=2)
     _raises(lambda: _autodiff_step(two, two_mesh)(rep, _split(chained.init(params), two_mesh), batch), "tree structure")
-    _raises(lambda: _autodiff_step(two, two_mesh)(rep, _split(four.init(params), two_mesh), batch),
-            "int32[2]", "int32[1]", "num_shards=2")
+    _raises(
+        lambda: _autodiff_step(two, two_mesh)(rep, _split(four.init(params), two_mesh), batch),
+        "int32[2]",
+        "int32[1]",
+        "num_shards=2",
+    )
     _raises(lambda: two.unshard_state(four.init(params), params), "num_shards=2")
     _raises(lambda: two.unshard_state(two.init(other), params), ".mu is float32[2, ", "num_shards=2")
     _raises(lambda: two.unshard_state(chained.init(params), params), "tree structure")
-    _raises(lambda: two.shard_state(jax.eval_shape(tx.init, other), params), ".mu is float32[", "made by this optimizer's init")
-    _raises(lambda: two.shard_state(jax.eval_shape(lo.chain(optax.scale(1.0), tx).init, params), params), "tree structure")
+    _raises(
+        lambda: two.shard_state(jax.eval_shape(tx.init, other), params),
+        ".mu is float32[",
+        "made by this optimizer's init",
+    )
+    _raises(
+        lambda: two.shard_state(jax.eval_shape(lo.chain(optax.scale(1.0), tx).init, params), params), "tree structure"
+    )
     _raises(lambda: two.apply(params, two.init(params), params), "inside jax.shard_map", "'data'")
     _raises(lambda: lo.shard_optimizer(optax.adam(1e-3), num_shards=2), "ls_jax.optim optimizer")
     _raises(lambda: lo.shard_optimizer(tx, num_shards=0), "num_shards must be a positive integer")
@@ -390,8 +428,9 @@ def check_bad_inputs():
         grads["gain"] = jnp.zeros((1, 1))
         return two.apply(grads, state, params)
 
-    misshapen = jax.jit(jax.shard_map(misshapen_step, mesh=two_mesh, in_specs=(P(), spec, P("data")),
-                                      out_specs=(P(), spec)))
+    misshapen = jax.jit(
+        jax.shard_map(misshapen_step, mesh=two_mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec))
+    )
     _raises(lambda: misshapen(rep, _split(two.init(params), two_mesh), batch), "['gain']", "(1, 1)")
 
 
@@ -400,10 +439,17 @@ GROUPS = {
     "adamw": [functools.partial(check_equals_replicated, "adamw", clip, n) for clip in (False, True) for n in (2, 4)]
     + [functools.partial(check_equals_replicated, "adamw", True, 4, False)],
     "adam": [functools.partial(check_equals_replicated, "adam", clip, n) for clip in (False, True) for n in (2, 4)],
-    "bf16_master": [check_mask_and_clip_matter, functools.partial(check_bf16_master_weights, 2),
-                    functools.partial(check_bf16_master_weights, 4)],
-    "memory_resume_errors": [check_state_bytes_per_device, check_resume_on_another_device_count, check_bad_inputs,
-                             check_cuda_lowering_calls_the_kernel_once],
+    "bf16_master": [
+        check_mask_and_clip_matter,
+        functools.partial(check_bf16_master_weights, 2),
+        functools.partial(check_bf16_master_weights, 4),
+    ],
+    "memory_resume_errors": [
+        check_state_bytes_per_device,
+        check_resume_on_another_device_count,
+        check_bad_inputs,
+        check_cuda_lowering_calls_the_kernel_once,
+    ],
 }
 
 
@@ -440,10 +486,13 @@ def test_sharded_optimizer(group):
     )
     result = subprocess.run(
         [sys.executable, "-c", f"import test_optim_sharded as t; t.run_group({group!r})"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stdout + result.stderr
-    report = json.loads(lines[-1][len("RESULT "):])
+    report = json.loads(lines[-1][len("RESULT ") :])
     assert report["ran"] == [_describe(check) for check in GROUPS[group]]
     assert not report["failures"], "\n\n".join(f"{name}:\n{tb}" for name, tb in report["failures"].items())

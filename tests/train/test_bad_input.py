@@ -44,10 +44,15 @@ def write_gpt_directory(tmp_path):
 def write_imdb(tmp_path, kind):
     path = tmp_path / f"reviews.{kind}"
     if kind == "csv":
-        path.write_bytes(b"text,label\n\"a good film\",1\n\"" + NOT_UTF8 + b"\",0\n")
+        path.write_bytes(b'text,label\n"a good film",1\n"' + NOT_UTF8 + b'",0\n')
     else:
-        path.write_bytes(json.dumps({"text": "a good film", "label": 1}).encode() + b"\n"
-                         + b'{"text": "' + NOT_UTF8 + b'", "label": 0}\n')
+        path.write_bytes(
+            json.dumps({"text": "a good film", "label": 1}).encode()
+            + b"\n"
+            + b'{"text": "'
+            + NOT_UTF8
+            + b'", "label": 0}\n'
+        )
     return path
 
 
@@ -89,12 +94,15 @@ def test_data_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, capsys, cas
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
-@pytest.mark.parametrize("flags, message", [
-    (["--seed", "-1"], "--seed must be an integer in [0, 4294967296), got -1"),
-    (["--seed", str(2**32)], f"--seed must be an integer in [0, 4294967296), got {2**32}"),
-    (["--price-per-hour", "-1"], "--price-per-hour must be a finite number >= 0, got -1.0"),
-    (["--price-per-hour", "nan"], "--price-per-hour must be a finite number >= 0, got nan"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seed", "-1"], "--seed must be an integer in [0, 4294967296), got -1"),
+        (["--seed", str(2**32)], f"--seed must be an integer in [0, 4294967296), got {2**32}"),
+        (["--price-per-hour", "-1"], "--price-per-hour must be a finite number >= 0, got -1.0"),
+        (["--price-per-hour", "nan"], "--price-per-hour must be a finite number >= 0, got nan"),
+    ],
+)
 def test_a_seed_or_price_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, task, flags, message):
     run_dir = tmp_path / "run"
     code, err = run(task, [*flags, "--run-dir", str(run_dir)], capsys)
@@ -121,6 +129,7 @@ def test_resuming_the_run_of_another_task_names_it(tmp_path, capsys):
     before = sorted(run_dir.iterdir())
     code, err = run("imdb", ["--resume", str(run_dir)], capsys)
     assert code == 2
-    assert err == (f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume "
-                   f"{run_dir}\n")
+    assert err == (
+        f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume {run_dir}\n"
+    )
     assert sorted(run_dir.iterdir()) == before

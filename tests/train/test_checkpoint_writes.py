@@ -62,8 +62,14 @@ print("the harness's own line", file=sys.stderr)
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_library_logs_and_exceptions_ignored_in_coroutines_only_with_verbose(verbose):
-    done = subprocess.run([sys.executable, "-c", NOISE, "verbose" if verbose else "quiet"], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", NOISE, "verbose" if verbose else "quiet"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr.endswith("the harness's own line\n")
     assert ("Failed to json parse Metadata file" in done.stderr) == verbose

@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train.compare import report as compare
 from train.compare import plots, quality, scoring
+from train.compare import report as compare
 from train.compare import runs as run_logs
 from train.compare.tables import runs_table
 from train.records import runlog
@@ -38,8 +38,10 @@ def hand_scores(runs, w_t, w_c, w_e, w_u):
     max_c = max(run["cost"] for run in runs)
     max_e = max(run["energy"] for run in runs)
     max_u = max(run["mfu"] for run in runs)
-    return [w_t * run["time"] / max_t + w_c * run["cost"] / max_c + w_e * run["energy"] / max_e
-            - w_u * run["mfu"] / max_u for run in runs]
+    return [
+        w_t * run["time"] / max_t + w_c * run["cost"] / max_c + w_e * run["energy"] / max_e - w_u * run["mfu"] / max_u
+        for run in runs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +89,23 @@ def test_balance_scores_rank_runs_and_leave_out_the_cpu_run(runs):
     assert any("#1" in note and "cost, energy and MFU are unknown" in note for note in comparison.notes)
 
 
-@pytest.mark.parametrize(("preset", "weights"), [
-    ("balance", (0.3, 0.3, 0.3, 0.1)),
-    ("time_cost_energy", (0.5, 0.3, 0.1, 0.1)),
-    ("time_energy_cost", (0.5, 0.1, 0.3, 0.1)),
-    ("cost_time_energy", (0.3, 0.5, 0.1, 0.1)),
-    ("cost_energy_time", (0.1, 0.5, 0.3, 0.1)),
-    ("energy_time_cost", (0.3, 0.1, 0.5, 0.1)),
-    ("energy_cost_time", (0.1, 0.3, 0.5, 0.1)),
-])
+@pytest.mark.parametrize(
+    ("preset", "weights"),
+    [
+        ("balance", (0.3, 0.3, 0.3, 0.1)),
+        ("time_cost_energy", (0.5, 0.3, 0.1, 0.1)),
+        ("time_energy_cost", (0.5, 0.1, 0.3, 0.1)),
+        ("cost_time_energy", (0.3, 0.5, 0.1, 0.1)),
+        ("cost_energy_time", (0.1, 0.5, 0.3, 0.1)),
+        ("energy_time_cost", (0.3, 0.1, 0.5, 0.1)),
+        ("energy_cost_time", (0.1, 0.3, 0.5, 0.1)),
+    ],
+)
 def test_study_presets(runs, preset, weights):
     comparison = scoring.compare(runs[1:], weights_name=preset)
     assert [score.value for score in comparison.scores] == pytest.approx(
-        hand_scores([H100_FFI, H100_XLA, TPU_V3], *weights), rel=1e-12)
+        hand_scores([H100_FFI, H100_XLA, TPU_V3], *weights), rel=1e-12
+    )
 
 
 def test_custom_weights_score_runs_that_lack_only_unweighted_terms(runs):
@@ -109,7 +115,8 @@ def test_custom_weights_score_runs_that_lack_only_unweighted_terms(runs):
     max_t = max(entry["time"] for entry in ORDER[1:])
     max_c = max(entry["cost"] for entry in ORDER[1:])
     assert [score.value for score in comparison.scores[1:]] == pytest.approx(
-        [0.6 * e["time"] / max_t + 0.4 * e["cost"] / max_c for e in ORDER[1:]], rel=1e-12)
+        [0.6 * e["time"] / max_t + 0.4 * e["cost"] / max_c for e in ORDER[1:]], rel=1e-12
+    )
 
     time_only = scoring.compare(runs, weights_name="custom", weights=scoring.Weights(1, 0, 0, 0), gate=OPEN_GATE)
     max_t = max(entry["time"] for entry in ORDER)
@@ -150,8 +157,16 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
 def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs):
     cpu, ffi, xla, tpu = runs
     repeat = dataclasses.replace(xla, run_id="xla-repeat", train_time_s=320.0)
-    bigger = [dataclasses.replace(run, run_id=run.run_id + "-big", model="transformer-big", params=209_000_000,
-                                  train_time_s=3 * run.train_time_s) for run in (ffi, xla)]
+    bigger = [
+        dataclasses.replace(
+            run,
+            run_id=run.run_id + "-big",
+            model="transformer-big",
+            params=209_000_000,
+            train_time_s=3 * run.train_time_s,
+        )
+        for run in (ffi, xla)
+    ]
     groups = scoring.speedups_by_model_and_batch([cpu, ffi, xla, tpu, repeat, *bigger], baseline=2)
     reference = (H100_XLA["time"] + 320.0) / 2
     assert [(g.model, g.configuration_label) for g in groups] == [
@@ -160,7 +175,8 @@ def test_speedup_groups_average_repeats_and_need_the_baseline_configuration(runs
         ("transformer-big", "NVIDIA H100 80GB HBM3 x1 ls_jax ffi bf16"),
     ]
     assert [g.speedup for g in groups] == pytest.approx(
-        [reference / H100_FFI["time"], reference / TPU_V3["time"], H100_XLA["time"] / H100_FFI["time"]])
+        [reference / H100_FFI["time"], reference / TPU_V3["time"], H100_XLA["time"] / H100_FFI["time"]]
+    )
     assert scoring.speedups_by_model_and_batch(runs, baseline=0) == []
 
 
@@ -181,8 +197,10 @@ def _write(path, records):
     return path
 
 
-@pytest.mark.parametrize(("record_type", "key"), [("run", "device_kind"), ("summary", "train_time_s"),
-                                                   ("summary", "energy_source"), ("run", "batch")])
+@pytest.mark.parametrize(
+    ("record_type", "key"),
+    [("run", "device_kind"), ("summary", "train_time_s"), ("summary", "energy_source"), ("run", "batch")],
+)
 def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key):
     records = _lines("h100-ffi")
     for record in records:
@@ -197,15 +215,18 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
-    (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
-    (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
-    (lambda records: records[0].update(schema=3), r"schema 3; this version of ls-jax reads schema 1 and 2"),
-    (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
-    (lambda records: records.pop(0), r"the first record is 'interval'"),
-    (lambda records: records[-1].pop("tokens_per_s"), r"the 'summary' record has no key 'tokens_per_s'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
+        (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
+        (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
+        (lambda records: records[0].update(schema=3), r"schema 3; this version of ls-jax reads schema 1 and 2"),
+        (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
+        (lambda records: records.pop(0), r"the first record is 'interval'"),
+        (lambda records: records[-1].pop("tokens_per_s"), r"the 'summary' record has no key 'tokens_per_s'"),
+    ],
+)
 def test_malformed_values_are_named(tmp_path, change, message):
     records = _lines("h100-ffi")
     change(records)
@@ -243,9 +264,11 @@ def test_runs_stopped_early_are_compared_with_a_note(tmp_path):
     records[-1].update(completed=False, stop_reason="signal", steps=1200)
     runs, _ = run_logs.load_runs([_write(tmp_path / "tpu-run" / "run.jsonl", records)])
     notes = scoring.compare(runs).notes
-    assert notes == ["#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part",
-                     "#1 tpu-run: its log (schema 1) has no warm-up or steady-state figures, and its energy covers "
-                     "compilation and evaluations besides the training steps"]
+    assert notes == [
+        "#1 tpu-run stopped early (signal) after 1200 steps: its totals cover only that part",
+        "#1 tpu-run: its log (schema 1) has no warm-up or steady-state figures, and its energy covers "
+        "compilation and evaluations besides the training steps",
+    ]
 
 
 def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_path, capsys):
@@ -338,8 +361,13 @@ def test_baseline_selection(runs):
 
 def test_several_tasks_need_a_choice(tmp_path, runs):
     records = _lines("h100-ffi")
-    records[0].update(task="imdb", run_id="imdb-run", batch={"batch_size": 32, "grad_accum": 1}, optimizer="adamw",
-                      implementation="flax")
+    records[0].update(
+        task="imdb",
+        run_id="imdb-run",
+        batch={"batch_size": 32, "grad_accum": 1},
+        optimizer="adamw",
+        implementation="flax",
+    )
     for key in ("tokens", "tokens_per_s", "target_tokens", "target_tokens_per_s"):
         del records[-1][key]
     records[-1].update(examples=75_000, examples_per_s=412.5, accuracy=0.9312, bleu=None)
@@ -355,7 +383,8 @@ def test_several_tasks_need_a_choice(tmp_path, runs):
     assert rows[0][header.index("throughput")] == "412 examples/s"
     assert rows[0][header.index("optimizer")] == "adamw"  # the fixture ran adan
     assert rows[0][header.index("implementation")] == "flax" and chosen[0].study_label.startswith(
-        "NVIDIA H100 80GB HBM3 x1 flax ffi bf16 adamw")
+        "NVIDIA H100 80GB HBM3 x1 flax ffi bf16 adamw"
+    )
     with pytest.raises(ValueError, match="no run of task 'gpt'"):
         run_logs.select_task(chosen, "gpt")
 
@@ -372,12 +401,15 @@ def test_zero_cost_runs_normalize_to_zero(runs, tmp_path):
     assert plot.file_name == "cost.png" and (tmp_path / "cost.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("fastest", "neither a preset"),
-    ("0.5,0.5,0", "neither a preset"),
-    ("0.5,-0.1,0.3,0.3", "non-negative"),
-    ("0,0,0,1", "at least one of time, cost, energy"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fastest", "neither a preset"),
+        ("0.5,0.5,0", "neither a preset"),
+        ("0.5,-0.1,0.3,0.3", "non-negative"),
+        ("0,0,0,1", "at least one of time, cost, energy"),
+    ],
+)
 def test_bad_weights(text, message, capsys):
     with pytest.raises(ValueError, match=message):
         scoring.parse_weights(text)

@@ -9,8 +9,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from train.compare import report as compare
 from train.compare import plots, quality, scoring, tables
+from train.compare import report as compare
 from train.compare import runs as run_logs
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
@@ -26,12 +26,22 @@ def template():
     return run_logs.load_runs([DATA / "h100-ffi"])[0][0]
 
 
-def _run(template, number, *, time, cost, energy, mfu, accuracy, precision="bf16", optimizer="adan",
-         estimated=False):
-    return dataclasses.replace(template, run_id=f"run-{number}", source=Path(f"run-{number}", "run.jsonl"),
-                               task="imdb", bleu=None, accuracy=accuracy,
-                               train_time_s=time, cost_usd=cost, energy_j=energy, mfu=mfu, precision=precision,
-                               optimizer=optimizer, energy_estimated=estimated)
+def _run(template, number, *, time, cost, energy, mfu, accuracy, precision="bf16", optimizer="adan", estimated=False):
+    return dataclasses.replace(
+        template,
+        run_id=f"run-{number}",
+        source=Path(f"run-{number}", "run.jsonl"),
+        task="imdb",
+        bleu=None,
+        accuracy=accuracy,
+        train_time_s=time,
+        cost_usd=cost,
+        energy_j=energy,
+        mfu=mfu,
+        precision=precision,
+        optimizer=optimizer,
+        energy_estimated=estimated,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,7 @@ def study(template):
     return [
         _run(template, 1, time=100.0, cost=1.0, energy=30.0, mfu=0.2, accuracy=0.85),
         _run(template, 2, time=200.0, cost=3.0, energy=20.0, mfu=0.4, accuracy=0.84, optimizer="optax-adamw"),
-        _run(template, 3, time=400.0, cost=2.0, energy=40.0, mfu=0.1, accuracy=0.86, precision="fp32",
-             estimated=True),
+        _run(template, 3, time=400.0, cost=2.0, energy=40.0, mfu=0.1, accuracy=0.86, precision="fp32", estimated=True),
         _run(template, 4, time=50.0, cost=10.0, energy=100.0, mfu=0.9, accuracy=0.52, precision="fp16"),
     ]
 
@@ -57,8 +66,10 @@ def _rows(table):
 
 def _runs_of(template, table):
     """One converged run per row of a study table: time, cost, energy and occupancy (as the utilization term)."""
-    return [_run(template, number, time=time, cost=cost, energy=energy, mfu=occupancy, accuracy=0.9)
-            for number, (time, cost, energy, occupancy) in enumerate(_rows(table).values(), 1)]
+    return [
+        _run(template, number, time=time, cost=cost, energy=energy, mfu=occupancy, accuracy=0.9)
+        for number, (time, cost, energy, occupancy) in enumerate(_rows(table).values(), 1)
+    ]
 
 
 def test_the_strategies_are_the_studys_table_5_3(study_tables):
@@ -98,8 +109,8 @@ def test_matrix_scores_every_preset_max_normalized_over_converged_runs(study):
     # Maxima over runs 1-3: t 400, c 3, e 40, u 0.4, so
     # run 1: T .25 C .3333 E .75 U .5; run 2: T .5 C 1 E .5 U 1; run 3: T 1 C .6667 E 1 U .25.
     expected = {
-        "balance": [0.35, 0.5, 0.775],      # 0.3 (T + C + E) - 0.1 U
-        "time_cost_energy": [0.25, 0.5, 0.775],    # 0.5 T + 0.3 C + 0.1 E - 0.1 U
+        "balance": [0.35, 0.5, 0.775],  # 0.3 (T + C + E) - 0.1 U
+        "time_cost_energy": [0.25, 0.5, 0.775],  # 0.5 T + 0.3 C + 0.1 E - 0.1 U
         "cost_time_energy": [0.26667, 0.6, 0.70833],
         "energy_cost_time": [0.45, 0.5, 0.775],
     }
@@ -133,8 +144,10 @@ def test_margin_below_the_best_run_fails_the_gate(study, template):
 
 
 def test_perplexity_gate_is_an_upper_bound(template):
-    runs = [dataclasses.replace(template, task="gpt", bleu=None, perplexity=value, run_id=f"g{value}")
-            for value in (7.0, 7.5, 45.0)]
+    runs = [
+        dataclasses.replace(template, task="gpt", bleu=None, perplexity=value, run_id=f"g{value}")
+        for value in (7.0, 7.5, 45.0)
+    ]
     verdicts = quality.default_gate("gpt").verdicts(runs)
     assert verdicts[:2] == [None, None] and "misses the threshold 40" in verdicts[2]
     assert "more than 10% worse" in quality.default_gate("gpt", threshold=100).verdicts(runs)[2]
@@ -165,8 +178,9 @@ def test_plots_a_to_d_are_drawn(study, tmp_path):
     for name in names:
         height, width, _ = matplotlib.image.imread(tmp_path / name).shape
         assert height > 300 and width > 500
-    no_quality = scoring.compare([dataclasses.replace(run, accuracy=None) for run in study],
-                                 gate=quality.default_gate("imdb"))
+    no_quality = scoring.compare(
+        [dataclasses.replace(run, accuracy=None) for run in study], gate=quality.default_gate("imdb")
+    )
     assert "no run has a final accuracy" in plots.plot_quality(no_quality, tmp_path / "d.png").reason
 
 

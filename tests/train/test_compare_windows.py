@@ -40,8 +40,9 @@ def test_a_schema_2_log_reads_its_windows(cpu_run):
     assert figures.time == pytest.approx(1 / steady["examples_per_s"])
     assert figures.energy == pytest.approx(steady["power_w"] / steady["examples_per_s"])
     assert figures.utilization is None  # a CPU has no datasheet peak
-    assert scoring.figures(cpu_run, "whole") == scoring.Figures(cpu_run.train_time_s, cpu_run.cost_usd,
-                                                                cpu_run.energy_j, None)
+    assert scoring.figures(cpu_run, "whole") == scoring.Figures(
+        cpu_run.train_time_s, cpu_run.cost_usd, cpu_run.energy_j, None
+    )
 
 
 def profile_run(template, name, backend, times, watts):
@@ -52,13 +53,33 @@ def profile_run(template, name, backend, times, watts):
     steady = [time for time, flag in zip(times, flags) if not flag]
     cost = lambda seconds: seconds * PRICE / 3600  # noqa: E731
     return dataclasses.replace(
-        template, run_id=name, source=template.source.parents[1] / name / template.source.name, task="imdb",
-        backend=backend, bleu=None, accuracy=0.9, schema=2,
-        train_time_s=sum(times), cost_usd=cost(sum(times)), energy_j=watts * sum(times), mfu=None,
-        trained=3200, trained_unit="examples", throughput=3200 / sum(times),
+        template,
+        run_id=name,
+        source=template.source.parents[1] / name / template.source.name,
+        task="imdb",
+        backend=backend,
+        bleu=None,
+        accuracy=0.9,
+        schema=2,
+        train_time_s=sum(times),
+        cost_usd=cost(sum(times)),
+        energy_j=watts * sum(times),
+        mfu=None,
+        trained=3200,
+        trained_unit="examples",
+        throughput=3200 / sum(times),
         warmup=Warmup(len(warm), sum(warm), watts * sum(warm), cost(sum(warm))),
-        steady=Steady(len(steady), sum(steady), statistics.median(steady), 32 * len(steady) / sum(steady), None,
-                      None, watts * sum(steady), watts, cost(sum(steady))),
+        steady=Steady(
+            len(steady),
+            sum(steady),
+            statistics.median(steady),
+            32 * len(steady) / sum(steady),
+            None,
+            None,
+            watts * sum(steady),
+            watts,
+            cost(sum(steady)),
+        ),
     )
 
 
@@ -108,8 +129,10 @@ def test_without_an_mfu_for_any_run_the_score_leaves_utilization_out(h100_pair):
     assert all(score is not None and score.utilization is None for score in comparison.scores)
     # balance for XLA, every maximum the fused run's: 0.3 (T + C + E) = 0.3 (4.72/5.16 + 4.72/5.16 + 1652/2064 J).
     assert comparison.scores[1].value == pytest.approx(0.3 * (2 * 4.72 / 5.16 + 350 * 4.72 / (400 * 5.16)))
-    assert "no converged run has an MFU (no datasheet peak for its device): the scores leave the utilization term " \
-           "out" in comparison.notes
+    assert (
+        "no converged run has an MFU (no datasheet peak for its device): the scores leave the utilization term "
+        "out" in comparison.notes
+    )
     with_mfu = [dataclasses.replace(h100_pair[0], mfu=0.3), h100_pair[1]]  # one run has it: the other is not scored
     mixed = scoring.compare(with_mfu, gate=OPEN_GATE)
     assert mixed.scores[1] is None and any("#2 xla is not scored: its MFU is unknown" in n for n in mixed.notes)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from train.wmt import data as ip
 from train.data.stream import host_rows
 from train.errors import UsageError
+from train.wmt import data as ip
 
 PAD, BOS, EOS = 0, 1, 2
 

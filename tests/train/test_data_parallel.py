@@ -18,23 +18,45 @@ from train.errors import UsageError
 from train.harness.parallel import process_counts
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["--batch-size", "8", "--dropout", "0", "--precision", "fp32", "--eval-every", "100", "--log-every", "1",
-          "--no-progress", "--no-tensorboard", "--backend", "xla"]
+COMMON = [
+    "--batch-size",
+    "8",
+    "--dropout",
+    "0",
+    "--precision",
+    "fp32",
+    "--eval-every",
+    "100",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--no-tensorboard",
+    "--backend",
+    "xla",
+]
 
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     # XLA's CPU collectives abort a rendezvous that waits 40 s for a device's thread; a loaded 2-core machine can
     # leave one that long, so the tests allow 5 minutes.
-    flags = (f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_call_terminate_timeout_seconds=300"
-             " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60")
+    flags = (
+        f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_call_terminate_timeout_seconds=300"
+        " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60"
+    )
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=flags, **extra)
     return env
 
 
 def _train(run_dir: Path, *args: str, devices: int = 1, timeout: int = 600) -> None:
-    result = subprocess.run([sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), *args],
-                            cwd=ROOT, env=_env(devices), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        env=_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -57,7 +79,9 @@ def one_device(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["replicated", "sharded-optimizer"])
+@pytest.mark.parametrize(
+    "sharded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["replicated", "sharded-optimizer"]
+)
 def test_two_devices_match_one_device(one_device, tmp_path, sharded):
     run_dir = tmp_path / "two"
     _train(run_dir, "--steps", "6", *(["--shard-optimizer"] if sharded else []), devices=2)
@@ -79,9 +103,20 @@ def test_two_processes_match_one_process(one_device, tmp_path):
     port = _free_port()
     command = [sys.executable, "-m", "train.imdb", *COMMON, "--steps", "6", "--distributed"]
     processes = [
-        subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(1, PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank)))
+        subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                1,
+                PYTHONPATH=str(ROOT),
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(rank),
+            ),
+        )
         for rank in range(2)
     ]
     outputs = [process.communicate(timeout=600) for process in processes]
@@ -108,23 +143,41 @@ def test_sharded_checkpoint_resumes_on_another_device_count(one_device, tmp_path
     np.testing.assert_allclose(continued["from-sharded"], continued["from-one"], rtol=1e-5)
 
 
-
 # ------------------------------------------------------------------------------------------- bad input
 
 
 def test_a_batch_the_devices_cannot_share_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "train.imdb", *COMMON, "--run-dir", str(tmp_path / "r"),
-                             "--batch-size", "3", "--steps", "1"], cwd=ROOT, env=_env(2), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.imdb",
+            *COMMON,
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--batch-size",
+            "3",
+            "--steps",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(2),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: --batch-size 3 is not a multiple of the 2 devices"
 
 
-@pytest.mark.parametrize("environ, message", [
-    ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "must be integers"),
-    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID 2 must be in 0 .. JAX_NUM_PROCESSES - 1"),
-    ({"JAX_NUM_PROCESSES": "0"}, "JAX_NUM_PROCESSES must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "must be integers"),
+        ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID 2 must be in 0 .. JAX_NUM_PROCESSES - 1"),
+        ({"JAX_NUM_PROCESSES": "0"}, "JAX_NUM_PROCESSES must be >= 1"),
+    ],
+)
 def test_process_numbers_out_of_range_are_one_line(environ, message):
     with pytest.raises(UsageError, match=message):
         process_counts(environ)

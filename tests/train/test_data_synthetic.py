@@ -19,8 +19,13 @@ def test_splits_have_requested_sizes_and_never_overlap():
 def test_lexicon_is_fixed_and_one_to_one():
     lexicon = wmt_synthetic.Lexicon.build()
     assert lexicon == wmt_synthetic.Lexicon.build()
-    stems = [*lexicon.noun.values(), *lexicon.verb.values(), *lexicon.adjective.values(),
-             *lexicon.adverb.values(), *lexicon.numeral.values()]
+    stems = [
+        *lexicon.noun.values(),
+        *lexicon.verb.values(),
+        *lexicon.adjective.values(),
+        *lexicon.adverb.values(),
+        *lexicon.numeral.values(),
+    ]
     assert len(stems) == len(set(stems))
 
 
@@ -33,9 +38,14 @@ def test_translation_reorders_and_inflects():
     assert source == "the big dog sees two small cats quickly"
     ri = wmt_synthetic.PLURAL_SUFFIX
     expected = [
-        lexicon.noun["dog"], lexicon.adjective["big"], wmt_synthetic.DEFINITE_PARTICLE,  # adjective after noun
-        lexicon.noun["cat"] + ri, lexicon.adjective["small"] + ri, lexicon.numeral["two"],  # agreement
-        wmt_synthetic.OBJECT_PARTICLE, lexicon.adverb["quickly"],
+        lexicon.noun["dog"],
+        lexicon.adjective["big"],
+        wmt_synthetic.DEFINITE_PARTICLE,  # adjective after noun
+        lexicon.noun["cat"] + ri,
+        lexicon.adjective["small"] + ri,
+        lexicon.numeral["two"],  # agreement
+        wmt_synthetic.OBJECT_PARTICLE,
+        lexicon.adverb["quickly"],
         lexicon.verb["see"] + wmt_synthetic.VERB_SINGULAR_SUFFIX,  # verb last, agreeing with the subject
     ]
     assert target.split() == expected

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from train.wmt import data as wmt_data, synthetic as wmt_synthetic
-from train.errors import DataError, UsageError
 from train.data import tokenizer as tokenizer_lib
+from train.errors import DataError, UsageError
+from train.wmt import data as wmt_data
+from train.wmt import synthetic as wmt_synthetic
 
 
 def write_corpus(directory, sizes=None, src="de", tgt="en"):
@@ -66,7 +67,9 @@ def test_missing_directory(tmp_path):
 def trained_vocab(tmp_path_factory):
     pairs = wmt_synthetic.synthetic_corpus(2000, 1, 1, seed=0)["train"]
     path = tmp_path_factory.mktemp("spm") / "spm.model"
-    processor = tokenizer_lib.train([s for s, _ in pairs] + [t for _, t in pairs], path, vocab_size=300, model_type="bpe")
+    processor = tokenizer_lib.train(
+        [s for s, _ in pairs] + [t for _, t in pairs], path, vocab_size=300, model_type="bpe"
+    )
     return path, processor, pairs
 
 
@@ -93,8 +96,11 @@ def test_load_rejects_a_vocabulary_with_other_special_ids(tmp_path, trained_voca
     _, _, pairs = trained_vocab
     with open(tmp_path / "default_ids.model", "wb") as model_file:
         spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter(s for s, _ in pairs), model_writer=model_file, vocab_size=100,
-            model_type="bpe", minloglevel=2,
+            sentence_iterator=iter(s for s, _ in pairs),
+            model_writer=model_file,
+            vocab_size=100,
+            model_type="bpe",
+            minloglevel=2,
         )  # sentencepiece's own defaults: unk=0 bos=1 eos=2 pad=-1
     with pytest.raises(ValueError, match="pad=-1.*unk=0"):
         tokenizer_lib.load(tmp_path / "default_ids.model")

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from train.wmt import data as wmt_data
 from train.errors import DataError, UsageError
+from train.wmt import data as wmt_data
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 

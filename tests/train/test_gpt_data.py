@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from train.gpt import data as gpt_data, synthetic as gpt_synthetic
 from train.errors import UsageError
+from train.gpt import data as gpt_data
+from train.gpt import synthetic as gpt_synthetic
 from train.gpt.data import IGNORE_LABEL, DataError, PackedRows
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
@@ -166,8 +167,9 @@ def test_text_file_trains_a_sentencepiece_model_and_holds_out_the_tail(tmp_path)
     source = write_lines(tmp_path / "docs.txt", ["", *texts, "   "])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    data = gpt_data.load_data(f"text:{source}", seq_len=16, max_positions=64, run_dir=run_dir, vocab_size=120,
-                              valid_fraction=0.1)
+    data = gpt_data.load_data(
+        f"text:{source}", seq_len=16, max_positions=64, run_dir=run_dir, vocab_size=120, valid_fraction=0.1
+    )
     assert (run_dir / "spm.model").is_file() and data.tokenizer.size <= 120
     assert data.stats["train_documents"] == 400
     total = data.splits["train"].num_targets + data.splits["valid"].num_targets
@@ -176,8 +178,14 @@ def test_text_file_trains_a_sentencepiece_model_and_holds_out_the_tail(tmp_path)
 
     given_dir = tmp_path / "given"
     given_dir.mkdir()
-    again = gpt_data.load_data(f"text:{source}", seq_len=16, max_positions=64, run_dir=given_dir,
-                               spm_model=str(run_dir / "spm.model"), valid_fraction=0.1)
+    again = gpt_data.load_data(
+        f"text:{source}",
+        seq_len=16,
+        max_positions=64,
+        run_dir=given_dir,
+        spm_model=str(run_dir / "spm.model"),
+        valid_fraction=0.1,
+    )
     assert (given_dir / "spm.model").read_bytes() == (run_dir / "spm.model").read_bytes()
     assert np.array_equal(again.splits["train"].stream, data.splits["train"].stream)
 
@@ -239,11 +247,13 @@ def test_sequence_longer_than_the_positions(tmp_path):
 def test_missing_or_invalid_tokenizer_file(tmp_path):
     source = write_lines(tmp_path / "docs.txt", ["some text"] * 20)
     with pytest.raises(UsageError, match=r"--spm-model .*absent\.model: no such file"):
-        gpt_data.load_data(f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path,
-                           spm_model=str(tmp_path / "absent.model"))
+        gpt_data.load_data(
+            f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path, spm_model=str(tmp_path / "absent.model")
+        )
     with pytest.raises(UsageError, match=r"--spm-model (.*docs\.txt): \1 is not a sentencepiece model"):
-        gpt_data.load_data(f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path / "run",
-                           spm_model=str(source))
+        gpt_data.load_data(
+            f"text:{source}", seq_len=4, max_positions=64, run_dir=tmp_path / "run", spm_model=str(source)
+        )
     with pytest.raises(UsageError, match="no tokenizer there"):
         gpt_data.HuggingFaceTokenizer.load(tmp_path)
 

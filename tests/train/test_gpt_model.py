@@ -16,17 +16,25 @@ import pytest
 from ls_jax import backend
 from ls_jax.models import hf
 from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
-from train.gpt import data as gpt_data, model as gpt_model, synthetic as gpt_synthetic
 from train.costs import metrics
-from train.gpt.data import IGNORE_LABEL
 from train.errors import UsageError
+from train.gpt import data as gpt_data
+from train.gpt import model as gpt_model
+from train.gpt import synthetic as gpt_synthetic
+from train.gpt.data import IGNORE_LABEL
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (LayerNorm, softmax, GELU, loss, optimizer): docs/flops.md
 
 
 def tiny_model(vocab_size=90, seq_len=32, hidden=64, layers=2):
-    config = gpt_model.preset_config("gpt2-tiny", vocab_size=vocab_size, dtype=jnp.float32, hidden_size=hidden,
-                                     intermediate_size=4 * hidden, max_seq_len=seq_len)
+    config = gpt_model.preset_config(
+        "gpt2-tiny",
+        vocab_size=vocab_size,
+        dtype=jnp.float32,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        max_seq_len=seq_len,
+    )
     model = GPTLMHeadModel(dataclasses.replace(config, num_layers=layers))
     return model, model.init(jax.random.key(0), jnp.ones((1, seq_len), jnp.int32))["params"]
 
@@ -34,10 +42,15 @@ def tiny_model(vocab_size=90, seq_len=32, hidden=64, layers=2):
 # ------------------------------------------------------------------------------------------------ presets
 
 
-@pytest.mark.parametrize("name, parameters", [
-    # Hugging Face GPT2LMHeadModel parameter counts (vocabulary 50257, 1024 positions, tied head).
-    ("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
-])
+@pytest.mark.parametrize(
+    "name, parameters",
+    [
+        # Hugging Face GPT2LMHeadModel parameter counts (vocabulary 50257, 1024 positions, tied head).
+        ("gpt2-small", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+    ],
+)
 def test_presets_have_gpt2s_sizes(name, parameters):
     config = gpt_model.preset_config(name, vocab_size=50257)
     shapes = jax.eval_shape(GPTLMHeadModel(config).init, jax.random.key(0), jnp.ones((1, 8), jnp.int32))
@@ -121,8 +134,9 @@ def test_flop_formula_by_hand_and_against_the_encoder_count():
     # B=2, L=3, H=8, F=16, V=10, 2 layers: 3 x [layers x (2BL(4H^2 + 2HF) + 4BL^2H) + 2BLHV]
     expected = 3 * (2 * (2 * 6 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 9 * 8) + 2 * 6 * 8 * 10)
     assert gpt_model.gpt_train_flops(batch=2, seq_len=3, hidden=8, ffn=16, layers=2, vocab=10) == expected
-    assert expected == metrics.transformer_train_flops(batch=2, src_len=3, tgt_len=3, hidden=8, ffn=16,
-                                                       encoder_layers=2, decoder_layers=0, vocab=10)
+    assert expected == metrics.transformer_train_flops(
+        batch=2, src_len=3, tgt_len=3, hidden=8, ffn=16, encoder_layers=2, decoder_layers=0, vocab=10
+    )
     config = gpt_model.preset_config("gpt2-small", vocab_size=50257)
     per_token = gpt_model.make_flops_fn(config)({"input_ids": (2, 4, 1024)}) / (2 * 4 * 1024)
     non_embedding = 12 * (4 * 768**2 + 2 * 768 * 3072)
@@ -176,8 +190,11 @@ def test_sampling_gives_valid_tokens_deterministic_in_the_seed():
     prompt = np.full((4, 2), 2, np.int32)
 
     def draw(seed, **kwargs):
-        return np.asarray(gpt_model.generate(model, params, prompt, max_new_tokens=12, rng=jax.random.key(seed),
-                                             temperature=1.0, **kwargs))
+        return np.asarray(
+            gpt_model.generate(
+                model, params, prompt, max_new_tokens=12, rng=jax.random.key(seed), temperature=1.0, **kwargs
+            )
+        )
 
     first = draw(0)
     assert first.shape == (4, 12) and first.dtype == np.int32 and ((0 <= first) & (first < 30)).all()
@@ -191,9 +208,18 @@ def test_sampling_gives_valid_tokens_deterministic_in_the_seed():
 def test_sample_texts_decode_until_the_end_of_the_document():
     vocabulary = gpt_synthetic.WordVocabulary()
     model, params = tiny_model(vocab_size=vocabulary.size, seq_len=32)
+
     def sample():
-        return gpt_model.sample_texts(model, params, vocabulary, ["the cat", "a dog"], max_new_tokens=20,
-                                      rng=jax.random.key(0), temperature=0.8, top_k=10)
+        return gpt_model.sample_texts(
+            model,
+            params,
+            vocabulary,
+            ["the cat", "a dog"],
+            max_new_tokens=20,
+            rng=jax.random.key(0),
+            temperature=0.8,
+            top_k=10,
+        )
 
     texts = sample()
     assert [text.split()[:2] for text in texts] == [["the", "cat"], ["a", "dog"]]
@@ -224,8 +250,11 @@ def write_gpt2_directory(directory, config: GPTConfig, params):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(gpt_synthetic.synthetic_corpus(0, train=200, valid=1)["train"], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
     fast.save_pretrained(directory)

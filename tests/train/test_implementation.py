@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train_imdb import csv_data, csv_job  # noqa: F401 - csv_data is a fixture
+from test_train_wmt import SMALL, compilation_cache, corpus_dir  # noqa: F401 - fixtures
 
-from ls_jax.models import BertConfig, PAD_ID, TransformerConfig
+from ls_jax.models import PAD_ID, BertConfig, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.models.gpt import GPTConfig
 from ls_jax.ops import label_smoothed_cross_entropy
-from test_train_imdb import csv_data, csv_job  # noqa: F401 - csv_data is a fixture
-from test_train_wmt import SMALL, compilation_cache, corpus_dir  # noqa: F401 - fixtures
 from train.errors import EXIT_USAGE
 from train.gpt import model as gpt_model
 from train.gpt import task as gpt
@@ -64,8 +64,12 @@ def test_flax_and_ls_jax_bert_give_the_same_logits_for_the_same_weights():
     assert got.shape == (5, 3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-5)
     changed = input_ids.at[0, 1].set(int(input_ids[0, 1]) % 39 + 1)
-    assert not np.allclose(np.asarray(flax.logits(reference_params, changed, deterministic=True))[0],
-                           np.asarray(got)[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(
+        np.asarray(flax.logits(reference_params, changed, deterministic=True))[0],
+        np.asarray(got)[0],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_flax_bert_takes_the_random_init_in_its_own_layout():
@@ -93,10 +97,13 @@ def test_flax_and_ls_jax_gpt_give_the_same_logits_for_the_same_weights():
     assert flax.max_positions == ls_jax.max_positions == 16
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(activation_fn="relu"), "activation_fn 'relu' (the reference's: 'gelu')"),
-    (dict(activation_dropout_ratio=0.1), "activation_dropout_ratio 0.1 (the reference's: 0.0)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(activation_fn="relu"), "activation_fn 'relu' (the reference's: 'gelu')"),
+        (dict(activation_dropout_ratio=0.1), "activation_dropout_ratio 0.1 (the reference's: 0.0)"),
+    ],
+)
 def test_a_bert_the_reference_cannot_compute_is_named(change, message):
     model_cfg = tiny_bert_config()
     model_cfg = dataclasses.replace(model_cfg, layer=dataclasses.replace(model_cfg.layer, **change))
@@ -113,15 +120,21 @@ def test_the_plain_criteria_compute_the_fused_ops_sums():
     for implementation in ("flax", "ls_jax"):
         sums = wmt_model.make_criterion(implementation, 0.1)(logits, labels)
         assert float(sums[2]) == 4 * 4
-        np.testing.assert_allclose(np.asarray(sums),
-                                   np.asarray(label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=PAD_ID)),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(sums),
+            np.asarray(label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=PAD_ID)),
+            rtol=1e-5,
+        )
     grad = lambda criterion: jax.grad(lambda z: criterion(z, labels)[0])(logits)  # noqa: E731
-    np.testing.assert_allclose(grad(wmt_model.make_criterion("flax", 0.1)), grad(wmt_model.make_criterion("ls_jax", 0.1)),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        grad(wmt_model.make_criterion("flax", 0.1)), grad(wmt_model.make_criterion("ls_jax", 0.1)), rtol=1e-5, atol=1e-7
+    )
     ignored = labels.at[0].set(-1)
-    np.testing.assert_allclose(np.asarray(gpt_model.LM_SUMS["flax"](logits, ignored)),
-                               np.asarray(gpt_model.LM_SUMS["ls_jax"](logits, ignored)), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(gpt_model.LM_SUMS["flax"](logits, ignored)),
+        np.asarray(gpt_model.LM_SUMS["ls_jax"](logits, ignored)),
+        rtol=1e-5,
+    )
     assert float(label_smoothed_sums(logits, ignored, epsilon=0.0, ignore_label=-1)[2]) == 3 * 6
 
 
@@ -152,8 +165,15 @@ def test_the_plain_gpt_decodes_a_prompt_then_tokens_as_the_full_forward():
 def test_the_plain_transformer_decodes_through_ls_jax_decoding():
     """Greedy decoding of the reference through ls_jax.models.decoding equals argmax over full forwards; beam 1
     is greedy; the cache's steps give the teacher-forced logits."""
-    model_cfg = TransformerConfig.preset("transformer-tiny", 30, dtype=jnp.float32, hidden_dropout_ratio=0.0,
-                                         attn_prob_dropout_ratio=0.0, activation_dropout_ratio=0.0, max_seq_len=12)
+    model_cfg = TransformerConfig.preset(
+        "transformer-tiny",
+        30,
+        dtype=jnp.float32,
+        hidden_dropout_ratio=0.0,
+        attn_prob_dropout_ratio=0.0,
+        activation_dropout_ratio=0.0,
+        max_seq_len=12,
+    )
     model = wmt_model.build_model("flax", model_cfg)
     assert model.max_target_len == 12
     src = jnp.asarray([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]], jnp.int32)
@@ -164,8 +184,9 @@ def test_the_plain_transformer_decodes_through_ls_jax_decoding():
     _, state = model.apply({"params": params}, encoded, src_mask, 8, method="init_cache", mutable=["cache"])
     steps = []
     for index in range(tgt.shape[1]):
-        logits, state = model.apply({"params": params, **state}, tgt[:, index:index + 1], method="decode",
-                                    mutable=["cache"])
+        logits, state = model.apply(
+            {"params": params, **state}, tgt[:, index : index + 1], method="decode", mutable=["cache"]
+        )
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=1e-4, atol=1e-5)
 
@@ -178,7 +199,7 @@ def test_the_plain_transformer_decodes_through_ls_jax_decoding():
     for row in range(2):  # after EOS (2) the decoder writes padding
         ends = np.flatnonzero(expected[row] == 2)
         if len(ends):
-            expected[row, ends[0] + 1:] = PAD_ID
+            expected[row, ends[0] + 1 :] = PAD_ID
     np.testing.assert_array_equal(decoded, expected)
     np.testing.assert_array_equal(np.asarray(beam_search(model, params, src, beam_size=1, max_len=6)), decoded)
     with pytest.raises(ValueError, match="max_len must be in"):
@@ -190,8 +211,10 @@ def test_the_plain_transformer_decodes_through_ls_jax_decoding():
 
 @pytest.mark.parametrize("task", [imdb.TASK, wmt.TASK, gpt.TASK], ids=["imdb", "wmt", "gpt"])
 def test_remat_with_the_flax_implementation_is_one_line(task, tmp_path, capsys):
-    assert run_training(task, ["--implementation", "flax", "--remat", "layer", "--run-dir", str(tmp_path / "r")]) \
+    assert (
+        run_training(task, ["--implementation", "flax", "--remat", "layer", "--run-dir", str(tmp_path / "r")])
         == EXIT_USAGE
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: --remat layer needs --implementation ls_jax") and err.count("\n") == 1
 
@@ -212,16 +235,36 @@ def implementations(run_dir):
 
 def train_resume_refuse(task, args, run_dir, capsys):
     """2 steps with --implementation flax (a checkpoint at 1 and 2), resumed to 4, then refused as ls_jax."""
-    assert run_training(task, [*args, "--implementation", "flax", "--steps", "2", "--log-every", "1",
-                               "--checkpoint-every", "1", "--run-dir", str(run_dir), *QUIET]) == 0
+    assert (
+        run_training(
+            task,
+            [
+                *args,
+                "--implementation",
+                "flax",
+                "--steps",
+                "2",
+                "--log-every",
+                "1",
+                "--checkpoint-every",
+                "1",
+                "--run-dir",
+                str(run_dir),
+                *QUIET,
+            ],
+        )
+        == 0
+    )
     assert run_training(task, ["--resume", str(run_dir), "--steps", "4", *QUIET]) == 0
     recorded, records = implementations(run_dir)
     assert recorded == ["flax"] and records[0]["config"]["implementation"] == "flax"
     assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4]
     assert records[-1]["type"] == "summary" and records[-1]["completed"] and records[-1]["steps"] == 4
     capsys.readouterr()
-    assert run_training(task, ["--resume", str(run_dir), "--implementation", "ls_jax", "--steps", "6", *QUIET]) \
+    assert (
+        run_training(task, ["--resume", str(run_dir), "--implementation", "ls_jax", "--steps", "6", *QUIET])
         == EXIT_USAGE
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint ") and "implementation: checkpoint 'flax' vs now 'ls_jax'" in err
     assert err.count("\n") == 1
@@ -235,8 +278,9 @@ def final_evals(records):
 
 @pytest.mark.slow
 def test_imdb_trains_resumes_and_records_flax(tmp_path, csv_data, compilation_cache, capsys):  # noqa: F811
-    records = train_resume_refuse(imdb.TASK, csv_job(csv_data, tmp_path / "run", "--eval-every", "0"),
-                                  tmp_path / "run", capsys)
+    records = train_resume_refuse(
+        imdb.TASK, csv_job(csv_data, tmp_path / "run", "--eval-every", "0"), tmp_path / "run", capsys
+    )
     finals = final_evals(records)
     assert [r["split"] for r in finals] == ["valid", "test"] and all(0 <= r["accuracy"] <= 1 for r in finals)
 
@@ -252,8 +296,12 @@ def test_wmt_trains_resumes_and_scores_bleu_with_flax(tmp_path, corpus_dir, comp
 @pytest.mark.slow
 def test_gpt_trains_resumes_and_samples_with_flax(tmp_path, compilation_cache, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
-    records = train_resume_refuse(gpt.TASK, ["--batch-size", "4", "--max-seq-len", "32", "--eval-every", "0",
-                                             "--samples", "1", "--sample-tokens", "8"], run_dir, capsys)
+    records = train_resume_refuse(
+        gpt.TASK,
+        ["--batch-size", "4", "--max-seq-len", "32", "--eval-every", "0", "--samples", "1", "--sample-tokens", "8"],
+        run_dir,
+        capsys,
+    )
     assert [r["split"] for r in final_evals(records)] == ["valid"]
     assert (run_dir / "samples.txt").read_text().startswith("# 1 samples")
     assert json.loads((run_dir / "config.json").read_text())["implementation"] == "flax"

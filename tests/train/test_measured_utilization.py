@@ -1,4 +1,5 @@
-"""train.costs.measured_utilization and ``train.compare --counters``: measured occupancy attached to the runs it fits."""
+"""train.costs.measured_utilization and ``train.compare --counters``: measured occupancy attached to the runs it
+fits."""
 
 import dataclasses
 import json
@@ -7,27 +8,39 @@ from pathlib import Path
 import pytest
 
 from train.compare import report as compare
-from train.costs import measured_utilization
 from train.compare import runs as run_logs
+from train.costs import measured_utilization
 
 DATA = Path(__file__).parents[1] / "data" / "compare"
 H100 = "NVIDIA H100 80GB HBM3"
 
 
 def _counters_file(tmp_path, implementations=("reference", "ls_jax_ffi")):
-    total = lambda occupancy: {"achieved_occupancy_pct_time_weighted": occupancy,
-                               "sm_throughput_pct_time_weighted": 2 * occupancy, "achieved_occupancy_pct_median": 1.0}
+    total = lambda occupancy: {
+        "achieved_occupancy_pct_time_weighted": occupancy,
+        "sm_throughput_pct_time_weighted": 2 * occupancy,
+        "achieved_occupancy_pct_median": 1.0,
+    }
     results = {impl: {"total": total(30.0 + i)} for i, impl in enumerate(implementations)}
     path = tmp_path / "counters-h100.json"
-    path.write_text(json.dumps({"suite": "counters", "environment": {"device_kind": H100},
-                                "workloads": {"wmt-big-6e6d": {"results": results}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "suite": "counters",
+                "environment": {"device_kind": H100},
+                "workloads": {"wmt-big-6e6d": {"results": results}},
+            }
+        )
+    )
     return path
 
 
 def test_load_keeps_ls_jax_implementations_with_their_backend(tmp_path):
     measured = measured_utilization.load(_counters_file(tmp_path, ("reference", "ls_jax_ffi", "ls_jax_xla")))
     assert [(m.backend, m.achieved_occupancy_pct, m.sm_throughput_pct) for m in measured] == [
-        ("ffi", 31.0, 62.0), ("xla", 32.0, 64.0)]  # the reference is no run's backend; time-weighted means are used
+        ("ffi", 31.0, 62.0),
+        ("xla", 32.0, 64.0),
+    ]  # the reference is no run's backend; time-weighted means are used
     assert all(m.device_kind == H100 and m.workload == "wmt-big-6e6d" for m in measured)
 
 
@@ -46,8 +59,12 @@ def test_runs_get_measured_counters_of_their_device_and_backend_else_mfu_labeled
 
 def test_compare_cli_writes_the_utilization_section(tmp_path, capsys):
     out = tmp_path / "report"
-    assert compare.main([str(DATA), "--baseline", "h100-xla", "--out", str(out),
-                         "--counters", str(_counters_file(tmp_path))]) == 0
+    assert (
+        compare.main(
+            [str(DATA), "--baseline", "h100-xla", "--out", str(out), "--counters", str(_counters_file(tmp_path))]
+        )
+        == 0
+    )
     report = (out / "report.md").read_text()
     assert "## Utilization: measured counters or MFU" in report
     assert "measured (ncu, wmt-big-6e6d, not transformer-base)" in report
@@ -74,9 +91,15 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("content, message", [(None, "no such file"), ("{not json", "not a counters result file"),
-                                              ('{"suite": "e2e"}', "not a counters result file"),
-                                              *((content, "not a counters result file") for content in MALFORMED)])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        ("{not json", "not a counters result file"),
+        ('{"suite": "e2e"}', "not a counters result file"),
+        *((content, "not a counters result file") for content in MALFORMED),
+    ],
+)
 def test_bad_counters_file_is_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "counters.json"
     if content is not None:

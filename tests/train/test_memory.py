@@ -10,17 +10,18 @@ import optax
 import pytest
 
 from train.compare import report as compare
-from train.imdb import task as imdb
 from train.costs import memory
-from train.records import runlog
 from train.harness.optimizer import make_optimizer
 from train.harness.training import run_training
+from train.imdb import task as imdb
+from train.records import runlog
 
 
 def test_optimizer_bytes_split_master_weights_from_moments():
     params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones((4,), jnp.bfloat16)}
-    tx = make_optimizer("adamw", optax.constant_schedule(1e-3), weight_decay=0.0, clip_norm=None,
-                        master_dtype=jnp.bfloat16)
+    tx = make_optimizer(
+        "adamw", optax.constant_schedule(1e-3), weight_decay=0.0, clip_norm=None, master_dtype=jnp.bfloat16
+    )
     master, moments = memory.optimizer_bytes(tx.init(params))
     # bf16 master weights are kept as int16 low halves: 2 bytes per parameter; two f32 moments: 8, and a counter.
     assert master == 36 * 2
@@ -45,8 +46,10 @@ def test_anatomy_adds_up_and_compares_with_the_rule():
     assert result["temporaries_bytes"] == analysis.temp_size_in_bytes > 0
     # The gradients are temporaries of the jitted step: counted once, inside the temporaries, not again in the total.
     assert result["temporaries_bytes"] >= result["grads_bytes"]
-    assert result["total_bytes"] == sum(result[key] for key in (
-        "params_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes"))
+    assert result["total_bytes"] == sum(
+        result[key]
+        for key in ("params_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes")
+    )
     assert result["bytes_per_param"] == pytest.approx(result["total_bytes"] / count)
     assert result["state_bytes_per_param"] == pytest.approx(16.0, abs=0.01)  # f32 params, grads and two moments
     assert result["measured_peak_bytes"] is None and result["rule_bytes_per_param"] == 18
@@ -56,8 +59,23 @@ def test_anatomy_adds_up_and_compares_with_the_rule():
 def test_training_summary_and_report_hold_the_anatomy(tmp_path, capsys):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
-                          "--max-seq-len", "16", "--run-dir", str(run_dir)])
+        code = run_training(
+            imdb.TASK,
+            [
+                "--steps",
+                "2",
+                "--log-every",
+                "1",
+                "--no-progress",
+                "--no-tensorboard",
+                "--batch-size",
+                "4",
+                "--max-seq-len",
+                "16",
+                "--run-dir",
+                str(run_dir),
+            ],
+        )
     assert code == 0 and "  memory      params " in printed.getvalue()
     records = runlog.read(run_dir / "run.jsonl")
     summary = records[-1]["memory"]

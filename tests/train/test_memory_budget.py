@@ -25,14 +25,16 @@ def tanh_loss(params, batch, rng):
 
 def test_activations_scale_with_the_rows_and_match_xla_buffers():
     params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
-    sizes = {rows: memory_budget.residual_sizes(tanh_loss, params, {"x": jax.ShapeDtypeStruct((rows, 256),
-                                                                                              jnp.float32)})
-             for rows in (512, 1024)}
+    sizes = {
+        rows: memory_budget.residual_sizes(tanh_loss, params, {"x": jax.ShapeDtypeStruct((rows, 256), jnp.float32)})
+        for rows in (512, 1024)
+    }
     # The backward of w needs at least x and the tanh output: two (rows, 256) f32 arrays.
     assert sum(sizes[512]) >= 2 * 512 * 256 * 4
     assert sum(sizes[1024]) == 2 * sum(sizes[512])
-    need = memory_budget.estimate(tanh_loss, params, {}, {"x": jax.ShapeDtypeStruct((1024, 256), jnp.float32)},
-                                  accumulated=False)
+    need = memory_budget.estimate(
+        tanh_loss, params, {}, {"x": jax.ShapeDtypeStruct((1024, 256), jnp.float32)}, accumulated=False
+    )
     step = jax.jit(jax.grad(lambda w, x: tanh_loss({"w": w}, {"x": x}, None)[0]))
     analysis = step.lower(jnp.ones((256, 256)), jnp.ones((1024, 256))).compile().memory_analysis()
     xla = analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
@@ -47,8 +49,9 @@ def test_gpt2_small_at_1024_positions_and_batch_8_is_estimated_above_host_scale(
     def need(preset, seq_len, rows):
         config = gpt_model.preset_config(preset, vocab_size=16000, max_seq_len=max(seq_len, 256), dtype=jnp.float32)
         model = GPTLMHeadModel(config)
-        params = jax.eval_shape(lambda key: model.init(key, jnp.ones((1, seq_len), jnp.int32))["params"],
-                                jax.random.PRNGKey(0))
+        params = jax.eval_shape(
+            lambda key: model.init(key, jnp.ones((1, seq_len), jnp.int32))["params"], jax.random.PRNGKey(0)
+        )
         batch = {name: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32) for name in ("input_ids", "labels")}
         moments = jax.tree.map(lambda p: jax.ShapeDtypeStruct((2, *p.shape), p.dtype), params)
         return memory_budget.estimate(gpt_model.make_loss_fn(model), params, moments, batch, accumulated=False)
@@ -57,8 +60,16 @@ def test_gpt2_small_at_1024_positions_and_batch_8_is_estimated_above_host_scale(
     assert need("gpt2-tiny", 64, 32).total < 2**30
 
 
-@pytest.mark.parametrize("text, expected", [("1073741824", 2**30), ("512MiB", 512 * 2**20), ("16 GB", 16 * 10**9),
-                                            ("1.5GiB", int(1.5 * 2**30)), ("100b", 100)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1073741824", 2**30),
+        ("512MiB", 512 * 2**20),
+        ("16 GB", 16 * 10**9),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("100b", 100),
+    ],
+)
 def test_limits_parse_with_units(text, expected):
     assert memory_budget.parse_bytes(text) == expected
 
@@ -94,9 +105,11 @@ def test_a_step_over_the_limit_is_one_line_naming_sizes_and_flags():
         memory_budget.check(need, (12 * 2**30, "available on this host (MemAvailable)"), "lower --batch-size")
     message = str(raised.value)
     assert "\n" not in message
-    assert message.startswith("a training step needs about 15.50 GiB (parameters and optimizer 1.00 GiB, gradients "
-                              "512.0 MiB, activations kept for the backward 14.00 GiB), more than the 12.00 GiB "
-                              "available on this host (MemAvailable); lower --batch-size")
+    assert message.startswith(
+        "a training step needs about 15.50 GiB (parameters and optimizer 1.00 GiB, gradients "
+        "512.0 MiB, activations kept for the backward 14.00 GiB), more than the 12.00 GiB "
+        "available on this host (MemAvailable); lower --batch-size"
+    )
 
 
 @pytest.mark.slow
@@ -107,9 +120,23 @@ def test_gpt_on_a_small_text_file_stops_before_compiling_with_one_line(tmp_path)
     words = ["the", "model", "reads", "a", "line", "of", "text", "and", "learns", "from", "it"]
     corpus.write_text("\n".join(" ".join(rng.choice(words, 40)) for _ in range(300)) + "\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), memory_budget.ENV_VAR: "8GiB"}
-    done = subprocess.run([sys.executable, "-m", "train.gpt", "--data", f"text:{corpus}", "--run-dir",
-                           str(tmp_path / "run"), "--no-progress"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.gpt",
+            "--data",
+            f"text:{corpus}",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: a training step needs about ")

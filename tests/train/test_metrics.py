@@ -11,11 +11,11 @@ from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
 from train.costs import energy, metrics
 from train.costs.hardware import Hardware
-from train.wmt import model as wmt_model
 from train.harness.optimizer import inverse_sqrt_schedule, make_optimizer
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.harness.step import TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
+from train.wmt import model as wmt_model
 
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
 
@@ -23,7 +23,9 @@ FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, o
 def test_flop_formula_by_hand():
     # One encoder and one decoder layer, B=2, S=3, T=4, H=8, F=16, V=10 (the terms of the docstring).
     encoder = 2 * 2 * 3 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 9 * 8
-    decoder = 2 * 2 * 4 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 16 * 8 + 2 * 2 * 4 * 2 * 64 + 2 * 2 * 3 * 2 * 64 + 4 * 2 * 4 * 3 * 8
+    decoder = (
+        2 * 2 * 4 * (4 * 64 + 2 * 8 * 16) + 4 * 2 * 16 * 8 + 2 * 2 * 4 * 2 * 64 + 2 * 2 * 3 * 2 * 64 + 4 * 2 * 4 * 3 * 8
+    )
     logits = 2 * 2 * 4 * 8 * 10
     expected = 3 * (encoder + decoder + logits)
     got = metrics.transformer_train_flops(
@@ -34,17 +36,28 @@ def test_flop_formula_by_hand():
 
 def tiny_transformer_step():
     """(compiler, state, batch, analytic FLOPs) of one transformer-tiny training step, fp32, batch 32 x 24."""
-    model_cfg = TransformerConfig.preset("transformer-tiny", 256, dtype=jnp.float32, hidden_dropout_ratio=0.0,
-                                         attn_prob_dropout_ratio=0.0, activation_dropout_ratio=0.0)
+    model_cfg = TransformerConfig.preset(
+        "transformer-tiny",
+        256,
+        dtype=jnp.float32,
+        hidden_dropout_ratio=0.0,
+        attn_prob_dropout_ratio=0.0,
+        activation_dropout_ratio=0.0,
+    )
     model = Transformer(model_cfg)
     tx = make_optimizer("adamw", inverse_sqrt_schedule(1e-3, 10), weight_decay=0.0, clip_norm=None)
     tokens = jnp.ones((1, 8), jnp.int32)
-    state = TrainState.create(model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx,
-                                   jax.random.PRNGKey(1), fp16=False)
+    state = TrainState.create(
+        model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx, jax.random.PRNGKey(1), fp16=False
+    )
     parallel = DataParallel.over_all_devices()
-    compiler = StepCompiler(make_train_step(wmt_model.make_loss_fn(model, wmt_model.make_criterion("ls_jax", 0.1)), tx,
-                                            axis_name=DATA_AXIS),
-                            StateLayout(parallel), state)
+    compiler = StepCompiler(
+        make_train_step(
+            wmt_model.make_loss_fn(model, wmt_model.make_criterion("ls_jax", 0.1)), tx, axis_name=DATA_AXIS
+        ),
+        StateLayout(parallel),
+        state,
+    )
     shape = (1, 32, 24)
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}
     analytic = wmt_model.make_flops_fn(model_cfg)({name: shape for name in batch})
@@ -87,7 +100,8 @@ def test_xla_flops_of_a_gpu_step_count_its_matmuls():
     assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)
     assert optimized is None or optimized < (1 - FLOP_TOLERANCE) * xla, (
         f"the compiled step's analysis counts {optimized} FLOPs of {xla}: it is expected to miss cuBLAS matmuls, "
-        "which is why the count is taken before optimization")
+        "which is why the count is taken before optimization"
+    )
 
 
 def test_xla_flops_reads_dict_or_list_and_rejects_missing():

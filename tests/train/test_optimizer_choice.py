@@ -11,23 +11,32 @@ import optax
 import pytest
 
 import ls_jax.optim
+from train.costs import compiled
+from train.errors import UsageError
 from train.harness import cli
 from train.harness.config import TrainingConfig
-from train.costs import compiled
+from train.harness.optimizer import (
+    DEFAULT_HYPERPARAMETERS,
+    hyperparameters,
+    implementation,
+    linear_warmup_decay,
+    make_optimizer,
+    on_host,
+)
+from train.harness.training import run_training
 from train.imdb import task as imdb
 from train.records import runlog
-from train.errors import UsageError
-from train.harness.optimizer import (DEFAULT_HYPERPARAMETERS, hyperparameters, implementation,
-                                     linear_warmup_decay, make_optimizer, on_host)
-from train.harness.training import run_training
 
 SCHEDULE = optax.constant_schedule(1e-2)
 
 
 def _params():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    return {"w": jax.random.normal(keys[0], (6, 4)), "b": jax.random.normal(keys[1], (4,)),
-            "v": jax.random.normal(keys[2], (4, 3))}
+    return {
+        "w": jax.random.normal(keys[0], (6, 4)),
+        "b": jax.random.normal(keys[1], (4,)),
+        "v": jax.random.normal(keys[2], (4, 3)),
+    }
 
 
 def _trajectory(tx, steps=5):
@@ -40,10 +49,13 @@ def _trajectory(tx, steps=5):
     return params
 
 
-@pytest.mark.parametrize("fused, unfused, given", [
-    ("adamw", "optax-adamw", {"b1": 0.8, "b2": 0.95, "eps": 1e-6}),
-    ("adan", "optax-adan", {"b1": 0.9, "b2": 0.9, "b3": 0.95, "eps": 1e-6}),
-])
+@pytest.mark.parametrize(
+    "fused, unfused, given",
+    [
+        ("adamw", "optax-adamw", {"b1": 0.8, "b2": 0.95, "eps": 1e-6}),
+        ("adan", "optax-adan", {"b1": 0.9, "b2": 0.9, "b3": 0.95, "eps": 1e-6}),
+    ],
+)
 def test_fused_and_unfused_follow_the_same_math_with_the_given_hyperparameters(fused, unfused, given):
     options = dict(weight_decay=0.1, clip_norm=1.0, **given)
     ours = _trajectory(make_optimizer(fused, SCHEDULE, **options))
@@ -83,11 +95,14 @@ def test_implementation_names_what_runs():
     assert implementation("optax-adamw", "ffi") == "optax.adamw (unfused, per-leaf XLA ops)"
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"optimizer": "adamw", "b3": 0.9}, "--optimizer adamw: --b3 is an Adan hyperparameter"),
-    ({"optimizer": "optax-adamw", "master_weights": True}, "--master-weights needs a fused optimizer"),
-    ({"optimizer": "optax-adan", "shard_optimizer": True}, "--shard-optimizer needs a fused optimizer"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"optimizer": "adamw", "b3": 0.9}, "--optimizer adamw: --b3 is an Adan hyperparameter"),
+        ({"optimizer": "optax-adamw", "master_weights": True}, "--master-weights needs a fused optimizer"),
+        ({"optimizer": "optax-adan", "shard_optimizer": True}, "--shard-optimizer needs a fused optimizer"),
+    ],
+)
 def test_check_optimizer_rejects_what_cannot_run(flags, message):
     config = TrainingConfig(**flags)
     with pytest.raises(UsageError, match=message):
@@ -132,8 +147,27 @@ def test_optimizer_step_kernels_counts_the_compiled_update():
 def test_run_record_names_the_optimizer_that_ran(tmp_path):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
-                          "--max-seq-len", "16", "--optimizer", "optax-adan", "--b3", "0.95", "--run-dir", str(run_dir)])
+        code = run_training(
+            imdb.TASK,
+            [
+                "--steps",
+                "2",
+                "--log-every",
+                "1",
+                "--no-progress",
+                "--no-tensorboard",
+                "--batch-size",
+                "4",
+                "--max-seq-len",
+                "16",
+                "--optimizer",
+                "optax-adan",
+                "--b3",
+                "0.95",
+                "--run-dir",
+                str(run_dir),
+            ],
+        )
     assert code == 0
     run = runlog.read(run_dir / "run.jsonl")[0]
     assert run["optimizer"] == "optax-adan"
@@ -143,7 +177,9 @@ def test_run_record_names_the_optimizer_that_ran(tmp_path):
 
 
 def test_bad_optimizer_flag_is_one_line(tmp_path, capsys):
-    code = run_training(imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")])
+    code = run_training(
+        imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")]
+    )
     assert code == 2
     assert "error: --optimizer adamw: --b3 is an Adan hyperparameter" in capsys.readouterr().err
 

@@ -11,13 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
-import jax.numpy as jnp
-
+from train.errors import EXIT_PEER_LOST
 from train.harness import peers
 from train.records.checkpoints import Checkpoints, complete_steps, remove_partial_checkpoints
-from train.errors import EXIT_PEER_LOST
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_TIMEOUT = 10
@@ -98,12 +97,42 @@ def _free_port() -> int:
 
 def _start(run_dir: Path, port: int, rank: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank), XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    command = [sys.executable, "-m", "train.imdb", "--batch-size", "8", "--dropout", "0", "--precision", "fp32",
-               "--backend", "xla", "--eval-every", "0", "--log-every", "1", "--checkpoint-every", "3",
-               "--no-progress", "--no-tensorboard", "--steps", "100000", "--run-dir", str(run_dir), "--distributed",
-               "--peer-timeout", str(PEER_TIMEOUT)]
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID=str(rank),
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "train.imdb",
+        "--batch-size",
+        "8",
+        "--dropout",
+        "0",
+        "--precision",
+        "fp32",
+        "--backend",
+        "xla",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "3",
+        "--no-progress",
+        "--no-tensorboard",
+        "--steps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        "--distributed",
+        "--peer-timeout",
+        str(PEER_TIMEOUT),
+    ]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

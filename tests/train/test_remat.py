@@ -13,10 +13,11 @@ import pytest
 
 from ls_jax.layers import LayerConfig
 from ls_jax.layers.transformer import TransformerDecoder, TransformerEncoder
-from train.imdb import task as imdb, model as imdb_model
-from train.imdb import config as imdb_config
-from train.records import runlog
 from train.harness.training import run_training
+from train.imdb import config as imdb_config
+from train.imdb import model as imdb_model
+from train.imdb import task as imdb
+from train.records import runlog
 
 MODES = ("none", "gemm-outputs", "layer")
 BASE = LayerConfig(hidden_size=32, intermediate_size=128, nhead=4, max_seq_len=16, dtype=jnp.float32)
@@ -69,14 +70,33 @@ def test_unknown_remat_mode_is_a_clear_error():
 def test_train_cli_takes_remat(tmp_path, capsys):
     run_dir = tmp_path / "run"
     with contextlib.redirect_stdout(io.StringIO()):
-        code = run_training(imdb.TASK, ["--steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard", "--batch-size", "4",
-                          "--max-seq-len", "16", "--remat", "layer", "--run-dir", str(run_dir)])
+        code = run_training(
+            imdb.TASK,
+            [
+                "--steps",
+                "2",
+                "--log-every",
+                "1",
+                "--no-progress",
+                "--no-tensorboard",
+                "--batch-size",
+                "4",
+                "--max-seq-len",
+                "16",
+                "--remat",
+                "layer",
+                "--run-dir",
+                str(run_dir),
+            ],
+        )
     assert code == 0
     records = runlog.read(run_dir / "run.jsonl")
     assert "--remat layer" in records[0]["command"] and records[-1]["completed"]
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["remat"] == "layer"  # what the run resolved, and what resuming it builds the model from
-    model_cfg, _ = imdb_model.build_model(imdb_config.resolve_config({}, saved), vocab_size=64, precision="fp32", rng=jax.random.PRNGKey(0))
+    model_cfg, _ = imdb_model.build_model(
+        imdb_config.resolve_config({}, saved), vocab_size=64, precision="fp32", rng=jax.random.PRNGKey(0)
+    )
     assert model_cfg.layer.remat == "layer"
     with pytest.raises(SystemExit) as exit_info:
         run_training(imdb.TASK, ["--remat", "some", "--run-dir", str(tmp_path / "bad")])

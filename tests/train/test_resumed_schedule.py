@@ -6,9 +6,9 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import toy_task
 from helpers.toy_runs import QUIET
+
 from train.harness.optimizer import continued, linear_warmup_decay
 from train.records import runlog
 
@@ -33,16 +33,27 @@ def test_continued_moves_from_the_saved_rate_into_the_new_schedule():
 
 def test_a_finished_linear_decay_extended_goes_on_without_a_jump_and_resumes_exactly(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    flags = ["--linear-decay", "--lr", str(PEAK), "--warmup-steps", "2", "--checkpoint-every", "2",
-             "--keep-checkpoints", "100"]
+    flags = [
+        "--linear-decay",
+        "--lr",
+        str(PEAK),
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--keep-checkpoints",
+        "100",
+    ]
     assert toy_task.main(["--run-dir", str(run_dir), *QUIET, *flags, "--steps", "10"]) == 0
     before = interval_rates(run_dir)
     assert before[10] == pytest.approx(float(linear_warmup_decay(PEAK, 2, 10)(9)))
     capsys.readouterr()
 
     assert toy_task.main(["--resume", str(run_dir), "--steps", "40"]) == 0
-    assert (f"resuming {run_dir} at step 10; its learning rate goes on from 0 into the schedule of --steps 40"
-            in capsys.readouterr().err)
+    assert (
+        f"resuming {run_dir} at step 10; its learning rate goes on from 0 into the schedule of --steps 40"
+        in capsys.readouterr().err
+    )
     extended = interval_rates(run_dir)
     plan = linear_warmup_decay(PEAK, 2, 40)
     assert {step: extended[step] for step in range(1, 11)} == before  # the first 10 steps are as they were
@@ -72,8 +83,9 @@ def test_a_resume_with_the_same_steps_keeps_the_schedule(tmp_path):
         if path.name in ("8", "12"):
             path.rename(run_dir / f"dropped-{path.name}")
     log = run_dir / runlog.LOG_FILENAME
-    log.write_text("".join(json.dumps(r) + "\n" for r in runlog.read(log)
-                           if r["type"] == "run" or r.get("step", 99) <= 4))
+    log.write_text(
+        "".join(json.dumps(r) + "\n" for r in runlog.read(log) if r["type"] == "run" or r.get("step", 99) <= 4)
+    )
     assert toy_task.main(["--resume", str(run_dir)]) == 0
     assert interval_rates(run_dir) == pytest.approx(straight)
     assert json.loads((run_dir / "config.json").read_text())["lr_transition"] is None

@@ -9,16 +9,19 @@ import sys
 import time
 
 import pytest
-
 from helpers.toy_runs import QUIET, REPO, saved_steps, start, wait_for_line
+
 from train.records import runlog
 from train.records.lock import LOCK_FILENAME
 
 
 def snapshot(directory):
     """Every file under ``directory`` with its bytes and modification time."""
-    return {path.relative_to(directory): (path.read_bytes(), path.stat().st_mtime_ns)
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        path.relative_to(directory): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def first_to_exit(processes, timeout=240):
@@ -50,8 +53,9 @@ def test_two_runs_started_together_into_one_directory_one_trains(tmp_path):
         before = snapshot(run_dir)
         third = start(None, "--resume", str(run_dir))
         _, third_err = third.communicate(timeout=240)
-        assert third.returncode == 2 and third_err.startswith(f"error: {run_dir} is in use by another run (pid "
-                                                              f"{holder.pid} on "), third_err
+        assert third.returncode == 2 and third_err.startswith(
+            f"error: {run_dir} is in use by another run (pid {holder.pid} on "
+        ), third_err
         assert snapshot(run_dir) == before
 
         holder.send_signal(signal.SIGKILL)  # dies holding the lock: the kernel releases it
@@ -84,8 +88,14 @@ def test_a_start_that_fails_before_training_leaves_no_new_directory(tmp_path):
     given.mkdir()
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}", "LS_JAX_MEMORY_LIMIT": "100B"}
     for run_dir in (made, given):  # the memory check fails after the directory was claimed
-        done = subprocess.run([sys.executable, "-m", "helpers.toy_task", "--run-dir", str(run_dir), *QUIET],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [sys.executable, "-m", "helpers.toy_task", "--run-dir", str(run_dir), *QUIET],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done.stderr
     assert not (tmp_path / "runs").exists()  # made by the start, parents included: removed

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from train.bench.steps import overlap
 from train.bench.scaling import device_counts, efficiencies
+from train.bench.steps import overlap
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,19 +37,24 @@ def test_bad_schedules_are_refused():
 
 def test_model_stages_run_the_rest_first_and_send_the_rest_last():
     stages = overlap.model_stages(10.0, [("decoder layer", 2, 2.0, 1.0), ("encoder layer", 1, 1.0, 0.5)], 3.0)
-    assert stages == [("outside the repeated layers", 5.0, 0.0), ("decoder layer 2", 2.0, 1.0),
-                      ("decoder layer 1", 2.0, 1.0), ("encoder layer 1", 1.0, 0.5),
-                      ("gradients outside the repeated layers", 0.0, 3.0)]
+    assert stages == [
+        ("outside the repeated layers", 5.0, 0.0),
+        ("decoder layer 2", 2.0, 1.0),
+        ("decoder layer 1", 2.0, 1.0),
+        ("encoder layer 1", 1.0, 0.5),
+        ("gradients outside the repeated layers", 0.0, 3.0),
+    ]
     # compute ends 5, 7, 9, 10, 10; sends [7, 8], [9, 10], [10, 10.5], [10.5, 13.5]
     assert overlap.overlapped_backward([s[1] for s in stages], [s[2] for s in stages]) == 13.5
     assert overlap.relative_error(13.5, 12.0) == pytest.approx(0.125)
 
 
 def test_efficiency_falls_back_to_the_replicated_step_at_one_device():
-    rows = [{"model": "m", "implementation": "i", "mode": "replicated", "devices": 1, "step_ms": 10.0},
-            {"model": "m", "implementation": "i", "mode": "sharded", "devices": 2, "step_ms": 12.5},
-            {"model": "m", "implementation": "i", "mode": "replicated", "devices": 2, "step_ms": 11.0,
-             "variant": "--flag"}]
+    rows = [
+        {"model": "m", "implementation": "i", "mode": "replicated", "devices": 1, "step_ms": 10.0},
+        {"model": "m", "implementation": "i", "mode": "sharded", "devices": 2, "step_ms": 12.5},
+        {"model": "m", "implementation": "i", "mode": "replicated", "devices": 2, "step_ms": 11.0, "variant": "--flag"},
+    ]
     efficiencies(rows)
     assert rows[1]["efficiency"] == pytest.approx(0.8) and rows[1]["efficiency_base"] == "replicated, 1 device"
     assert rows[2]["efficiency"] == pytest.approx(10 / 11)
@@ -65,10 +70,33 @@ def test_more_devices_than_there_are_is_one_line():
 def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    command = [sys.executable, "-m", "train.bench", "scaling", "--models", "tiny-2e2d", "--implementations",
-               "ls_jax_xla", "--devices", "1,2", "--steps", "1", "--tokens-per-device", "128", "--allreduce-mb", "1",
-               "--sharded-for", "tiny-2e2d:ls_jax_xla", "--compile-threads", "2", "--no-plot", "--tag", "tiny",
-               "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "train.bench",
+        "scaling",
+        "--models",
+        "tiny-2e2d",
+        "--implementations",
+        "ls_jax_xla",
+        "--devices",
+        "1,2",
+        "--steps",
+        "1",
+        "--tokens-per-device",
+        "128",
+        "--allreduce-mb",
+        "1",
+        "--sharded-for",
+        "tiny-2e2d:ls_jax_xla",
+        "--compile-threads",
+        "2",
+        "--no-plot",
+        "--tag",
+        "tiny",
+        "--out",
+        str(tmp_path),
+    ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "scaling-cpux2-tiny.json").read_text())
@@ -85,10 +113,15 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     estimates = {(e["model"], e["devices"]): e for e in data["backward_estimate"]}
     assert set(estimates) == {("tiny-2e2d", 1), ("tiny-2e2d", 2)}
     tiny = estimates[("tiny-2e2d", 2)]
-    assert [s["name"] for s in tiny["stages"]][1:-1] == ["decoder layer 2", "decoder layer 1", "encoder layer 2",
-                                                           "encoder layer 1"]
-    assert tiny["estimated_ms"] == pytest.approx(overlap.overlapped_backward(
-        [s["compute_ms"] for s in tiny["stages"]], [s["comm_ms"] for s in tiny["stages"]]))
+    assert [s["name"] for s in tiny["stages"]][1:-1] == [
+        "decoder layer 2",
+        "decoder layer 1",
+        "encoder layer 2",
+        "encoder layer 1",
+    ]
+    assert tiny["estimated_ms"] == pytest.approx(
+        overlap.overlapped_backward([s["compute_ms"] for s in tiny["stages"]], [s["comm_ms"] for s in tiny["stages"]])
+    )
     assert tiny["relative_error"] == pytest.approx((tiny["estimated_ms"] - tiny["measured_ms"]) / tiny["measured_ms"])
     one = estimates[("tiny-2e2d", 1)]  # nothing to send on one device: the stages' compute, one after another
     assert all(s["comm_ms"] == 0 for s in one["stages"])
@@ -96,7 +129,8 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     pieces = {p["model"]: p for p in data["pieces"]}
     bus = data["allreduce"][0]["bus_gb_per_s"]
     assert tiny["stages_from_bandwidth"][-1]["comm_ms"] == pytest.approx(
-        2 * (2 - 1) / 2 * pieces["tiny-2e2d"]["rest_gradient_bytes"] / (bus * 1e9) * 1e3)
+        2 * (2 - 1) / 2 * pieces["tiny-2e2d"]["rest_gradient_bytes"] / (bus * 1e9) * 1e3
+    )
     layers = pieces["tiny-2e2d"]["layers"]
     assert layers["encoder layer"]["count"] == layers["decoder layer"]["count"] == 2
     assert layers["encoder layer"]["gradient_bytes"] > 0

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from train.compare import scoring
-from train.imdb import task as imdb
-from train.records import runlog
-from train.sweep import runner as sweep, spec as sweep_spec
 from train.errors import UsageError
 from train.harness.training import run_training
+from train.imdb import task as imdb
+from train.records import runlog
+from train.sweep import runner as sweep
+from train.sweep import spec as sweep_spec
 
 COMPARE_DATA = Path(__file__).parents[1] / "data" / "compare"
 REPO = Path(__file__).resolve().parents[2]
@@ -100,8 +101,19 @@ backend = "xla"
     names = [point.name for point in points]
     assert len(set(names)) == len(names)
     assert names[0] == "imdb-optax-adamw-lr0.001-fp32-xla-s10"
-    assert points[0].flags(spec.flags) == ["--optimizer", "optax-adamw", "--lr", "0.001", "--precision", "fp32",
-                                           "--backend", "xla", "--steps", "10", "--no-tensorboard"]
+    assert points[0].flags(spec.flags) == [
+        "--optimizer",
+        "optax-adamw",
+        "--lr",
+        "0.001",
+        "--precision",
+        "fp32",
+        "--backend",
+        "xla",
+        "--steps",
+        "10",
+        "--no-tensorboard",
+    ]
     assert spec.out == Path("runs/grid")
 
 
@@ -141,8 +153,14 @@ batch_size = 64
 from_best = "balance"
 """)
     names = [point.name for point in sweep_spec.points(spec)]
-    assert names == ["imdb-optax-adamw-lr0.0003-fp32", "imdb-optax-adamw-lr0.0003-bf16", "imdb-adan-lr0.0001-fp32",
-                     "imdb-adan-lr0.0001-bf16", "imdb-adan-lr5e-05-fp32", "imdb-adan-lr5e-05-bf16"]
+    assert names == [
+        "imdb-optax-adamw-lr0.0003-fp32",
+        "imdb-optax-adamw-lr0.0003-bf16",
+        "imdb-adan-lr0.0001-fp32",
+        "imdb-adan-lr0.0001-bf16",
+        "imdb-adan-lr5e-05-fp32",
+        "imdb-adan-lr5e-05-bf16",
+    ]
     best = sweep_spec.points(spec)[3].values
     (later,) = sweep_spec.points(spec, [None, None, best])[6:]
     assert later.flags({}) == ["--optimizer", "adan", "--lr", "0.0001", "--precision", "bf16", "--batch-size", "64"]
@@ -159,39 +177,52 @@ device = ["H100-SXM", "TPU-v3"]
 backend = ["ffi", "xla"]
 """)
     points = {point.name: point for point in sweep_spec.points(spec)}
-    for name, fixture in (("wmt-H100-SXM-ffi", "h100-ffi"), ("wmt-H100-SXM-xla", "h100-xla"),
-                          ("wmt-TPU-v3-xla", "tpu-v3-8")):
+    for name, fixture in (
+        ("wmt-H100-SXM-ffi", "h100-ffi"),
+        ("wmt-H100-SXM-xla", "h100-xla"),
+        ("wmt-TPU-v3-xla", "tpu-v3-8"),
+    ):
         (tmp_path / name).mkdir()
         shutil.copy(COMPARE_DATA / fixture / "run.jsonl", tmp_path / name / "run.jsonl")
     # The fixtures' balance ranking: the H100 with the fused kernels first (tests/train/test_compare.py).
     assert sweep.best_point(spec, list(points.values()), "balance") == points["wmt-H100-SXM-ffi"].values
 
 
-@pytest.mark.parametrize("text, message", [
-    ('name = "x"\n[axes]\ntask = "imdb"\noptimizer = "adamx"', "optimizer = 'adamx' is not a known value; choose from"),
-    ('name = "x"\n[axes]\ntask = "imdb"\nprecison = "fp32"', "unknown axis 'precison'"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = []', "axis 'seed' has no values"),
-    ('name = "x"\ngrid = []', "the grid is empty"),
-    ('name = "x"\n[axes]\ntask = "imdb"\nsteps = 0', "steps = 0 must be an integer >= 1"),
-    ('name = "x"\n[axes]\ntask = "wmt"\nbatch_size = 8', "axis batch_size is not a flag of train.wmt"),
-    ('name = "x"\n[[grid]]\noptimizer = "adan"', "no task"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nfrom_best = "balance"', "needs a grid before it"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nsteps = 3', "[flags] sets 'steps'"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nlr = 1e-3', "[flags] sets 'lr', which the sweep sets itself"),
-    ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
-    ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
-    ('name = "x"\n[axes\n', "not valid TOML"),
-    ('[axes]\ntask = "imdb"', 'no name; add one, e.g. name = "my-sweep"'),
-    ("", "the sweep spec is empty: a sweep spec needs a name and a task"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_sise = 200',
-     "[[grid]] #1 (imdb): train.imdb unrecognized arguments: --vocab-sise 200"),
-    ('name = "x"\n[axes]\ntask = "gpt"\n[flags]\nvocab_size = "many"',
-     "train.gpt argument --vocab-size: invalid int value: 'many'"),
-    ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_size = 0', "train.imdb --vocab-size must be >= 1, got 0"),
-    ('name = "x"\nweights = "fastest"\n[axes]\ntask = "imdb"', "weights: 'fastest' is neither a preset"),
-    ('name = "x"\nweights = [1, 2]\n[axes]\ntask = "imdb"', "weights: '1,2' is neither a preset"),
-    ('name = "x"\nweights = [0, 0, 0, 1]\n[axes]\ntask = "imdb"', "at least one of time, cost, energy"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            'name = "x"\n[axes]\ntask = "imdb"\noptimizer = "adamx"',
+            "optimizer = 'adamx' is not a known value; choose from",
+        ),
+        ('name = "x"\n[axes]\ntask = "imdb"\nprecison = "fp32"', "unknown axis 'precison'"),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = []', "axis 'seed' has no values"),
+        ('name = "x"\ngrid = []', "the grid is empty"),
+        ('name = "x"\n[axes]\ntask = "imdb"\nsteps = 0', "steps = 0 must be an integer >= 1"),
+        ('name = "x"\n[axes]\ntask = "wmt"\nbatch_size = 8', "axis batch_size is not a flag of train.wmt"),
+        ('name = "x"\n[[grid]]\noptimizer = "adan"', "no task"),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nfrom_best = "balance"', "needs a grid before it"),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nsteps = 3', "[flags] sets 'steps'"),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nlr = 1e-3', "[flags] sets 'lr', which the sweep sets itself"),
+        ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
+        ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
+        ('name = "x"\n[axes\n', "not valid TOML"),
+        ('[axes]\ntask = "imdb"', 'no name; add one, e.g. name = "my-sweep"'),
+        ("", "the sweep spec is empty: a sweep spec needs a name and a task"),
+        (
+            'name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_sise = 200',
+            "[[grid]] #1 (imdb): train.imdb unrecognized arguments: --vocab-sise 200",
+        ),
+        (
+            'name = "x"\n[axes]\ntask = "gpt"\n[flags]\nvocab_size = "many"',
+            "train.gpt argument --vocab-size: invalid int value: 'many'",
+        ),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_size = 0', "train.imdb --vocab-size must be >= 1, got 0"),
+        ('name = "x"\nweights = "fastest"\n[axes]\ntask = "imdb"', "weights: 'fastest' is neither a preset"),
+        ('name = "x"\nweights = [1, 2]\n[axes]\ntask = "imdb"', "weights: '1,2' is neither a preset"),
+        ('name = "x"\nweights = [0, 0, 0, 1]\n[axes]\ntask = "imdb"', "at least one of time, cost, energy"),
+    ],
+)
 def test_bad_specs_are_one_clear_line(text, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         sweep_spec.points(sweep_spec.parse(text))
@@ -220,17 +251,23 @@ def test_a_binary_spec_and_an_unknown_flag_are_one_line_before_any_run(tmp_path,
 
 
 def test_spec_weights_score_the_report(tmp_path):
-    spec = sweep_spec.parse(TINY.format(name="w", out=tmp_path / "out", steps=2).replace(
-        'name = "w"', 'name = "w"\nweights = [0.5, 0.5, 0, 0]'))
+    spec = sweep_spec.parse(
+        TINY.format(name="w", out=tmp_path / "out", steps=2).replace(
+            'name = "w"', 'name = "w"\nweights = [0.5, 0.5, 0, 0]'
+        )
+    )
     assert spec.weights == "0.5,0.5,0,0" and sweep_spec.parse(TINY.format(name="d", out="o", steps=2)).weights == (
-        "balance")
+        "balance"
+    )
     for name in ("h100-ffi", "h100-xla"):
         (spec.out / name).mkdir(parents=True)
         shutil.copy(COMPARE_DATA / name / "run.jsonl", spec.out / name / "run.jsonl")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert sweep.report(spec, ["h100-ffi", "h100-xla"]) == 0
-    assert "Weights `custom` (time 0.5, cost 0.5, energy 0, utilization 0)" in (
-        spec.out / "report" / "report.md").read_text()
+    assert (
+        "Weights `custom` (time 0.5, cost 0.5, energy 0, utilization 0)"
+        in (spec.out / "report" / "report.md").read_text()
+    )
 
 
 def test_a_failed_run_without_a_log_is_named_as_such(tmp_path, capsys):
@@ -255,25 +292,43 @@ def test_the_gpu_spec_is_the_studys_grid_on_bert_base():
     spec = sweep.load_spec(GPU_SPEC)
     first = sweep_spec.points(spec)  # what runs before any best is known
     assert {(p.values["implementation"], p.values["optimizer"]) for p in first} == {
-        ("flax", "optax-adamw"), ("ls_jax", "optax-adamw"), ("flax", "adan"), ("ls_jax", "adan")}
+        ("flax", "optax-adamw"),
+        ("ls_jax", "optax-adamw"),
+        ("flax", "adan"),
+        ("ls_jax", "adan"),
+    }
     assert len(first) == 4
     for point in first:
-        assert (point.task, point.values["preset"], point.values["max_seq_len"], point.values["batch_size"],
-                point.values["precision"]) == ("imdb", "bert-base", 512, 32, "bf16")
+        assert (
+            point.task,
+            point.values["preset"],
+            point.values["max_seq_len"],
+            point.values["batch_size"],
+            point.values["precision"],
+        ) == ("imdb", "bert-base", 512, 32, "bf16")
     assert [grid.from_best for grid in spec.grids] == [None, None, "balance", "balance", "balance"]
     best = {**first[3].values}
     later = sweep_spec.points(spec, [None, None, best, best, best])[4:]
-    assert [(p.values["implementation"], p.values["precision"], p.values["max_seq_len"], p.values["batch_size"])
-            for p in later] == [("flax", "fp32", 512, 32), ("ls_jax", "fp32", 512, 32),
-                                ("flax", "bf16", 256, 32), ("ls_jax", "bf16", 256, 32),
-                                (best["implementation"], "bf16", 512, 16), (best["implementation"], "bf16", 512, 8)]
+    assert [
+        (p.values["implementation"], p.values["precision"], p.values["max_seq_len"], p.values["batch_size"])
+        for p in later
+    ] == [
+        ("flax", "fp32", 512, 32),
+        ("ls_jax", "fp32", 512, 32),
+        ("flax", "bf16", 256, 32),
+        ("ls_jax", "bf16", 256, 32),
+        (best["implementation"], "bf16", 512, 16),
+        (best["implementation"], "bf16", 512, 8),
+    ]
     assert all(p.values["optimizer"] == best["optimizer"] and p.values["lr"] == best["lr"] for p in later)
     assert "--implementation" in first[0].flags(spec.flags) and "--no-tensorboard" in first[0].flags(spec.flags)
 
 
 def test_the_gpu_spec_dry_run_lists_its_runs(tmp_path, capsys):
-    assert sweep.main([str(GPU_SPEC), "--device", "H100-SXM", "--out", str(tmp_path / "out"), "--dry-run"],
-                      runner=never) == 0
+    assert (
+        sweep.main([str(GPU_SPEC), "--device", "H100-SXM", "--out", str(tmp_path / "out"), "--dry-run"], runner=never)
+        == 0
+    )
     out = capsys.readouterr().out
     runs = [line for line in out.splitlines() if ": would run python -m train.imdb " in line]
     assert len(runs) == 4 and runs[0].startswith("[1/4] imdb-bert-base-flax-optax-adamw-")
@@ -288,18 +343,24 @@ def test_default_spec_parses_and_expands_to_a_small_cpu_grid():
     points = sweep_spec.points(spec)
     assert len(points) == 4 and {point.task for point in points} == {"imdb"}
     assert {(point.values["optimizer"], point.values["batch_size"]) for point in points} == {
-        ("optax-adamw", 16), ("adan", 16), ("optax-adamw", 32), ("adan", 32)}
+        ("optax-adamw", 16),
+        ("adan", 16),
+        ("optax-adamw", 32),
+        ("adan", 32),
+    }
     assert all(point.values["backend"] == "xla" and point.device is None for point in points)
     # Every run trains on the same examples: batch x steps is one number.
     assert {point.values["batch_size"] * point.values["steps"] for point in points} == {4800}
 
 
 def test_from_best_takes_the_studys_names_and_the_earlier_ones():
-    spec = sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nseed = 1\n'
-                            'from_best = "cost_time"')
+    spec = sweep_spec.parse(
+        'name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nseed = 1\nfrom_best = "cost_time"'
+    )
     assert spec.grids[1].from_best == "cost_time_energy"
-    with pytest.raises(UsageError, match="from_best = 'fastest' is not a weight preset; choose from balance, "
-                                         "time_cost_energy"):
+    with pytest.raises(
+        UsageError, match="from_best = 'fastest' is not a weight preset; choose from balance, time_cost_energy"
+    ):
         sweep_spec.parse('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nseed = 0\n[[grid]]\nfrom_best = "fastest"')
 
 
@@ -307,8 +368,15 @@ def test_from_best_takes_the_studys_names_and_the_earlier_ones():
 def test_the_default_sweep_recommends_one_run_per_strategy_in_under_ten_minutes(tmp_path):
     """`python -m train.sweep` with no arguments, as a user runs it: its own process, a fresh directory, a CPU."""
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "train.sweep"], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "train.sweep"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=900,
+        check=False,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]
     assert elapsed < 600, f"the default sweep took {elapsed:.0f} s"
@@ -349,8 +417,9 @@ def test_run_skip_resume_and_extend(tmp_path, capsys):
 
     # Killed after the checkpoint at step 1 (no summary, no checkpoint 2): resumed from step 1.
     records = runlog.read(run_dir / "run.jsonl")
-    (run_dir / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records
-                                               if r["type"] == "run" or r.get("step", 99) <= 1))
+    (run_dir / "run.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records if r["type"] == "run" or r.get("step", 99) <= 1)
+    )
     shutil.rmtree(run_dir / "checkpoints" / "2")
     assert sweep.run_state(run_dir, spec, sweep_spec.points(spec)[0]) == "interrupted"
     assert run(spec, runner) == 0
@@ -397,7 +466,8 @@ def test_run_directory_of_another_sweep_or_none_is_an_error(tmp_path, capsys):
 
 def test_other_devices_print_commands_and_join_when_copied_back(tmp_path, capsys):
     text = TINY.format(name="remote", out=tmp_path / "out", steps=2).replace(
-        'optimizer = ["adan"]', 'optimizer = ["adan"]\ndevice = ["TPU-v3", "H100-SXM"]')
+        'optimizer = ["adan"]', 'optimizer = ["adan"]\ndevice = ["TPU-v3", "H100-SXM"]'
+    )
     spec = sweep_spec.parse(text)
     assert run(spec, never) == 0
     out = capsys.readouterr().out

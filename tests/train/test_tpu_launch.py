@@ -35,45 +35,145 @@ def remote_words(argv):
 
 
 def test_dry_run_single_host_v3_8(capsys):
-    steps = dry_run(capsys, ["--tpu", "my-v3-8", "--zone", "europe-west4-a", "--",
-                             "python", "-m", "train.wmt", "--preset", "transformer-base", "--steps", "2000"])
+    steps = dry_run(
+        capsys,
+        [
+            "--tpu",
+            "my-v3-8",
+            "--zone",
+            "europe-west4-a",
+            "--",
+            "python",
+            "-m",
+            "train.wmt",
+            "--preset",
+            "transformer-base",
+            "--steps",
+            "2000",
+        ],
+    )
     commands = [argv for _, argv in steps]
     wheel = launch.WHEEL_DIR / f"ls_jax-{VERSION}-py3-none-any.whl"
-    assert commands[0] == [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(launch.WHEEL_DIR),
-                           str(REPO)]
-    assert commands[1] == [*GCLOUD_TPU, "ssh", "my-v3-8", "--zone=europe-west4-a", "--worker=all",
-                           "--command", "mkdir -p ls_jax_work"]
-    assert commands[2] == [*GCLOUD_TPU, "scp", str(wheel), f"my-v3-8:ls_jax_work/{wheel.name}",
-                           "--zone=europe-west4-a", "--worker=all"]
-    assert remote_words(commands[3]) == ["python3", "-m", "pip", "install", "--upgrade", "jax[tpu]",
-                                         f"ls_jax_work/{wheel.name}"]
+    assert commands[0] == [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--wheel-dir",
+        str(launch.WHEEL_DIR),
+        str(REPO),
+    ]
+    assert commands[1] == [
+        *GCLOUD_TPU,
+        "ssh",
+        "my-v3-8",
+        "--zone=europe-west4-a",
+        "--worker=all",
+        "--command",
+        "mkdir -p ls_jax_work",
+    ]
+    assert commands[2] == [
+        *GCLOUD_TPU,
+        "scp",
+        str(wheel),
+        f"my-v3-8:ls_jax_work/{wheel.name}",
+        "--zone=europe-west4-a",
+        "--worker=all",
+    ]
+    assert remote_words(commands[3]) == [
+        "python3",
+        "-m",
+        "pip",
+        "install",
+        "--upgrade",
+        "jax[tpu]",
+        f"ls_jax_work/{wheel.name}",
+    ]
     assert commands[3][5:8] == ["my-v3-8", "--zone=europe-west4-a", "--worker=all"]
 
     run = remote_words(commands[4])
     launch_dir = run[2]
     assert launch_dir.startswith("ls_jax_work/") and run[:6] == ["mkdir", "-p", launch_dir, "&&", "cd", launch_dir]
-    assert run[6:] == ["&&", "LS_JAX_KERNELS=xla", "JAX_PLATFORMS=tpu,cpu", "python3", "-m", "train.wmt",
-                       "--preset", "transformer-base", "--steps", "2000", "--backend", "xla", "--precision", "bf16",
-                       "--distributed"]
+    assert run[6:] == [
+        "&&",
+        "LS_JAX_KERNELS=xla",
+        "JAX_PLATFORMS=tpu,cpu",
+        "python3",
+        "-m",
+        "train.wmt",
+        "--preset",
+        "transformer-base",
+        "--steps",
+        "2000",
+        "--backend",
+        "xla",
+        "--precision",
+        "bf16",
+        "--distributed",
+    ]
     assert "--worker=all" in commands[4]
 
     launch_id = launch_dir.split("/")[1]
     assert "--worker=0" in commands[5]
-    assert remote_words(commands[5]) == ["cd", launch_dir, "&&", "find", ".", "-name", "run.jsonl", "-print0", "|",
-                                         "tar", "-czf", f"../{launch_id}.logs.tgz", "--null", "-T", "-"]
+    assert remote_words(commands[5]) == [
+        "cd",
+        launch_dir,
+        "&&",
+        "find",
+        ".",
+        "-name",
+        "run.jsonl",
+        "-print0",
+        "|",
+        "tar",
+        "-czf",
+        f"../{launch_id}.logs.tgz",
+        "--null",
+        "-T",
+        "-",
+    ]
     local_dir = Path("runs") / f"my-v3-8-{launch_id}"
-    assert commands[6] == [*GCLOUD_TPU, "scp", f"my-v3-8:ls_jax_work/{launch_id}.logs.tgz",
-                           str(local_dir / f"{launch_id}.logs.tgz"), "--zone=europe-west4-a", "--worker=0"]
+    assert commands[6] == [
+        *GCLOUD_TPU,
+        "scp",
+        f"my-v3-8:ls_jax_work/{launch_id}.logs.tgz",
+        str(local_dir / f"{launch_id}.logs.tgz"),
+        "--zone=europe-west4-a",
+        "--worker=0",
+    ]
     assert steps[7][0] == "unpack them" and str(local_dir) in steps[7][1]
     assert len(steps) == 8
 
 
 def test_dry_run_multi_host_v4_32(capsys, tmp_path):
     wheel = tmp_path / f"ls_jax-{VERSION}-py3-none-any.whl"
-    steps = dry_run(capsys, ["--tpu", "pod-v4-32", "--zone", "us-central2-b", "--project", "my-proj",
-                             "--workers", "all", "--package", str(wheel), "--logs-to", str(tmp_path / "logs"),
-                             "--env", "XLA_FLAGS=--xla_dump_to=/tmp/dump", "--",
-                             "python", "-m", "train.wmt", "--precision=fp32", "--data", "text:/data/wmt de"])
+    steps = dry_run(
+        capsys,
+        [
+            "--tpu",
+            "pod-v4-32",
+            "--zone",
+            "us-central2-b",
+            "--project",
+            "my-proj",
+            "--workers",
+            "all",
+            "--package",
+            str(wheel),
+            "--logs-to",
+            str(tmp_path / "logs"),
+            "--env",
+            "XLA_FLAGS=--xla_dump_to=/tmp/dump",
+            "--",
+            "python",
+            "-m",
+            "train.wmt",
+            "--precision=fp32",
+            "--data",
+            "text:/data/wmt de",
+        ],
+    )
     descriptions = [description for description, _ in steps]
     assert descriptions[0] == "make the work directory on every worker"  # a given wheel is not built
     for description, argv in steps:
@@ -82,55 +182,117 @@ def test_dry_run_multi_host_v4_32(capsys, tmp_path):
             fetching = description in ("pack the run logs on worker 0", "copy them here")
             assert ("--worker=0" if fetching else "--worker=all") in argv
     run = remote_words(steps[3][1])
-    assert run[6:] == ["&&", "LS_JAX_KERNELS=xla", "JAX_PLATFORMS=tpu,cpu", "XLA_FLAGS=--xla_dump_to=/tmp/dump",
-                       "python3", "-m", "train.wmt", "--precision=fp32", "--data", "text:/data/wmt de",
-                       "--backend", "xla", "--distributed"]
+    assert run[6:] == [
+        "&&",
+        "LS_JAX_KERNELS=xla",
+        "JAX_PLATFORMS=tpu,cpu",
+        "XLA_FLAGS=--xla_dump_to=/tmp/dump",
+        "python3",
+        "-m",
+        "train.wmt",
+        "--precision=fp32",
+        "--data",
+        "text:/data/wmt de",
+        "--backend",
+        "xla",
+        "--distributed",
+    ]
     assert steps[5][1][6].startswith(str(tmp_path / "logs"))
 
 
 def test_run_command_quotes_every_word():
     target = launch.Target("t", "z")
-    step = launch.run_step(target, "all", "ls_jax_work/id", ["python", "-m", "train.wmt", "--data", "$(whoami); ls"],
-                           "~/venv/bin/python", {"NOTE": "a b; rm -rf ~"})
+    step = launch.run_step(
+        target,
+        "all",
+        "ls_jax_work/id",
+        ["python", "-m", "train.wmt", "--data", "$(whoami); ls"],
+        "~/venv/bin/python",
+        {"NOTE": "a b; rm -rf ~"},
+    )
     line = step.argv[-1]
     assert "'$(whoami); ls'" in line and "NOTE='a b; rm -rf ~'" in line
     assert "~/venv/bin/python" in line  # the remote home, expanded by the remote shell
-    assert shlex.split(line)[-11:] == ["NOTE=a b; rm -rf ~", "~/venv/bin/python", "-m", "train.wmt", "--data",
-                                       "$(whoami); ls", "--backend", "xla", "--precision", "bf16", "--distributed"]
+    assert shlex.split(line)[-11:] == [
+        "NOTE=a b; rm -rf ~",
+        "~/venv/bin/python",
+        "-m",
+        "train.wmt",
+        "--data",
+        "$(whoami); ls",
+        "--backend",
+        "xla",
+        "--precision",
+        "bf16",
+        "--distributed",
+    ]
 
 
-@pytest.mark.parametrize(("command", "expected"), [
-    (["python", "-m", "train.imdb"], ["py", "-m", "train.imdb", "--backend", "xla", "--precision", "bf16",
-                                      "--distributed"]),
-    (["python3", "-m", "train.wmt", "--precision", "fp32", "--distributed"],
-     ["py", "-m", "train.wmt", "--precision", "fp32", "--distributed", "--backend", "xla"]),
-    (["python", "-m", "train.wmt", "--precision=fp16", "--backend=xla"],
-     ["py", "-m", "train.wmt", "--precision=fp16", "--backend=xla", "--distributed"]),
-    (["python", "my_script.py"], ["py", "my_script.py"]),
-    (["bash", "-c", "nproc"], ["bash", "-c", "nproc"]),
-])
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["python", "-m", "train.imdb"],
+            ["py", "-m", "train.imdb", "--backend", "xla", "--precision", "bf16", "--distributed"],
+        ),
+        (
+            ["python3", "-m", "train.wmt", "--precision", "fp32", "--distributed"],
+            ["py", "-m", "train.wmt", "--precision", "fp32", "--distributed", "--backend", "xla"],
+        ),
+        (
+            ["python", "-m", "train.wmt", "--precision=fp16", "--backend=xla"],
+            ["py", "-m", "train.wmt", "--precision=fp16", "--backend=xla", "--distributed"],
+        ),
+        (["python", "my_script.py"], ["py", "my_script.py"]),
+        (["bash", "-c", "nproc"], ["bash", "-c", "nproc"]),
+    ],
+)
 def test_tpu_defaults(command, expected):
     assert launch.with_tpu_defaults(command, "py") == expected
 
 
 def test_setup_only_installs_a_pip_requirement_as_given(capsys):
-    steps = dry_run(capsys, ["--tpu", "t", "--zone", "z", "--setup-only", "--python", "~/venv/bin/python",
-                             "--package", "ls-jax @ git+https://github.com/org/ls-jax@0123abc"])
+    steps = dry_run(
+        capsys,
+        [
+            "--tpu",
+            "t",
+            "--zone",
+            "z",
+            "--setup-only",
+            "--python",
+            "~/venv/bin/python",
+            "--package",
+            "ls-jax @ git+https://github.com/org/ls-jax@0123abc",
+        ],
+    )
     assert len(steps) == 1
-    assert remote_words(steps[0][1]) == ["~/venv/bin/python", "-m", "pip", "install",
-                                         "--upgrade", "jax[tpu]",
-                                         "ls-jax @ git+https://github.com/org/ls-jax@0123abc"]
+    assert remote_words(steps[0][1]) == [
+        "~/venv/bin/python",
+        "-m",
+        "pip",
+        "install",
+        "--upgrade",
+        "jax[tpu]",
+        "ls-jax @ git+https://github.com/org/ls-jax@0123abc",
+    ]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--tpu", "t", "--zone", "z"], "no command to run: put it after --"),
-    (["--tpu", "t", "--zone", "z", "--setup-only", "--", "python", "-m", "train.wmt"], "--setup-only runs no command"),
-    (["--tpu", "t", "--zone", "z", "--workers", "first", "--", "python"], "--workers 'first'"),
-    (["--tpu", "t", "--zone", "z", "--env", "1X=2", "--", "python"], "--env '1X=2'"),
-    (["--tpu", "t", "--zone", "z", "--env", "NOEQUALS", "--", "python"], "expected NAME=VALUE"),
-    (["--tpu", "t", "--zone", "z", "--skip-setup", "--package", "x.whl", "--", "python"], "--skip-setup skips"),
-    (["--tpu", "t", "--zone", "z", "--package", "/no/such/ls_jax.whl", "--", "python"], "no such file"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tpu", "t", "--zone", "z"], "no command to run: put it after --"),
+        (
+            ["--tpu", "t", "--zone", "z", "--setup-only", "--", "python", "-m", "train.wmt"],
+            "--setup-only runs no command",
+        ),
+        (["--tpu", "t", "--zone", "z", "--workers", "first", "--", "python"], "--workers 'first'"),
+        (["--tpu", "t", "--zone", "z", "--env", "1X=2", "--", "python"], "--env '1X=2'"),
+        (["--tpu", "t", "--zone", "z", "--env", "NOEQUALS", "--", "python"], "expected NAME=VALUE"),
+        (["--tpu", "t", "--zone", "z", "--skip-setup", "--package", "x.whl", "--", "python"], "--skip-setup skips"),
+        (["--tpu", "t", "--zone", "z", "--package", "/no/such/ls_jax.whl", "--", "python"], "no such file"),
+    ],
+)
 def test_bad_input_is_a_clear_error(capsys, argv, message):
     assert launch.main(argv) == launch.EXIT_USAGE
     assert message in capsys.readouterr().err
@@ -138,8 +300,26 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
 
 def test_missing_gcloud_is_a_clear_message_not_a_traceback(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "tpu.launch", "--tpu", "t", "--zone", "z", "--skip-setup", "--",
-                             "python", "-m", "train.wmt"], cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpu.launch",
+            "--tpu",
+            "t",
+            "--zone",
+            "z",
+            "--skip-setup",
+            "--",
+            "python",
+            "-m",
+            "train.wmt",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "the gcloud CLI is not on PATH" in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
@@ -177,8 +357,20 @@ def fake_gcloud(tmp_path, monkeypatch):
 def _launch_argv(tmp_path):
     wheel = tmp_path / f"ls_jax-{VERSION}-py3-none-any.whl"
     wheel.write_bytes(b"stand-in wheel")
-    return ["--tpu", "t", "--zone", "z", "--package", str(wheel), "--logs-to", str(tmp_path / "logs"), "--",
-            "python", "-m", "train.wmt"]
+    return [
+        "--tpu",
+        "t",
+        "--zone",
+        "z",
+        "--package",
+        str(wheel),
+        "--logs-to",
+        str(tmp_path / "logs"),
+        "--",
+        "python",
+        "-m",
+        "train.wmt",
+    ]
 
 
 def test_launch_runs_every_step_and_unpacks_the_logs(tmp_path, fake_gcloud, capsys):

@@ -11,21 +11,23 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
 import test_train_runlog
 from test_gpt_model import tiny_model, write_gpt2_directory
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
+
 from ls_jax import backend
 from ls_jax.models import hf
 from train.compare import report as compare
-from train.gpt import config as gpt_config
-from train.gpt import task as gpt, data as gpt_data, synthetic as gpt_synthetic
-from train.records import runlog
+from train.compare import runs as run_logs
 from train.data import tokenizer as tokenizer_lib
 from train.errors import EXIT_DATA, EXIT_USAGE
+from train.gpt import config as gpt_config
+from train.gpt import data as gpt_data
+from train.gpt import synthetic as gpt_synthetic
+from train.gpt import task as gpt
 from train.gpt.samples import SAMPLES_FILENAME
-from train.compare import runs as run_logs
 from train.harness.training import run_training
+from train.records import runlog
 
 FLOP_TOLERANCE = 0.05
 QUIET = ["--no-progress", "--no-tensorboard"]
@@ -48,8 +50,26 @@ def text_file(tmp_path_factory):
 
 
 def text_job(text_file, run_dir, *extra):
-    return ["--data", f"text:{text_file}", "--run-dir", str(run_dir), "--preset", "gpt2-tiny", "--max-seq-len", "16",
-            "--batch-size", "8", "--vocab-size", "120", "--samples", "2", "--sample-tokens", "8", *QUIET, *extra]
+    return [
+        "--data",
+        f"text:{text_file}",
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        "gpt2-tiny",
+        "--max-seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--vocab-size",
+        "120",
+        "--samples",
+        "2",
+        "--sample-tokens",
+        "8",
+        *QUIET,
+        *extra,
+    ]
 
 
 def sample_texts(run_dir):
@@ -66,16 +86,23 @@ def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
     run_dir = tmp_path_factory.mktemp("default") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = run_training(gpt.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
-                         "--run-dir", str(run_dir)])
+        code = run_training(
+            gpt.TASK,
+            ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress", "--run-dir", str(run_dir)],
+        )
     return code, run_dir, printed.getvalue()
 
 
 def test_default_job_end_to_end(default_run):
     code, run_dir, printed = default_run
     assert code == 0
-    assert {p.name for p in run_dir.iterdir()} >= {"config.json", "run.jsonl", SAMPLES_FILENAME, "tensorboard",
-                                                   "checkpoints"}
+    assert {p.name for p in run_dir.iterdir()} >= {
+        "config.json",
+        "run.jsonl",
+        SAMPLES_FILENAME,
+        "tensorboard",
+        "checkpoints",
+    }
     assert not (run_dir / "spm.model").exists()  # the synthetic corpus has its own word vocabulary
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
     config = json.loads((run_dir / "config.json").read_text())
@@ -142,7 +169,10 @@ def test_a_log_written_before_perplexity_still_reads(default_run, tmp_path):
 @pytest.mark.slow
 def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file, compilation_cache):  # noqa: F811
     run_dir = tmp_path / "r"
-    assert run_training(gpt.TASK, text_job(text_file, run_dir, "--steps", "2", "--prompt", "the cat", "--prompt", "two")) == 0
+    assert (
+        run_training(gpt.TASK, text_job(text_file, run_dir, "--steps", "2", "--prompt", "the cat", "--prompt", "two"))
+        == 0
+    )
     assert tokenizer_lib.load(run_dir / "spm.model").GetPieceSize() <= 120
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
@@ -153,7 +183,10 @@ def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file
     assert len(texts) == 2 and texts[0].startswith("the cat") and texts[1].startswith("two")
 
     given = tmp_path / "given"  # the same vocabulary given with --spm-model tokenizes the same rows
-    assert run_training(gpt.TASK, text_job(text_file, given, "--steps", "2", "--spm-model", str(run_dir / "spm.model"))) == 0
+    assert (
+        run_training(gpt.TASK, text_job(text_file, given, "--steps", "2", "--spm-model", str(run_dir / "spm.model")))
+        == 0
+    )
     assert (given / "spm.model").read_bytes() == (run_dir / "spm.model").read_bytes()
     assert runlog.read(given / "run.jsonl")[0]["data"] == data
 
@@ -162,9 +195,35 @@ def test_text_data_trains_a_vocabulary_and_continues_prompts(tmp_path, text_file
 def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_cache):  # noqa: F811
     text = write_documents(tmp_path / "docs.txt", 700)  # about 10k words
     run_dir = tmp_path / "r"
-    assert run_training(gpt.TASK, ["--data", f"text:{text}", "--run-dir", str(run_dir), "--preset", "gpt2-tiny", "--positions",
-                     "2048", "--max-seq-len", "2048", "--batch-size", "1", "--vocab-size", "120", "--steps", "1",
-                     "--samples", "1", "--sample-tokens", "4", *QUIET]) == 0
+    assert (
+        run_training(
+            gpt.TASK,
+            [
+                "--data",
+                f"text:{text}",
+                "--run-dir",
+                str(run_dir),
+                "--preset",
+                "gpt2-tiny",
+                "--positions",
+                "2048",
+                "--max-seq-len",
+                "2048",
+                "--batch-size",
+                "1",
+                "--vocab-size",
+                "120",
+                "--steps",
+                "1",
+                "--samples",
+                "1",
+                "--sample-tokens",
+                "4",
+                *QUIET,
+            ],
+        )
+        == 0
+    )
     records = runlog.read(run_dir / "run.jsonl")
     assert records[0]["batch"]["seq_len"] == 2048 and records[0]["config"]["positions"] == 2048
     summary = records[-1]
@@ -175,9 +234,19 @@ def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_
 @pytest.mark.slow
 def test_resume_gives_the_same_run_as_training_straight(tmp_path, text_file, compilation_cache):  # noqa: F811
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert run_training(gpt.TASK, text_job(text_file, straight, "--steps", "6", "--log-every", "1", "--eval-every", "3")) == 0
-    assert run_training(gpt.TASK, text_job(text_file, split, "--steps", "6", "--log-every", "1", "--eval-every", "3",
-                             "--checkpoint-every", "3")) == 0
+    assert (
+        run_training(gpt.TASK, text_job(text_file, straight, "--steps", "6", "--log-every", "1", "--eval-every", "3"))
+        == 0
+    )
+    assert (
+        run_training(
+            gpt.TASK,
+            text_job(
+                text_file, split, "--steps", "6", "--log-every", "1", "--eval-every", "3", "--checkpoint-every", "3"
+            ),
+        )
+        == 0
+    )
     # Cut the run back to its step-3 checkpoint, as a preempted run would have left it, and resume.
     shutil.rmtree(split / "checkpoints" / "6")
     (split / SAMPLES_FILENAME).unlink()
@@ -219,8 +288,9 @@ def transformers_perplexity(directory, rows):
     with torch.no_grad():
         logits = model(torch.tensor(batch["input_ids"], dtype=torch.long)).logits
     labels = torch.tensor(batch["labels"], dtype=torch.long)
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                            ignore_index=gpt_data.IGNORE_LABEL)
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=gpt_data.IGNORE_LABEL
+    )
     return math.exp(float(nll))
 
 
@@ -228,20 +298,44 @@ def transformers_perplexity(directory, rows):
 def test_init_from_gpt2_scores_the_checkpoint_as_transformers_does(gpt2_dir, text_file, tmp_path):
     run_dir = tmp_path / "run"
     # A vanishing learning rate leaves the weights as loaded, so the evaluation scores the checkpoint itself.
-    assert run_training(gpt.TASK, ["--init-from", str(gpt2_dir), "--data", f"text:{text_file}", "--max-seq-len", "16",
-                     "--batch-size", "8", "--steps", "1", "--lr", "1e-20", "--samples", "1", "--sample-tokens", "4",
-                     "--run-dir", str(run_dir), *QUIET]) == 0
+    assert (
+        run_training(
+            gpt.TASK,
+            [
+                "--init-from",
+                str(gpt2_dir),
+                "--data",
+                f"text:{text_file}",
+                "--max-seq-len",
+                "16",
+                "--batch-size",
+                "8",
+                "--steps",
+                "1",
+                "--lr",
+                "1e-20",
+                "--samples",
+                "1",
+                "--sample-tokens",
+                "4",
+                "--run-dir",
+                str(run_dir),
+                *QUIET,
+            ],
+        )
+        == 0
+    )
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
     assert records[0]["model"] == gpt2_dir.name and not (run_dir / "spm.model").exists()
     assert records[0]["data"]["vocab_size"] <= 300
     tokenizer = gpt_data.HuggingFaceTokenizer.load(gpt2_dir)
-    data = gpt_data.load_data(f"text:{text_file}", seq_len=16, max_positions=32, run_dir=tmp_path,
-                              tokenizer=tokenizer, valid_fraction=0.05)
+    data = gpt_data.load_data(
+        f"text:{text_file}", seq_len=16, max_positions=32, run_dir=tmp_path, tokenizer=tokenizer, valid_fraction=0.05
+    )
     evaluation = next(r for r in records if r["type"] == "eval")
     assert evaluation["tokens"] == data.splits["valid"].num_targets
-    assert evaluation["perplexity"] == pytest.approx(transformers_perplexity(gpt2_dir, data.splits["valid"]),
-                                                     rel=1e-4)
+    assert evaluation["perplexity"] == pytest.approx(transformers_perplexity(gpt2_dir, data.splits["valid"]), rel=1e-4)
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -261,36 +355,70 @@ def weights_without_tokenizer(directory):
 @pytest.mark.parametrize(
     "make_args, message",
     [
-        (lambda d, t: text_job(write_text(d / "empty.txt", "\n \n"), d / "r"),
-         "is empty: it holds no text to train on"),
-        (lambda d, t: ["--max-seq-len", "300", "--run-dir", str(d / "r")],
-         "--max-seq-len 300 is longer than the 256 positions of gpt2-tiny; lower --max-seq-len, or give the model "
-         "more positions with --positions 300"),
-        (lambda d, t: text_job(t, d / "r", "--preset", "gpt2-small", "--max-seq-len", "2048"),
-         "--max-seq-len 2048 is longer than the 1024 positions of gpt2-small"),
-        (lambda d, t: ["--preset", "gpt3", "--run-dir", str(d / "r")],
-         "unknown --preset 'gpt3'; valid presets are gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large"),
-        (lambda d, t: text_job(t, d / "r", "--spm-model", str(d / "absent.model")),
-         "absent.model: no such file"),
-        (lambda d, t: ["--init-from", str(weights_without_tokenizer(d)), "--data", f"text:{t}",
-                       "--run-dir", str(d / "r")], "no tokenizer there"),
+        (
+            lambda d, t: text_job(write_text(d / "empty.txt", "\n \n"), d / "r"),
+            "is empty: it holds no text to train on",
+        ),
+        (
+            lambda d, t: ["--max-seq-len", "300", "--run-dir", str(d / "r")],
+            "--max-seq-len 300 is longer than the 256 positions of gpt2-tiny; lower --max-seq-len, or give the model "
+            "more positions with --positions 300",
+        ),
+        (
+            lambda d, t: text_job(t, d / "r", "--preset", "gpt2-small", "--max-seq-len", "2048"),
+            "--max-seq-len 2048 is longer than the 1024 positions of gpt2-small",
+        ),
+        (
+            lambda d, t: ["--preset", "gpt3", "--run-dir", str(d / "r")],
+            "unknown --preset 'gpt3'; valid presets are gpt2-tiny, gpt2-small, gpt2-medium, gpt2-large",
+        ),
+        (lambda d, t: text_job(t, d / "r", "--spm-model", str(d / "absent.model")), "absent.model: no such file"),
+        (
+            lambda d, t: [
+                "--init-from",
+                str(weights_without_tokenizer(d)),
+                "--data",
+                f"text:{t}",
+                "--run-dir",
+                str(d / "r"),
+            ],
+            "no tokenizer there",
+        ),
         (lambda d, t: ["--init-from", str(d / "absent"), "--run-dir", str(d / "r")], "config.json not found"),
         (lambda d, t: ["--init-from", str(d), "--preset", "gpt2-small"], "--preset and --init-from exclude"),
-        (lambda d, t: text_job(t, d / "r", "--prompt", "the cat " * 10, "--sample-tokens", "250"),
-         "that is more than the model's 256 positions"),
-        (lambda d, t: ["--top-k", "1000", "--steps", "2", "--run-dir", str(d / "r")],
-         "--top-k 1000 exceeds the model's 90 tokens"),
+        (
+            lambda d, t: text_job(t, d / "r", "--prompt", "the cat " * 10, "--sample-tokens", "250"),
+            "that is more than the model's 256 positions",
+        ),
+        (
+            lambda d, t: ["--top-k", "1000", "--steps", "2", "--run-dir", str(d / "r")],
+            "--top-k 1000 exceeds the model's 90 tokens",
+        ),
         (lambda d, t: ["--data", f"text:{d / 'absent.txt'}", "--run-dir", str(d / "r")], "no such file"),
         (lambda d, t: ["--batch-size", "0"], "--batch-size must be >= 1"),
         (lambda d, t: ["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 leaves no step"),
         (lambda d, t: ["--resume", str(d)], "no config.json there"),
     ],
-    ids=["empty-corpus", "longer-than-positions", "longer-than-gpt2-small", "unknown-preset", "missing-spm-model",
-         "init-from-without-tokenizer", "init-from-missing", "preset-and-init-from", "prompt-too-long", "top-k",
-         "missing-text-file", "batch-size", "warmup", "resume-not-a-run"],
+    ids=[
+        "empty-corpus",
+        "longer-than-positions",
+        "longer-than-gpt2-small",
+        "unknown-preset",
+        "missing-spm-model",
+        "init-from-without-tokenizer",
+        "init-from-missing",
+        "preset-and-init-from",
+        "prompt-too-long",
+        "top-k",
+        "missing-text-file",
+        "batch-size",
+        "warmup",
+        "resume-not-a-run",
+    ],
 )
-def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, text_file, capsys, make_args, message,
-                                                                 request):
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(
+    tmp_path, text_file, capsys, make_args, message, request
+):
     data_fault = request.node.callspec.id in {"empty-corpus", "missing-text-file"}
     assert run_training(gpt.TASK, make_args(tmp_path, text_file)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
@@ -301,8 +429,21 @@ def test_help_lists_the_options_and_presets(capsys):
     with pytest.raises(SystemExit):
         run_training(gpt.TASK, ["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for option in ("--data", "--spm-model", "--vocab-size", "--max-seq-len", "--preset", "--positions", "--init-from",
-                   "--samples", "--prompt", "--temperature", "--top-k", "--resume", "gpt2-large"):
+    for option in (
+        "--data",
+        "--spm-model",
+        "--vocab-size",
+        "--max-seq-len",
+        "--preset",
+        "--positions",
+        "--init-from",
+        "--samples",
+        "--prompt",
+        "--temperature",
+        "--top-k",
+        "--resume",
+        "gpt2-large",
+    ):
         assert option in text
     assert "with --data synthetic:" in text and "with real data:" in text
 
@@ -311,7 +452,8 @@ def test_resolved_defaults_follow_the_data():
     assert gpt_config.resolve_config({}).preset == "gpt2-tiny"
     real = gpt_config.resolve_config({"data": "text:x", "steps": 100})
     assert (real.preset, real.max_seq_len, real.warmup_steps) == ("gpt2-small", 1024, 10)
-    resumed = gpt_config.resolve_config({"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8,
-                                                          "warmup_steps": 2, "run_id": "r"})
+    resumed = gpt_config.resolve_config(
+        {"resume": "d"}, {"data": "text:x", "preset": "gpt2-tiny", "steps": 8, "warmup_steps": 2, "run_id": "r"}
+    )
     assert (resumed.preset, resumed.steps, resumed.warmup_steps) == ("gpt2-tiny", 8, 2)
     assert gpt_config.resolve_config({"init_from": "d"}).preset is None

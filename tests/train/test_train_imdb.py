@@ -9,25 +9,26 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
-from test_train_imdb_data import write_csv, write_jsonl
 import test_train_runlog
+from test_train_imdb_data import write_csv, write_jsonl
 from test_train_wmt import compilation_cache, state_arrays  # noqa: F401 - compilation_cache is a fixture
+
 from ls_jax import backend
 from train.compare import report as compare
+from train.compare import runs as run_logs
+from train.errors import EXIT_DATA, EXIT_USAGE
+from train.harness.training import run_training
 from train.imdb import config as imdb_config
 from train.imdb import task as imdb
-from train.records import runlog
-from train.errors import EXIT_DATA, EXIT_USAGE
 from train.imdb.model import preset_config
-from train.compare import runs as run_logs
-from train.harness.training import run_training
+from train.records import runlog
 
 FLOP_TOLERANCE = 0.05
 TOKEN_COUNTS = {"tokens", "target_tokens", "tokens_per_s", "target_tokens_per_s"}  # wmt's; imdb counts examples
 QUIET = ["--no-progress", "--no-tensorboard"]
-WORDS = ("the movie was not very good bad great boring plot acting fun dull a truly awful film i liked it "
-         "and but").split()
+WORDS = (
+    "the movie was not very good bad great boring plot acting fun dull a truly awful film i liked it and but"
+).split()
 
 
 def check_log_schema(records):
@@ -44,15 +45,36 @@ def review_rows(count, seed):
 @pytest.fixture(scope="module")
 def csv_data(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reviews")
-    return (write_csv(directory / "train.csv", review_rows(120, 0)),
-            write_csv(directory / "test.csv", review_rows(40, 1)))
+    return (
+        write_csv(directory / "train.csv", review_rows(120, 0)),
+        write_csv(directory / "test.csv", review_rows(40, 1)),
+    )
 
 
 def csv_job(csv_data, run_dir, *extra):
     train, test = csv_data
-    return ["--data", f"csv:{train}", "--test-data", f"csv:{test}", "--run-dir", str(run_dir), "--preset",
-            "bert-tiny", "--max-seq-len", "16", "--batch-size", "8", "--vocab-size", "60", "--dropout", "0",
-            "--lr", "1e-3", *QUIET, *extra]
+    return [
+        "--data",
+        f"csv:{train}",
+        "--test-data",
+        f"csv:{test}",
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        "bert-tiny",
+        "--max-seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--vocab-size",
+        "60",
+        "--dropout",
+        "0",
+        "--lr",
+        "1e-3",
+        *QUIET,
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------------------ default job
@@ -63,8 +85,10 @@ def default_run(tmp_path_factory, compilation_cache):  # noqa: F811
     run_dir = tmp_path_factory.mktemp("default") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = run_training(imdb.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress",
-                          "--run-dir", str(run_dir)])
+        code = run_training(
+            imdb.TASK,
+            ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--no-progress", "--run-dir", str(run_dir)],
+        )
     return code, run_dir, printed.getvalue()
 
 
@@ -127,7 +151,10 @@ def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_
 def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, csv_data, compilation_cache):  # noqa: F811
     assert run_training(imdb.TASK, csv_job(csv_data, tmp_path / "straight", "--steps", "6", "--log-every", "1")) == 0
     split = tmp_path / "split"
-    assert run_training(imdb.TASK, csv_job(csv_data, split, "--steps", "6", "--log-every", "1", "--checkpoint-every", "3")) == 0
+    assert (
+        run_training(imdb.TASK, csv_job(csv_data, split, "--steps", "6", "--log-every", "1", "--checkpoint-every", "3"))
+        == 0
+    )
     # Cut the run back to its step-3 checkpoint, as a preempted run would have left it, and resume.
     shutil.rmtree(split / "checkpoints" / "6")
     assert run_training(imdb.TASK, ["--resume", str(split)]) == 0
@@ -143,10 +170,35 @@ def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, csv_dat
 
 
 def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
-    train = write_jsonl(tmp_path / "train.jsonl", [{"review": t, "stars": l} for t, l in review_rows(40, 2)])
-    code = run_training(imdb.TASK, ["--data", f"jsonl:{train}", "--text-field", "review", "--label-field", "stars",
-                      "--valid-fraction", "0.25", "--preset", "bert-tiny", "--max-seq-len", "16", "--batch-size", "8",
-                      "--vocab-size", "60", "--steps", "2", "--run-dir", str(tmp_path / "r"), *QUIET])
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"review": text, "stars": stars} for text, stars in review_rows(40, 2)]
+    )
+    code = run_training(
+        imdb.TASK,
+        [
+            "--data",
+            f"jsonl:{train}",
+            "--text-field",
+            "review",
+            "--label-field",
+            "stars",
+            "--valid-fraction",
+            "0.25",
+            "--preset",
+            "bert-tiny",
+            "--max-seq-len",
+            "16",
+            "--batch-size",
+            "8",
+            "--vocab-size",
+            "60",
+            "--steps",
+            "2",
+            "--run-dir",
+            str(tmp_path / "r"),
+            *QUIET,
+        ],
+    )
     assert code == 0
     records = runlog.read(tmp_path / "r" / "run.jsonl")
     assert [r["split"] for r in records if r["type"] == "eval"] == ["valid"]
@@ -161,13 +213,24 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
     [
         (lambda d, c: ["--data", f"csv:{d / 'absent.csv'}", "--run-dir", str(d / "r")], "data file not found"),
         (lambda d, c: csv_job(c, d / "r", "--text-field", "review"), "no field 'review' (fields: text, label)"),
-        (lambda d, c: ["--data", f"csv:{write_csv(d / 'three.csv', [('a', 1), ('b', 2)] * 10)}",
-                          "--run-dir", str(d / "r")], "three.csv has label 2, but the model has 2 labels"),
-        (lambda d, c: ["--data", f"csv:{write_csv(d / 'empty.csv', [])}", "--run-dir", str(d / "r")],
-         "holds no examples"),
+        (
+            lambda d, c: [
+                "--data",
+                f"csv:{write_csv(d / 'three.csv', [('a', 1), ('b', 2)] * 10)}",
+                "--run-dir",
+                str(d / "r"),
+            ],
+            "three.csv has label 2, but the model has 2 labels",
+        ),
+        (
+            lambda d, c: ["--data", f"csv:{write_csv(d / 'empty.csv', [])}", "--run-dir", str(d / "r")],
+            "holds no examples",
+        ),
         (lambda d, c: csv_job(c, d / "r", "--max-seq-len", "129"), "--max-seq-len 129 exceeds the model's 128"),
-        (lambda d, c: ["--init-from", str(d), "--preset", "bert-base", "--run-dir", str(d / "r")],
-         "--preset and --init-from exclude each other"),
+        (
+            lambda d, c: ["--init-from", str(d), "--preset", "bert-base", "--run-dir", str(d / "r")],
+            "--preset and --init-from exclude each other",
+        ),
         (lambda d, c: ["--init-from", str(d), "--run-dir", str(d / "r")], "no tokenizer in"),
         (lambda d, c: csv_job(c, d / "r", "--test-data", "synthetic"), "'synthetic' is not a data source"),
         (lambda d, c: csv_job(c, d / "r", "--steps", "4", "--warmup-steps", "4"), "--warmup-steps 4 leaves no"),
@@ -176,12 +239,25 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (lambda d, c: ["--preset", "bert-huge"], "--preset bert-huge: unknown; choose from bert-tiny"),
     ],
-    ids=["missing-file", "missing-column", "label-out-of-range", "empty-data", "max-seq-len",
-         "preset-and-init-from", "no-tokenizer", "bad-test-data", "warmup", "batch-size",
-         "resume-not-a-run", "ffi-without-cuda", "unknown-preset"],
+    ids=[
+        "missing-file",
+        "missing-column",
+        "label-out-of-range",
+        "empty-data",
+        "max-seq-len",
+        "preset-and-init-from",
+        "no-tokenizer",
+        "bad-test-data",
+        "warmup",
+        "batch-size",
+        "resume-not-a-run",
+        "ffi-without-cuda",
+        "unknown-preset",
+    ],
 )
-def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, csv_data, capsys, make_args, message,
-                                                                 request):
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(
+    tmp_path, csv_data, capsys, make_args, message, request
+):
     data_fault = request.node.callspec.id in {"missing-file", "missing-column", "label-out-of-range", "empty-data"}
     assert run_training(imdb.TASK, make_args(tmp_path, csv_data)) == (EXIT_DATA if data_fault else EXIT_USAGE)
     err = capsys.readouterr().err
@@ -193,9 +269,22 @@ def test_help_says_every_batch_has_one_shape(capsys):
         run_training(imdb.TASK, ["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "EVERY batch is padded to this length, so the training step has one shape and compiles once" in text
-    for option in ("--data", "--test-data", "--valid-fraction", "--text-field", "--label-field", "--init-from",
-                   "--preset", "--batch-size", "--epochs", "--steps", "--optimizer", "--precision", "--backend",
-                   "--resume"):
+    for option in (
+        "--data",
+        "--test-data",
+        "--valid-fraction",
+        "--text-field",
+        "--label-field",
+        "--init-from",
+        "--preset",
+        "--batch-size",
+        "--epochs",
+        "--steps",
+        "--optimizer",
+        "--precision",
+        "--backend",
+        "--resume",
+    ):
         assert option in text
     assert "with --data synthetic:" in text
 
@@ -210,5 +299,10 @@ def test_eval_every_0_means_only_at_the_end_as_in_train_wmt():
 @pytest.mark.parametrize("name, layers", [("bert-small", 4), ("bert-medium", 8)])
 def test_compact_presets_have_their_published_shapes(name, layers):
     cfg = preset_config(name, vocab_size=1000, num_labels=2)
-    assert (cfg.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.nhead) == (layers, 512, 2048, 8)
+    assert (cfg.num_layers, cfg.layer.hidden_size, cfg.layer.intermediate_size, cfg.layer.nhead) == (
+        layers,
+        512,
+        2048,
+        8,
+    )
     assert cfg.layer.hidden_size // cfg.layer.nhead == 64

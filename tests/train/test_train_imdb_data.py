@@ -1,4 +1,5 @@
-"""`train.imdb.data` and `train.imdb.synthetic`: the synthetic review task, the CSV / JSONL / tfds readers, splits, encoding and batches."""
+"""`train.imdb.data` and `train.imdb.synthetic`: the synthetic review task, the CSV / JSONL / tfds readers, splits,
+encoding and batches."""
 
 import csv
 import importlib.util
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from train.data import stream as data_lib
-from train.imdb import data as imdb_data, synthetic as imdb_synthetic
 from train.errors import DataError, UsageError
+from train.imdb import data as imdb_data
+from train.imdb import synthetic as imdb_synthetic
 
 HAS_TFDS = importlib.util.find_spec("tensorflow_datasets") is not None
 POSITIVE = set(imdb_synthetic.POSITIVE_ADJECTIVES) | {word for pair in imdb_synthetic.POSITIVE_VERBS for word in pair}
@@ -80,10 +82,10 @@ def write_jsonl(path, records):
 
 
 def test_read_csv_with_quotes_newlines_and_extra_columns(tmp_path):
-    rows = [("great, truly \"great\"", 1, "x"), ("line one\nline two", 0, "y"), ("plain", "1", "z")]
+    rows = [('great, truly "great"', 1, "x"), ("line one\nline two", 0, "y"), ("plain", "1", "z")]
     path = write_csv(tmp_path / "data.csv", rows, fields=("review", "sentiment", "id"))
     split = imdb_data.read_csv(path, "review", "sentiment")
-    assert split.texts == ["great, truly \"great\"", "line one\nline two", "plain"]
+    assert split.texts == ['great, truly "great"', "line one\nline two", "plain"]
     assert split.labels.tolist() == [1, 0, 1] and split.source == str(path)
 
 
@@ -107,8 +109,17 @@ def test_read_jsonl_skips_blank_lines_and_accepts_digit_strings(tmp_path):
         ('["a", 1]\n', "line 1 is a JSON list, not an object"),
         ("\n\n", "holds no examples"),
     ],
-    ids=["missing-field", "float-label", "negative-label", "bool-label", "word-label", "text-not-string",
-         "bad-json", "not-object", "empty"],
+    ids=[
+        "missing-field",
+        "float-label",
+        "negative-label",
+        "bool-label",
+        "word-label",
+        "text-not-string",
+        "bad-json",
+        "not-object",
+        "empty",
+    ],
 )
 def test_bad_jsonl_names_the_problem(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -251,8 +262,10 @@ def test_batches_are_deterministic_by_seed_and_resume_from_a_position():
 def test_each_host_builds_its_own_rows():
     data = encoded_numbers(16)
     whole = next(imdb_data.BatchStream(data, batch_size=8, grad_accum=1, seed=0))[0]
-    parts = [next(imdb_data.BatchStream(data, batch_size=8, grad_accum=1, seed=0, process_index=p, process_count=2))
-             for p in range(2)]
+    parts = [
+        next(imdb_data.BatchStream(data, batch_size=8, grad_accum=1, seed=0, process_index=p, process_count=2))
+        for p in range(2)
+    ]
     np.testing.assert_array_equal(np.concatenate([p[0]["labels"] for p in parts], axis=1), whole["labels"])
     assert all(p[1] == {"examples": 8} for p in parts)
 

@@ -9,12 +9,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_train_imdb import QUIET, WORDS, check_log_schema, csv_data  # noqa: E402,F401 - csv_data is a fixture
-from ls_jax.models import BertForSequenceClassification  # noqa: E402
-from train.imdb import task as imdb, data as imdb_data, model as imdb_model  # noqa: E402
-from train.imdb import config as imdb_config
-from train.records import runlog
+from test_train_imdb import QUIET, WORDS, check_log_schema, csv_data  # noqa: F401 - csv_data is a fixture
+
+from ls_jax.models import BertForSequenceClassification
 from train.harness.training import run_training
+from train.imdb import config as imdb_config
+from train.imdb import data as imdb_data
+from train.imdb import model as imdb_model
+from train.imdb import task as imdb
+from train.records import runlog
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(WORDS)), "##s", "##ly"]
 
@@ -23,8 +26,13 @@ def save_tiny_bert(directory, *, with_classifier=True):
     """A random transformers BERT with the vocabulary VOCAB (vocab.txt, as BERT checkpoints ship it)."""
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-        max_position_embeddings=24, num_labels=2,
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=24,
+        num_labels=2,
     )
     model = transformers.BertForSequenceClassification(config).eval()
     (model if with_classifier else model.bert).save_pretrained(directory)
@@ -81,9 +89,28 @@ def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, c
     train, test = csv_data
     run_dir = tmp_path / "run"
     # A vanishing learning rate leaves the weights as loaded, so the evaluation scores the checkpoint itself.
-    code = run_training(imdb.TASK, ["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
-                      "--max-seq-len", "16", "--batch-size", "8", "--steps", "1", "--lr", "1e-20",
-                      "--run-dir", str(run_dir), *QUIET])
+    code = run_training(
+        imdb.TASK,
+        [
+            "--init-from",
+            str(directory),
+            "--data",
+            f"csv:{train}",
+            "--test-data",
+            f"csv:{test}",
+            "--max-seq-len",
+            "16",
+            "--batch-size",
+            "8",
+            "--steps",
+            "1",
+            "--lr",
+            "1e-20",
+            "--run-dir",
+            str(run_dir),
+            *QUIET,
+        ],
+    )
     assert code == 0
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
@@ -101,12 +128,28 @@ def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):  # 
     directory = tmp_path / "encoder"
     save_tiny_bert(directory, with_classifier=False)
     train, test = csv_data
-    code = run_training(imdb.TASK, ["--init-from", str(directory), "--data", f"csv:{train}", "--test-data", f"csv:{test}",
-                      "--max-seq-len", "16", "--batch-size", "8", "--steps", "2", "--run-dir", str(tmp_path / "r"),
-                      *QUIET])
+    code = run_training(
+        imdb.TASK,
+        [
+            "--init-from",
+            str(directory),
+            "--data",
+            f"csv:{train}",
+            "--test-data",
+            f"csv:{test}",
+            "--max-seq-len",
+            "16",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--run-dir",
+            str(tmp_path / "r"),
+            *QUIET,
+        ],
+    )
     assert code == 0
     assert runlog.read(tmp_path / "r" / "run.jsonl")[-1]["completed"]
-
 
 
 @pytest.mark.parametrize(
@@ -130,7 +173,22 @@ def test_labels_beyond_the_checkpoint_classifier_are_refused(bert_dir, tmp_path,
     from test_train_imdb_data import write_csv
 
     data = write_csv(tmp_path / "three.csv", [("good", 2), ("bad", 0)] * 10)
-    assert run_training(imdb.TASK, ["--init-from", str(bert_dir[0]), "--data", f"csv:{data}", "--max-seq-len", "16",
-                      "--run-dir", str(tmp_path / "r")]) == 3  # a data fault
+    assert (
+        run_training(
+            imdb.TASK,
+            [
+                "--init-from",
+                str(bert_dir[0]),
+                "--data",
+                f"csv:{data}",
+                "--max-seq-len",
+                "16",
+                "--run-dir",
+                str(tmp_path / "r"),
+            ],
+        )
+        == 3
+    )  # a data fault
     assert "has label 2, but the model has 2 labels (0 .. 1); the checkpoint's config.json sets them" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )

@@ -9,16 +9,16 @@ import numpy as np
 import optax
 import pytest
 
-from train.harness import loop
-from train.harness.progress import Counters
-from train.records import runlog
-from train.records.checkpoints import Checkpoints
 from train.costs.hardware import Hardware
+from train.costs.precision import parse_precision, precision_signature
+from train.harness import loop
 from train.harness.optimizer import inverse_sqrt_schedule
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
-from train.costs.precision import parse_precision, precision_signature
+from train.harness.progress import Counters
 from train.harness.step import DynamicLossScale, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
+from train.records import runlog
+from train.records.checkpoints import Checkpoints
 
 FEATURES = 4
 TRUE_W = np.arange(1.0, FEATURES + 1, dtype=np.float32)
@@ -61,8 +61,12 @@ class ToyStream:
     def __next__(self):
         if self.index == self.steps_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
-        batch = toy_batch(self.epoch, self.index, self.grad_accum,
-                          poison=self.poison_at == self.epoch * self.steps_per_epoch + self.index + 1)
+        batch = toy_batch(
+            self.epoch,
+            self.index,
+            self.grad_accum,
+            poison=self.poison_at == self.epoch * self.steps_per_epoch + self.index + 1,
+        )
         self.index += 1
         self.served += 1
         if self.on_step:
@@ -75,8 +79,9 @@ def new_state(tx, fp16=False):
     return TrainState.create(params, tx, jax.random.PRNGKey(0), fp16=fp16)
 
 
-def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1,
-             hardware=None):
+def run_loop(
+    tmp_path, stream, steps, *, tx=None, state=None, counters=None, checkpoint_every=2, log_every=1, hardware=None
+):
     tx = tx or optax.sgd(0.05)
     tmp_path.mkdir(parents=True, exist_ok=True)
     parallel = DataParallel.over_all_devices()
@@ -95,8 +100,9 @@ def run_loop(tmp_path, stream, steps, *, tx=None, state=None, counters=None, che
         run_log=run_log,
         checkpoints=checkpoints,
         model_signature={"toy": 1},
-        config=loop.LoopConfig(num_steps=steps, log_every=log_every, checkpoint_every=checkpoint_every,
-                               progress_bar=False),
+        config=loop.LoopConfig(
+            num_steps=steps, log_every=log_every, checkpoint_every=checkpoint_every, progress_bar=False
+        ),
         counters=counters,
     )
     run_log.close()
@@ -112,7 +118,9 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step():
     whole = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
     single, metrics = step(new_state(tx), whole)
     any_key = jax.random.PRNGKey(9)  # the noise is off
-    manual = jax.grad(lambda p: exact_loss(p, jax.tree.map(lambda v: v[0], whole), any_key)[0] / 24)(new_state(tx).params)
+    manual = jax.grad(lambda p: exact_loss(p, jax.tree.map(lambda v: v[0], whole), any_key)[0] / 24)(
+        new_state(tx).params
+    )
     for name in ("w", "b"):
         np.testing.assert_allclose(accumulated.params[name], single.params[name], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(single.params[name], -manual[name], rtol=1e-5, atol=1e-6)
@@ -167,8 +175,13 @@ def test_resume_continues_exactly(tmp_path):
     )
     state, progress = checkpoints.restore(checkpoints.latest_step(), template, {"toy": 1})
     assert progress["step"] == 4 and int(state.step) == 4
-    resumed, _ = run_loop(tmp_path / "split", ToyStream(**progress["data"]), steps=8, state=state,
-                          counters=Counters.from_dict(progress["counters"]))
+    resumed, _ = run_loop(
+        tmp_path / "split",
+        ToyStream(**progress["data"]),
+        steps=8,
+        state=state,
+        counters=Counters.from_dict(progress["counters"]),
+    )
     for name in ("w", "b"):
         np.testing.assert_allclose(resumed.state.params[name], straight.state.params[name], rtol=0, atol=1e-6)
     assert resumed.summary["examples"] == straight.summary["examples"] == 64
@@ -235,7 +248,9 @@ def test_warm_up_runs_each_compiled_step_once_and_leaves_the_state_as_it_was():
     parallel = DataParallel.over_all_devices()
     state = parallel.replicate(new_state(tx))
     compiler = StepCompiler(make_train_step(recording_loss, tx, axis_name=DATA_AXIS), StateLayout(parallel), state)
-    shapes = [{name: (value.shape, value.dtype) for name, value in toy_batch(0, 0, rows=rows).items()} for rows in (8, 4)]
+    shapes = [
+        {name: (value.shape, value.dtype) for name, value in toy_batch(0, 0, rows=rows).items()} for rows in (8, 4)
+    ]
     compiler.precompile(state, shapes)
     compiler.warm_up(state)
     jax.effects_barrier()
@@ -261,7 +276,6 @@ def test_precision_choice_follows_the_device():
 def test_checkpoint_signature_names_the_master_weights_form():
     """bf16 master weights are stored as int16 low halves: their checkpoints must not resume as (or from) the f32
     masters of earlier checkpoints, which were signed ``True``; f16 ones keep the f32 master and that signature."""
-    assert precision_signature(True, "bf16") == {"fp16_loss_scaling": False,
-                                                             "master_weights": "int16 low halves"}
+    assert precision_signature(True, "bf16") == {"fp16_loss_scaling": False, "master_weights": "int16 low halves"}
     assert precision_signature(True, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
     assert precision_signature(False, "bf16") == {"fp16_loss_scaling": False}

@@ -8,8 +8,8 @@ import time
 import jax
 import optax
 import pytest
-
 from test_train_loop import ToyStream, new_state, run_loop
+
 from train.costs.energy import EstimatedEnergy
 from train.costs.hardware import Hardware
 from train.costs.metrics import Power
@@ -40,8 +40,9 @@ def drew_the_meters_power(part):
 
 def test_slow_first_steps_are_the_warm_up_and_every_window_draws_the_meters_power(tmp_path):
     hardware = metered()
-    result, _ = run_loop(tmp_path, ToyStream(on_step=delays(4)), steps=20, checkpoint_every=1000, log_every=5,
-                         hardware=hardware)
+    result, _ = run_loop(
+        tmp_path, ToyStream(on_step=delays(4)), steps=20, checkpoint_every=1000, log_every=5, hardware=hardware
+    )
     summary = result.summary
     warmup, steady = summary["warmup"], summary["steady"]
     # Batches 1-4 take 0.4 s each; steps 1-3 hold them (a step ends once the host has queued the next one).
@@ -75,15 +76,25 @@ def test_slow_first_steps_are_the_warm_up_and_every_window_draws_the_meters_powe
 def test_a_resumed_run_counts_the_warm_up_and_compilation_of_each_segment(tmp_path):
     run_loop(tmp_path, ToyStream(on_step=delays(3)), steps=10, checkpoint_every=10, log_every=5, hardware=metered())
     checkpoints = Checkpoints(tmp_path / "checkpoints")
-    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            DataParallel.over_all_devices().replicate(new_state(optax.sgd(0.05))))
+    template = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        DataParallel.over_all_devices().replicate(new_state(optax.sgd(0.05))),
+    )
     state, progress = checkpoints.restore(10, template, {"toy": 1})
     checkpoints.close()
     counters = Counters.from_dict(progress["counters"])
     assert counters.segment_starts == [0] and len(counters.step_energy_j) == 10
     assert counters.compilation.count == 1 and counters.compilation.energy_j > 0
-    resumed, _ = run_loop(tmp_path, ToyStream(**progress["data"], on_step=delays(3)), steps=20, state=state,
-                          counters=counters, checkpoint_every=10, log_every=5, hardware=metered())
+    resumed, _ = run_loop(
+        tmp_path,
+        ToyStream(**progress["data"], on_step=delays(3)),
+        steps=20,
+        state=state,
+        counters=counters,
+        checkpoint_every=10,
+        log_every=5,
+        hardware=metered(),
+    )
     summary = resumed.summary
     # A checkpoint's counters are saved before its own write: the resumed run counts its own checkpoint only.
     assert summary["compilation"]["count"] == 2 and summary["checkpoints"]["count"] == 1
@@ -95,9 +106,18 @@ def test_a_resumed_run_counts_the_warm_up_and_compilation_of_each_segment(tmp_pa
 
 
 def test_counters_of_a_checkpoint_written_before_the_windows_resume_with_unknown_parts():
-    old = {"train_time_s": 3.0, "wall_time_s": 9.0, "counts": {"examples": 24}, "flops": 6.0, "xla_flops": 0.0,
-           "xla_flops_known": True, "energy_j": 30.0, "step_times": [2.0, 0.5, 0.5], "last_loss": 1.0,
-           "last_eval": {}}
+    old = {
+        "train_time_s": 3.0,
+        "wall_time_s": 9.0,
+        "counts": {"examples": 24},
+        "flops": 6.0,
+        "xla_flops": 0.0,
+        "xla_flops_known": True,
+        "energy_j": 30.0,
+        "step_times": [2.0, 0.5, 0.5],
+        "last_loss": 1.0,
+        "last_eval": {},
+    }
     counters = Counters.from_dict(old)
     assert counters.segment_starts == [0] and counters.wall_energy_j is None
     assert counters.step_energy_j == [None] * 3 and counters.step_counts == {"examples": [None] * 3}

@@ -58,8 +58,9 @@ def test_schema_is_the_documented_schema():
 
 def valid_interval(**changes):
     record = {key: 1.0 for key in runlog.SCHEMA["interval"]}
-    record.update(type="interval", step=3, peak_memory_bytes=None, energy_source=None, tokens_per_s=2.0,
-                  target_tokens_per_s=1.0)
+    record.update(
+        type="interval", step=3, peak_memory_bytes=None, energy_source=None, tokens_per_s=2.0, target_tokens_per_s=1.0
+    )
     record.update(changes)
     return record
 
@@ -83,8 +84,18 @@ def test_validate_accepts_a_good_record_and_names_the_problem_of_a_bad_one():
 def test_run_log_writes_json_lines_and_tensorboard_events(tmp_path):
     log = runlog.RunLog(tmp_path, WMT_COUNTS)
     log.write(valid_interval(loss=float("nan")))
-    log.write({"type": "eval", "step": 3, "split": "valid", "loss": 2.0, "nll": 1.5, "bleu": 10.0, "accuracy": None,
-               "perplexity": None})
+    log.write(
+        {
+            "type": "eval",
+            "step": 3,
+            "split": "valid",
+            "loss": 2.0,
+            "nll": 1.5,
+            "bleu": 10.0,
+            "accuracy": None,
+            "perplexity": None,
+        }
+    )
     log.close()
     records = runlog.read(tmp_path / runlog.LOG_FILENAME)
     assert [r["type"] for r in records] == ["interval", "eval"]
@@ -125,8 +136,18 @@ def test_identity_fields():
 def valid_summary():
     """A summary record of an imdb run (counting examples) with every key and part of the schema."""
     record = {key: 1.0 for key in runlog.SCHEMA["summary"]}
-    record.update(type="summary", completed=True, stop_reason="finished", steps=3, energy_source="nvml",
-                  energy_estimated=False, memory=None, peak_memory_bytes=None, examples=24, examples_per_s=8.0)
+    record.update(
+        type="summary",
+        completed=True,
+        stop_reason="finished",
+        steps=3,
+        energy_source="nvml",
+        energy_estimated=False,
+        memory=None,
+        peak_memory_bytes=None,
+        examples=24,
+        examples_per_s=8.0,
+    )
     for name, keys in runlog.PARTS["summary"].items():
         record[name] = {key: 1.0 for key in keys}
         record[name].update({key: 1 for key in ("steps", "count") if key in keys})

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from helpers import toy_task
 from helpers.toy_runs import QUIET, REPO, saved_steps, signal_at_line, start
+
 from train.harness.training import format_rate, throughput
 from train.records import runlog
 
@@ -42,8 +42,23 @@ def test_resume_of_a_finished_run_is_a_no_op_then_extends(tmp_path, capsys):
 def test_a_non_finite_update_is_never_checkpointed(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # Step 4's loss is finite, its update (learning rate NaN) is not.
-    code = toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "10", "--checkpoint-every", "1",
-                          "--keep-checkpoints", "10", "--nan-lr-from", "3", "--log-every", "100"])
+    code = toy_task.main(
+        [
+            "--run-dir",
+            str(run_dir),
+            *QUIET,
+            "--steps",
+            "10",
+            "--checkpoint-every",
+            "1",
+            "--keep-checkpoints",
+            "10",
+            "--nan-lr-from",
+            "3",
+            "--log-every",
+            "100",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 4, err
     assert saved_steps(run_dir) == [1, 2, 3]
@@ -78,14 +93,16 @@ def test_a_run_stopped_while_compiling_starts_again_from_step_0(tmp_path, capsys
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
     assert summary["steps"] == 0 and saved_steps(run_dir) == []
-    assert (f"no checkpoint was written yet; start it again from step 0 with: python -m train.toy --resume {run_dir}"
-            in err)
+    assert (
+        f"no checkpoint was written yet; start it again from step 0 with: python -m train.toy --resume {run_dir}" in err
+    )
 
     capsys.readouterr()
     flags = ["--resume", str(run_dir)] if again == "--resume" else ["--run-dir", str(run_dir), *QUIET]
     assert toy_task.main([*flags, "--steps", "4", "--log-every", "1", "--checkpoint-every", "2"]) == 0
     assert f"{run_dir}: its run stopped before its first checkpoint; starting it again from step 0" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     records = runlog.read(run_dir / runlog.LOG_FILENAME)
     assert [r["type"] for r in records].count("run") == 1
     assert [r["step"] for r in records if r["type"] == "interval"] == [1, 2, 3, 4]
@@ -106,8 +123,9 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_stops_the_run_with_one_line(small_disk):
     run_dir = small_disk / "run"
-    process = start(run_dir, "--steps", "100000", "--checkpoint-every", "1", "--keep-checkpoints", "100000",
-                    "--log-every", "100000")
+    process = start(
+        run_dir, "--steps", "100000", "--checkpoint-every", "1", "--keep-checkpoints", "100000", "--log-every", "100000"
+    )
     _, err = process.communicate(timeout=600)
     assert process.returncode == 5, err
     assert "Traceback" not in err
@@ -163,8 +181,9 @@ def test_a_damaged_checkpoint_is_one_warning_naming_its_file_and_error(tmp_path,
     assert process.returncode == 0, err
     lines = err.splitlines()
     warnings = [line for line in lines if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping checkpoint 6 in {run_dir.resolve()}/"
-                                                         "checkpoints: its arrays cannot be read: ValueError: ")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: skipping checkpoint 6 in {run_dir.resolve()}/checkpoints: its arrays cannot be read: ValueError: "
+    )
     assert any(str(path) in warnings[0] for path in data_files) and "byte range" in warnings[0], warnings[0]
     assert "Traceback" not in err and "Exception ignored" not in err
     assert ("ERROR:absl:Failed to json parse Metadata file" in err) == verbose
@@ -187,19 +206,37 @@ def test_evaluations_during_training_are_one_line_each(tmp_path, capsys):
     assert "  final loss  " in out and "loss valid 1.000" in out  # the final evaluation is in the summary
 
 
-@pytest.mark.parametrize("value, text", [(28821.4, "28,821"), (24109.0, "24,109"), (412.0, "412"), (41.27, "41.3"),
-                                         (0.5, "0.5"), (None, "n/a")])
+@pytest.mark.parametrize(
+    "value, text",
+    [(28821.4, "28,821"), (24109.0, "24,109"), (412.0, "412"), (41.27, "41.3"), (0.5, "0.5"), (None, "n/a")],
+)
 def test_throughput_has_one_format_for_every_task(value, text):
     assert format_rate(value) == text
     assert throughput(("tokens", "target_tokens"), {"tokens_per_s": value, "target_tokens_per_s": value}) == (
-        f"{text} tokens/s, {text} target tokens/s")
+        f"{text} tokens/s, {text} target tokens/s"
+    )
 
 
 def test_without_a_terminal_progress_is_one_line_per_interval(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"}
-    done = subprocess.run([sys.executable, "-m", "helpers.toy_task", "--run-dir", str(tmp_path / "run"),
-                           "--no-tensorboard", "--steps", "6", "--log-every", "2"],
-                          cwd=REPO, env=env, capture_output=True, timeout=240)  # bytes: text mode reads \r as \n
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helpers.toy_task",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-tensorboard",
+            "--steps",
+            "6",
+            "--log-every",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=240,
+    )  # bytes: text mode reads \r as \n
     err = done.stderr.decode()
     assert done.returncode == 0, err
     assert b"\r" not in done.stderr + done.stdout  # a bar redrawing itself

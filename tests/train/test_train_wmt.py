@@ -17,32 +17,56 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
-from test_data_text import write_corpus
 import test_train_runlog
+from test_data_text import write_corpus
+
 from ls_jax import backend
-from ls_jax.optim import master
-from train.records import runlog
-from train.data import tokenizer
-from train.wmt import task as wmt
-from train.errors import EXIT_DATA, EXIT_USAGE
-from train.harness.training import run_training
-from train.harness.config import TrainingConfig
 from ls_jax.models import PRESETS
+from ls_jax.optim import master
+from train.data import tokenizer
+from train.errors import EXIT_DATA, EXIT_USAGE
+from train.harness.config import TrainingConfig
+from train.harness.training import run_training
+from train.records import runlog
+from train.wmt import task as wmt
 
 REPO = Path(__file__).resolve().parents[2]
 FLOP_TOLERANCE = 0.05
 # A small text-data job: short sentences (two step shapes), no dropout, a 300-piece vocabulary.
-SMALL = ["--preset", "transformer-tiny", "--max-len", "16", "--max-tokens", "512", "--spm-vocab-size", "300",
-         "--spm-model-type", "bpe", "--dropout", "0", "--warmup-steps", "5", "--lr", "1e-3", "--decode", "greedy",
-         "--bleu-sentences", "8", "--no-progress", "--no-tensorboard"]
+SMALL = [
+    "--preset",
+    "transformer-tiny",
+    "--max-len",
+    "16",
+    "--max-tokens",
+    "512",
+    "--spm-vocab-size",
+    "300",
+    "--spm-model-type",
+    "bpe",
+    "--dropout",
+    "0",
+    "--warmup-steps",
+    "5",
+    "--lr",
+    "1e-3",
+    "--decode",
+    "greedy",
+    "--bleu-sentences",
+    "8",
+    "--no-progress",
+    "--no-tensorboard",
+]
 
 
 @pytest.fixture(scope="module")
 def compilation_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax-cache")
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     previous = {name: getattr(jax.config, name) for name in names}
     for name, value in zip(names, (str(cache), 0.0, 0)):
         jax.config.update(name, value)
@@ -70,7 +94,9 @@ def small_job(corpus_dir, run_dir, *extra):
 def state_arrays(run_dir, step):
     """The saved train state of a checkpoint, as numpy leaves (path -> array)."""
     restored = ocp.StandardCheckpointer().restore(Path(run_dir).resolve() / "checkpoints" / str(step) / "state")
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(restored)}
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(restored)
+    }
 
 
 def check_log_schema(records):
@@ -80,8 +106,22 @@ def check_log_schema(records):
 @pytest.mark.slow
 def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
     run_dir = tmp_path / "run"
-    code = run_training(wmt.TASK, ["--steps", "6", "--log-every", "3", "--checkpoint-every", "3", "--bleu-sentences", "32",
-                     "--no-progress", "--run-dir", str(run_dir)])
+    code = run_training(
+        wmt.TASK,
+        [
+            "--steps",
+            "6",
+            "--log-every",
+            "3",
+            "--checkpoint-every",
+            "3",
+            "--bleu-sentences",
+            "32",
+            "--no-progress",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
     assert code == 0
     test_train_runlog.check_run_files(run_dir, [3, 6])
     config = json.loads((run_dir / "config.json").read_text())
@@ -145,12 +185,24 @@ def test_resume_with_another_vocabulary_is_refused(tmp_path, corpus_dir, compila
 @pytest.mark.slow
 def test_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, corpus_dir, compilation_cache):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "PYTHONPATH": str(REPO),
+    }
     process = subprocess.Popen(
-        [sys.executable, "-m", "train.wmt", *small_job(corpus_dir, run_dir, "--steps", "100000", "--log-every", "1",
-                                                        "--checkpoint-every", "100000")],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "train.wmt",
+            *small_job(corpus_dir, run_dir, "--steps", "100000", "--log-every", "1", "--checkpoint-every", "100000"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     log = run_dir / "run.jsonl"
     deadline = time.monotonic() + 240
@@ -173,7 +225,12 @@ def test_sigterm_leaves_a_checkpoint_that_resumes(tmp_path, corpus_dir, compilat
 @pytest.mark.slow
 def test_fp16_logs_the_dynamic_loss_scale(tmp_path, corpus_dir, compilation_cache):
     run_dir = tmp_path / "run"
-    assert run_training(wmt.TASK, small_job(corpus_dir, run_dir, "--steps", "4", "--log-every", "2", "--precision", "fp16")) == 0
+    assert (
+        run_training(
+            wmt.TASK, small_job(corpus_dir, run_dir, "--steps", "4", "--log-every", "2", "--precision", "fp16")
+        )
+        == 0
+    )
     records = runlog.read(run_dir / "run.jsonl")
     check_log_schema(records)
     assert records[0]["precision"] == "fp16"
@@ -192,7 +249,7 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
 
     def with_f32_master(arrays):
         """The state's arrays with the master's int16 low halves joined to the bf16 params they extend."""
-        params = {name[len("['params']"):]: value for name, value in arrays.items() if name.startswith("['params']")}
+        params = {name[len("['params']") :]: value for name, value in arrays.items() if name.startswith("['params']")}
         lows = {name.split("['master']", 1)[1]: name for name in arrays if "['master']" in name}
         assert params and params.keys() == lows.keys()
         for path, name in lows.items():
@@ -224,17 +281,32 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
         (lambda d, c: ["--steps", "0"], "--steps must be >= 1"),
         (lambda d, c: ["--spm", str(d / "missing.model"), "--run-dir", str(d / "r")], "missing.model"),
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
-        (lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
-         "--master-weights needs --precision bf16 or fp16"),
-        (lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "5"), "--spm-vocab-size 5: a vocabulary of 5 "
-         "pieces cannot hold this corpus: sentencepiece needs at least"),
+        (
+            lambda d, c: small_job(c, d / "r", "--master-weights", "--precision", "fp32"),
+            "--master-weights needs --precision bf16 or fp16",
+        ),
+        (
+            lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "5"),
+            "--spm-vocab-size 5: a vocabulary of 5 pieces cannot hold this corpus: sentencepiece needs at least",
+        ),
     ],
-    ids=["missing-dir", "missing-file", "max-tokens", "max-len", "unwritable-run-dir", "resume-not-a-run",
-         "steps", "missing-spm", "ffi-without-cuda", "master-weights-fp32",
-         "spm-vocab-too-small"],
+    ids=[
+        "missing-dir",
+        "missing-file",
+        "max-tokens",
+        "max-len",
+        "unwritable-run-dir",
+        "resume-not-a-run",
+        "steps",
+        "missing-spm",
+        "ffi-without-cuda",
+        "master-weights-fp32",
+        "spm-vocab-too-small",
+    ],
 )
-def test_bad_input_is_one_message_and_the_exit_code_of_its_class(tmp_path, corpus_dir, capsys, make_args, message,
-                                                                 request):
+def test_bad_input_is_one_message_and_the_exit_code_of_its_class(
+    tmp_path, corpus_dir, capsys, make_args, message, request
+):
     (tmp_path / "file.txt").write_text("a file, not a directory")
     data_fault = request.node.callspec.id in {"missing-dir", "missing-file"}
     assert run_training(wmt.TASK, make_args(tmp_path, corpus_dir)) == (EXIT_DATA if data_fault else EXIT_USAGE)
@@ -275,9 +347,25 @@ def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         run_training(wmt.TASK, ["--help"])
     text = capsys.readouterr().out
-    for option in ("--data", "--spm", "--max-tokens", "--preset", "--precision", "--backend", "--optimizer",
-                   "--grad-accum", "--label-smoothing", "--decode", "--resume", "--price-per-hour", "--device-name",
-                   "--checkpoint-every", "--keep-checkpoints", "--eval-every", "--distributed"):
+    for option in (
+        "--data",
+        "--spm",
+        "--max-tokens",
+        "--preset",
+        "--precision",
+        "--backend",
+        "--optimizer",
+        "--grad-accum",
+        "--label-smoothing",
+        "--decode",
+        "--resume",
+        "--price-per-hour",
+        "--device-name",
+        "--checkpoint-every",
+        "--keep-checkpoints",
+        "--eval-every",
+        "--distributed",
+    ):
         assert option in text
     assert "with --data synthetic:" in text
 
@@ -307,6 +395,7 @@ def test_peer_timeout_without_distributed_is_refused(tmp_path, capsys):
 
 def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
     from train.harness import cli
+
     monkeypatch.setenv("LS_JAX_KERNELS", "xla")
     assert cli.kernel_mode(TrainingConfig(backend="ffi"), {"backend": "ffi"}) == "ffi"
     assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "xla"

@@ -5,15 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from test_data_text import write_corpus
+
 from ls_jax.models import Transformer, TransformerConfig
 from train.costs import metrics
-from train.wmt import task as wmt, data as wmt_data, model as wmt_model
-from train.wmt import config as wmt_config
-from train.wmt.evaluate import Evaluator
 from train.harness.parallel import DataParallel
 from train.harness.training import run_training
+from train.wmt import config as wmt_config
+from train.wmt import data as wmt_data
+from train.wmt import model as wmt_model
+from train.wmt import task as wmt
+from train.wmt.evaluate import Evaluator
 
 MIB = 2**20
 
@@ -26,9 +28,14 @@ def evaluator_parts(tmp_path_factory):
     write_corpus(directory, {"train": 200, "valid": 16})
     config = wmt_config.resolve_config({"data": f"text:{directory}", "spm_vocab_size": 200, "spm_model_type": "bpe"})
     data = wmt.load_data(config, None, tmp_path_factory.mktemp("run"), max_len=24)
-    model_cfg = TransformerConfig.preset("transformer-tiny", data.stats["vocab_size"], dtype=jnp.float32,
-                                         hidden_dropout_ratio=0.0, attn_prob_dropout_ratio=0.0,
-                                         activation_dropout_ratio=0.0)
+    model_cfg = TransformerConfig.preset(
+        "transformer-tiny",
+        data.stats["vocab_size"],
+        dtype=jnp.float32,
+        hidden_dropout_ratio=0.0,
+        attn_prob_dropout_ratio=0.0,
+        activation_dropout_ratio=0.0,
+    )
     model = Transformer(model_cfg)
     tokens = jnp.ones((1, 8), jnp.int32)
     params = model.init(jax.random.PRNGKey(3), tokens, tokens)["params"]
@@ -37,10 +44,23 @@ def evaluator_parts(tmp_path_factory):
 
 def evaluator(parts, decode_memory_mib):
     data, model, _, directory = parts
-    config = wmt_config.resolve_config({"data": f"text:{directory}", "decode": "beam", "beam_size": 2,
-                                 "max_tokens": 4096, "decode_memory": decode_memory_mib})
-    return Evaluator(model, model.config, wmt_model.make_criterion("ls_jax", config.label_smoothing), data, config,
-                     DataParallel.over_all_devices())
+    config = wmt_config.resolve_config(
+        {
+            "data": f"text:{directory}",
+            "decode": "beam",
+            "beam_size": 2,
+            "max_tokens": 4096,
+            "decode_memory": decode_memory_mib,
+        }
+    )
+    return Evaluator(
+        model,
+        model.config,
+        wmt_model.make_criterion("ls_jax", config.label_smoothing),
+        data,
+        config,
+        DataParallel.over_all_devices(),
+    )
 
 
 def decode_batches(evaluator):
@@ -65,8 +85,9 @@ def test_a_large_eval_set_is_decoded_in_batches_within_the_budget():
     budget = 2048 * MIB
 
     def max_rows(length):
-        row_bytes = wmt_model.decode_row_bytes(model_cfg, src_len=length, decode_len=model_cfg.layer.max_seq_len,
-                                               beams=4)
+        row_bytes = wmt_model.decode_row_bytes(
+            model_cfg, src_len=length, decode_len=model_cfg.layer.max_seq_len, beams=4
+        )
         return wmt_model.decode_rows(budget, row_bytes, num_shards=1)
 
     length, plan = wmt_data.eval_plan(lengths, max_tokens=8192, num_shards=1, max_rows=max_rows)

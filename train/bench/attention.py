@@ -90,8 +90,10 @@ def variants(on_gpu: bool) -> dict[str, tuple[backend.KernelMode, Callable[..., 
     if on_gpu:
         table = {
             "ffi": ("ffi", lambda qkv, bias: ops.self_attention(qkv, bias=bias)),
-            "ffi_dropout": ("ffi", lambda qkv, bias: ops.self_attention(qkv, bias=bias, dropout_rate=DROPOUT,
-                                                                        seed=seed)),
+            "ffi_dropout": (
+                "ffi",
+                lambda qkv, bias: ops.self_attention(qkv, bias=bias, dropout_rate=DROPOUT, seed=seed),
+            ),
             **table,
             "cudnn": ("xla", reference),
         }
@@ -116,8 +118,9 @@ def _reference_qkv(sources, bias):
     return query_source[:, :, 0], key_value_source[:, :, -2], key_value_source[:, :, -1]
 
 
-def form_variants(form: str, batch: int, length: int,
-                  on_gpu: bool) -> dict[str, tuple[backend.KernelMode, Callable[..., jax.Array]]]:
+def form_variants(
+    form: str, batch: int, length: int, on_gpu: bool
+) -> dict[str, tuple[backend.KernelMode, Callable[..., jax.Array]]]:
     """name -> (kernel mode, op(sources, bias)) for a case of ``form``; ffi and cuDNN variants only on a GPU."""
     lengths = padded_lengths(batch, length) if form in ("masked", "cross") else None
     causal = form == "causal"
@@ -126,10 +129,12 @@ def form_variants(form: str, batch: int, length: int,
         masks = {}
         if lengths is not None:
             every_query = jnp.full((batch,), length, jnp.int32)
-            masks = dict(query_seq_lengths=every_query if query_lengths is None else query_lengths,
-                         key_value_seq_lengths=lengths)
+            masks = dict(
+                query_seq_lengths=every_query if query_lengths is None else query_lengths, key_value_seq_lengths=lengths
+            )
         return lambda sources, bias: jax.nn.dot_product_attention(
-            *_reference_qkv(sources, bias), is_causal=causal, implementation=implementation, **masks)
+            *_reference_qkv(sources, bias), is_causal=causal, implementation=implementation, **masks
+        )
 
     def ls_jax(sources, bias):
         if form == "cross":
@@ -141,8 +146,12 @@ def form_variants(form: str, batch: int, length: int,
         table["ffi"] = ("ffi", ls_jax)
         table["cudnn"] = ("xla", reference("cudnn"))
         if form == "masked":
-            table["ffi_key_mask"] = ("ffi", lambda sources, bias: ops.self_attention(
-                sources[0], attention_lengths.lengths_mask(lengths, length), bias=bias))
+            table["ffi_key_mask"] = (
+                "ffi",
+                lambda sources, bias: ops.self_attention(
+                    sources[0], attention_lengths.lengths_mask(lengths, length), bias=bias
+                ),
+            )
             table["cudnn_padded_queries"] = ("xla", reference("cudnn", lengths))
     table["xla"] = ("xla", reference("xla"))
     return table
@@ -158,8 +167,15 @@ def _xla_bytes(memory: Any) -> int | None:
     return arguments + outputs + temps - aliased
 
 
-def measure(op: Callable[..., jax.Array], mode: backend.KernelMode, primals, quick: bool,
-            on_gpu: bool, kernel_times: bool = False, samples: int = SAMPLES) -> dict[str, Any]:
+def measure(
+    op: Callable[..., jax.Array],
+    mode: backend.KernelMode,
+    primals,
+    quick: bool,
+    on_gpu: bool,
+    kernel_times: bool = False,
+    samples: int = SAMPLES,
+) -> dict[str, Any]:
     """Median time of one forward + backward of ``op`` traced in kernel mode ``mode``, its FFI targets and the
     pass's peak memory (XLA's bytes plus the cuDNN handlers' workspace); with ``kernel_times``, the device time per
     pass of each GPU kernel from a trace of `TRACED_PASSES` passes."""
@@ -211,8 +227,9 @@ def _quick_shape(batch: int, length: int, quick: bool) -> tuple[int, int]:
     return (max(batch // QUICK_DIVISOR, 1), max(length // QUICK_DIVISOR, 16)) if quick else (batch, length)
 
 
-def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool, kernel_times: bool = False,
-             samples: int = SAMPLES) -> dict[str, Any]:
+def run_case(
+    shape: tuple[int, int, int, int], on_gpu: bool, quick: bool, kernel_times: bool = False, samples: int = SAMPLES
+) -> dict[str, Any]:
     """One case of form "self" at ``shape`` (B, L, H, D)."""
     batch, length, heads, head_dim = shape
     batch, length = _quick_shape(batch, length, quick)
@@ -223,15 +240,18 @@ def run_case(shape: tuple[int, int, int, int], on_gpu: bool, quick: bool, kernel
     return _with_ratios(result)
 
 
-def run_form_case(form: str, length: int, on_gpu: bool, quick: bool, kernel_times: bool = False,
-                  samples: int = SAMPLES) -> dict[str, Any]:
+def run_form_case(
+    form: str, length: int, on_gpu: bool, quick: bool, kernel_times: bool = False, samples: int = SAMPLES
+) -> dict[str, Any]:
     """One case of ``form`` (not "self") at ``length``: the packed sources (qkv, or query and key_value) and the
     query source's f32 projection bias."""
     batch, length, heads, head_dim = form_shape(form, length)
     batch, length = _quick_shape(batch, length, quick)
     if form == "cross":
-        sources = (_normal(0, (batch, length, 1, heads, head_dim), DTYPE),
-                   _normal(2, (batch, length, 2, heads, head_dim), DTYPE))
+        sources = (
+            _normal(0, (batch, length, 1, heads, head_dim), DTYPE),
+            _normal(2, (batch, length, 2, heads, head_dim), DTYPE),
+        )
     else:
         sources = (_normal(0, (batch, length, 3, heads, head_dim), DTYPE),)
     primals = (sources, _normal(1, (sources[0].shape[2], heads, head_dim), jnp.float32))
@@ -275,20 +295,42 @@ def _parse_case(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench attention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common.add_out_argument(parser, "attention")
     parser.add_argument("--quick", action="store_true", help="batch and length / 8, few samples (runs on CPU)")
-    parser.add_argument("--cases", nargs="+", type=_parse_case, metavar="B,L,H,D",
-                        help="shapes to run (default: " + " ".join(",".join(map(str, c)) for c in CASES) + ")")
-    parser.add_argument("--forms", nargs="+", choices=FORMS, default=FORMS, metavar="FORM",
-                        help="forms to run (default: all): " + " ".join(FORMS))
-    parser.add_argument("--lengths", nargs="+", type=int, default=FORM_LENGTHS, metavar="L",
-                        help="lengths of the forms other than self (default: "
-                             + " ".join(map(str, FORM_LENGTHS)) + ")")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=_parse_case,
+        metavar="B,L,H,D",
+        help="shapes to run (default: " + " ".join(",".join(map(str, c)) for c in CASES) + ")",
+    )
+    parser.add_argument(
+        "--forms",
+        nargs="+",
+        choices=FORMS,
+        default=FORMS,
+        metavar="FORM",
+        help="forms to run (default: all): " + " ".join(FORMS),
+    )
+    parser.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=FORM_LENGTHS,
+        metavar="L",
+        help="lengths of the forms other than self (default: " + " ".join(map(str, FORM_LENGTHS)) + ")",
+    )
     parser.add_argument("--samples", type=int, default=SAMPLES, help=f"timed samples per variant (default {SAMPLES})")
-    parser.add_argument("--kernel-times", action="store_true",
-                        help="also trace each variant and record its device time per kernel (GPU)")
+    parser.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="also trace each variant and record its device time per kernel (GPU)",
+    )
     args = parser.parse_args(argv)
     if args.samples < 1 or any(length < 1 for length in args.lengths):
         parser.error("--samples and --lengths take positive integers")
@@ -297,11 +339,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"attention forward + backward, {jnp.dtype(DTYPE).name}; forms: {', '.join(args.forms)}")
     runs: list[Callable[[], dict[str, Any]]] = []
     if "self" in args.forms:
-        runs += [lambda shape=shape: run_case(shape, on_gpu, args.quick, args.kernel_times, args.samples)
-                 for shape in args.cases or CASES]
-    runs += [lambda form=form, length=length: run_form_case(form, length, on_gpu, args.quick, args.kernel_times,
-                                                            args.samples)
-             for form in args.forms if form != "self" for length in args.lengths]
+        runs += [
+            lambda shape=shape: run_case(shape, on_gpu, args.quick, args.kernel_times, args.samples)
+            for shape in args.cases or CASES
+        ]
+    runs += [
+        lambda form=form, length=length: run_form_case(
+            form, length, on_gpu, args.quick, args.kernel_times, args.samples
+        )
+        for form in args.forms
+        if form != "self"
+        for length in args.lengths
+    ]
     results = []
     for run in runs:
         results.append(run())

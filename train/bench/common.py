@@ -8,7 +8,6 @@ overlaps device work as it does in a training loop.
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import re
@@ -31,9 +30,13 @@ SCRATCH_DIR = REPO_ROOT / "runs" / "bench"
 
 def add_out_argument(parser: argparse.ArgumentParser, suite: str) -> None:
     """``--out DIR``; unset, `out_dir` picks docs/results on a GPU and runs/bench elsewhere."""
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"directory for {suite}-<device>.json (default: docs/results when JAX sees a GPU, "
-                             "runs/bench otherwise, so CPU trials leave the published results alone)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"directory for {suite}-<device>.json (default: docs/results when JAX sees a GPU, "
+        "runs/bench otherwise, so CPU trials leave the published results alone)",
+    )
 
 
 def out_dir(given: Path | None) -> Path:
@@ -50,8 +53,11 @@ def git_state() -> dict[str, Any]:
         return {"commit": runlog.git_commit(), "dirty": None}
     try:
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-            capture_output=True, text=True, check=True,
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         dirty: bool | None = bool(status.strip())
     except (OSError, subprocess.CalledProcessError):

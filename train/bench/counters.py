@@ -23,14 +23,25 @@ from pathlib import Path
 from typing import Any
 
 from train.bench import common
-from train.bench.tracing import ncu_report, ncu_run
 from train.bench.steps.counter_workloads import WARMUP_CALLS, WORKLOADS
+from train.bench.tracing import ncu_report, ncu_run
 from train.bench.tracing.kernel_trace import categorize, hlo_op_names, stage
 
 FIGURE_METRICS = (
-    "instructions", "instructions_per_warp", "sm_throughput_pct_median", "flops_half", "flops_single",
-    "flops_tensor", "dram_read_bytes", "dram_write_bytes", "global_load_requests", "global_store_requests",
-    "ipc_median", "achieved_occupancy_pct_median", "kernels", "time_ns",
+    "instructions",
+    "instructions_per_warp",
+    "sm_throughput_pct_median",
+    "flops_half",
+    "flops_single",
+    "flops_tensor",
+    "dram_read_bytes",
+    "dram_write_bytes",
+    "global_load_requests",
+    "global_store_requests",
+    "ipc_median",
+    "achieved_occupancy_pct_median",
+    "kernels",
+    "time_ns",
 )
 
 
@@ -41,21 +52,30 @@ def summarize(kernels: list[ncu_report.Kernel], hlo: str) -> dict[str, Any]:
     op_names = hlo_op_names(hlo)
     category_of = lambda kernel: categorize(kernel.name, op_names.get(kernel.name, ""))
     stage_of = lambda kernel: stage(op_names.get(kernel.name, ""))
-    return {"total": ncu_report.aggregate(kernels), "categories": ncu_report.by_category(kernels, category_of),
-            "stages": ncu_report.by_category(kernels, stage_of)}
+    return {
+        "total": ncu_report.aggregate(kernels),
+        "categories": ncu_report.by_category(kernels, category_of),
+        "stages": ncu_report.by_category(kernels, stage_of),
+    }
 
 
-def sampled(whole_step: bool, max_kernels: int | None, layers: int | None = None,
-            model_layers: int | None = None) -> str:
+def sampled(
+    whole_step: bool, max_kernels: int | None, layers: int | None = None, model_layers: int | None = None
+) -> str:
     """What the counters cover, in words (``layers`` of the model's ``model_layers`` when fewer were run)."""
     call = "training step" if whole_step else "forward + backward call"
     if layers is not None and layers != model_layers:
         half, model_half = layers // 2, model_layers // 2
-        call += (f" of the model with {half} encoder and {half} decoder layers of its {model_half} + {model_half}"
-                 if whole_step else f" of {layers} of the model's {model_layers} identical layers")
+        call += (
+            f" of the model with {half} encoder and {half} decoder layers of its {model_half} + {model_half}"
+            if whole_step
+            else f" of {layers} of the model's {model_layers} identical layers"
+        )
     which = "every kernel" if max_kernels is None else f"the first {max_kernels} kernels (a partial call)"
-    return (f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
-            "pass and flushes the caches before each replay")
+    return (
+        f"{which} of one {call} after {WARMUP_CALLS} warm-up calls; ncu replays each kernel once per metric "
+        "pass and flushes the caches before each replay"
+    )
 
 
 def normalised(results: dict[str, Any], reference: str) -> dict[str, Any]:
@@ -106,33 +126,48 @@ def print_table(results: dict[str, Any], ratios: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench counters", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench counters", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workload", default="wmt-big-6e6d", choices=sorted(WORKLOADS))
     parser.add_argument("--batch", type=int, help="sentences (wmt) or sequences; default: the workload's")
-    parser.add_argument("--seq-len", type=int,
-                        help="positions per sequence (encoder workloads); default: the workload's")
-    parser.add_argument("--implementations", default="reference,ls_jax_ffi",
-                        help="comma-separated; the first is the reference the others are divided by")
-    parser.add_argument("--layers", type=int,
-                        help="profile this many of the model's layers (a shorter ncu run with the same per-layer "
-                             "counters): identical layers of an encoder workload, or an even number of a WMT step's "
-                             "(half encoder, half decoder); default: all")
+    parser.add_argument(
+        "--seq-len", type=int, help="positions per sequence (encoder workloads); default: the workload's"
+    )
+    parser.add_argument(
+        "--implementations",
+        default="reference,ls_jax_ffi",
+        help="comma-separated; the first is the reference the others are divided by",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="profile this many of the model's layers (a shorter ncu run with the same per-layer "
+        "counters): identical layers of an encoder workload, or an even number of a WMT step's "
+        "(half encoder, half decoder); default: all",
+    )
     parser.add_argument("--ncu", help="path of the ncu executable (default: ncu on PATH or in the CUDA toolkit)")
     parser.add_argument("--timeout", type=float, default=270.0, help="seconds one implementation may run under ncu")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="result directory (default docs/results)")
-    parser.add_argument("--max-kernels", type=int,
-                        help="profile only the first N kernels of the call (a partial step; said in 'sampled')")
+    parser.add_argument(
+        "--max-kernels",
+        type=int,
+        help="profile only the first N kernels of the call (a partial step; said in 'sampled')",
+    )
     parser.add_argument("--keep", type=Path, help="keep each implementation's ncu CSV, HLO and command here")
     args = parser.parse_args(argv)
     spec = WORKLOADS[args.workload]
     if spec.whole_step and args.seq_len is not None:
-        parser.error(f"--seq-len applies to the encoder workloads; {args.workload} is a whole training step of its "
-                     f"own shape ({spec.default_batch} x {spec.default_seq_len}): drop --seq-len")
+        parser.error(
+            f"--seq-len applies to the encoder workloads; {args.workload} is a whole training step of its "
+            f"own shape ({spec.default_batch} x {spec.default_seq_len}): drop --seq-len"
+        )
     if args.layers is not None:
         if spec.whole_step and not (2 <= args.layers <= spec.layers and args.layers % 2 == 0):
-            parser.error(f"--layers takes an even number from 2 to {spec.layers} for {args.workload} (half encoder, "
-                         f"half decoder layers), got {args.layers}")
+            parser.error(
+                f"--layers takes an even number from 2 to {spec.layers} for {args.workload} (half encoder, "
+                f"half decoder layers), got {args.layers}"
+            )
         if not spec.whole_step and not 1 <= args.layers <= spec.layers:
             parser.error(f"--layers takes 1 to {spec.layers} for {args.workload}, got {args.layers}")
     batch, seq_len = args.batch or spec.default_batch, args.seq_len or spec.default_seq_len
@@ -144,19 +179,36 @@ def main(argv: list[str]) -> int:
     metrics, missing = ncu_run.split_supported(ncu_report.METRICS, ncu_run.available_metrics(ncu))
     with tempfile.TemporaryDirectory() as scratch:
         root = args.keep or Path(scratch)
-        profiles = {impl: ncu_run.profile(ncu, metrics, args.workload, impl, batch, seq_len, root / impl, args.timeout,
-                                          args.max_kernels, args.layers)
-                    for impl in implementations}
+        profiles = {
+            impl: ncu_run.profile(
+                ncu,
+                metrics,
+                args.workload,
+                impl,
+                batch,
+                seq_len,
+                root / impl,
+                args.timeout,
+                args.max_kernels,
+                args.layers,
+            )
+            for impl in implementations
+        }
     results = {impl: summarize(p.kernels, p.hlo) for impl, p in profiles.items()}
     ratios = normalised(results, implementations[0])
     environment = profiles[implementations[0]].environment
     entry = {
-        "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "layers": args.layers or spec.layers,
+        "batch": batch,
+        "seq_len": seq_len,
+        "tokens": batch * seq_len,
+        "layers": args.layers or spec.layers,
         "reference": implementations[0],
         "sampled": sampled(spec.whole_step, args.max_kernels, args.layers, spec.layers),
-        "metrics": metrics, "metrics_not_available": missing,
+        "metrics": metrics,
+        "metrics_not_available": missing,
         "ncu_wall_s": {impl: p.wall_s for impl, p in profiles.items()},
-        "results": results, "normalised": ratios,
+        "results": results,
+        "normalised": ratios,
     }
     slug = common.device_slug(environment["device_kind"])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax import backend
-from train.costs import metrics
-from train.records import runlog
 from train.bench import common
-from train.bench.tracing import kernel_trace
 from train.bench.steps import workloads, zoo_steps
 from train.bench.steps.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
+from train.bench.tracing import kernel_trace
+from train.costs import metrics
+from train.records import runlog
 
 STEPS_PER_SAMPLE = 20
 """Consecutive steps per timed sample. A sample starts with the device idle, so it pays once for the host's
@@ -64,8 +64,9 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
-def measure(implementation: str, workload: workloads.Workload, steps: int, profile_steps: int = 0,
-            trace_dir: Path | None = None) -> dict[str, Any]:
+def measure(
+    implementation: str, workload: workloads.Workload, steps: int, profile_steps: int = 0, trace_dir: Path | None = None
+) -> dict[str, Any]:
     """Median step time and memory of one implementation of ``workload``; with ``profile_steps``, also the
     per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
     ``trace_dir/<implementation>`` when given."""
@@ -95,7 +96,8 @@ def measure(implementation: str, workload: workloads.Workload, steps: int, profi
         }
         if profile_steps:
             record["profile"] = kernel_trace.step_breakdown(
-                train_step, batch, profile_steps, None if trace_dir is None else trace_dir / implementation)
+                train_step, batch, profile_steps, None if trace_dir is None else trace_dir / implementation
+            )
     return record
 
 
@@ -187,8 +189,13 @@ class ResultFile:
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
             "e2e",
-            {**header_of(self.header, self.results), "results": self.results, "speedup_vs_reference": table,
-             "speedup_vs_flax_cudnn": cudnn_table, "largest_batch_tokens_predicted": largest},
+            {
+                **header_of(self.header, self.results),
+                "results": self.results,
+                "speedup_vs_reference": table,
+                "speedup_vs_flax_cudnn": cudnn_table,
+                "largest_batch_tokens_predicted": largest,
+            },
             self.path.parent,
         )
         plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind, cudnn_table)
@@ -215,12 +222,20 @@ def run(
                     memory_by_tokens[workload.size] = record["memory_bytes"]
             capacity = out.header["memory_capacity_bytes"]
             if fit_batch and workloads.is_wmt(model) and capacity and len(memory_by_tokens) >= 2:
-                out.add(f"{model}/largest/{implementation}",
-                        largest_batch(implementation, model, memory_by_tokens, capacity))
+                out.add(
+                    f"{model}/largest/{implementation}",
+                    largest_batch(implementation, model, memory_by_tokens, capacity),
+                )
 
 
-def measure_one(implementation: str, workload: workloads.Workload, steps: int, out: ResultFile, profile_steps: int = 0,
-                trace_dir: Path | None = None) -> dict[str, Any] | None:
+def measure_one(
+    implementation: str,
+    workload: workloads.Workload,
+    steps: int,
+    out: ResultFile,
+    profile_steps: int = 0,
+    trace_dir: Path | None = None,
+) -> dict[str, Any] | None:
     """`measure` with the rates derived from it, added to ``out``; a failure (e.g. out of memory) is added as an
     error record and gives None."""
     key = workload.key(implementation)
@@ -247,8 +262,10 @@ def measure_one(implementation: str, workload: workloads.Workload, steps: int, o
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.3f}"
     if target_basis is not None:
         mfu += f" ({record['mfu_vs_target_basis']:.3f} against {target_basis:.0f} TFLOP/s)"
-    print(f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  "
-          f"memory {record['memory_bytes'] / 2**30:.1f} GiB", flush=True)
+    print(
+        f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  memory {record['memory_bytes'] / 2**30:.1f} GiB",
+        flush=True,
+    )
     return record
 
 
@@ -266,17 +283,29 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
         "target_basis_tflops": target_basis_tflops(spec),
         "measured_gemm_tflops": measured_gemm_tflops(gemm_size),
         "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,
-        "setup": {"vocab": VOCAB, "seq_len": SEQ_LEN, "dropout": 0.1, "label_smoothing": LABEL_SMOOTHING,
-                  "optimizer": "adamw", "precision": "bf16 compute, f32 params",
-                  "ls_jax_params": "f32 master weights split into the bf16 params and int16 low halves in the optimizer state",
-                  "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
-                  "ls_jax_attention_dropout": "per element (fairseq / LightSeq)"},
-        "zoo_setup": {"dropout": zoo_steps.DROPOUT, "optimizer": "adamw", "precision": "bf16 compute, f32 params",
-                      "bert": "sequence classification, 2 labels, rows padded at the end (half to all real tokens)",
-                      "gpt": "next-token loss on full rows",
-                      "flax_attention": "flax.linen.dot_product_attention, dropout broadcast over batch and heads",
-                      "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
-                      "ls_jax_attention_dropout": "per element"},
+        "setup": {
+            "vocab": VOCAB,
+            "seq_len": SEQ_LEN,
+            "dropout": 0.1,
+            "label_smoothing": LABEL_SMOOTHING,
+            "optimizer": "adamw",
+            "precision": "bf16 compute, f32 params",
+            "ls_jax_params": (
+                "f32 master weights split into the bf16 params and int16 low halves in the optimizer state"
+            ),
+            "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
+            "ls_jax_attention_dropout": "per element (fairseq / LightSeq)",
+        },
+        "zoo_setup": {
+            "dropout": zoo_steps.DROPOUT,
+            "optimizer": "adamw",
+            "precision": "bf16 compute, f32 params",
+            "bert": "sequence classification, 2 labels, rows padded at the end (half to all real tokens)",
+            "gpt": "next-token loss on full rows",
+            "flax_attention": "flax.linen.dot_product_attention, dropout broadcast over batch and heads",
+            "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
+            "ls_jax_attention_dropout": "per element",
+        },
     }
 
 
@@ -288,8 +317,9 @@ def header_of(header: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]
     return {name: value for name, value in header.items() if name != "setup"}
 
 
-def speedups(results: dict[str, Any], against: tuple[str, ...] = workloads.PRIMARY_REFERENCES
-             ) -> dict[str, dict[str, float]]:
+def speedups(
+    results: dict[str, Any], against: tuple[str, ...] = workloads.PRIMARY_REFERENCES
+) -> dict[str, dict[str, float]]:
     """A reference's step time over each other implementation's, per (model, size), where both were measured in
     the same run: the reference's speed depends on the host that dispatches its kernels, so a ratio across runs
     (or machines) is not a measurement. The reference is the first of ``against`` the model has (the WMT
@@ -320,16 +350,25 @@ def _bar_panel(ax, table: dict[str, dict[str, float]], ylabel: str) -> None:
     width = 0.8 / max(len(shown), 1)
     for index, implementation in enumerate(shown):
         values = [table[k].get(implementation, np.nan) for k in labels]
-        ax.bar(np.arange(len(labels)) + (index - (len(shown) - 1) / 2) * width, values, width, label=implementation,
-               color=colors[implementation])
+        ax.bar(
+            np.arange(len(labels)) + (index - (len(shown) - 1) / 2) * width,
+            values,
+            width,
+            label=implementation,
+            color=colors[implementation],
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(labels)), [k.replace("/", "\n") for k in labels], fontsize=7)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
 
 
-def plot_speedups(table: dict[str, dict[str, float]], path: Path, device_kind: str,
-                  cudnn_table: dict[str, dict[str, float]] | None = None) -> None:
+def plot_speedups(
+    table: dict[str, dict[str, float]],
+    path: Path,
+    device_kind: str,
+    cudnn_table: dict[str, dict[str, float]] | None = None,
+) -> None:
     """Bars of ``table`` (speedups over plain Flax) and, where given, of ``cudnn_table`` (over Flax with cuDNN
     attention) in a second panel."""
     import matplotlib
@@ -352,33 +391,57 @@ def plot_speedups(table: dict[str, dict[str, float]], path: Path, device_kind: s
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench e2e", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(workloads.FAMILIES),
-                        help="comma-separated families (" + ", ".join(
-                            f"{family}: {' '.join(names)}" for family, names in workloads.FAMILIES.items())
-                        + ") or models: " + ", ".join(workloads.MODEL_ORDER))
-    parser.add_argument("--tokens", default="1024,4096,8192,16384",
-                        help="WMT models: target tokens per step, comma-separated")
-    parser.add_argument("--seq-lens", default=None,
-                        help="BERT and GPT-2: sequence lengths, comma-separated (default: "
-                             + "; ".join(f"{name} {','.join(map(str, zoo_steps.MODELS[name].seq_lens))}"
-                                         for name in workloads.ZOO) + ")")
-    parser.add_argument("--rows", type=int, default=None,
-                        help="BERT and GPT-2: rows per batch (default: "
-                             + "; ".join(f"{name} {zoo_steps.MODELS[name].rows}" for name in workloads.ZOO) + ")")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench e2e", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(workloads.FAMILIES),
+        help="comma-separated families ("
+        + ", ".join(f"{family}: {' '.join(names)}" for family, names in workloads.FAMILIES.items())
+        + ") or models: "
+        + ", ".join(workloads.MODEL_ORDER),
+    )
+    parser.add_argument(
+        "--tokens", default="1024,4096,8192,16384", help="WMT models: target tokens per step, comma-separated"
+    )
+    parser.add_argument(
+        "--seq-lens",
+        default=None,
+        help="BERT and GPT-2: sequence lengths, comma-separated (default: "
+        + "; ".join(f"{name} {','.join(map(str, zoo_steps.MODELS[name].seq_lens))}" for name in workloads.ZOO)
+        + ")",
+    )
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="BERT and GPT-2: rows per batch (default: "
+        + "; ".join(f"{name} {zoo_steps.MODELS[name].rows}" for name in workloads.ZOO)
+        + ")",
+    )
     implementations_known = workloads.ALL_IMPLEMENTATIONS
-    parser.add_argument("--implementations", default=",".join(implementations_known),
-                        help="comma-separated; each model runs those it has: " + ", ".join(implementations_known))
-    parser.add_argument("--steps", type=int, default=10,
-                        help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)")
+    parser.add_argument(
+        "--implementations",
+        default=",".join(implementations_known),
+        help="comma-separated; each model runs those it has: " + ", ".join(implementations_known),
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=10,
+        help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)",
+    )
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per WMT model")
     common.add_out_argument(parser, "e2e")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (CPU): each family of --models as its tiny model ("
-                             + ", ".join(workloads.QUICK_MODELS.values())
-                             + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
-                             "without a GPU, no ls_jax_ffi or flax_cudnn")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run (CPU): each family of --models as its tiny model ("
+        + ", ".join(workloads.QUICK_MODELS.values())
+        + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
+        "without a GPU, no ls_jax_ffi or flax_cudnn",
+    )
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)
     implementations = args.implementations.split(",")
@@ -399,8 +462,10 @@ def main(argv: list[str]) -> int:
 
     out = ResultFile.open(args.out, header(gemm_size=1024 if args.quick else 8192), fresh=args.quick)
     run(workload_list, implementations, args.steps, out, fit_batch=args.fit)
-    for title, table in (("over plain Flax", speedups(out.results)),
-                         ("over Flax with cuDNN attention", speedups(out.results, ("flax_cudnn",)))):
+    for title, table in (
+        ("over plain Flax", speedups(out.results)),
+        ("over Flax with cuDNN attention", speedups(out.results, ("flax_cudnn",))),
+    ):
         if table:
             print(f"speedup {title}")
         for key, ratios in sorted(table.items(), key=lambda item: _sort_key(item[0])):

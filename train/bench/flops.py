@@ -22,9 +22,9 @@ from typing import Any
 
 from train.bench import common
 from train.bench.steps import hand_count
-from train.bench.tracing import ncu_report, ncu_run
 from train.bench.steps.counter_workloads import ENCODER_SHAPE, WORKLOADS
 from train.bench.steps.transformer_steps import MODELS, SEQ_LEN, VOCAB
+from train.bench.tracing import ncu_report, ncu_run
 
 WORKLOAD = "encoder-block"
 
@@ -35,8 +35,11 @@ def measured(total: dict[str, float | None]) -> dict[str, float | None]:
     parts = [total.get(name) for name in ("flops_tensor", "flops_half", "flops_single")]
     flops = None if parts[0] is None else sum(part or 0.0 for part in parts)
     read, write = total.get("dram_read_bytes"), total.get("dram_write_bytes")
-    return {"flops": flops, "dram_bytes": None if read is None or write is None else read + write,
-            "tensor_share": None if not flops else parts[0] / flops}
+    return {
+        "flops": flops,
+        "dram_bytes": None if read is None or write is None else read + write,
+        "tensor_share": None if not flops else parts[0] / flops,
+    }
 
 
 def encoder_block_estimate(batch: int, seq_len: int) -> hand_count.Count:
@@ -50,10 +53,20 @@ def workload_estimate(workload: str, batch: int, seq_len: int, layers: int | Non
     spec = WORKLOADS[workload]
     if spec.whole_step:
         shape = MODELS[workload.removeprefix("wmt-")]
-        encoder_layers, decoder_layers = ((shape.encoder_layers, shape.decoder_layers) if layers is None
-                                          else (layers // 2, layers // 2))
-        return hand_count.training_step(batch, SEQ_LEN, SEQ_LEN, shape.hidden, shape.intermediate, shape.heads,
-                                        encoder_layers, decoder_layers, VOCAB)
+        encoder_layers, decoder_layers = (
+            (shape.encoder_layers, shape.decoder_layers) if layers is None else (layers // 2, layers // 2)
+        )
+        return hand_count.training_step(
+            batch,
+            SEQ_LEN,
+            SEQ_LEN,
+            shape.hidden,
+            shape.intermediate,
+            shape.heads,
+            encoder_layers,
+            decoder_layers,
+            VOCAB,
+        )
     return encoder_block_estimate(batch, seq_len).times(layers or spec.layers)
 
 
@@ -67,17 +80,20 @@ def fit_slope(estimated: list[float], observed: list[float]) -> dict[str, float]
     return {"slope": float(slope), "intercept": float(intercept)}
 
 
-def explain(flops_fit: dict[str, float] | None, dram_fit: dict[str, float] | None, tensor_share: float | None,
-            gemm_share: float) -> str:
+def explain(
+    flops_fit: dict[str, float] | None, dram_fit: dict[str, float] | None, tensor_share: float | None, gemm_share: float
+) -> str:
     """One sentence on the slopes, from the numbers and from what the hand count leaves out."""
     if flops_fit is None or dram_fit is None:
         return "too few batch sizes measured for a slope"
     share = "" if tensor_share is None else f"; {tensor_share:.0%} of the measured FLOPs are tensor-core math ops"
-    return (f"measured FLOPs grow {flops_fit['slope']:.2f} x as fast as the hand count (its GEMMs, "
-            f"{gemm_share:.0%} of it, counted exactly, its elementwise work estimated){share}. Measured DRAM bytes "
-            f"grow {dram_fit['slope']:.2f} x as fast as the perfect-fusion minimum: what lies above 1 is traffic "
-            f"the minimum leaves out, intermediates written and read back between kernels, and ncu flushes the "
-            f"caches before each kernel, so no kernel finds its inputs in L2")
+    return (
+        f"measured FLOPs grow {flops_fit['slope']:.2f} x as fast as the hand count (its GEMMs, "
+        f"{gemm_share:.0%} of it, counted exactly, its elementwise work estimated){share}. Measured DRAM bytes "
+        f"grow {dram_fit['slope']:.2f} x as fast as the perfect-fusion minimum: what lies above 1 is traffic "
+        f"the minimum leaves out, intermediates written and read back between kernels, and ncu flushes the "
+        f"caches before each kernel, so no kernel finds its inputs in L2"
+    )
 
 
 def whole_steps(counters_result: dict[str, Any]) -> dict[str, Any]:
@@ -101,8 +117,12 @@ def _ratio(value: float | None, reference: float) -> float | None:
 
 
 def count_record(count: hand_count.Count) -> dict[str, int]:
-    return {"gemm_flops": count.gemm_flops, "elementwise_flops": count.elementwise_flops, "flops": count.flops,
-            "dram_bytes": count.dram_bytes}
+    return {
+        "gemm_flops": count.gemm_flops,
+        "elementwise_flops": count.elementwise_flops,
+        "flops": count.flops,
+        "dram_bytes": count.dram_bytes,
+    }
 
 
 def sweep_summary(points: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -114,9 +134,13 @@ def sweep_summary(points: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         dram_fit = fit_slope([r["estimated"]["dram_bytes"] for r in rows], [r["dram_bytes"] for r in rows])
         shares = [r["tensor_share"] for r in rows if r["tensor_share"] is not None]
         gemm_shares = [r["estimated"]["gemm_flops"] / r["estimated"]["flops"] for r in rows] or [1.0]
-        summary[impl] = {"flops_fit": flops_fit, "dram_fit": dram_fit,
-                         "why": explain(flops_fit, dram_fit, sum(shares) / len(shares) if shares else None,
-                                        sum(gemm_shares) / len(gemm_shares))}
+        summary[impl] = {
+            "flops_fit": flops_fit,
+            "dram_fit": dram_fit,
+            "why": explain(
+                flops_fit, dram_fit, sum(shares) / len(shares) if shares else None, sum(gemm_shares) / len(gemm_shares)
+            ),
+        }
     return summary
 
 
@@ -161,8 +185,9 @@ def batch_sizes(text: str) -> list[int] | None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench flops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench flops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="16,32,64,128,256")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--implementations", default="reference,ls_jax_ffi")
@@ -186,19 +211,32 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for impl in args.implementations.split(","):
             for batch in batches:
-                run = ncu_run.profile(ncu, metrics, WORKLOAD, impl, batch, args.seq_len,
-                                      Path(scratch) / f"{impl}-{batch}", args.timeout)
+                run = ncu_run.profile(
+                    ncu, metrics, WORKLOAD, impl, batch, args.seq_len, Path(scratch) / f"{impl}-{batch}", args.timeout
+                )
                 environment = run.environment
-                row = {"batch": batch, "kernels": len(run.kernels), **measured(ncu_report.aggregate(run.kernels)),
-                       "estimated": count_record(encoder_block_estimate(batch, args.seq_len))}
+                row = {
+                    "batch": batch,
+                    "kernels": len(run.kernels),
+                    **measured(ncu_report.aggregate(run.kernels)),
+                    "estimated": count_record(encoder_block_estimate(batch, args.seq_len)),
+                }
                 points.setdefault(impl, []).append(row)
-                print(f"{impl:12s} batch {batch:4d}: {row['flops']} FLOPs, {row['dram_bytes']} DRAM bytes measured; "
-                      f"{row['estimated']['flops']} FLOPs, {row['estimated']['dram_bytes']} bytes estimated")
+                print(
+                    f"{impl:12s} batch {batch:4d}: {row['flops']} FLOPs, {row['dram_bytes']} DRAM bytes measured; "
+                    f"{row['estimated']['flops']} FLOPs, {row['estimated']['dram_bytes']} bytes estimated"
+                )
     summary = sweep_summary(points)
     payload = {
-        "suite": "flops", "environment": environment, "workload": WORKLOAD, "seq_len": args.seq_len,
+        "suite": "flops",
+        "environment": environment,
+        "workload": WORKLOAD,
+        "seq_len": args.seq_len,
         "shape": {"hidden": ENCODER_SHAPE.hidden, "ffn": ENCODER_SHAPE.intermediate, "heads": ENCODER_SHAPE.heads},
-        "metrics": metrics, "metrics_not_available": missing, "points": points, "summary": summary,
+        "metrics": metrics,
+        "metrics_not_available": missing,
+        "points": points,
+        "summary": summary,
         "whole_steps": whole_steps(json.loads(args.counters.read_text())) if args.counters else None,
     }
     slug = common.device_slug(environment["device_kind"])

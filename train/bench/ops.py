@@ -148,8 +148,9 @@ def embed_workload(tokens: int, hidden: int, vocab: int, positions: int) -> Work
     seed = _seed()
     length = min(positions, 128)
     ids = jnp.asarray(np.random.default_rng(0).integers(1, vocab, size=(tokens // length, length)), jnp.int32)
-    op = lambda table, pos_table: ops.embed(ids, table, pos_table, scale=hidden**0.5, padding_id=0,
-                                            dropout_rate=DROPOUT, seed=seed, dtype=ACTIVATION)
+    op = lambda table, pos_table: ops.embed(
+        ids, table, pos_table, scale=hidden**0.5, padding_id=0, dropout_rate=DROPOUT, seed=seed, dtype=ACTIVATION
+    )
     table, pos_table = _normal(0, (vocab, hidden), PARAM), _normal(1, (positions, hidden), PARAM)
     a, p = _itemsize(ACTIVATION), _itemsize(PARAM)
     moved = tokens * hidden * (2 * p + 2 * a) + (vocab + positions) * hidden * p + 2 * tokens * 4
@@ -172,8 +173,9 @@ def attn_softmax_workload(batch: int, length: int, causal: bool) -> Workload:
     shape = (batch, ATTENTION_HEADS, length, length)
     elements = batch * ATTENTION_HEADS * length * length
     moved = 6 * elements * _itemsize(ACTIVATION) + batch * length
-    return Workload(op, (_normal(0, shape, ACTIVATION),), "x".join(map(str, shape)) + (" causal" if causal else ""),
-                    moved)
+    return Workload(
+        op, (_normal(0, shape, ACTIVATION),), "x".join(map(str, shape)) + (" causal" if causal else ""), moved
+    )
 
 
 def self_attention_workload(batch: int, length: int) -> Workload:
@@ -199,16 +201,23 @@ def cross_attention_workload(batch: int, queries: int, keys: int) -> Workload:
     seed = _seed()
     lengths = np.random.default_rng(0).integers(keys // 2, keys + 1, size=batch)
     mask = jnp.asarray(np.arange(keys)[None, :] < lengths[:, None])
-    op = lambda query, key_value, bias: ops.cross_attention(query, key_value, mask, bias=bias, dropout_rate=DROPOUT,
-                                                            seed=seed)
+    op = lambda query, key_value, bias: ops.cross_attention(
+        query, key_value, mask, bias=bias, dropout_rate=DROPOUT, seed=seed
+    )
     head_dim = HIDDEN // ATTENTION_HEADS
     query_shape = (batch, queries, ATTENTION_HEADS, head_dim)
     key_value_shape = (batch, keys, 2, ATTENTION_HEADS, head_dim)
     query_tokens, key_tokens = batch * queries, batch * keys
-    moved = ((5 * query_tokens + 6 * key_tokens) * HIDDEN * _itemsize(ACTIVATION)
-             + 2 * batch * ATTENTION_HEADS * queries * 4 + batch * keys)
-    primals = (_normal(0, query_shape, ACTIVATION), _normal(1, key_value_shape, ACTIVATION),
-               _normal(2, query_shape[2:], jnp.float32))
+    moved = (
+        (5 * query_tokens + 6 * key_tokens) * HIDDEN * _itemsize(ACTIVATION)
+        + 2 * batch * ATTENTION_HEADS * queries * 4
+        + batch * keys
+    )
+    primals = (
+        _normal(0, query_shape, ACTIVATION),
+        _normal(1, key_value_shape, ACTIVATION),
+        _normal(2, query_shape[2:], jnp.float32),
+    )
     return Workload(op, primals, f"B{batch} Q{queries} K{keys} {ATTENTION_HEADS}x{head_dim}", moved)
 
 
@@ -318,14 +327,18 @@ def _format_row(result: dict[str, Any]) -> str:
         if mode not in result:
             return f"{'-':>24}"
         r = result[mode]
-        device = f" dev {r['device_ms']:7.3f} ms {r['device_fraction_of_copy_bandwidth']:6.1%}" if "device_ms" in r else ""
+        device = (
+            f" dev {r['device_ms']:7.3f} ms {r['device_fraction_of_copy_bandwidth']:6.1%}" if "device_ms" in r else ""
+        )
         return f"{r['median_ms']:9.3f} ms {r['fraction_of_copy_bandwidth']:6.1%} copy{device}"
 
     speedup = f"{result['speedup']:6.2f}x" if "speedup" in result else f"{'-':>7}"
     if "device_speedup" in result:
         speedup += f" (dev {result['device_speedup']:.2f}x)"
-    return (f"{result['op']:<34} {result['shape']:<28} {result['bytes_moved'] / 1e6:9.1f} MB "
-            f"{cell('ffi')}  {cell('xla')}  {speedup}")
+    return (
+        f"{result['op']:<34} {result['shape']:<28} {result['bytes_moved'] / 1e6:9.1f} MB "
+        f"{cell('ffi')}  {cell('xla')}  {speedup}"
+    )
 
 
 def default_modes() -> tuple[backend.KernelMode, ...]:
@@ -334,8 +347,9 @@ def default_modes() -> tuple[backend.KernelMode, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_out_argument(parser, "ops")
     parser.add_argument("--quick", action="store_true", help="rows / 64 and few samples (smoke test, runs on CPU)")
     parser.add_argument("--ops", help=f"comma-separated subset of: {', '.join(c.op for c in CASES)}")

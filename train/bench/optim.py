@@ -99,11 +99,17 @@ class Model:
 
 
 MODELS: dict[str, Model] = {
-    "transformer-big": Model(lambda: transformer_shapes(6, 1024, 4096, 32768), "transformer-2e2d-d64",
-                             lambda: transformer_shapes(2, 64, 256, 1000)),
+    "transformer-big": Model(
+        lambda: transformer_shapes(6, 1024, 4096, 32768),
+        "transformer-2e2d-d64",
+        lambda: transformer_shapes(2, 64, 256, 1000),
+    ),
     # Twice the leaves: the XLA fallback's fusion once slowed down with the leaf count (ls_jax/optim/_engine.py).
-    "transformer-big-12e12d": Model(lambda: transformer_shapes(12, 1024, 4096, 32768), "transformer-4e4d-d64",
-                                    lambda: transformer_shapes(4, 64, 256, 1000)),
+    "transformer-big-12e12d": Model(
+        lambda: transformer_shapes(12, 1024, 4096, 32768),
+        "transformer-4e4d-d64",
+        lambda: transformer_shapes(4, 64, 256, 1000),
+    ),
     "bert-base": Model(lambda: bert_shapes(12, 768, 3072, 30522), "bert-2l-d64", lambda: bert_shapes(2, 64, 256, 1000)),
 }
 COPY_BYTES = 1 << 30  # the largest copy measured: enough to reach a GPU's bandwidth

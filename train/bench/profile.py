@@ -28,7 +28,6 @@ from train.bench import common, e2e
 from train.bench.steps import workloads
 from train.bench.tracing.kernel_trace import CATEGORIES, STAGES, reanalyze
 
-
 DEFAULT_TOKENS = 8192
 
 
@@ -52,25 +51,42 @@ def shape_flags_of_another_family(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.bench profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench profile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="big-6e6d", choices=workloads.MODEL_ORDER)
-    parser.add_argument("--tokens", type=int, default=None,
-                        help=f"WMT models: target tokens per step (default {DEFAULT_TOKENS})")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help="BERT and GPT-2: sequence length (default: the model's longest benchmarked length)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help=f"WMT models: target tokens per step (default {DEFAULT_TOKENS})"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="BERT and GPT-2: sequence length (default: the model's longest benchmarked length)",
+    )
     parser.add_argument("--rows", type=int, default=None, help="BERT and GPT-2: rows per batch (default: the model's)")
-    parser.add_argument("--steps", type=int, default=10,
-                        help=f"timed samples of {e2e.STEPS_PER_SAMPLE} steps (the e2e measurement)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help=f"timed samples of {e2e.STEPS_PER_SAMPLE} steps (the e2e measurement)"
+    )
     parser.add_argument("--profile-steps", type=int, default=5, help="traced steps")
-    parser.add_argument("--implementations", default=None,
-                        help="comma-separated (default: all of the model's: "
-                             + "; ".join(f"{family} {','.join(workloads.implementations_of(names[0]))}"
-                                         for family, names in workloads.FAMILIES.items()) + ")")
+    parser.add_argument(
+        "--implementations",
+        default=None,
+        help="comma-separated (default: all of the model's: "
+        + "; ".join(
+            f"{family} {','.join(workloads.implementations_of(names[0]))}"
+            for family, names in workloads.FAMILIES.items()
+        )
+        + ")",
+    )
     common.add_out_argument(parser, "profile")
     parser.add_argument("--trace-dir", type=Path, help="keep each implementation's trace and compiled HLO here")
-    parser.add_argument("--reanalyze", type=Path, metavar="RESULT_JSON",
-                        help="no GPU work: recompute the breakdowns of RESULT_JSON from the traces in --trace-dir")
+    parser.add_argument(
+        "--reanalyze",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="no GPU work: recompute the breakdowns of RESULT_JSON from the traces in --trace-dir",
+    )
     args = parser.parse_args(argv)
     args.out = common.out_dir(args.out)
     if args.reanalyze:
@@ -79,46 +95,66 @@ def main(argv: list[str]) -> int:
         result = reanalyze(args.reanalyze, args.trace_dir)
         args.reanalyze.write_text(json.dumps(result, indent=2) + "\n")
         print_breakdowns(result["results"], {})
-        plot_stages(result["results"], _title(result, result["environment"]["device_kind"]),
-                    args.reanalyze.with_suffix(".png"))
+        plot_stages(
+            result["results"], _title(result, result["environment"]["device_kind"]), args.reanalyze.with_suffix(".png")
+        )
         return 0
     own = workloads.implementations_of(args.model)
     implementations = own if args.implementations is None else args.implementations.split(",")
     if set(implementations) - set(own):
-        parser.error(f"{args.model} has no implementation {', '.join(sorted(set(implementations) - set(own)))}; "
-                     f"its implementations are {', '.join(own)}")
+        parser.error(
+            f"{args.model} has no implementation {', '.join(sorted(set(implementations) - set(own)))}; "
+            f"its implementations are {', '.join(own)}"
+        )
     misplaced = shape_flags_of_another_family(args)
     if misplaced:
-        parser.error(f"{misplaced} does not apply to {args.model}: WMT models take --tokens, BERT and GPT-2 take "
-                     f"--seq-len and --rows")
+        parser.error(
+            f"{misplaced} does not apply to {args.model}: WMT models take --tokens, BERT and GPT-2 take "
+            f"--seq-len and --rows"
+        )
     try:
-        workload = workload_of(args.model, DEFAULT_TOKENS if args.tokens is None else args.tokens, args.seq_len,
-                               args.rows)
+        workload = workload_of(
+            args.model, DEFAULT_TOKENS if args.tokens is None else args.tokens, args.seq_len, args.rows
+        )
     except ValueError as err:
         parser.error(str(err))
     if jax.default_backend() != "gpu":
         parser.error("profiling attributes GPU kernels: it needs a GPU")
     measurements = e2e.ResultFile.open(args.out, e2e.header(), fresh=False)
-    e2e.run([workload], implementations, args.steps, measurements, profile_steps=args.profile_steps,
-            trace_dir=args.trace_dir)
+    e2e.run(
+        [workload],
+        implementations,
+        args.steps,
+        measurements,
+        profile_steps=args.profile_steps,
+        trace_dir=args.trace_dir,
+    )
     results = profiled_records(measurements.results, workload, own)
     breakdowns = {impl: record["profile"] for impl, record in results.items()}
-    written = common.write_result("profile", {**profile_header(workload), "steps": args.profile_steps,
-                                              "results": breakdowns},
-                                  args.out, stem=profile_stem(workload))
-    print_breakdowns(breakdowns, {impl: record["step_time_s"] for impl, record in results.items()
-                                  if "step_time_s" in record})
+    written = common.write_result(
+        "profile",
+        {**profile_header(workload), "steps": args.profile_steps, "results": breakdowns},
+        args.out,
+        stem=profile_stem(workload),
+    )
+    print_breakdowns(
+        breakdowns, {impl: record["step_time_s"] for impl, record in results.items() if "step_time_s" in record}
+    )
     plot_stages(breakdowns, _title(profile_header(workload), jax.devices()[0].device_kind), written.with_suffix(".png"))
     print(f"wrote {written} (and its .png) and {measurements.path}")
     return 0
 
 
-def profiled_records(records: dict[str, Any], workload: workloads.Workload,
-                     implementations: list[str]) -> dict[str, Any]:
+def profiled_records(
+    records: dict[str, Any], workload: workloads.Workload, implementations: list[str]
+) -> dict[str, Any]:
     """The e2e records of ``implementations`` at ``workload``'s shape that carry a profile, in that order: every
     implementation profiled into one --out, so that subsets run one after another add up to one profile file."""
-    return {impl: records[workload.key(impl)] for impl in implementations
-            if "profile" in records.get(workload.key(impl), {})}
+    return {
+        impl: records[workload.key(impl)]
+        for impl in implementations
+        if "profile" in records.get(workload.key(impl), {})
+    }
 
 
 def profile_header(workload: workloads.Workload) -> dict[str, Any]:
@@ -129,7 +165,7 @@ def profile_header(workload: workloads.Workload) -> dict[str, Any]:
 
 
 def profile_stem(workload: workloads.Workload) -> str:
-    """"profile" for a WMT model (docs/results/profile-<device>.json), "profile-<model>-<seq_len>" otherwise."""
+    """ "profile" for a WMT model (docs/results/profile-<device>.json), "profile-<model>-<seq_len>" otherwise."""
     return "profile" if workloads.is_wmt(workload.model) else f"profile-{workload.model}-{workload.size}"
 
 
@@ -144,8 +180,10 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
         ]
         print(f"{category:22s}" + "".join(f"{value:16.2f}" for value in row))
     if step_times_s:
-        print(f"{'step time (timed)':22s}" + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown
-                                                     if impl in step_times_s))
+        print(
+            f"{'step time (timed)':22s}"
+            + "".join(f"{step_times_s[impl] * 1e3:16.2f}" for impl in shown if impl in step_times_s)
+        )
     with_stages = [impl for impl in shown if "stage_ms_per_step" in breakdowns[impl]]
     if with_stages:
         print(f"\n{'stage':26s}" + "".join(f"{impl:>16s}" for impl in with_stages) + "   (kernel ms per step)")
@@ -156,8 +194,11 @@ def print_breakdowns(breakdowns: dict[str, Any], step_times_s: dict[str, float])
 
 def _title(header: dict[str, Any], device_kind: str) -> str:
     """The figure's title: the model and shape of a `profile_header` and the device."""
-    shape = (f"{header['target_tokens']} target tokens" if "target_tokens" in header
-             else f"{header['batch_rows']} x {header['seq_len']} tokens")
+    shape = (
+        f"{header['target_tokens']} target tokens"
+        if "target_tokens" in header
+        else f"{header['batch_rows']} x {header['seq_len']} tokens"
+    )
     return f"{header['model']}, {shape}, {device_kind}: kernel time per step by stage"
 
 

@@ -60,37 +60,45 @@ SPLIT_METHOD = {
     "forward_ms": "the loss of one device's micro-batch (dropout on), jitted alone on one device",
     "backward_ms": "the gradients of that loss jitted alone on one device, minus forward_ms",
     "allreduce_ms": "psum under shard_map over the N devices of a tree with the gradients' shapes and dtype, "
-                    "jitted alone (0 at N = 1)",
+    "jitted alone (0 at N = 1)",
     "optimizer_ms": "ls_jax.optim.fused_apply (clipping included) and the gradient norm, state donated, one device",
     "rest_ms": "step time minus the four pieces: negative where the step overlaps them",
 }
 ESTIMATE_METHOD = (
     "overlap.model_stages/overlapped_backward: per layer kind one layer's backward (its forward + backward jitted "
     "alone minus its forward, on one device's activations, 0 if negative) and the psum of its parameter-shaped "
-    "gradients over N devices, jitted alone; the backward outside the repeated layers = backward_ms minus the layers' sum, run "
-    "first; the other parameters' gradients all-reduced last. measured_ms = step time at N minus forward_ms and "
-    "optimizer_ms. serial_ms: the same stages with no overlap. *_from_bandwidth: each all-reduce's time taken as "
+    "gradients over N devices, jitted alone; the backward outside the repeated layers = backward_ms minus the layers' "
+    "sum, run first; the other parameters' gradients all-reduced last. measured_ms = step time at N minus forward_ms "
+    "and optimizer_ms. serial_ms: the same stages with no overlap. *_from_bandwidth: each all-reduce's time taken as "
     "2 (N - 1) / N * its bytes / the probe's bus bandwidth instead of timed."
 )
 
 
 def _optimizer(mode: str, devices: int) -> tuple[optax.GradientTransformation, Any]:
-    tx = make_optimizer("adamw", optax.constant_schedule(1e-4), weight_decay=0.01, clip_norm=1.0,
-                        master_dtype=jnp.bfloat16)
+    tx = make_optimizer(
+        "adamw", optax.constant_schedule(1e-4), weight_decay=0.01, clip_norm=1.0, master_dtype=jnp.bfloat16
+    )
     sharded = shard_optimizer(tx, DATA_AXIS, num_shards=devices, average_gradients=False) if mode == "sharded" else None
     return tx, sharded
 
 
 def _state(params: Any, tx: Any, sharded: Any, layout: StateLayout) -> TrainState:
     def create(params):
-        return TrainState.create(params, tx, jax.random.PRNGKey(1), fp16=False, param_dtype=jnp.bfloat16,
-                                 init_optimizer=None if sharded is None else sharded.init)
+        return TrainState.create(
+            params,
+            tx,
+            jax.random.PRNGKey(1),
+            fp16=False,
+            param_dtype=jnp.bfloat16,
+            init_optimizer=None if sharded is None else sharded.init,
+        )
 
     return jax.jit(create, out_shardings=layout.shardings(jax.eval_shape(create, params)))(params)
 
 
-def step_row(key: tuple, model: scaling_models.BenchModel, params: Any, mode: str, devices: list[Any],
-             steps: int) -> scaling_pieces.Pending:
+def step_row(
+    key: tuple, model: scaling_models.BenchModel, params: Any, mode: str, devices: list[Any], steps: int
+) -> scaling_pieces.Pending:
     """The compiled step of ``model`` on ``devices``, timed over 5 samples of ``steps`` steps after warm-up."""
     parallel = DataParallel(Mesh(np.asarray(devices), (DATA_AXIS,)))
     tx, sharded = _optimizer(mode, len(devices))
@@ -98,8 +106,9 @@ def step_row(key: tuple, model: scaling_models.BenchModel, params: Any, mode: st
     holder = {"state": _state(params, tx, sharded, layout)}
     global_batch = {name: np.concatenate([value] * len(devices), axis=1) for name, value in model.batch.items()}
     batch = parallel.put_batch(global_batch, row_axis=1)
-    compiler = StepCompiler(make_train_step(model.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=sharded),
-                            layout, holder["state"])
+    compiler = StepCompiler(
+        make_train_step(model.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=sharded), layout, holder["state"]
+    )
 
     def finish(compiled) -> dict[str, Any]:
         def run(count: int):
@@ -122,9 +131,14 @@ def step_row(key: tuple, model: scaling_models.BenchModel, params: Any, mode: st
             "step_ms_samples": [1e3 * s for s in samples],
             "tokens_per_s": model.tokens_per_device * len(devices) / step_s,
             "loss": float(metrics["loss"] / max(float(metrics["weight"]), 1.0)),
-            "memory_per_device_bytes": None if memory is None else int(
-                memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                - memory.alias_size_in_bytes),
+            "memory_per_device_bytes": None
+            if memory is None
+            else int(
+                memory.argument_size_in_bytes
+                + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes
+                - memory.alias_size_in_bytes
+            ),
             "optimizer_state_bytes_per_device": opt_bytes,
         }
 
@@ -142,16 +156,23 @@ def allreduce_probe(devices: list[Any], num_bytes: int) -> scaling_pieces.Pendin
         ms = pending.finish(compiled)["ms"]
         bus = 2 * (n - 1) / n * num_bytes / (ms / 1e3) / 1e9
         sheet = NVLINK_GB_PER_S.get(kind)
-        return {"devices": n, "bytes": num_bytes, "ms": ms, "bus_gb_per_s": bus, "datasheet_gb_per_s": sheet,
-                "fraction_of_datasheet": None if sheet is None else bus / sheet}
+        return {
+            "devices": n,
+            "bytes": num_bytes,
+            "ms": ms,
+            "bus_gb_per_s": bus,
+            "datasheet_gb_per_s": sheet,
+            "fraction_of_datasheet": None if sheet is None else bus / sheet,
+        }
 
     return scaling_pieces.Pending(pending.key, pending.lowered, finish)
 
 
 def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tuple[list[scaling_pieces.Pending], dict]:
     """Every measurement the run makes (lowered, not compiled) and each model's layers and rest of the params."""
-    pending: list[scaling_pieces.Pending] = [allreduce_probe(devices[:n], args.allreduce_mb << 20)
-                                             for n in counts if n > 1]
+    pending: list[scaling_pieces.Pending] = [
+        allreduce_probe(devices[:n], args.allreduce_mb << 20) for n in counts if n > 1
+    ]
     shapes: dict[str, Any] = {}
     for name in args.models.split(","):
         rows, length = scaling_models.rows_and_length(name, args.tokens_per_device, args.bert_batch, args.bert_length)
@@ -162,8 +183,11 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
             with backend.use(IMPLEMENTATIONS[implementation]):
                 for n in counts:
                     for mode in modes_of(args, name, implementation, n):
-                        pending.append(step_row(("step", name, implementation, mode, n), model, params, mode,
-                                                devices[:n], args.steps))
+                        pending.append(
+                            step_row(
+                                ("step", name, implementation, mode, n), model, params, mode, devices[:n], args.steps
+                            )
+                        )
                 if args.split:
                     pending.extend(_split_pieces(name, implementation, model, params, devices[0]))
         if args.split:
@@ -177,15 +201,18 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
     return pending, shapes
 
 
-def _split_pieces(name: str, implementation: str, model: scaling_models.BenchModel, params: Any,
-                  device: Any) -> list[scaling_pieces.Pending]:
+def _split_pieces(
+    name: str, implementation: str, model: scaling_models.BenchModel, params: Any, device: Any
+) -> list[scaling_pieces.Pending]:
     tx, _ = _optimizer("replicated", 1)
     layout = StateLayout(DataParallel(Mesh(np.asarray([device]), (DATA_AXIS,))))
     state = _state(params, tx, None, layout)
     first, _ = scaling_models.layer_params(model, state.params)
     key = ("piece", name, implementation)
-    return [*scaling_pieces.step_pieces(key, model, state, tx),
-            *(p for kind in model.layers for p in scaling_pieces.layer_pieces(key, kind, first[kind.name]))]
+    return [
+        *scaling_pieces.step_pieces(key, model, state, tx),
+        *(p for kind in model.layers for p in scaling_pieces.layer_pieces(key, kind, first[kind.name])),
+    ]
 
 
 def modes_of(args: argparse.Namespace, model: str, implementation: str, devices: int) -> list[str]:
@@ -202,20 +229,42 @@ def assemble(measured: dict[tuple, dict], shapes: dict, flags: str) -> dict[str,
     for key, value in measured.items():
         if key[0] == "step":
             _, name, implementation, mode, n = key
-            results.append({"model": name, "implementation": implementation, "mode": mode, "devices": n,
-                             "xla_flags": flags, **value})
+            results.append(
+                {
+                    "model": name,
+                    "implementation": implementation,
+                    "mode": mode,
+                    "devices": n,
+                    "xla_flags": flags,
+                    **value,
+                }
+            )
     for name, info in shapes.items():
         for implementation in sorted({r["implementation"] for r in results if r["model"] == name}):
-            piece = {part: measured[("piece", name, implementation, part)]["ms"]
-                     for part in ("forward", "forward_backward", "optimizer")}
-            layers = {kind.name: {"count": kind.count,
-                                  "forward_ms": measured[("piece", name, implementation, kind.name, "forward")]["ms"],
-                                  "forward_backward_ms": measured[("piece", name, implementation, kind.name,
-                                                                   "forward_backward")]["ms"],
-                                  "gradient_bytes": scaling_models.tree_bytes(info["layers"][kind.name])}
-                      for kind in info["model"].layers}
-            pieces.append({"model": name, "implementation": implementation, **{f"{k}_ms": v for k, v in piece.items()},
-                           "layers": layers, "rest_gradient_bytes": scaling_models.tree_bytes(info["rest"])})
+            piece = {
+                part: measured[("piece", name, implementation, part)]["ms"]
+                for part in ("forward", "forward_backward", "optimizer")
+            }
+            layers = {
+                kind.name: {
+                    "count": kind.count,
+                    "forward_ms": measured[("piece", name, implementation, kind.name, "forward")]["ms"],
+                    "forward_backward_ms": measured[("piece", name, implementation, kind.name, "forward_backward")][
+                        "ms"
+                    ],
+                    "gradient_bytes": scaling_models.tree_bytes(info["layers"][kind.name]),
+                }
+                for kind in info["model"].layers
+            }
+            pieces.append(
+                {
+                    "model": name,
+                    "implementation": implementation,
+                    **{f"{k}_ms": v for k, v in piece.items()},
+                    "layers": layers,
+                    "rest_gradient_bytes": scaling_models.tree_bytes(info["rest"]),
+                }
+            )
             for row in results:
                 if (row["model"], row["implementation"], row["mode"]) == (name, implementation, "replicated"):
                     n = row["devices"]
@@ -229,24 +278,37 @@ def estimate(row: dict, piece: dict, layers: dict, measured: dict, info: dict) -
     """The overlap model's backward at the row's N against the measured one (`overlap.model_stages`), with each
     all-reduce timed alone and, as the study derives it, from its bytes and the probe's bus bandwidth."""
     name, n = row["model"], row["devices"]
-    bytes_of = {**{kind: value["gradient_bytes"] for kind, value in layers.items()},
-                "rest": scaling_models.tree_bytes(info["rest"])}
+    bytes_of = {
+        **{kind: value["gradient_bytes"] for kind, value in layers.items()},
+        "rest": scaling_models.tree_bytes(info["rest"]),
+    }
     timed = lambda kind: measured[("allreduce", name, n, kind)]["ms"] if n > 1 else 0.0  # noqa: E731
     bus = measured[("probe", n)]["bus_gb_per_s"] if n > 1 else math.inf
     from_bandwidth = lambda kind: 2 * (n - 1) / n * bytes_of[kind] / (bus * 1e9) * 1e3  # noqa: E731
     backward = piece["forward_backward"] - piece["forward"]
     measured_ms = row["step_ms"] - piece["forward"] - piece["optimizer"]
-    out = {"model": name, "implementation": row["implementation"], "devices": n, "xla_flags": row["xla_flags"],
-           "measured_ms": measured_ms}
+    out = {
+        "model": name,
+        "implementation": row["implementation"],
+        "devices": n,
+        "xla_flags": row["xla_flags"],
+        "measured_ms": measured_ms,
+    }
     for suffix, comm in (("", timed), ("_from_bandwidth", from_bandwidth)):
-        per_kind = [(kind.name, kind.count, layer_backward(layers[kind.name]), comm(kind.name))
-                    for kind in info["model"].layers]
+        per_kind = [
+            (kind.name, kind.count, layer_backward(layers[kind.name]), comm(kind.name)) for kind in info["model"].layers
+        ]
         stages = overlap.model_stages(backward, per_kind, comm("rest"))
         compute, sends = [s[1] for s in stages], [s[2] for s in stages]
         estimated = overlap.overlapped_backward(compute, sends)
-        out.update({f"stages{suffix}": [{"name": s[0], "compute_ms": s[1], "comm_ms": s[2]} for s in stages],
-                    f"estimated{suffix}_ms": estimated, f"serial{suffix}_ms": sum(compute) + sum(sends),
-                    f"relative_error{suffix}": overlap.relative_error(estimated, measured_ms)})
+        out.update(
+            {
+                f"stages{suffix}": [{"name": s[0], "compute_ms": s[1], "comm_ms": s[2]} for s in stages],
+                f"estimated{suffix}_ms": estimated,
+                f"serial{suffix}_ms": sum(compute) + sum(sends),
+                f"relative_error{suffix}": overlap.relative_error(estimated, measured_ms),
+            }
+        )
     return out
 
 
@@ -259,8 +321,11 @@ def layer_backward(layer: dict[str, float]) -> float:
 def efficiencies(results: list[dict[str, Any]]) -> None:
     """Adds ``efficiency`` = step time at 1 device / at N, against the 1-device row of the same model,
     implementation and mode without extra XLA flags, else the replicated one (named in ``efficiency_base``)."""
-    base = {(r["model"], r["implementation"], r["mode"]): r["step_ms"] for r in results
-            if r["devices"] == 1 and not r.get("variant")}
+    base = {
+        (r["model"], r["implementation"], r["mode"]): r["step_ms"]
+        for r in results
+        if r["devices"] == 1 and not r.get("variant")
+    }
     for r in results:
         for mode in (r["mode"], "replicated"):
             one = base.get((r["model"], r["implementation"], mode))
@@ -278,13 +343,36 @@ def run_variant(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--variant-xla-flags needs --devices (the child runs at the largest count)")
     largest = max(int(c) for c in args.devices.split(","))
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "train.bench", "scaling", "--models", args.variant_models or args.models,
-                   "--implementations",
-                   "ls_jax_ffi", "--modes", "replicated", "--devices", str(largest), "--no-split", "--no-plot",
-                   "--steps", str(args.steps), "--tokens-per-device", str(args.tokens_per_device),
-                   "--bert-batch", str(args.bert_batch), "--bert-length", str(args.bert_length),
-                   "--allreduce-mb", str(args.allreduce_mb), "--compile-threads", str(args.compile_threads),
-                   "--out", out]
+        command = [
+            sys.executable,
+            "-m",
+            "train.bench",
+            "scaling",
+            "--models",
+            args.variant_models or args.models,
+            "--implementations",
+            "ls_jax_ffi",
+            "--modes",
+            "replicated",
+            "--devices",
+            str(largest),
+            "--no-split",
+            "--no-plot",
+            "--steps",
+            str(args.steps),
+            "--tokens-per-device",
+            str(args.tokens_per_device),
+            "--bert-batch",
+            str(args.bert_batch),
+            "--bert-length",
+            str(args.bert_length),
+            "--allreduce-mb",
+            str(args.allreduce_mb),
+            "--compile-threads",
+            str(args.compile_threads),
+            "--out",
+            out,
+        ]
         flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), args.variant_xla_flags]))
         print(f"variant: XLA_FLAGS={flags!r}", flush=True)
         subprocess.run(command, check=True, env={**os.environ, "XLA_FLAGS": flags})
@@ -304,8 +392,9 @@ def device_counts(available: int, requested: str | None) -> list[int]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.bench scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(scaling_models.MODELS)}")
     parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--modes", default=",".join(MODES))
@@ -340,10 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     tables["results"] += variant_rows
     efficiencies(tables["results"])
     probes = [measured[("probe", n)] for n in counts if n > 1]
-    path = common.write_result("scaling", {**tables, "allreduce": probes, "method": {"split": SPLIT_METHOD,
-                                           "backward_estimate": ESTIMATE_METHOD},
-                                           "wall_s": time.perf_counter() - started,
-                                           "config": {**vars(args), "out": str(args.out)}}, args.out)
+    path = common.write_result(
+        "scaling",
+        {
+            **tables,
+            "allreduce": probes,
+            "method": {"split": SPLIT_METHOD, "backward_estimate": ESTIMATE_METHOD},
+            "wall_s": time.perf_counter() - started,
+            "config": {**vars(args), "out": str(args.out)},
+        },
+        args.out,
+    )
     named = path.with_name(f"scaling-{common.device_slug()}x{len(devices)}{'-' + args.tag if args.tag else ''}.json")
     path = path.rename(named)
     report(tables, probes)
@@ -358,14 +454,20 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
         print(f"all-reduce over {probe['devices']}: {probe['bus_gb_per_s']:.0f} GB/s bus bandwidth")
     for r in tables["results"]:
         split = " ".join(f"{k[:-3]} {v:.2f}" for k, v in r.get("split", {}).items())
-        print(f"{r['model']:9s} {r['implementation']:10s} {r['mode']:10s} N={r['devices']}"
-              f"{' ' + r['variant'] if r.get('variant') else ''}: {r['step_ms']:7.2f} ms, "
-              f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s, efficiency {r['efficiency'] or float('nan'):.2f}, memory "
-              f"{(r['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB {split}", flush=True)
+        print(
+            f"{r['model']:9s} {r['implementation']:10s} {r['mode']:10s} N={r['devices']}"
+            f"{' ' + r['variant'] if r.get('variant') else ''}: {r['step_ms']:7.2f} ms, "
+            f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s, efficiency {r['efficiency'] or float('nan'):.2f}, memory "
+            f"{(r['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB {split}",
+            flush=True,
+        )
     for e in tables["backward_estimate"]:
-        print(f"{e['model']:9s} {e['implementation']:10s} N={e['devices']}: backward estimated {e['estimated_ms']:.2f}"
-              f" ms ({100 * e['relative_error']:+.1f}%; from bandwidth {e['estimated_from_bandwidth_ms']:.2f} ms, "
-              f"{100 * e['relative_error_from_bandwidth']:+.1f}%), measured {e['measured_ms']:.2f} ms", flush=True)
+        print(
+            f"{e['model']:9s} {e['implementation']:10s} N={e['devices']}: backward estimated {e['estimated_ms']:.2f}"
+            f" ms ({100 * e['relative_error']:+.1f}%; from bandwidth {e['estimated_from_bandwidth_ms']:.2f} ms, "
+            f"{100 * e['relative_error_from_bandwidth']:+.1f}%), measured {e['measured_ms']:.2f} ms",
+            flush=True,
+        )
 
 
 def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:

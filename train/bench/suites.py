@@ -29,10 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUITES:  # the suite parses everything after its name, --help included
         return importlib.import_module(SUITES[argv[0]]).main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
-                                     epilog="python -m train.bench SUITE --help shows the options of SUITE")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench",
+        description=__doc__,
+        epilog="python -m train.bench SUITE --help shows the options of SUITE",
+    )
     parser.add_argument("suite", choices=sorted(SUITES))
     args, rest = parser.parse_known_args(argv)
     module = importlib.import_module(SUITES[args.suite])
     return module.main(rest)
-

@@ -71,8 +71,14 @@ class Axis:
         return factor, f"{self.quantity} ({prefix}{self.unit})"
 
 
-def _labels_by_place(shown: Sequence[int], xs: Sequence[float], ys: Sequence[float], x_factor: float,
-                     y_factor: float, resolution: float = 0.02) -> dict[tuple[float, float], list[int]]:
+def _labels_by_place(
+    shown: Sequence[int],
+    xs: Sequence[float],
+    ys: Sequence[float],
+    x_factor: float,
+    y_factor: float,
+    resolution: float = 0.02,
+) -> dict[tuple[float, float], list[int]]:
     """Rows of the points drawn at one place (within ``resolution`` of each axis's largest value), so that points
     on top of each other get one label listing them rather than labels on top of each other."""
     x_step = resolution * max(xs[i] for i in shown) / x_factor or 1.0
@@ -87,7 +93,9 @@ def _labels_by_place(shown: Sequence[int], xs: Sequence[float], ys: Sequence[flo
 def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Sequence[bool], path: Path) -> None:
     """One point per run with both values, colour by implementation, backend and precision, marker by device kind,
     labelled #row; ``hollow`` points have estimated energy; a red cross marks a run that did not converge."""
-    shown = [index for index in range(len(comparison.runs)) if x.values[index] is not None and y.values[index] is not None]
+    shown = [
+        index for index in range(len(comparison.runs)) if x.values[index] is not None and y.values[index] is not None
+    ]
     x_factor, x_label = x.scale(max(x.values[i] for i in shown))
     y_factor, y_label = y.scale(max(y.values[i] for i in shown))
     runs = comparison.runs
@@ -98,22 +106,35 @@ def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Seque
         run = runs[index]
         colour = colours[run.kernel_label]
         px, py = x.values[index] / x_factor, y.values[index] / y_factor
-        axes.scatter([px], [py], marker=markers[run.device_kind], s=70, edgecolors=colour, linewidths=1.5,
-                     facecolors="none" if hollow[index] else colour)
+        axes.scatter(
+            [px],
+            [py],
+            marker=markers[run.device_kind],
+            s=70,
+            edgecolors=colour,
+            linewidths=1.5,
+            facecolors="none" if hollow[index] else colour,
+        )
         if comparison.verdicts[index] is not None:
             axes.scatter([px], [py], marker="x", s=110, color="red", linewidths=1.5)
     for (px, py), rows in _labels_by_place(shown, x.values, y.values, x_factor, y_factor).items():
-        axes.annotate(" ".join(f"#{index + 1}" for index in rows), (px, py), xytext=(5, 5),
-                      textcoords="offset points", fontsize=8)
+        axes.annotate(
+            " ".join(f"#{index + 1}" for index in rows), (px, py), xytext=(5, 5), textcoords="offset points", fontsize=8
+        )
     shown_runs = [runs[index] for index in shown]
-    handles = [Line2D([], [], marker="o", linestyle="none", color=colours[label], label=label)
-               for label in dict.fromkeys(run.kernel_label for run in shown_runs)]
+    handles = [
+        Line2D([], [], marker="o", linestyle="none", color=colours[label], label=label)
+        for label in dict.fromkeys(run.kernel_label for run in shown_runs)
+    ]
     if len(kinds := list(dict.fromkeys(run.device_kind for run in shown_runs))) > 1:
         handles += [Line2D([], [], marker=markers[kind], linestyle="none", color="grey", label=kind) for kind in kinds]
     if any(hollow[index] for index in shown):
-        handles += [Line2D([], [], marker="o", linestyle="none", color="grey", label="measured energy"),
-                    Line2D([], [], marker="o", linestyle="none", color="grey", markerfacecolor="none",
-                           label="estimated energy")]
+        handles += [
+            Line2D([], [], marker="o", linestyle="none", color="grey", label="measured energy"),
+            Line2D(
+                [], [], marker="o", linestyle="none", color="grey", markerfacecolor="none", label="estimated energy"
+            ),
+        ]
     if any(comparison.verdicts[index] is not None for index in shown):
         handles.append(Line2D([], [], marker="x", linestyle="none", color="red", label="not converged"))
     axes.legend(handles=handles, fontsize=8)
@@ -126,8 +147,9 @@ def _scatter(comparison: Comparison, x: Axis, y: Axis, title: str, hollow: Seque
     axes.set_ylim(0, 1.12 * max(y.values[i] for i in shown) / y_factor or 1.0)
     left_out = [f"#{index + 1}" for index in range(len(comparison.runs)) if index not in shown]
     if left_out:
-        figure.text(0.01, 0.0, f"no {x.quantity} or {y.quantity} in the log of {', '.join(left_out)}", fontsize=7,
-                    va="bottom")
+        figure.text(
+            0.01, 0.0, f"no {x.quantity} or {y.quantity} in the log of {', '.join(left_out)}", fontsize=7, va="bottom"
+        )
     figure.savefig(path, dpi=120)
 
 
@@ -201,10 +223,14 @@ def plot_quality(comparison: Comparison, path: Path) -> Plot:
         if comparison.verdicts[index] is not None:
             axes.scatter([position], [value], marker="x", s=110, color="red", linewidths=1.5)
         axes.annotate(f"#{index + 1}", (position, value), xytext=(5, 3), textcoords="offset points", fontsize=7)
-    handles = [Line2D([], [], marker="o", linestyle="none", color=f"C{i % 10}", label=name)
-               for i, name in enumerate(optimizers)]
-    handles += [Line2D([], [], marker=MARKERS[i % len(MARKERS)], linestyle="none", color="grey", label=name)
-                for i, name in enumerate(backends)]
+    handles = [
+        Line2D([], [], marker="o", linestyle="none", color=f"C{i % 10}", label=name)
+        for i, name in enumerate(optimizers)
+    ]
+    handles += [
+        Line2D([], [], marker=MARKERS[i % len(MARKERS)], linestyle="none", color="grey", label=name)
+        for i, name in enumerate(backends)
+    ]
     axes.axhline(comparison.gate.threshold, color="red", linestyle="--", linewidth=1)
     handles.append(Line2D([], [], color="red", linestyle="--", label=f"threshold {comparison.gate.threshold:g}"))
     if any(verdict is not None for verdict, value in zip(comparison.verdicts, values) if value is not None):
@@ -225,8 +251,11 @@ def plot_speedups(comparison: Comparison, path: Path) -> Plot:
     speedups = speedups_by_model_and_batch(comparison.runs, comparison.baseline)
     reference = comparison.runs[comparison.baseline].configuration_label
     if not speedups:
-        return Plot(title, None, f"no model and batch has runs of both the baseline configuration ({reference}) "
-                                 "and another configuration")
+        return Plot(
+            title,
+            None,
+            f"no model and batch has runs of both the baseline configuration ({reference}) and another configuration",
+        )
     groups = list(dict.fromkeys((entry.model, entry.batch_label) for entry in speedups))
     configurations = list(dict.fromkeys(entry.configuration_label for entry in speedups))
     width = 0.8 / len(configurations)
@@ -234,10 +263,16 @@ def plot_speedups(comparison: Comparison, path: Path) -> Plot:
     axes = figure.add_subplot()
     for slot, configuration in enumerate(configurations):
         entries = {(e.model, e.batch_label): e.speedup for e in speedups if e.configuration_label == configuration}
-        positions = [i + (slot - (len(configurations) - 1) / 2) * width for i, group in enumerate(groups)
-                     if group in entries]
-        bars = axes.bar(positions, [entries[group] for group in groups if group in entries], width,
-                        label=configuration, color=f"C{slot % 10}")
+        positions = [
+            i + (slot - (len(configurations) - 1) / 2) * width for i, group in enumerate(groups) if group in entries
+        ]
+        bars = axes.bar(
+            positions,
+            [entries[group] for group in groups if group in entries],
+            width,
+            label=configuration,
+            color=f"C{slot % 10}",
+        )
         axes.bar_label(bars, fmt="%.2fx", fontsize=8)
     axes.axhline(1.0, color="black", linewidth=1, linestyle="--", label=f"baseline: {reference}")
     axes.set_xticks(range(len(groups)), [f"{model}\n{batch}" for model, batch in groups], fontsize=8)

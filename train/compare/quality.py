@@ -46,13 +46,16 @@ class Gate:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
-            raise ValueError(f"--quality-margin {self.margin:g} must lie in [0, 1): a fraction of the best run's quality")
+            raise ValueError(
+                f"--quality-margin {self.margin:g} must lie in [0, 1): a fraction of the best run's quality"
+            )
 
     def describe(self) -> str:
         bound = "at least" if self.metric.higher_is_better else "at most"
         side = "below" if self.metric.higher_is_better else "above"
-        return (f"{self.metric.label} {bound} {self.threshold:g} and not more than {self.margin:.0%} {side} the best "
-                "run's")
+        return (
+            f"{self.metric.label} {bound} {self.threshold:g} and not more than {self.margin:.0%} {side} the best run's"
+        )
 
     def verdicts(self, runs: Sequence[Run]) -> list[str | None]:
         """Per run: None when it passes, else why it did not converge."""
@@ -67,8 +70,10 @@ class Gate:
             elif not self.metric.better_or_equal(value, self.threshold):
                 verdicts.append(f"{self.metric.label} {value:.4g} misses the threshold {self.threshold:g}")
             elif not self.metric.better_or_equal(value, factor * best):
-                verdicts.append(f"{self.metric.label} {value:.4g} is more than {self.margin:.0%} worse than the best "
-                                f"run's {best:.4g}")
+                verdicts.append(
+                    f"{self.metric.label} {value:.4g} is more than {self.margin:.0%} worse than the best "
+                    f"run's {best:.4g}"
+                )
             else:
                 verdicts.append(None)
         return verdicts
@@ -82,5 +87,8 @@ def default_gate(task: str, threshold: float | None = None, margin: float | None
     """
     if task not in METRICS:
         raise ValueError(f"task {task!r} has no quality metric; known: {', '.join(METRICS)}")
-    return Gate(METRICS[task], DEFAULT_THRESHOLDS[task] if threshold is None else threshold,
-                DEFAULT_MARGIN if margin is None else margin)
+    return Gate(
+        METRICS[task],
+        DEFAULT_THRESHOLDS[task] if threshold is None else threshold,
+        DEFAULT_MARGIN if margin is None else margin,
+    )

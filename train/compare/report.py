@@ -20,10 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from train.costs import measured_utilization
-from train.records import runlog
 from train.compare import plots, quality, scoring, tables
 from train.compare import runs as run_logs
+from train.costs import measured_utilization
+from train.records import runlog
 
 EXIT_USAGE = 2
 
@@ -31,8 +31,11 @@ EXIT_USAGE = 2
 def _presets_help() -> str:
     lines = [f"  {name:<17} {weights.describe()}" for name, weights in scoring.WEIGHT_PRESETS.items()]
     aliases = ", ".join(f"{old} = {new}" for old, new in scoring.PRESET_ALIASES.items())
-    return ("the study's weight presets (time, cost, energy, utilization):\n" + "\n".join(lines)
-            + f"\nearlier names, still accepted: {aliases}")
+    return (
+        "the study's weight presets (time, cost, energy, utilization):\n"
+        + "\n".join(lines)
+        + f"\nearlier names, still accepted: {aliases}"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,36 +54,63 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_presets_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("logs", nargs="+", metavar="LOG_OR_DIR",
-                        help="run.jsonl files, or directories searched recursively for *.jsonl run logs")
+    parser.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG_OR_DIR",
+        help="run.jsonl files, or directories searched recursively for *.jsonl run logs",
+    )
     parser.add_argument("--task", help="compare the runs of this task (needed when the logs hold several tasks)")
-    parser.add_argument("--baseline", metavar="RUN",
-                        help="baseline run: run id, row number (#1 is the first run) or a unique substring of a "
-                             "run id or log path (default: the slowest run, the one with the lowest throughput)")
-    parser.add_argument("--weights", default=scoring.DEFAULT_PRESET, metavar="PRESET|t,c,e,u",
-                        help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
-                             f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})")
+    parser.add_argument(
+        "--baseline",
+        metavar="RUN",
+        help="baseline run: run id, row number (#1 is the first run) or a unique substring of a "
+        "run id or log path (default: the slowest run, the one with the lowest throughput)",
+    )
+    parser.add_argument(
+        "--weights",
+        default=scoring.DEFAULT_PRESET,
+        metavar="PRESET|t,c,e,u",
+        help=f"score weights: a preset ({', '.join(scoring.WEIGHT_PRESETS)}) or four "
+        f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})",
+    )
     add_window_argument(parser)
-    thresholds = ", ".join(f"{task} {quality.METRICS[task].label} {value:g}"
-                           for task, value in quality.DEFAULT_THRESHOLDS.items())
-    parser.add_argument("--quality-threshold", type=float, metavar="Q",
-                        help=f"the final quality a run must reach to be ranked (perplexity: at most); default per "
-                             f"task: {thresholds}")
-    parser.add_argument("--quality-margin", type=float, metavar="F",
-                        help="a run more than this fraction worse than the best run's quality is not ranked "
-                             f"(default {quality.DEFAULT_MARGIN:g})")
+    thresholds = ", ".join(
+        f"{task} {quality.METRICS[task].label} {value:g}" for task, value in quality.DEFAULT_THRESHOLDS.items()
+    )
+    parser.add_argument(
+        "--quality-threshold",
+        type=float,
+        metavar="Q",
+        help=f"the final quality a run must reach to be ranked (perplexity: at most); default per task: {thresholds}",
+    )
+    parser.add_argument(
+        "--quality-margin",
+        type=float,
+        metavar="F",
+        help="a run more than this fraction worse than the best run's quality is not ranked "
+        f"(default {quality.DEFAULT_MARGIN:g})",
+    )
     parser.add_argument("--out", type=Path, metavar="DIR", help="report directory (default: reports/<UTC time>/)")
-    parser.add_argument("--counters", type=Path, metavar="FILE",
-                        help="a counters result file (python -m train.bench counters): measured achieved occupancy "
-                             "and SM throughput for the runs of its device and backend, MFU labeled otherwise")
+    parser.add_argument(
+        "--counters",
+        type=Path,
+        metavar="FILE",
+        help="a counters result file (python -m train.bench counters): measured achieved occupancy "
+        "and SM throughput for the runs of its device and backend, MFU labeled otherwise",
+    )
     return parser
 
 
 def add_window_argument(parser: argparse.ArgumentParser) -> None:
     """``--score-window``: the window the score covers (`train.compare.scoring.WINDOWS`)."""
-    parser.add_argument("--score-window", choices=scoring.WINDOWS, default=scoring.DEFAULT_WINDOW,
-                        help="score the whole run (every training step, warm-up included: the study's way; default) "
-                             "or the steady state (time, cost and energy per unit trained after warm-up)")
+    parser.add_argument(
+        "--score-window",
+        choices=scoring.WINDOWS,
+        default=scoring.DEFAULT_WINDOW,
+        help="score the whole run (every training step, warm-up included: the study's way; default) "
+        "or the steady state (time, cost and energy per unit trained after warm-up)",
+    )
 
 
 def _default_out_dir() -> Path:
@@ -93,8 +123,15 @@ def _load(args: argparse.Namespace) -> scoring.Comparison:
     runs = run_logs.select_task(runs, args.task)
     baseline = run_logs.find_baseline(runs, args.baseline)
     gate = quality.default_gate(runs[0].task, args.quality_threshold, args.quality_margin)
-    return scoring.compare(runs, baseline=baseline, weights_name=weights_name, weights=weights, notes=notes, gate=gate,
-                           window=args.score_window)
+    return scoring.compare(
+        runs,
+        baseline=baseline,
+        weights_name=weights_name,
+        weights=weights,
+        notes=notes,
+        gate=gate,
+        window=args.score_window,
+    )
 
 
 def write_report(comparison: scoring.Comparison, out_dir: Path, command: str, extra: str = "") -> Path:
@@ -151,4 +188,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(extra)
     print(f"\nreport: {path}")
     return 0
-

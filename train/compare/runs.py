@@ -122,9 +122,11 @@ class Run:
 _COUNTS = ("tokens", "examples")
 
 
-def _checked(record: dict[str, Any], where: str, counted: Iterable[str] = (),
-             schema: int = runlog.SCHEMA_VERSION) -> dict[str, Any]:
-    """``record`` after `train.records.runlog.validate`; ValueError naming ``where`` and the key when it breaks the schema."""
+def _checked(
+    record: dict[str, Any], where: str, counted: Iterable[str] = (), schema: int = runlog.SCHEMA_VERSION
+) -> dict[str, Any]:
+    """``record`` after `train.records.runlog.validate`; ValueError naming ``where`` and the key when it breaks the
+    schema."""
     try:
         runlog.validate(record, counted, schema=schema)
     except runlog.RecordError as err:
@@ -150,8 +152,17 @@ def _steady(summary: dict[str, Any], unit: str) -> Steady | None:
     part = summary.get("steady")
     if part is None:
         return None
-    return Steady(part["steps"], part["time_s"], part["step_time_s"], part.get(f"{unit}_per_s"),
-                  part["tflops_per_s"], part["mfu"], part["energy_j"], part["power_w"], part["cost_usd"])
+    return Steady(
+        part["steps"],
+        part["time_s"],
+        part["step_time_s"],
+        part.get(f"{unit}_per_s"),
+        part["tflops_per_s"],
+        part["mfu"],
+        part["energy_j"],
+        part["power_w"],
+        part["cost_usd"],
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -180,8 +191,9 @@ def _check_usable(results: dict[str, Any], run_id: str, where: str) -> None:
     """Raises UnusableRun for a run that trained no step, and for a non-finite number anywhere in its summary (the
     harness logs those as null, so such a log was changed by hand) or a training time that is not > 0."""
     if results["train_time_s"] == 0 and results["steps"] == 0:
-        raise UnusableRun(f"left out run {run_id} ({where}): it stopped before its first step, so it has no time "
-                          "to compare")
+        raise UnusableRun(
+            f"left out run {run_id} ({where}): it stopped before its first step, so it has no time to compare"
+        )
     for key, value in results.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UnusableRun(f"left out run {run_id} ({where}): {key}={value} is not a finite number")
@@ -193,13 +205,17 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
     config = _checked(run_record, run_where)
     schema = config["schema"]
     if schema not in runlog.READABLE_SCHEMAS:
-        raise ValueError(f"{run_where}: run-log schema {schema}; this version of ls-jax reads schema "
-                         f"{' and '.join(map(str, runlog.READABLE_SCHEMAS))}")
+        raise ValueError(
+            f"{run_where}: run-log schema {schema}; this version of ls-jax reads schema "
+            f"{' and '.join(map(str, runlog.READABLE_SCHEMAS))}"
+        )
     results = _checked(summary, where, schema=schema)
     _check_usable(results, config["run_id"], where)
     if (results["energy_j"] is None) != (results["energy_source"] is None):
-        raise ValueError(f"{where}: energy_j and energy_source must both be null or both be set, got "
-                         f"{results['energy_j']!r} and {results['energy_source']!r}")
+        raise ValueError(
+            f"{where}: energy_j and energy_source must both be null or both be set, got "
+            f"{results['energy_j']!r} and {results['energy_source']!r}"
+        )
     batch_size, batch_unit, grad_accum = _batch(config["batch"], run_where)
     trained, trained_unit, throughput = _trained(summary, where, schema)
     return Run(
@@ -287,7 +303,9 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
         raise ValueError(f"{path}: holds no complete run-log record")
     number, first = records[0]
     if first["type"] != "run":
-        raise ValueError(f"{path}:{number}: the first record is {first['type']!r}; a run log starts with a 'run' record")
+        raise ValueError(
+            f"{path}:{number}: the first record is {first['type']!r}; a run log starts with a 'run' record"
+        )
     runs, notes = [], []
     starts = [i for i, (_, record) in enumerate(records) if record["type"] == "run"] + [len(records)]
     for start, end in zip(starts, starts[1:]):
@@ -295,8 +313,10 @@ def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
         summaries = [(n, r) for n, r in records[start + 1 : end] if r["type"] == "summary"]
         if not summaries:
             reason = "its last line is cut short" if truncated and end == len(records) else "it has no summary record"
-            notes.append(f"skipped run {run_record.get('run_id', '?')} in {path}: {reason} "
-                         "(still running, or killed before it could finish its log)")
+            notes.append(
+                f"skipped run {run_record.get('run_id', '?')} in {path}: {reason} "
+                "(still running, or killed before it could finish its log)"
+            )
             continue
         summary_number, summary = summaries[-1]
         try:
@@ -325,10 +345,15 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
                 except OSError as err:
                     unreadable.append(path)
                     notes.append(f"left out {path}: {err.strerror or err}")
-            notes += [f"passed over {path}: not a run log (no 'run' record first)" for path in candidates
-                      if path not in logs and path not in unreadable]
+            notes += [
+                f"passed over {path}: not a run log (no 'run' record first)"
+                for path in candidates
+                if path not in logs and path not in unreadable
+            ]
             if not logs:
-                raise FileNotFoundError(f"{entry}: no run logs (*.jsonl starting with a 'run' record) in this directory")
+                raise FileNotFoundError(
+                    f"{entry}: no run logs (*.jsonl starting with a 'run' record) in this directory"
+                )
         elif entry.is_file():
             logs = [entry]
         else:
@@ -359,8 +384,10 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
     unique = []
     for run in runs:
         if run.run_id in first_seen:
-            notes.append(f"left out run {run.run_id} from {run.source}: the same run id was read from "
-                         f"{first_seen[run.run_id].source}")
+            notes.append(
+                f"left out run {run.run_id} from {run.source}: the same run id was read from "
+                f"{first_seen[run.run_id].source}"
+            )
             continue
         first_seen[run.run_id] = run
         unique.append(run)

@@ -193,8 +193,9 @@ def utilization_unknown(runs: Sequence[Run], eligible: Sequence[bool], window: s
     return bool(chosen) and all(figures(run, window).utilization is None for run in chosen)
 
 
-def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None,
-                    window: str = DEFAULT_WINDOW) -> list[Score | None]:
+def weighted_scores(
+    runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None, window: str = DEFAULT_WINDOW
+) -> list[Score | None]:
     """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the ``eligible`` runs (default all) that have every
     weighted term in ``window``; None for others.
 
@@ -210,8 +211,12 @@ def weighted_scores(runs: Sequence[Run], weights: Weights, eligible: Sequence[bo
     scores: list[Score | None] = [None] * len(runs)
     for position, index in enumerate(scored):
         time, cost, energy, utilization = (column[position] for column in columns)
-        terms = ((weights.time, time), (weights.cost, cost), (weights.energy, energy),
-                 (-weights.utilization, utilization))
+        terms = (
+            (weights.time, time),
+            (weights.cost, cost),
+            (weights.energy, energy),
+            (-weights.utilization, utilization),
+        )
         value = sum(weight * term for weight, term in terms if weight != 0)
         scores[index] = Score(time=time, cost=cost, energy=energy, utilization=utilization, value=value)
     return scores
@@ -256,52 +261,69 @@ def _unequal_work_note(runs: Sequence[Run]) -> str | None:
     units = {run.trained_unit for run in runs}
     if None in amounts or len(units) > 1 or max(amounts) <= 1.01 * min(amounts):
         return None
-    return (f"the runs trained on different amounts of data ({min(amounts):,} to {max(amounts):,} {units.pop()}): "
-            "their time, cost and energy totals measure unequal work; compare throughput, or train each run on "
-            "the same data for the same number of epochs or tokens")
+    return (
+        f"the runs trained on different amounts of data ({min(amounts):,} to {max(amounts):,} {units.pop()}): "
+        "their time, cost and energy totals measure unequal work; compare throughput, or train each run on "
+        "the same data for the same number of epochs or tokens"
+    )
 
 
 def warmup_note(index: int, run: Run) -> str | None:
     """One line when warm-up took more than `WARMUP_WARNING` of the run's training time."""
     if run.warmup is None or run.warmup.time_s <= WARMUP_WARNING * run.train_time_s:
         return None
-    return (f"#{index + 1} {run.name}: warm-up took {run.warmup.time_s / run.train_time_s:.0%} of its training "
-            f"time ({run.warmup.steps} steps, {run.warmup.time_s:.3g} s): its whole-run figures understate its "
-            "steady state (see the steady-state table)")
+    return (
+        f"#{index + 1} {run.name}: warm-up took {run.warmup.time_s / run.train_time_s:.0%} of its training "
+        f"time ({run.warmup.steps} steps, {run.warmup.time_s:.3g} s): its whole-run figures understate its "
+        "steady state (see the steady-state table)"
+    )
 
 
 def schema_note(index: int, run: Run) -> str | None:
     """One line for a run whose log predates the windows (schema 1)."""
     if run.schema >= 2:
         return None
-    energy = (", and its energy covers compilation and evaluations besides the training steps"
-              if run.energy_j is not None else "")
-    return (f"#{index + 1} {run.name}: its log (schema {run.schema}) has no warm-up or steady-state figures"
-            f"{energy}")
+    energy = (
+        ", and its energy covers compilation and evaluations besides the training steps"
+        if run.energy_j is not None
+        else ""
+    )
+    return f"#{index + 1} {run.name}: its log (schema {run.schema}) has no warm-up or steady-state figures{energy}"
 
 
-def _score_notes(runs: Sequence[Run], weights: Weights, window: str, converged: Sequence[bool],
-                 scores: Sequence[Score | None]) -> list[str]:
+def _score_notes(
+    runs: Sequence[Run], weights: Weights, window: str, converged: Sequence[bool], scores: Sequence[Score | None]
+) -> list[str]:
     """Why converged runs are not scored, and a term left out of every score."""
     notes = []
     if weights.utilization > 0 and utilization_unknown(runs, converged, window):
-        notes.append("no converged run has an MFU (no datasheet peak for its device): the scores leave the "
-                     "utilization term out")
+        notes.append(
+            "no converged run has an MFU (no datasheet peak for its device): the scores leave the utilization term out"
+        )
     for index, run in enumerate(runs):
         if scores[index] is None and converged[index]:
             missing = missing_terms(run, weights, window)
             if utilization_unknown(runs, converged, window) and "MFU" in missing:
                 missing.remove("MFU")
             names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
-            notes.append(f"#{index + 1} {run.name} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
-                         f"unknown ({WINDOW_LABELS[window]}; null in its log) and weighted; a weight of 0 for a term "
-                         "scores runs without it")
+            notes.append(
+                f"#{index + 1} {run.name} is not scored: its {names} {'is' if len(missing) == 1 else 'are'} "
+                f"unknown ({WINDOW_LABELS[window]}; null in its log) and weighted; a weight of 0 for a term "
+                "scores runs without it"
+            )
     return notes
 
 
-def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAULT_PRESET,
-            weights: Weights | None = None, notes: Iterable[str] = (), gate: Gate | None = None,
-            window: str = DEFAULT_WINDOW) -> Comparison:
+def compare(
+    runs: Sequence[Run],
+    *,
+    baseline: int = 0,
+    weights_name: str = DEFAULT_PRESET,
+    weights: Weights | None = None,
+    notes: Iterable[str] = (),
+    gate: Gate | None = None,
+    window: str = DEFAULT_WINDOW,
+) -> Comparison:
     """Ratios to ``runs[baseline]``; weighted scores in ``window`` of the runs that pass ``gate`` (default: the
     task's, `train.compare.quality.default_gate`) under ``weights`` (preset ``weights_name`` unless given) and
     under every preset (the score matrix)."""
@@ -322,8 +344,10 @@ def compare(runs: Sequence[Run], *, baseline: int = 0, weights_name: str = DEFAU
         if verdict is not None:
             notes.append(f"#{index + 1} {run.name} did not converge ({verdict}): shown, never ranked")
         if not run.completed:
-            notes.append(f"#{index + 1} {run.name} stopped early ({run.stop_reason}) after {run.steps} steps: its "
-                         "totals cover only that part")
+            notes.append(
+                f"#{index + 1} {run.name} stopped early ({run.stop_reason}) after {run.steps} steps: its "
+                "totals cover only that part"
+            )
         notes += [note for note in (warmup_note(index, run), schema_note(index, run)) if note]
     notes += _score_notes(runs, weights, window, converged, scores)
     work_note = _unequal_work_note(runs)
@@ -349,8 +373,10 @@ def recommendation(comparison: Comparison, preset: str) -> str:
     ranked = comparison.ranked_under(preset)
     if not ranked:
         if any(comparison.converged):
-            return (f"{preset}: no converged run could be scored: each lacks a weighted term (time, cost, energy or "
-                    "MFU; see the notes)")
+            return (
+                f"{preset}: no converged run could be scored: each lacks a weighted term (time, cost, energy or "
+                "MFU; see the notes)"
+            )
         return f"{preset}: no converged run could be scored"
     scores, runs = comparison.matrix[preset], comparison.runs
     best = ranked[0]
@@ -359,8 +385,9 @@ def recommendation(comparison: Comparison, preset: str) -> str:
         return text + ", the only converged run scored"
     second = ranked[1]
     gap = scores[second].value - scores[best].value
-    return (text + f", {gap:.3f} below the runner-up #{second + 1} ({runs[second].study_label}, "
-            f"{scores[second].value:.3f})")
+    return (
+        text + f", {gap:.3f} below the runner-up #{second + 1} ({runs[second].study_label}, {scores[second].value:.3f})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,10 +416,12 @@ def speedups_by_model_and_batch(runs: Sequence[Run], baseline: int) -> list[Grou
         reference_time = statistics.fmean(run.train_time_s for run in by_configuration[reference])
         for configuration, members in by_configuration.items():
             if configuration != reference:
-                speedups.append(GroupSpeedup(
-                    model=members[0].model,
-                    batch_label=members[0].batch_label,
-                    configuration_label=members[0].configuration_label,
-                    speedup=reference_time / statistics.fmean(run.train_time_s for run in members),
-                ))
+                speedups.append(
+                    GroupSpeedup(
+                        model=members[0].model,
+                        batch_label=members[0].batch_label,
+                        configuration_label=members[0].configuration_label,
+                        speedup=reference_time / statistics.fmean(run.train_time_s for run in members),
+                    )
+                )
     return speedups

@@ -54,18 +54,50 @@ def _optional(value: float | None, formatter: Callable[[float], str]) -> str:
 def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: each run's configuration and results."""
     runs = comparison.runs
-    quality = [name for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
-               if any(getattr(run, key) is not None for run in runs)]
-    header = ["#", "run", "device", "count", "implementation", "backend", "precision", "optimizer", "model", "batch",
-              "training time", "cost", "energy", "throughput", "MFU", "wall time", *quality, "quality gate"]
+    quality = [
+        name
+        for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
+        if any(getattr(run, key) is not None for run in runs)
+    ]
+    header = [
+        "#",
+        "run",
+        "device",
+        "count",
+        "implementation",
+        "backend",
+        "precision",
+        "optimizer",
+        "model",
+        "batch",
+        "training time",
+        "cost",
+        "energy",
+        "throughput",
+        "MFU",
+        "wall time",
+        *quality,
+        "quality gate",
+    ]
     rows = []
     for index, run in enumerate(runs):
         row = [
-            f"{index + 1}", run.name, run.device_kind, f"{run.device_count}", run.implementation, run.backend,
-            run.precision, run.optimizer, run.model, run.batch_label, format_duration(run.train_time_s),
-            _optional(run.cost_usd, lambda usd: f"${significant(usd)}"), format_energy(run),
+            f"{index + 1}",
+            run.name,
+            run.device_kind,
+            f"{run.device_count}",
+            run.implementation,
+            run.backend,
+            run.precision,
+            run.optimizer,
+            run.model,
+            run.batch_label,
+            format_duration(run.train_time_s),
+            _optional(run.cost_usd, lambda usd: f"${significant(usd)}"),
+            format_energy(run),
             _optional(run.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
-            _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"), _optional(run.wall_time_s, format_duration),
+            _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
+            _optional(run.wall_time_s, format_duration),
         ]
         row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
         row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
@@ -78,8 +110,18 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
 def steady_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: each run's warm-up (steps, time and its share of the training time) and steady state
     (median step time, throughput, MFU, power, energy per step); n/a for logs without them."""
-    header = ["#", "run", "configuration", "warm-up", "steady steps", "step time", "throughput", "MFU", "power",
-              "energy/step"]
+    header = [
+        "#",
+        "run",
+        "configuration",
+        "warm-up",
+        "steady steps",
+        "step time",
+        "throughput",
+        "MFU",
+        "power",
+        "energy/step",
+    ]
     rows = []
     for index, run in enumerate(comparison.runs):
         warmup, steady = run.warmup, run.steady
@@ -88,32 +130,54 @@ def steady_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             rows.append(row + ["n/a"] * (len(header) - len(row)))
             continue
         energy_per_step = None if steady.energy_j is None or not steady.steps else steady.energy_j / steady.steps
-        rows.append(row + [
-            f"{warmup.steps} steps, {format_duration(warmup.time_s)} ({warmup.time_s / run.train_time_s:.0%})",
-            f"{steady.steps}", _optional(steady.step_time_s, lambda seconds: f"{significant(seconds)} s"),
-            _optional(steady.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
-            _optional(steady.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
-            _optional(steady.power_w, lambda watts: f"{significant(watts)} W"),
-            _optional(energy_per_step, lambda joules: f"{significant(joules)} J"),
-        ])
+        rows.append(
+            row
+            + [
+                f"{warmup.steps} steps, {format_duration(warmup.time_s)} ({warmup.time_s / run.train_time_s:.0%})",
+                f"{steady.steps}",
+                _optional(steady.step_time_s, lambda seconds: f"{significant(seconds)} s"),
+                _optional(steady.throughput, lambda rate: f"{rate:,.0f} {run.trained_unit}/s"),
+                _optional(steady.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
+                _optional(steady.power_w, lambda watts: f"{significant(watts)} W"),
+                _optional(energy_per_step, lambda joules: f"{significant(joules)} J"),
+            ]
+        )
     return header, rows
 
 
 def ratios_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: speedup, cost ratio and energy ratio of each run against the baseline over the whole run,
     and its speedup in the steady state."""
-    header = ["#", "run", "device", "implementation", "backend", "precision", "speedup", "cost ratio", "energy ratio",
-              "steady speedup", "role"]
+    header = [
+        "#",
+        "run",
+        "device",
+        "implementation",
+        "backend",
+        "precision",
+        "speedup",
+        "cost ratio",
+        "energy ratio",
+        "steady speedup",
+        "role",
+    ]
     rows = []
     for index, (run, ratios) in enumerate(zip(comparison.runs, comparison.ratios)):
-        rows.append([
-            f"{index + 1}", run.name, run.device_kind, run.implementation, run.backend, run.precision,
-            f"{ratios.speedup:.2f}x",
-            _optional(ratios.cost, lambda ratio: f"{ratio:.2f}x"),
-            _optional(ratios.energy, lambda ratio: f"{ratio:.2f}x"),
-            _optional(ratios.steady_speedup, lambda ratio: f"{ratio:.2f}x"),
-            "baseline" if index == comparison.baseline else "",
-        ])
+        rows.append(
+            [
+                f"{index + 1}",
+                run.name,
+                run.device_kind,
+                run.implementation,
+                run.backend,
+                run.precision,
+                f"{ratios.speedup:.2f}x",
+                _optional(ratios.cost, lambda ratio: f"{ratio:.2f}x"),
+                _optional(ratios.energy, lambda ratio: f"{ratio:.2f}x"),
+                _optional(ratios.steady_speedup, lambda ratio: f"{ratio:.2f}x"),
+                "baseline" if index == comparison.baseline else "",
+            ]
+        )
     return header, rows
 
 
@@ -123,11 +187,23 @@ def score_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     rows = []
     for rank, index in enumerate(comparison.ranking, 1):
         run, score = comparison.runs[index], comparison.scores[index]
-        terms = [_optional(term, lambda value: f"{value:.3f}")
-                 for term in (score.time, score.cost, score.energy, score.utilization)]
-        rows.append([f"{rank}", f"{index + 1}", run.name, run.device_kind, run.implementation, run.backend,
-                     run.precision, *terms,
-                     f"{score.value:.4f}"])
+        terms = [
+            _optional(term, lambda value: f"{value:.3f}")
+            for term in (score.time, score.cost, score.energy, score.utilization)
+        ]
+        rows.append(
+            [
+                f"{rank}",
+                f"{index + 1}",
+                run.name,
+                run.device_kind,
+                run.implementation,
+                run.backend,
+                run.precision,
+                *terms,
+                f"{score.value:.4f}",
+            ]
+        )
     return header, rows
 
 
@@ -143,8 +219,11 @@ def matrix_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         if comparison.verdicts[index] is not None:
             cells = ["not converged"] * len(presets)
         else:
-            cells = [_optional(comparison.matrix[name][index], lambda score: f"{score.value:.3f}")
-                     + (f" ({ranks[name][index]})" if index in ranks[name] else "") for name in presets]
+            cells = [
+                _optional(comparison.matrix[name][index], lambda score: f"{score.value:.3f}")
+                + (f" ({ranks[name][index]})" if index in ranks[name] else "")
+                for name in presets
+            ]
         rows.append([f"{index + 1}", run.study_label, energy, *cells])
     return header, rows
 
@@ -155,18 +234,45 @@ def _mib(value: float | None) -> str:
 
 def memory_table(comparison: Comparison) -> tuple[list[str], list[list[str]]] | None:
     """Header and rows: the memory anatomy of each run that logged one (None when none did)."""
-    header = ["#", "configuration", "params", "optimizer master", "optimizer moments", "temporaries",
-              "grads (in temporaries)", "total", "B/param", "measured peak", "measured B/param"]
+    header = [
+        "#",
+        "configuration",
+        "params",
+        "optimizer master",
+        "optimizer moments",
+        "temporaries",
+        "grads (in temporaries)",
+        "total",
+        "B/param",
+        "measured peak",
+        "measured B/param",
+    ]
     rows = []
     for index, run in enumerate(comparison.runs):
         memory = run.memory
         if not memory:
             continue
         per_param = lambda key: _optional(memory[key], lambda value: f"{value:.1f}")  # noqa: E731
-        rows.append([f"{index + 1}", run.study_label, *(_mib(memory[key]) for key in (
-            "params_bytes", "optimizer_master_bytes", "optimizer_moments_bytes", "temporaries_bytes", "grads_bytes",
-            "total_bytes")), per_param("bytes_per_param"), _mib(memory["measured_peak_bytes"]),
-            per_param("measured_bytes_per_param")])
+        rows.append(
+            [
+                f"{index + 1}",
+                run.study_label,
+                *(
+                    _mib(memory[key])
+                    for key in (
+                        "params_bytes",
+                        "optimizer_master_bytes",
+                        "optimizer_moments_bytes",
+                        "temporaries_bytes",
+                        "grads_bytes",
+                        "total_bytes",
+                    )
+                ),
+                per_param("bytes_per_param"),
+                _mib(memory["measured_peak_bytes"]),
+                per_param("measured_bytes_per_param"),
+            ]
+        )
     return (header, rows) if rows else None
 
 
@@ -193,11 +299,13 @@ WINDOW_TERMS = {
 
 def score_explanation(comparison: Comparison) -> str:
     weights = comparison.weights
-    return (f"Weights `{comparison.weights_name}` ({weights.describe()}), scoring the "
-            f"{WINDOW_LABELS[comparison.window]}: T, C, E and U are {WINDOW_TERMS[comparison.window]}, each divided "
-            "by its maximum over the scored runs; score = "
-            f"{weights.time:g} T + {weights.cost:g} C + {weights.energy:g} E - {weights.utilization:g} U, "
-            "lower is better.")
+    return (
+        f"Weights `{comparison.weights_name}` ({weights.describe()}), scoring the "
+        f"{WINDOW_LABELS[comparison.window]}: T, C, E and U are {WINDOW_TERMS[comparison.window]}, each divided "
+        "by its maximum over the scored runs; score = "
+        f"{weights.time:g} T + {weights.cost:g} C + {weights.energy:g} E - {weights.utilization:g} U, "
+        "lower is better."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +356,18 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
         "mixed-precision AdamW, and the measured peak (device memory statistics; n/a where not reported).",
         markdown_table(*memory) if (memory := memory_table(comparison)) else "No run logged its memory anatomy.",
         "## Plots",
-        *(f"![{plot.title}]({plot.file_name})" if plot.file_name else f"*{plot.title}: not drawn; {plot.reason}.*"
-          for plot in plots),
+        *(
+            f"![{plot.title}]({plot.file_name})" if plot.file_name else f"*{plot.title}: not drawn; {plot.reason}.*"
+            for plot in plots
+        ),
     ]
     if comparison.notes:
         sections += ["## Notes", "\n".join(f"- {note}" for note in comparison.notes)]
-    sections += ["## Sources", "\n".join(f"- #{index + 1} {run.name} (run id {run.run_id}): `{run.source}`"
-                                         for index, run in enumerate(comparison.runs))]
+    sections += [
+        "## Sources",
+        "\n".join(
+            f"- #{index + 1} {run.name} (run id {run.run_id}): `{run.source}`"
+            for index, run in enumerate(comparison.runs)
+        ),
+    ]
     return "\n\n".join(sections) + "\n"

@@ -99,16 +99,20 @@ class RaplEnergy(EnergyMeter):
         self._last = self._counters()
         self._total_uj = 0
         names = ", ".join(domain.name for domain in self._domains)
-        self.method = (f"RAPL package energy counters ({names}: powercap energy_uj), summed, end minus start; "
-                       "every process on those CPUs counts")
+        self.method = (
+            f"RAPL package energy counters ({names}: powercap energy_uj), summed, end minus start; "
+            "every process on those CPUs counts"
+        )
 
     def _counters(self) -> list[int]:
         return [int((domain / "energy_uj").read_text()) for domain in self._domains]
 
     def _advance(self) -> None:
         current = self._counters()
-        self._total_uj += sum(counter_advance(before, now, counter_range)
-                              for before, now, counter_range in zip(self._last, current, self._ranges))
+        self._total_uj += sum(
+            counter_advance(before, now, counter_range)
+            for before, now, counter_range in zip(self._last, current, self._ranges)
+        )
         self._last = current
 
     def start(self) -> None:
@@ -174,8 +178,9 @@ def _gpu_meter(devices: Sequence[Any], nvml: Any) -> EnergyMeter:
     return meter
 
 
-def energy_meter(devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any = None,
-                 powercap: Path = POWERCAP) -> EnergyMeter:
+def energy_meter(
+    devices: Sequence[Any], spec: DeviceSpec | None, *, nvml: Any = None, powercap: Path = POWERCAP
+) -> EnergyMeter:
     """The best energy meter for ``devices`` (this host's JAX devices), started: NVML on GPUs, RAPL on CPUs where
     readable, else an estimate from the table's power (TPUs, CPUs), else none.
 

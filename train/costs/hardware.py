@@ -11,8 +11,8 @@ import numpy as np
 
 from train.costs import energy as energy_lib
 from train.costs import metrics as metrics_lib
-from train.errors import UsageError
 from train.costs.precision import parse_precision
+from train.errors import UsageError
 
 
 @dataclasses.dataclass

@@ -47,20 +47,32 @@ def load(path: Path) -> list[Measured]:
     try:
         result: dict[str, Any] = json.loads(path.read_text())
         device_kind = result["environment"]["device_kind"]
-        totals = [(workload, implementation, record["total"])
-                  for workload, entry in result["workloads"].items()
-                  for implementation, record in entry["results"].items()]
-        measured = [Measured(device_kind, BACKEND_OF_IMPLEMENTATION[implementation], workload,
-                             total["achieved_occupancy_pct_time_weighted"], total["sm_throughput_pct_time_weighted"],
-                             str(path))
-                    for workload, implementation, total in totals if implementation in BACKEND_OF_IMPLEMENTATION
-                    and total.get("achieved_occupancy_pct_time_weighted") is not None
-                    and total.get("sm_throughput_pct_time_weighted") is not None]
+        totals = [
+            (workload, implementation, record["total"])
+            for workload, entry in result["workloads"].items()
+            for implementation, record in entry["results"].items()
+        ]
+        measured = [
+            Measured(
+                device_kind,
+                BACKEND_OF_IMPLEMENTATION[implementation],
+                workload,
+                total["achieved_occupancy_pct_time_weighted"],
+                total["sm_throughput_pct_time_weighted"],
+                str(path),
+            )
+            for workload, implementation, total in totals
+            if implementation in BACKEND_OF_IMPLEMENTATION
+            and total.get("achieved_occupancy_pct_time_weighted") is not None
+            and total.get("sm_throughput_pct_time_weighted") is not None
+        ]
     except FileNotFoundError:
         raise ValueError(f"--counters {path}: no such file; python -m train.bench counters writes one") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"--counters {path}: not a counters result file (python -m train.bench counters): "
-                         f"{type(err).__name__} {err}") from None
+        raise ValueError(
+            f"--counters {path}: not a counters result file (python -m train.bench counters): "
+            f"{type(err).__name__} {err}"
+        ) from None
     return measured
 
 
@@ -87,6 +99,14 @@ def table(runs: Sequence[RunLike], measured: Sequence[Measured]) -> tuple[list[s
             rows.append([f"#{index + 1}", run.name, "MFU (no counters for this device and backend)", "-", "-", mfu])
         else:
             where = match.workload if same_model(match, run) else f"{match.workload}, not {run.model}"
-            rows.append([f"#{index + 1}", run.name, f"measured (ncu, {where})",
-                         f"{match.achieved_occupancy_pct:.1f}%", f"{match.sm_throughput_pct:.1f}%", mfu])
+            rows.append(
+                [
+                    f"#{index + 1}",
+                    run.name,
+                    f"measured (ncu, {where})",
+                    f"{match.achieved_occupancy_pct:.1f}%",
+                    f"{match.sm_throughput_pct:.1f}%",
+                    mfu,
+                ]
+            )
     return header, rows

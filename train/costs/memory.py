@@ -47,14 +47,19 @@ def optimizer_bytes(opt_state: Any) -> tuple[int, int]:
 
 def anatomy(params: Any, opt_state: Any, analysis: Any | None, measured_peak: int | None) -> dict[str, Any]:
     """The memory anatomy of one device (a sharded optimizer state counts its local shard): bytes of each part,
-    bytes per parameter, and XLA's and the measured peak. ``analysis`` is a compiled step's ``memory_analysis()`` (None where XLA gives none)."""
+    bytes per parameter, and XLA's and the measured peak. ``analysis`` is a compiled step's ``memory_analysis()``
+    (None where XLA gives none)."""
     count = int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
     param_bytes = tree_bytes(params)
     master, moments = optimizer_bytes(opt_state)
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
     xla_peak = None if analysis is None else int(getattr(analysis, "peak_memory_in_bytes", 0)) or None
-    parts = {"params_bytes": param_bytes, "optimizer_master_bytes": master, "optimizer_moments_bytes": moments,
-             "temporaries_bytes": temp}
+    parts = {
+        "params_bytes": param_bytes,
+        "optimizer_master_bytes": master,
+        "optimizer_moments_bytes": moments,
+        "temporaries_bytes": temp,
+    }
     total = None if temp is None else sum(parts.values())  # the gradients are inside the temporaries
     per_param = lambda value: None if value is None or count == 0 else value / count  # noqa: E731
     return {
@@ -75,8 +80,10 @@ def describe(memory: dict[str, Any]) -> str:
     """One line: the parts in MiB and the bytes per parameter against the rule."""
     mib = lambda value: "n/a" if value is None else f"{value / 2**20:,.1f} MiB"  # noqa: E731
     ratio = lambda value: "n/a" if value is None else f"{value:.1f}"  # noqa: E731
-    return (f"params {mib(memory['params_bytes'])}, optimizer {mib(memory['optimizer_master_bytes'])} master + "
-            f"{mib(memory['optimizer_moments_bytes'])} moments, temporaries {mib(memory['temporaries_bytes'])} "
-            f"(grads {mib(memory['grads_bytes'])} of them); {ratio(memory['bytes_per_param'])} B/param "
-            f"({ratio(memory['state_bytes_per_param'])} for the state; rule {memory['rule_bytes_per_param']}), "
-            f"measured peak {mib(memory['measured_peak_bytes'])}")
+    return (
+        f"params {mib(memory['params_bytes'])}, optimizer {mib(memory['optimizer_master_bytes'])} master + "
+        f"{mib(memory['optimizer_moments_bytes'])} moments, temporaries {mib(memory['temporaries_bytes'])} "
+        f"(grads {mib(memory['grads_bytes'])} of them); {ratio(memory['bytes_per_param'])} B/param "
+        f"({ratio(memory['state_bytes_per_param'])} for the state; rule {memory['rule_bytes_per_param']}), "
+        f"measured peak {mib(memory['measured_peak_bytes'])}"
+    )

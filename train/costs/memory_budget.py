@@ -28,8 +28,18 @@ import numpy as np
 from train.errors import UsageError
 
 ENV_VAR = "LS_JAX_MEMORY_LIMIT"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -47,8 +57,10 @@ class StepMemory:
         return self.state + self.gradients + self.activations + self.batch
 
     def describe(self) -> str:
-        return (f"{size(self.total)} (parameters and optimizer {size(self.state)}, gradients "
-                f"{size(self.gradients)}, activations kept for the backward {size(self.activations)})")
+        return (
+            f"{size(self.total)} (parameters and optimizer {size(self.state)}, gradients "
+            f"{size(self.gradients)}, activations kept for the backward {size(self.activations)})"
+        )
 
 
 def size(value: float) -> str:
@@ -75,8 +87,15 @@ def residual_sizes(loss_fn: Callable, params: Any, micro_batch: Mapping[str, jax
     return [int(np.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize) for leaf in jax.tree.leaves(residuals)]
 
 
-def estimate(loss_fn: Callable, params: Any, opt_state: Any, micro_batch: Mapping[str, jax.ShapeDtypeStruct], *,
-             accumulated: bool, optimizer_shards: int = 1) -> StepMemory:
+def estimate(
+    loss_fn: Callable,
+    params: Any,
+    opt_state: Any,
+    micro_batch: Mapping[str, jax.ShapeDtypeStruct],
+    *,
+    accumulated: bool,
+    optimizer_shards: int = 1,
+) -> StepMemory:
     """`StepMemory` of one device: ``params`` and ``opt_state`` as it holds them (abstract arrays are fine; a
     sharded optimizer state counts 1/``optimizer_shards``), ``micro_batch`` its rows of one micro-batch."""
     residuals = residual_sizes(loss_fn, params, micro_batch)
@@ -98,8 +117,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
     if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise UsageError(f"${ENV_VAR}={text!r} is not an amount of memory; give bytes, or a number with a unit "
-                         "such as 512MiB or 16GB")
+        raise UsageError(
+            f"${ENV_VAR}={text!r} is not an amount of memory; give bytes, or a number with a unit "
+            "such as 512MiB or 16GB"
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -127,5 +148,7 @@ def check(need: StepMemory, limit: tuple[int, str] | None, advice: str) -> None:
     """Raises UsageError, one line with the estimate, the limit and ``advice``, when ``need`` exceeds ``limit``."""
     if limit is None or need.total <= limit[0]:
         return
-    raise UsageError(f"a training step needs about {need.describe()}, more than the {size(limit[0])} {limit[1]}; "
-                     f"{advice} (${ENV_VAR}=BYTES sets the limit this is checked against)")
+    raise UsageError(
+        f"a training step needs about {need.describe()}, more than the {size(limit[0])} {limit[1]}; "
+        f"{advice} (${ENV_VAR}=BYTES sets the limit this is checked against)"
+    )

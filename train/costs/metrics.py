@@ -130,59 +130,137 @@ _AWS_CB = "AWS EC2 Capacity Blocks pricing, effective accelerator rate, US East 
 _GCP_TPU = "Google Cloud TPU pricing, on-demand us-central1, listed 2024"
 _TPU_ARCH = "Google Cloud TPU system architecture docs, per chip"
 _V4_PAPER = "Jouppi et al., TPU v4, ISCA 2023, Table 1: mean power"
-_LESSONS = "Jouppi et al., Ten Lessons from Three Generations of TPUs, ISCA 2021, Table 1: TDP (no mean published; an upper bound)"
+_LESSONS = (
+    "Jouppi et al., Ten Lessons from Three Generations of TPUs, ISCA 2021, Table 1: TDP (no mean published; an upper "
+    "bound)"
+)
 # JAX names no CPU model ("cpu"), so a CPU's figures are per logical CPU of a typical cloud machine.
-_CPU_PRICE = ("AWS EC2 On-Demand pricing, m6a.large (2 vCPUs of a 3rd-generation AMD EPYC, 8 GiB), Linux, US East "
-              "(N. Virginia): USD 0.0864 per hour, i.e. 0.0432 per vCPU-hour with its memory; listed since 2021, "
-              "read 2026-11")
-_CPU_POWER = ("Cloud Carbon Footprint, AWS average power of a fully busy vCPU (MAX_WATTS_AVG of "
-              "AwsFootprintEstimationConstants.ts, from SPECpower_ssj2008 results), read 2026-11; the CPU's model is "
-              "unknown, so an estimate")
+_CPU_PRICE = (
+    "AWS EC2 On-Demand pricing, m6a.large (2 vCPUs of a 3rd-generation AMD EPYC, 8 GiB), Linux, US East "
+    "(N. Virginia): USD 0.0864 per hour, i.e. 0.0432 per vCPU-hour with its memory; listed since 2021, "
+    "read 2026-11"
+)
+_CPU_POWER = (
+    "Cloud Carbon Footprint, AWS average power of a fully busy vCPU (MAX_WATTS_AVG of "
+    "AwsFootprintEstimationConstants.ts, from SPECpower_ssj2008 results), read 2026-11; the CPU's model is "
+    "unknown, so an estimate"
+)
 
 DEVICES: tuple[DeviceSpec, ...] = (
-    DeviceSpec("H100-PCIe", r"h100.*pcie", {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0}, _NV.format("H100 PCIe"),
-               Price(4.916, _AWS_CB + " (H100 SXM price)")),
-    DeviceSpec("H100-NVL", r"h100.*nvl", {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5}, _NV.format("H100 NVL"),
-               Price(4.916, _AWS_CB + " (H100 SXM price)")),
-    DeviceSpec("H100-SXM", r"h100", {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4}, _NV.format("H100 SXM"),
-               Price(4.916, _AWS_CB)),
-    DeviceSpec("H200-NVL", r"h200.*nvl", {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5}, _NV.format("H200 NVL"),
-               Price(5.408, _AWS_CB + " (H200 SXM price)")),
-    DeviceSpec("H200-SXM", r"h200", {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4}, _NV.format("H200 SXM"),
-               Price(5.408, _AWS_CB)),
-    DeviceSpec("A100-80GB", r"a100.*80", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"),
-               Price(3.93, _GCP_GPU)),
-    DeviceSpec("A100-40GB", r"a100", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"),
-               Price(2.934, _GCP_GPU)),
-    DeviceSpec("V100-PCIe", r"v100.*pcie", {"fp32": 14.0, "bf16": None, "fp16": 112.0}, _NV.format("V100 PCIe"),
-               Price(2.48, _GCP_GPU)),
-    DeviceSpec("V100-SXM2", r"v100", {"fp32": 15.7, "bf16": None, "fp16": 125.0}, _NV.format("V100 SXM2"),
-               Price(2.48, _GCP_GPU)),
-    DeviceSpec("A10", r"\ba10g?\b", {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0}, _NV.format("A10"),
-               Price(0.75, "Lambda GPU cloud pricing, 1x A10 on-demand, listed 2024")),
-    DeviceSpec("T4", r"\bt4\b", {"fp32": 8.1, "bf16": None, "fp16": 65.0}, _NV.format("T4"),
-               Price(0.35, _GCP_GPU)),
-    DeviceSpec("TPU-v2", r"tpu v2", {"fp32": 22.5, "bf16": 22.5, "fp16": None},
-               _TPU_ARCH + ": 45 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
-               Price(0.5625, _GCP_TPU + ": USD 4.50 per v2-8 (8 cores)"),
-               Power(140.0, _LESSONS + ": 280 W per chip, 2 cores")),
-    DeviceSpec("TPU-v3", r"tpu v3", {"fp32": 61.5, "bf16": 61.5, "fp16": None},
-               _TPU_ARCH + ": 123 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
-               Price(1.00, _GCP_TPU + ": USD 8.00 per v3-8 (8 cores)"),
-               Power(110.0, _V4_PAPER + " of TPU v3, 220 W per chip, 2 cores")),
-    DeviceSpec("TPU-v4", r"tpu v4", {"fp32": 275.0, "bf16": 275.0, "fp16": None},
-               _TPU_ARCH + ": 275 TFLOP/s bf16 per chip (one JAX device)",
-               Price(3.22, _GCP_TPU + ", per chip"),
-               Power(170.0, _V4_PAPER + " of TPU v4, 170 W per chip")),
-    DeviceSpec("TPU-v5e", r"tpu v5 ?lite|tpu v5e", {"fp32": 197.0, "bf16": 197.0, "fp16": None},
-               _TPU_ARCH + ": 197 TFLOP/s bf16 per chip (one JAX device)",
-               Price(1.20, _GCP_TPU + ", per chip")),
-    DeviceSpec("TPU-v5p", r"tpu v5p?$|tpu v5p", {"fp32": 459.0, "bf16": 459.0, "fp16": None},
-               _TPU_ARCH + ": 459 TFLOP/s bf16 per chip (one JAX device)",
-               Price(4.20, _GCP_TPU + ", per chip")),
-    DeviceSpec("CPU", r"^cpu$", {"fp32": None, "bf16": None, "fp16": None},
-               "no peak: a CPU's peak depends on its model, which JAX does not name",
-               Price(0.0432, _CPU_PRICE), Power(3.5, _CPU_POWER), per_logical_cpu=True),
+    DeviceSpec(
+        "H100-PCIe",
+        r"h100.*pcie",
+        {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0},
+        _NV.format("H100 PCIe"),
+        Price(4.916, _AWS_CB + " (H100 SXM price)"),
+    ),
+    DeviceSpec(
+        "H100-NVL",
+        r"h100.*nvl",
+        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        _NV.format("H100 NVL"),
+        Price(4.916, _AWS_CB + " (H100 SXM price)"),
+    ),
+    DeviceSpec(
+        "H100-SXM",
+        r"h100",
+        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        _NV.format("H100 SXM"),
+        Price(4.916, _AWS_CB),
+    ),
+    DeviceSpec(
+        "H200-NVL",
+        r"h200.*nvl",
+        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        _NV.format("H200 NVL"),
+        Price(5.408, _AWS_CB + " (H200 SXM price)"),
+    ),
+    DeviceSpec(
+        "H200-SXM",
+        r"h200",
+        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        _NV.format("H200 SXM"),
+        Price(5.408, _AWS_CB),
+    ),
+    DeviceSpec(
+        "A100-80GB",
+        r"a100.*80",
+        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
+        _NV.format("A100"),
+        Price(3.93, _GCP_GPU),
+    ),
+    DeviceSpec(
+        "A100-40GB", r"a100", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"), Price(2.934, _GCP_GPU)
+    ),
+    DeviceSpec(
+        "V100-PCIe",
+        r"v100.*pcie",
+        {"fp32": 14.0, "bf16": None, "fp16": 112.0},
+        _NV.format("V100 PCIe"),
+        Price(2.48, _GCP_GPU),
+    ),
+    DeviceSpec(
+        "V100-SXM2",
+        r"v100",
+        {"fp32": 15.7, "bf16": None, "fp16": 125.0},
+        _NV.format("V100 SXM2"),
+        Price(2.48, _GCP_GPU),
+    ),
+    DeviceSpec(
+        "A10",
+        r"\ba10g?\b",
+        {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0},
+        _NV.format("A10"),
+        Price(0.75, "Lambda GPU cloud pricing, 1x A10 on-demand, listed 2024"),
+    ),
+    DeviceSpec("T4", r"\bt4\b", {"fp32": 8.1, "bf16": None, "fp16": 65.0}, _NV.format("T4"), Price(0.35, _GCP_GPU)),
+    DeviceSpec(
+        "TPU-v2",
+        r"tpu v2",
+        {"fp32": 22.5, "bf16": 22.5, "fp16": None},
+        _TPU_ARCH + ": 45 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
+        Price(0.5625, _GCP_TPU + ": USD 4.50 per v2-8 (8 cores)"),
+        Power(140.0, _LESSONS + ": 280 W per chip, 2 cores"),
+    ),
+    DeviceSpec(
+        "TPU-v3",
+        r"tpu v3",
+        {"fp32": 61.5, "bf16": 61.5, "fp16": None},
+        _TPU_ARCH + ": 123 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
+        Price(1.00, _GCP_TPU + ": USD 8.00 per v3-8 (8 cores)"),
+        Power(110.0, _V4_PAPER + " of TPU v3, 220 W per chip, 2 cores"),
+    ),
+    DeviceSpec(
+        "TPU-v4",
+        r"tpu v4",
+        {"fp32": 275.0, "bf16": 275.0, "fp16": None},
+        _TPU_ARCH + ": 275 TFLOP/s bf16 per chip (one JAX device)",
+        Price(3.22, _GCP_TPU + ", per chip"),
+        Power(170.0, _V4_PAPER + " of TPU v4, 170 W per chip"),
+    ),
+    DeviceSpec(
+        "TPU-v5e",
+        r"tpu v5 ?lite|tpu v5e",
+        {"fp32": 197.0, "bf16": 197.0, "fp16": None},
+        _TPU_ARCH + ": 197 TFLOP/s bf16 per chip (one JAX device)",
+        Price(1.20, _GCP_TPU + ", per chip"),
+    ),
+    DeviceSpec(
+        "TPU-v5p",
+        r"tpu v5p?$|tpu v5p",
+        {"fp32": 459.0, "bf16": 459.0, "fp16": None},
+        _TPU_ARCH + ": 459 TFLOP/s bf16 per chip (one JAX device)",
+        Price(4.20, _GCP_TPU + ", per chip"),
+    ),
+    DeviceSpec(
+        "CPU",
+        r"^cpu$",
+        {"fp32": None, "bf16": None, "fp16": None},
+        "no peak: a CPU's peak depends on its model, which JAX does not name",
+        Price(0.0432, _CPU_PRICE),
+        Power(3.5, _CPU_POWER),
+        per_logical_cpu=True,
+    ),
 )
 DEVICE_NAMES = tuple(spec.name for spec in DEVICES)
 
@@ -229,8 +307,9 @@ def _per_device(spec: DeviceSpec, source: str, units: float) -> str:
     return f"{spec.name}: {source}{share}"
 
 
-def resolve_price(spec: DeviceSpec | None, override: float | None,
-                  units: float = 1.0) -> tuple[float | None, str | None]:
+def resolve_price(
+    spec: DeviceSpec | None, override: float | None, units: float = 1.0
+) -> tuple[float | None, str | None]:
     """(USD per device-hour, its source): ``--price-per-hour`` if given, else the table's price x ``units``
     (`units_per_device`), else (None, None)."""
     if override is not None:
@@ -277,8 +356,11 @@ def _memory_stats(devices: Sequence[Any]) -> list[dict[str, Any]]:
 
 def free_memory_bytes(devices: Sequence[Any]) -> int | None:
     """The smallest ``bytes_limit - bytes_in_use`` over ``devices`` now, or None where devices do not report memory."""
-    free = [int(stats["bytes_limit"]) - int(stats["bytes_in_use"]) for stats in _memory_stats(devices)
-            if "bytes_limit" in stats and "bytes_in_use" in stats]
+    free = [
+        int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
+        for stats in _memory_stats(devices)
+        if "bytes_limit" in stats and "bytes_in_use" in stats
+    ]
     return min(free) if free else None
 
 

@@ -86,7 +86,7 @@ def steady_median(step_times: Sequence[float]) -> float | None:
     """The median step time over the last half of ``step_times`` (the middle step counted in it), None for none."""
     if not step_times:
         return None
-    return statistics.median(step_times[len(step_times) // 2:])
+    return statistics.median(step_times[len(step_times) // 2 :])
 
 
 def settled_offset(times: Sequence[float], steady: float) -> int:
@@ -94,7 +94,7 @@ def settled_offset(times: Sequence[float], steady: float) -> int:
     ``len(times)`` when it never does (see the module docstring)."""
     bound = (1.0 + SETTLE_TOLERANCE) * steady
     for index, time_s in enumerate(times):
-        if time_s <= bound and statistics.median(times[index:index + SETTLE_STEPS]) <= bound:
+        if time_s <= bound and statistics.median(times[index : index + SETTLE_STEPS]) <= bound:
             return index
     return len(times)
 

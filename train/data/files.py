@@ -20,8 +20,10 @@ def not_utf8(path: Path) -> DataError:
         where = f"byte {data[err.start]:#04x} at line {line}, byte {column} of the line"
     else:  # the file changed while it was read
         where = "while it was read"
-    return DataError(f"{path} is not UTF-8 text ({where}); give a text file, converted to UTF-8 if it is in another "
-                     "encoding (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)")
+    return DataError(
+        f"{path} is not UTF-8 text ({where}); give a text file, converted to UTF-8 if it is in another "
+        "encoding (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
+    )
 
 
 def utf8_lines(path: str | Path, newline: str | None = None) -> Iterator[str]:

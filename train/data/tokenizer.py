@@ -25,8 +25,10 @@ class VocabularyTooSmall(ValueError):
     """The requested vocabulary size is below ``minimum``: the corpus's characters plus the special pieces."""
 
     def __init__(self, vocab_size: int, minimum: int):
-        super().__init__(f"a vocabulary of {vocab_size} pieces cannot hold this corpus: sentencepiece needs at "
-                         f"least {minimum} (every character of the text plus the {len(SPECIAL_IDS)} special pieces)")
+        super().__init__(
+            f"a vocabulary of {vocab_size} pieces cannot hold this corpus: sentencepiece needs at "
+            f"least {minimum} (every character of the text plus the {len(SPECIAL_IDS)} special pieces)"
+        )
         self.minimum = minimum
 
 

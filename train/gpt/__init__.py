@@ -1,7 +1,8 @@
-"""``python -m train.gpt``, causal language modelling: GPT-2 on text (local files, tfds, or the embedded synthetic corpus).
+"""``python -m train.gpt``, causal language modelling: GPT-2 on text (local files, tfds, or the embedded synthetic
+corpus).
 
-  task        the flags, defaults and one run's setup (`TASK`, run by `train.harness.training`)
-  data        reading and batching the data
-  model       the model, its loss and FLOP count
-  synthetic   the embedded task a first run trains on, offline
+task        the flags, defaults and one run's setup (`TASK`, run by `train.harness.training`)
+data        reading and batching the data
+model       the model, its loss and FLOP count
+synthetic   the embedded task a first run trains on, offline
 """

@@ -72,54 +72,81 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.gpt",
         description="Train a GPT-2 language model; with no arguments, a few minutes on the embedded synthetic "
-                    "corpus. Every run writes config.json, run.jsonl (docs/run-log.md), samples.txt, TensorBoard "
-                    "events and checkpoints (and spm.model for text data) to its run directory.",
+        "corpus. Every run writes config.json, run.jsonl (docs/run-log.md), samples.txt, TensorBoard "
+        "events and checkpoints (and spm.model for text data) to its run directory.",
         epilog=cli.defaults_epilog(
-            GptConfig, REAL_DATA_DEFAULTS,
+            GptConfig,
+            REAL_DATA_DEFAULTS,
             notes=f"--warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear warmup, then linear decay to 0); "
-                  "--top-k: every token unless given or with real data\n",
+            "--top-k: every token unless given or with real data\n",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
     group = parser.add_argument_group("data")
-    group.add_argument("--data", help="synthetic | text:PATH (a file with one document per line, or a directory "
-                                      "of .txt files, one document each) | tfds:NAME (e.g. tfds:lm1b; needs "
-                                      "tensorflow-datasets)")
+    group.add_argument(
+        "--data",
+        help="synthetic | text:PATH (a file with one document per line, or a directory "
+        "of .txt files, one document each) | tfds:NAME (e.g. tfds:lm1b; needs "
+        "tensorflow-datasets)",
+    )
     group.add_argument("--text-field", help="tfds feature holding the text")
-    group.add_argument("--tfds-valid-split", help="tfds split held out for validation ('' : hold out "
-                                                  "--valid-fraction of the training text instead)")
+    group.add_argument(
+        "--tfds-valid-split",
+        help="tfds split held out for validation ('' : hold out --valid-fraction of the training text instead)",
+    )
     group.add_argument("--tfds-data-dir", help="TensorFlow Datasets data_dir")
-    group.add_argument("--valid-fraction", type=float,
-                       help="fraction of the training tokens held out for validation when the data has no "
-                            "validation split")
-    group.add_argument("--spm-model", help="a sentencepiece model (pad=0 bos=1 eos=2 unk=3) to tokenize with; "
-                                           "default: train one on the training text")
+    group.add_argument(
+        "--valid-fraction",
+        type=float,
+        help="fraction of the training tokens held out for validation when the data has no validation split",
+    )
+    group.add_argument(
+        "--spm-model",
+        help="a sentencepiece model (pad=0 bos=1 eos=2 unk=3) to tokenize with; "
+        "default: train one on the training text",
+    )
     group.add_argument("--vocab-size", type=int, help="size of the sentencepiece vocabulary trained on the text")
-    group.add_argument("--max-seq-len", type=int,
-                       help="tokens per row: documents are packed, separated by end-of-document ids, into rows of "
-                            "exactly this length (at most the model's positions)")
-    group.add_argument("--batch-size", type=int, help="rows per micro-batch over all devices (a multiple of the "
-                                                      "device count)")
+    group.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="tokens per row: documents are packed, separated by end-of-document ids, into rows of "
+        "exactly this length (at most the model's positions)",
+    )
+    group.add_argument(
+        "--batch-size", type=int, help="rows per micro-batch over all devices (a multiple of the device count)"
+    )
 
     group = parser.add_argument_group("model")
-    cli.add_implementation_argument(group, "the GPT-2 of train/reference/zoo.py, written as Hugging Face's Flax "
-                                           "GPT-2 is (--init-from weights map onto it)")
+    cli.add_implementation_argument(
+        group,
+        "the GPT-2 of train/reference/zoo.py, written as Hugging Face's Flax "
+        "GPT-2 is (--init-from weights map onto it)",
+    )
     group.add_argument("--preset", help=f"GPT-2 shape of a randomly initialized model: {', '.join(PRESETS)}")
-    group.add_argument("--positions", type=int,
-                       help="learned positions of a randomly initialized model (default: the preset's, 256 for "
-                            "gpt2-tiny and 1024 for the others); raise it to train on longer rows")
-    group.add_argument("--init-from", metavar="DIR",
-                       help="a local Hugging Face GPT-2 directory (config.json, model.safetensors or "
-                            "pytorch_model.bin, tokenizer.json or vocab.json + merges.txt): its weights and its "
-                            "tokenizer; needs transformers")
+    group.add_argument(
+        "--positions",
+        type=int,
+        help="learned positions of a randomly initialized model (default: the preset's, 256 for "
+        "gpt2-tiny and 1024 for the others); raise it to train on longer rows",
+    )
+    group.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="a local Hugging Face GPT-2 directory (config.json, model.safetensors or "
+        "pytorch_model.bin, tokenizer.json or vocab.json + merges.txt): its weights and its "
+        "tokenizer; needs transformers",
+    )
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the model")
 
     group = parser.add_argument_group("samples generated at the end")
     group.add_argument("--samples", type=int, help="how many texts to generate (0: none)")
-    group.add_argument("--prompt", action="append",
-                       help="text a sample continues (repeat for several; the samples cycle through them); "
-                            "default: each sample starts a new document")
+    group.add_argument(
+        "--prompt",
+        action="append",
+        help="text a sample continues (repeat for several; the samples cycle through them); "
+        "default: each sample starts a new document",
+    )
     group.add_argument("--sample-tokens", type=int, help="tokens generated per sample (at most)")
     group.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
     group.add_argument("--top-k", type=int, help="draw from the k most probable tokens only")
@@ -136,8 +163,10 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
     if config.init_from:
         for name in ("preset", "positions"):
             if chosen.get(name) is not None:
-                raise UsageError(f"{config_lib.flag(name)} and --init-from exclude each other: the checkpoint's "
-                                 "config.json is the shape")
+                raise UsageError(
+                    f"{config_lib.flag(name)} and --init-from exclude each other: the checkpoint's "
+                    "config.json is the shape"
+                )
         config = config.replace(preset=None)
     if config.warmup_steps is None:
         config = config.replace(warmup_steps=round(WARMUP_FRACTION * config.steps))
@@ -157,19 +186,34 @@ def check_sequence_fits(seq_len: int, positions: int, model: str, fix: str) -> N
 def check_config(config: GptConfig) -> None:
     cli.check_ranges(
         config,
-        at_least_one=("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "vocab_size", "max_seq_len", "positions", "sample_tokens", "top_k"),
+        at_least_one=(
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "vocab_size",
+            "max_seq_len",
+            "positions",
+            "sample_tokens",
+            "top_k",
+        ),
         non_negative=("warmup_steps", "weight_decay", "clip_norm", "eval_every", "samples", "temperature"),
         fractions=("valid_fraction", "dropout"),
     )
     cli.check_implementation(config.implementation, config.remat)
     if config.warmup_steps >= config.steps:
-        raise UsageError(f"--warmup-steps {config.warmup_steps} leaves no step of the {config.steps} to train "
-                         "at the peak rate")
+        raise UsageError(
+            f"--warmup-steps {config.warmup_steps} leaves no step of the {config.steps} to train at the peak rate"
+        )
     if config.init_from:
         return
     if config.preset not in PRESETS:
         raise UsageError(f"unknown --preset {config.preset!r}; valid presets are {', '.join(PRESETS)}")
-    check_sequence_fits(config.max_seq_len, preset_positions(config), config.preset,
-                        f"lower --max-seq-len, or give the model more positions with --positions "
-                        f"{config.max_seq_len}")
+    check_sequence_fits(
+        config.max_seq_len,
+        preset_positions(config),
+        config.preset,
+        f"lower --max-seq-len, or give the model more positions with --positions {config.max_seq_len}",
+    )

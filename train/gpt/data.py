@@ -36,11 +36,11 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from train.gpt import synthetic as gpt_synthetic
 from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
 from train.data.stream import EpochStream, fixed_eval_plan, host_rows, import_tfds, plan_fixed_epoch
 from train.errors import DataError, UsageError
+from train.gpt import synthetic as gpt_synthetic
 
 IGNORE_LABEL = -1
 SPLITS = ("train", "valid")
@@ -93,8 +93,9 @@ def read_tfds_split(name: str, split: str, *, text_field: str, data_dir: str | N
     try:
         tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as err:
-        raise DataError(f"--data tfds:{name}: tensorflow-datasets has no dataset {name!r} "
-                        "(tfds.list_builders() lists them)") from err
+        raise DataError(
+            f"--data tfds:{name}: tensorflow-datasets has no dataset {name!r} (tfds.list_builders() lists them)"
+        ) from err
     try:
         dataset = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
     except Exception as err:  # noqa: BLE001 - tfds raises many kinds; the user needs the message
@@ -102,15 +103,22 @@ def read_tfds_split(name: str, split: str, *, text_field: str, data_dir: str | N
     documents = []
     for example in tfds.as_numpy(dataset):
         if text_field not in example:
-            raise DataError(f"tfds:{name} examples have features {sorted(example)}; no {text_field!r} "
-                            "(choose it with --text-field)")
+            raise DataError(
+                f"tfds:{name} examples have features {sorted(example)}; no {text_field!r} (choose it with --text-field)"
+            )
         text = example[text_field]
         documents.append(text.decode("utf-8") if isinstance(text, bytes) else str(text))
     return documents
 
 
-def read_corpus(spec: str, *, seed: int = 0, text_field: str = "text", tfds_valid_split: str | None = "validation",
-                tfds_data_dir: str | None = None) -> Corpus:
+def read_corpus(
+    spec: str,
+    *,
+    seed: int = 0,
+    text_field: str = "text",
+    tfds_valid_split: str | None = "validation",
+    tfds_data_dir: str | None = None,
+) -> Corpus:
     """The documents a ``--data`` value names: ``synthetic``, ``text:PATH`` or ``tfds:NAME``; "valid" only
     where the source has its own validation documents."""
     kind, _, location = spec.partition(":")
@@ -161,13 +169,16 @@ class HuggingFaceTokenizer:
     def load(cls, directory: str | Path) -> HuggingFaceTokenizer:
         directory = Path(directory)
         if not any((directory / name).is_file() for name in ("tokenizer.json", "vocab.json")):
-            raise UsageError(f"--init-from {directory}: no tokenizer there (expected tokenizer.json or vocab.json + "
-                            "merges.txt)")
+            raise UsageError(
+                f"--init-from {directory}: no tokenizer there (expected tokenizer.json or vocab.json + merges.txt)"
+            )
         try:
             from transformers import AutoTokenizer
         except ImportError as err:
-            raise UsageError("--init-from needs transformers for the checkpoint's tokenizer: pip install "
-                            "'ls-jax[hf]' (or pip install transformers)") from err
+            raise UsageError(
+                "--init-from needs transformers for the checkpoint's tokenizer: pip install "
+                "'ls-jax[hf]' (or pip install transformers)"
+            ) from err
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--init-from {directory}: the tokenizer has no end-of-text token to separate documents")
@@ -193,8 +204,9 @@ def _lines(documents: Iterable[str]) -> Iterable[str]:
     return (line for document in documents for line in document.splitlines() if line.strip())
 
 
-def sentencepiece_tokenizer(documents: Sequence[str], run_dir: Path, *, spm_model: str | None, vocab_size: int,
-                            seed: int) -> SentencePieceTokenizer:
+def sentencepiece_tokenizer(
+    documents: Sequence[str], run_dir: Path, *, spm_model: str | None, vocab_size: int, seed: int
+) -> SentencePieceTokenizer:
     """The model at ``spm_model``, copied into ``run_dir``, or one trained on ``documents`` and saved there.
 
     Raises:
@@ -202,11 +214,14 @@ def sentencepiece_tokenizer(documents: Sequence[str], run_dir: Path, *, spm_mode
     """
     if spm_model is None:
         path = run_dir / tokenizer_lib.MODEL_FILENAME
-        return SentencePieceTokenizer(tokenizer_lib.train(_lines(documents), path, vocab_size=vocab_size,
-                                                          model_type="bpe", seed=seed))
+        return SentencePieceTokenizer(
+            tokenizer_lib.train(_lines(documents), path, vocab_size=vocab_size, model_type="bpe", seed=seed)
+        )
     if not Path(spm_model).is_file():
-        raise UsageError(f"--spm-model {spm_model}: no such file; give a sentencepiece .model file or leave the flag "
-                        "out to train one on the corpus")
+        raise UsageError(
+            f"--spm-model {spm_model}: no such file; give a sentencepiece .model file or leave the flag "
+            "out to train one on the corpus"
+        )
     try:
         processor = tokenizer_lib.load(spm_model)
     except ValueError as err:
@@ -287,16 +302,20 @@ def check_sequence_length(seq_len: int, max_positions: int) -> None:
     if seq_len < 1:
         raise UsageError(f"--max-seq-len must be >= 1, got {seq_len}")
     if seq_len > max_positions:
-        raise UsageError(f"--max-seq-len {seq_len} is longer than the model's {max_positions} positions; lower "
-                        "--max-seq-len or choose a model with more positions")
+        raise UsageError(
+            f"--max-seq-len {seq_len} is longer than the model's {max_positions} positions; lower "
+            "--max-seq-len or choose a model with more positions"
+        )
 
 
 def packed_rows(stream: np.ndarray, seq_len: int, eod_id: int, split: str) -> PackedRows:
     """`PackedRows` of a split's stream; DataError when the training split has fewer tokens than one row."""
     rows = PackedRows(stream, seq_len, eod_id)
     if split == "train" and rows.num_targets < seq_len:
-        raise DataError(f"the training split has {rows.num_targets + 1} tokens (with end-of-document ids), fewer "
-                        f"than one sequence of {seq_len + 1}; lower --max-seq-len or give more text")
+        raise DataError(
+            f"the training split has {rows.num_targets + 1} tokens (with end-of-document ids), fewer "
+            f"than one sequence of {seq_len + 1}; lower --max-seq-len or give more text"
+        )
     return rows
 
 
@@ -320,15 +339,29 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, *, seq_len: int, valid_f
     if "valid" not in streams:
         streams["train"], streams["valid"] = split_tail(streams["train"], valid_fraction, tokenizer.eos_id)
     splits = {name: packed_rows(streams[name], seq_len, tokenizer.eos_id, name) for name in SPLITS}
-    stats = {"vocab_size": tokenizer.size, **{f"{name}_documents": len(docs) for name, docs in corpus.items()},
-             **{f"{name}_tokens": rows.num_targets for name, rows in splits.items()}}
+    stats = {
+        "vocab_size": tokenizer.size,
+        **{f"{name}_documents": len(docs) for name, docs in corpus.items()},
+        **{f"{name}_tokens": rows.num_targets for name, rows in splits.items()},
+    }
     return LMData(tokenizer, splits, stats)
 
 
-def load_data(spec: str, *, seq_len: int, max_positions: int, run_dir: Path, tokenizer: Tokenizer | None = None,
-              spm_model: str | None = None, vocab_size: int = 8000, valid_fraction: float = 0.05, seed: int = 0,
-              text_field: str = "text", tfds_valid_split: str | None = "validation",
-              tfds_data_dir: str | None = None) -> LMData:
+def load_data(
+    spec: str,
+    *,
+    seq_len: int,
+    max_positions: int,
+    run_dir: Path,
+    tokenizer: Tokenizer | None = None,
+    spm_model: str | None = None,
+    vocab_size: int = 8000,
+    valid_fraction: float = 0.05,
+    seed: int = 0,
+    text_field: str = "text",
+    tfds_valid_split: str | None = "validation",
+    tfds_data_dir: str | None = None,
+) -> LMData:
     """Reads, tokenizes and packs ``--data`` for a model of ``max_positions`` positions.
 
     The tokenizer: ``tokenizer`` when given (a Hugging Face checkpoint's), else the synthetic corpus' own
@@ -340,14 +373,16 @@ def load_data(spec: str, *, seq_len: int, max_positions: int, run_dir: Path, tok
         names the problem and the fix).
     """
     check_sequence_length(seq_len, max_positions)
-    corpus = read_corpus(spec, seed=seed, text_field=text_field, tfds_valid_split=tfds_valid_split,
-                         tfds_data_dir=tfds_data_dir)
+    corpus = read_corpus(
+        spec, seed=seed, text_field=text_field, tfds_valid_split=tfds_valid_split, tfds_data_dir=tfds_data_dir
+    )
     if tokenizer is None:
         if spec == "synthetic" and spm_model is None:
             tokenizer = gpt_synthetic.WordVocabulary()
         else:
-            tokenizer = sentencepiece_tokenizer(corpus["train"], run_dir, spm_model=spm_model, vocab_size=vocab_size,
-                                                seed=seed)
+            tokenizer = sentencepiece_tokenizer(
+                corpus["train"], run_dir, spm_model=spm_model, vocab_size=vocab_size, seed=seed
+            )
     return encode_corpus(corpus, tokenizer, seq_len=seq_len, valid_fraction=valid_fraction)
 
 
@@ -363,8 +398,9 @@ class LMBatchStream(EpochStream):
     grad_accum: int
 
     def _plan_for(self, epoch: int) -> np.ndarray:
-        return plan_fixed_epoch(self.data.num_rows, batch_size=self.rows, grad_accum=self.grad_accum, seed=self.seed,
-                          epoch=epoch)
+        return plan_fixed_epoch(
+            self.data.num_rows, batch_size=self.rows, grad_accum=self.grad_accum, seed=self.seed, epoch=epoch
+        )
 
     def _batch(self, step: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         local = host_rows(step, self.process_index, self.process_count)
@@ -375,8 +411,9 @@ class LMBatchStream(EpochStream):
         return [(self.grad_accum, self.rows, self.data.seq_len)]
 
 
-def eval_batches(data: PackedRows, rows: int, process_index: int = 0, process_count: int = 1
-                 ) -> Iterable[dict[str, np.ndarray]]:
+def eval_batches(
+    data: PackedRows, rows: int, process_index: int = 0, process_count: int = 1
+) -> Iterable[dict[str, np.ndarray]]:
     """Every row once, in order, ``rows`` (global) at a time: this host's part of each batch, (rows / hosts, L)."""
     for indices in fixed_eval_plan(data.num_rows, rows):
         yield data.batch(host_rows(indices, process_index, process_count))

@@ -22,11 +22,11 @@ from ls_jax.layers.config import replace_checked
 from ls_jax.models import hf
 from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
 from ls_jax.ops import label_smoothed_cross_entropy
-from train.gpt import data as gpt_data
-from train.gpt.data import IGNORE_LABEL, HuggingFaceTokenizer, PackedRows
 from train.costs.precision import PRECISION_DTYPES
 from train.errors import UsageError
+from train.gpt import data as gpt_data
 from train.gpt.config import GptConfig, check_sequence_fits
+from train.gpt.data import IGNORE_LABEL, HuggingFaceTokenizer, PackedRows
 from train.harness import resume
 from train.reference import from_ls_jax
 from train.reference.losses import label_smoothed_sums
@@ -62,10 +62,13 @@ def build_model(implementation: str, model_cfg: GPTConfig) -> nn.Module:
         return GPTLMHeadModel(model_cfg)
     layer = model_cfg.layer
     if model_cfg.embedding_dropout not in (None, layer.hidden_dropout_ratio):
-        raise ValueError(f"the plain Flax gpt cannot compute this model: embedding dropout "
-                         f"{model_cfg.embedding_dropout} (the reference's: the hidden dropout)")
-    return ReferenceGPT(from_ls_jax.zoo_config(layer, kind="gpt", vocab_size=model_cfg.vocab_size,
-                                               num_layers=model_cfg.num_layers))
+        raise ValueError(
+            f"the plain Flax gpt cannot compute this model: embedding dropout "
+            f"{model_cfg.embedding_dropout} (the reference's: the hidden dropout)"
+        )
+    return ReferenceGPT(
+        from_ls_jax.zoo_config(layer, kind="gpt", vocab_size=model_cfg.vocab_size, num_layers=model_cfg.num_layers)
+    )
 
 
 def params_for(implementation: str, params: Params) -> Params:
@@ -96,8 +99,10 @@ def init_from(directory: str | Path, **layer_overrides: Any) -> Pretrained:
         raise ValueError(f"--init-from {directory} holds a {type(config).__name__}, not a GPT-2 model")
     tokenizer = HuggingFaceTokenizer.load(directory)
     if tokenizer.size > config.vocab_size:
-        raise ValueError(f"--init-from {directory}: the tokenizer has {tokenizer.size} tokens but the model only "
-                         f"{config.vocab_size} embeddings")
+        raise ValueError(
+            f"--init-from {directory}: the tokenizer has {tokenizer.size} tokens but the model only "
+            f"{config.vocab_size} embeddings"
+        )
     return Pretrained(config, params, tokenizer)
 
 
@@ -121,8 +126,9 @@ LMSums = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 LM_SUMS: dict[str, LMSums] = {"ls_jax": lm_sums, "flax": plain_lm_sums}  # the criterion of each implementation
 
 
-def make_loss_fn(model: nn.Module, sums: LMSums = lm_sums
-                 ) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
+def make_loss_fn(
+    model: nn.Module, sums: LMSums = lm_sums
+) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
     """The harness' ``loss_fn(params, micro_batch, rng) -> (loss_sum, weight, sums)``: summed next-token NLL over
     the labels that count (by ``sums``), their number, and ``{"nll": loss_sum}``; dropout is drawn from ``rng``."""
 
@@ -162,9 +168,14 @@ def make_flops_fn(config: GPTConfig) -> Callable[[Mapping[str, tuple[int, ...]]]
 
     def flops(shapes: Mapping[str, tuple[int, ...]]) -> int:
         grad_accum, rows, seq_len = shapes["input_ids"]
-        return grad_accum * gpt_train_flops(batch=rows, seq_len=seq_len, hidden=layer.hidden_size,
-                                            ffn=layer.intermediate_size, layers=config.num_layers,
-                                            vocab=config.vocab_size)
+        return grad_accum * gpt_train_flops(
+            batch=rows,
+            seq_len=seq_len,
+            hidden=layer.hidden_size,
+            ffn=layer.intermediate_size,
+            layers=config.num_layers,
+            vocab=config.vocab_size,
+        )
 
     return flops
 
@@ -185,9 +196,17 @@ class Evaluator:
     split during training and at the end.
     """
 
-    def __init__(self, model: nn.Module, splits: Mapping[str, PackedRows], rows: int, *, sums: LMSums = lm_sums,
-                 put_batch: Callable[[dict[str, np.ndarray]], Any] = lambda batch: batch,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        splits: Mapping[str, PackedRows],
+        rows: int,
+        *,
+        sums: LMSums = lm_sums,
+        put_batch: Callable[[dict[str, np.ndarray]], Any] = lambda batch: batch,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.splits, self.rows, self.put_batch = splits, rows, put_batch
         self.process_index, self.process_count = process_index, process_count
 
@@ -227,8 +246,9 @@ def _next_token(logits: jax.Array, rng: jax.Array, temperature: float, top_k: in
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k"))
 def _generate(model, params, prompt, rng, *, max_new_tokens, temperature, top_k):
     batch, prompt_len = prompt.shape
-    _, cache = model.apply({"params": params}, batch, prompt_len + max_new_tokens, method="init_cache",
-                           mutable=["cache"])
+    _, cache = model.apply(
+        {"params": params}, batch, prompt_len + max_new_tokens, method="init_cache", mutable=["cache"]
+    )
     logits, cache = model.apply({"params": params, **cache}, prompt, method="decode", mutable=["cache"])
 
     def step(carry, key):
@@ -241,8 +261,16 @@ def _generate(model, params, prompt, rng, *, max_new_tokens, temperature, top_k)
     return tokens.T
 
 
-def generate(model: nn.Module, params: Params, prompt: jax.Array | np.ndarray, *, max_new_tokens: int,
-             rng: jax.Array, temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+def generate(
+    model: nn.Module,
+    params: Params,
+    prompt: jax.Array | np.ndarray,
+    *,
+    max_new_tokens: int,
+    rng: jax.Array,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> jax.Array:
     """``max_new_tokens`` ids continuing each row of ``prompt`` (B, P), (B, max_new_tokens) int32.
 
     Incremental with the KV cache: the prompt runs once through the model, then each step feeds only the newest
@@ -256,29 +284,51 @@ def generate(model: nn.Module, params: Params, prompt: jax.Array | np.ndarray, *
     prompt = jnp.asarray(prompt, jnp.int32)
     limit = model.max_positions
     if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must have shape (batch, length >= 1), got {prompt.shape}; start it with the "
-                         "end-of-document id for unprompted samples")
+        raise ValueError(
+            f"prompt must have shape (batch, length >= 1), got {prompt.shape}; start it with the "
+            "end-of-document id for unprompted samples"
+        )
     if max_new_tokens < 1 or prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} must be within the "
-                         f"model's {limit} positions (and max_new_tokens >= 1)")
+        raise ValueError(
+            f"prompt length {prompt.shape[1]} + max_new_tokens {max_new_tokens} must be within the "
+            f"model's {limit} positions (and max_new_tokens >= 1)"
+        )
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ValueError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
-    return _generate(model, params, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
-                     top_k=top_k)
+    return _generate(
+        model, params, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k
+    )
 
 
-def sample_texts(model: nn.Module, params: Params, tokenizer: gpt_data.Tokenizer, prompts: Sequence[str], *,
-                 max_new_tokens: int, rng: jax.Array, temperature: float = 1.0, top_k: int | None = None
-                 ) -> list[str]:
+def sample_texts(
+    model: nn.Module,
+    params: Params,
+    tokenizer: gpt_data.Tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    rng: jax.Array,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> list[str]:
     """One continuation per prompt (a new document when the prompt is ""), as text: the prompt follows an
     end-of-document id, and the continuation stops at the next one. Each prompt is its own batch of one row."""
     texts = []
     for prompt, key in zip(prompts, jax.random.split(rng, len(prompts))):
         ids = [tokenizer.eos_id, *tokenizer.encode([prompt])[0]]
-        new = np.asarray(generate(model, params, np.asarray([ids]), max_new_tokens=max_new_tokens, rng=key,
-                                  temperature=temperature, top_k=top_k))[0]
+        new = np.asarray(
+            generate(
+                model,
+                params,
+                np.asarray([ids]),
+                max_new_tokens=max_new_tokens,
+                rng=key,
+                temperature=temperature,
+                top_k=top_k,
+            )
+        )[0]
         ends = np.flatnonzero(new == tokenizer.eos_id)
         texts.append(tokenizer.decode(ids[1:] + list(new[: ends[0] if len(ends) else len(new)])))
     return texts
@@ -302,8 +352,9 @@ def load_checkpoint(config: GptConfig, precision: str) -> Pretrained:
         pretrained = init_from(directory, **layer_overrides(config, precision))
     except ValueError as err:
         raise UsageError(f"--init-from {directory}: {err}") from err
-    check_sequence_fits(config.max_seq_len, pretrained.config.layer.max_seq_len, f"the checkpoint {directory}",
-                        "lower --max-seq-len")
+    check_sequence_fits(
+        config.max_seq_len, pretrained.config.layer.max_seq_len, f"the checkpoint {directory}", "lower --max-seq-len"
+    )
     return pretrained
 
 

@@ -11,8 +11,9 @@ from typing import Any, Mapping, Sequence
 import flax.linen as nn
 import jax
 
-from train.gpt import data as gpt_data, model as gpt_model
 from train.errors import UsageError
+from train.gpt import data as gpt_data
+from train.gpt import model as gpt_model
 from train.gpt.config import GptConfig
 
 SAMPLES_FILENAME = "samples.txt"
@@ -34,8 +35,7 @@ class Sampler:
     path: Path
 
     @classmethod
-    def from_config(cls, config: GptConfig, model: nn.Module, tokenizer: gpt_data.Tokenizer,
-                    run_dir: Path) -> Sampler:
+    def from_config(cls, config: GptConfig, model: nn.Module, tokenizer: gpt_data.Tokenizer, run_dir: Path) -> Sampler:
         """``--samples`` texts cycling through ``--prompt`` (default: new documents).
 
         Raises:
@@ -51,19 +51,36 @@ class Sampler:
         for prompt in dict.fromkeys(prompts):
             length = 1 + len(tokenizer.encode([prompt])[0])  # the end-of-document id opens every prompt
             if length + config.sample_tokens > positions:
-                raise UsageError(f"--prompt {prompt!r} is {length} tokens (an end-of-document id first); with "
-                                 f"--sample-tokens {config.sample_tokens} that is more than the model's "
-                                 f"{positions} positions; shorten the prompt or lower --sample-tokens")
-        return cls(model, tokenizer, prompts, config.sample_tokens, config.temperature, config.top_k,
-                   config.seed, run_dir / SAMPLES_FILENAME)
+                raise UsageError(
+                    f"--prompt {prompt!r} is {length} tokens (an end-of-document id first); with "
+                    f"--sample-tokens {config.sample_tokens} that is more than the model's "
+                    f"{positions} positions; shorten the prompt or lower --sample-tokens"
+                )
+        return cls(
+            model,
+            tokenizer,
+            prompts,
+            config.sample_tokens,
+            config.temperature,
+            config.top_k,
+            config.seed,
+            run_dir / SAMPLES_FILENAME,
+        )
 
     def generate(self, params: Any) -> list[str]:
         if not self.prompts:
             return []
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), SAMPLE_SEED_OFFSET)
-        return gpt_model.sample_texts(self.model, params, self.tokenizer, self.prompts,
-                                      max_new_tokens=self.max_new_tokens, rng=rng, temperature=self.temperature,
-                                      top_k=self.top_k)
+        return gpt_model.sample_texts(
+            self.model,
+            params,
+            self.tokenizer,
+            self.prompts,
+            max_new_tokens=self.max_new_tokens,
+            rng=rng,
+            temperature=self.temperature,
+            top_k=self.top_k,
+        )
 
     def describe(self) -> str:
         top_k = "all tokens" if self.top_k is None else f"top-k {self.top_k}"
@@ -83,8 +100,10 @@ class Sampler:
 def perplexity_line(records: Sequence[Mapping[str, Any]], baselines: Mapping[str, float]) -> str:
     """``valid perplexity P; <baseline> B; ...``: the evaluation next to the data's reference perplexities."""
     scores = ", ".join(f"{r['split']} perplexity {r['perplexity']:.3f}" for r in records)
-    names = {"unigram_perplexity": "a unigram model of the training tokens (no context)",
-             "entropy_floor_perplexity": "the synthetic corpus's entropy floor (the best possible)"}
+    names = {
+        "unigram_perplexity": "a unigram model of the training tokens (no context)",
+        "entropy_floor_perplexity": "the synthetic corpus's entropy floor (the best possible)",
+    }
     references = [f"{names[key]} {baselines[key]:.3f}" for key in names if key in baselines]
     return "; ".join([scores, *references])
 

@@ -43,16 +43,37 @@ from ls_jax.models.tokens import EOS_ID, NUM_SPECIAL_TOKENS, UNK_ID
 
 # (singular, plural); every plural differs from its singular, so the noun shows its number.
 NOUNS: tuple[tuple[str, str], ...] = (
-    ("cat", "cats"), ("dog", "dogs"), ("bird", "birds"), ("horse", "horses"), ("farmer", "farmers"),
-    ("teacher", "teachers"), ("child", "children"), ("king", "kings"), ("queen", "queens"), ("doctor", "doctors"),
-    ("student", "students"), ("fox", "foxes"), ("mouse", "mice"), ("wolf", "wolves"), ("baker", "bakers"),
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("bird", "birds"),
+    ("horse", "horses"),
+    ("farmer", "farmers"),
+    ("teacher", "teachers"),
+    ("child", "children"),
+    ("king", "kings"),
+    ("queen", "queens"),
+    ("doctor", "doctors"),
+    ("student", "students"),
+    ("fox", "foxes"),
+    ("mouse", "mice"),
+    ("wolf", "wolves"),
+    ("baker", "bakers"),
     ("sailor", "sailors"),
 )
 # (plural subject, singular subject)
 VERBS: tuple[tuple[str, str], ...] = (
-    ("see", "sees"), ("like", "likes"), ("find", "finds"), ("carry", "carries"), ("watch", "watches"),
-    ("follow", "follows"), ("help", "helps"), ("draw", "draws"), ("want", "wants"), ("hold", "holds"),
-    ("visit", "visits"), ("chase", "chases"),
+    ("see", "sees"),
+    ("like", "likes"),
+    ("find", "finds"),
+    ("carry", "carries"),
+    ("watch", "watches"),
+    ("follow", "follows"),
+    ("help", "helps"),
+    ("draw", "draws"),
+    ("want", "wants"),
+    ("hold", "holds"),
+    ("visit", "visits"),
+    ("chase", "chases"),
 )
 ADJECTIVES: tuple[str, ...] = ("big", "small", "red", "green", "old", "young", "happy", "quiet", "brave", "clever")
 ADVERBS: tuple[str, ...] = ("quickly", "slowly", "often", "today", "again", "carefully")
@@ -140,8 +161,9 @@ def generate_documents(count: int, seed: int) -> list[Document]:
     return [generate_document(rng) for _ in range(count)]
 
 
-def synthetic_corpus(seed: int = 0, *, train: int = SYNTHETIC_TRAIN_DOCUMENTS, valid: int = SYNTHETIC_VALID_DOCUMENTS
-                     ) -> dict[str, list[str]]:
+def synthetic_corpus(
+    seed: int = 0, *, train: int = SYNTHETIC_TRAIN_DOCUMENTS, valid: int = SYNTHETIC_VALID_DOCUMENTS
+) -> dict[str, list[str]]:
     """Train and valid documents from independent streams of ``seed`` (short ones may occur in both, as they would
     in any sample of the language; that does not lower the floor a model can reach)."""
     return {

@@ -44,7 +44,6 @@ from train.harness.parallel import DataParallel
 from train.harness.step import TrainState
 from train.harness.training import Task, TaskSetup, format_value
 
-
 # ------------------------------------------------------------------------------------------------ data
 
 
@@ -56,23 +55,35 @@ def _spm_model(config: GptConfig, run_dir: Path) -> str | None:
     return config.spm_model
 
 
-def load_data(config: GptConfig, run_dir: Path, positions: int,
-              tokenizer: gpt_data.Tokenizer | None) -> gpt_data.LMData:
+def load_data(
+    config: GptConfig, run_dir: Path, positions: int, tokenizer: gpt_data.Tokenizer | None
+) -> gpt_data.LMData:
     """The packed splits; a vocabulary trained here is written to the run directory by process 0 only."""
     with tempfile.TemporaryDirectory() as scratch:
         return gpt_data.load_data(
-            config.data, seq_len=config.max_seq_len, max_positions=positions,
-            run_dir=run_dir if jax.process_index() == 0 else Path(scratch), tokenizer=tokenizer,
-            spm_model=_spm_model(config, run_dir), vocab_size=config.vocab_size,
-            valid_fraction=config.valid_fraction, seed=config.seed, text_field=config.text_field,
-            tfds_valid_split=config.tfds_valid_split or None, tfds_data_dir=config.tfds_data_dir,
+            config.data,
+            seq_len=config.max_seq_len,
+            max_positions=positions,
+            run_dir=run_dir if jax.process_index() == 0 else Path(scratch),
+            tokenizer=tokenizer,
+            spm_model=_spm_model(config, run_dir),
+            vocab_size=config.vocab_size,
+            valid_fraction=config.valid_fraction,
+            seed=config.seed,
+            text_field=config.text_field,
+            tfds_valid_split=config.tfds_valid_split or None,
+            tfds_data_dir=config.tfds_data_dir,
         )
 
 
 def data_record(config: GptConfig, data: gpt_data.LMData) -> dict[str, Any]:
     """The run record's data: source, sizes, and the perplexities to judge the model by."""
-    record = {"source": config.data, "max_seq_len": config.max_seq_len, **data.stats,
-              "unigram_perplexity": gpt_data.unigram_perplexity(data.splits["train"].stream)}
+    record = {
+        "source": config.data,
+        "max_seq_len": config.max_seq_len,
+        **data.stats,
+        "unigram_perplexity": gpt_data.unigram_perplexity(data.splits["train"].stream),
+    }
     if config.data == "synthetic" and not config.spm_model:
         record["entropy_floor_perplexity"] = gpt_synthetic.entropy_floor().perplexity
     return record
@@ -102,21 +113,37 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     pretrained = gpt_model.load_checkpoint(config, precision) if config.init_from else None
     positions = pretrained.config.layer.max_seq_len if pretrained else gpt_config.preset_positions(config)
     data = load_data(config, run.run_dir, positions, pretrained.tokenizer if pretrained else None)
-    model_cfg = pretrained.config if pretrained else gpt_model.preset_config(
-        config.preset, vocab_size=data.tokenizer.size, max_seq_len=positions,
-        **gpt_model.layer_overrides(config, precision))
+    model_cfg = (
+        pretrained.config
+        if pretrained
+        else gpt_model.preset_config(
+            config.preset,
+            vocab_size=data.tokenizer.size,
+            max_seq_len=positions,
+            **gpt_model.layer_overrides(config, precision),
+        )
+    )
     try:
         model = gpt_model.build_model(config.implementation, model_cfg)
     except ValueError as err:
         raise UsageError(f"--implementation flax with --init-from {config.init_from}: {err}") from err
     sums = gpt_model.LM_SUMS[config.implementation]
     stream = gpt_data.LMBatchStream(
-        data=data.splits["train"], rows=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        data=data.splits["train"],
+        rows=config.batch_size,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
     evaluator = gpt_model.Evaluator(
-        model, data.splits, config.batch_size, sums=sums, put_batch=lambda batch: parallel.put_batch(batch, row_axis=0),
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        model,
+        data.splits,
+        config.batch_size,
+        sums=sums,
+        put_batch=lambda batch: parallel.put_batch(batch, row_axis=0),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
     sampler = Sampler.from_config(config, model, data.tokenizer, run.run_dir)
     records = data_record(config, data)
@@ -141,8 +168,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         model_signature=gpt_model.model_signature(config, model_cfg),
         implementation=config.implementation,
         model_name=resume.model_name(config),
-        batch_record={"batch_size": config.batch_size, "grad_accum": config.grad_accum,
-                      "seq_len": config.max_seq_len},
+        batch_record={"batch_size": config.batch_size, "grad_accum": config.grad_accum, "seq_len": config.max_seq_len},
         data_record=records,
         config_record={**config.to_dict(), "positions": positions, "steps_per_epoch": stream.steps_per_epoch},
     )
@@ -158,6 +184,5 @@ TASK = Task(
     setup=setup,
     score=lambda record: format_value(record["perplexity"], ".3f"),
     memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
-                  "or choose a smaller --preset (on a CPU, e.g. --preset gpt2-tiny --max-seq-len 256)",
+    "or choose a smaller --preset (on a CPU, e.g. --preset gpt2-tiny --max-seq-len 256)",
 )
-

@@ -3,7 +3,8 @@ epilog, range checks of the values, and the exit codes.
 
 Exit codes (`train.errors`): 0 finished (or nothing left to train); 2 bad flags; 3 unusable data; 4 the
 loss or state became non-finite (the last good checkpoint is kept); 5 a checkpoint or the run log could not be
-written; 6 another process of a multi-process run was lost; 128 + the signal number when SIGINT/SIGTERM stopped the run (after writing a checkpoint). Each but 0
+written; 6 another process of a multi-process run was lost; 128 + the signal number when SIGINT/SIGTERM stopped the
+run (after writing a checkpoint). Each but 0
 prints one line naming the cause and what to do.
 """
 
@@ -23,15 +24,23 @@ from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
 from train.costs import memory_budget
 from train.costs import metrics as metrics_lib
-from train.records.checkpoints import Checkpoints
-from train.errors import (EXIT_DATA, EXIT_FINISHED, EXIT_IO, EXIT_NUMERICS, EXIT_SIGNAL_BASE, EXIT_USAGE,
-                          DataError, Interrupted, UsageError)
-from train.harness.loop import TrainResult
-from train.harness import optimizer as optimizer_lib
 from train.costs.precision import PRECISION_DTYPES
+from train.errors import (
+    EXIT_DATA,
+    EXIT_FINISHED,
+    EXIT_IO,
+    EXIT_NUMERICS,
+    EXIT_SIGNAL_BASE,
+    EXIT_USAGE,
+    DataError,
+    Interrupted,
+    UsageError,
+)
 from train.harness import config as config_lib
+from train.harness import optimizer as optimizer_lib
 from train.harness.config import TrainingConfig, flag
-
+from train.harness.loop import TrainResult
+from train.records.checkpoints import Checkpoints
 
 IMPLEMENTATIONS = ("flax", "ls_jax")
 """What ``--implementation`` chooses: the plain Flax baseline of train/reference/ (written as Hugging Face's Flax
@@ -40,17 +49,21 @@ models are, compiled by XLA) or the ls_jax model, whose non-GEMM work runs in th
 
 def add_implementation_argument(group: argparse._ArgumentGroup, baseline: str) -> None:
     """``--implementation`` in a task's model group; ``baseline`` names the task's plain Flax model."""
-    group.add_argument("--implementation", choices=IMPLEMENTATIONS,
-                       help=f"ls_jax: the ls_jax model (fused ops: CUDA kernels or XLA, see --backend); flax: "
-                            f"{baseline}, plain Flax compiled by XLA; the same harness, optimizer, data, checkpoints "
-                            "and evaluation (default ls_jax)")
+    group.add_argument(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        help=f"ls_jax: the ls_jax model (fused ops: CUDA kernels or XLA, see --backend); flax: "
+        f"{baseline}, plain Flax compiled by XLA; the same harness, optimizer, data, checkpoints "
+        "and evaluation (default ls_jax)",
+    )
 
 
 def check_implementation(implementation: str, remat: str) -> None:
     """Raises UsageError for what the plain Flax baseline cannot do: gradient checkpointing (``--remat``)."""
     if implementation == "flax" and remat != "none":
-        raise UsageError(f"--remat {remat} needs --implementation ls_jax: the plain Flax baseline has no gradient "
-                         "checkpointing")
+        raise UsageError(
+            f"--remat {remat} needs --implementation ls_jax: the plain Flax baseline has no gradient checkpointing"
+        )
 
 
 SEED_LIMIT = 2**32
@@ -60,62 +73,111 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every training entry point shares (task flags are added by the task)."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, help="optimizer steps to train for")
-    group.add_argument("--optimizer", choices=optimizer_lib.OPTIMIZERS,
-                       help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
-                            "unfused baselines (default adamw)")
-    for name, meaning in (("b1", "first-moment decay"), ("b2", "AdamW: second-moment decay; Adan: gradient-difference "
-                          "decay"), ("b3", "Adan only: second-moment decay"), ("eps", "denominator epsilon")):
+    group.add_argument(
+        "--optimizer",
+        choices=optimizer_lib.OPTIMIZERS,
+        help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
+        "unfused baselines (default adamw)",
+    )
+    for name, meaning in (
+        ("b1", "first-moment decay"),
+        ("b2", "AdamW: second-moment decay; Adan: gradient-difference decay"),
+        ("b3", "Adan only: second-moment decay"),
+        ("eps", "denominator epsilon"),
+    ):
         group.add_argument(f"--{name}", type=float, help=f"optimizer {meaning} (default: the optimizer's own)")
     group.add_argument("--lr", type=float, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
     group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")
     group.add_argument("--clip-norm", type=float, help="clip gradients to this global L2 norm (0: no clipping)")
     group.add_argument("--grad-accum", type=int, help="micro-batches accumulated per optimizer step")
-    group.add_argument("--precision", choices=("auto", *PRECISION_DTYPES),
-                       help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
-                            "fp16 uses dynamic loss scaling")
-    group.add_argument("--master-weights", action="store_const", const=True,
-                       help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
-                            "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast")
-    group.add_argument("--remat", choices=REMAT_MODES,
-                       help="gradient checkpointing of each Transformer layer: none; layer (keep each layer's input, "
-                            "recompute the layer in the backward); gemm-outputs (keep the matmul outputs, recompute "
-                            "the rest)")
-    group.add_argument("--backend", choices=backend_lib.MODES,
-                       help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
-                            f"given, ${backend_lib.ENV_VAR} if set, else auto")
+    group.add_argument(
+        "--precision",
+        choices=("auto", *PRECISION_DTYPES),
+        help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
+        "fp16 uses dynamic loss scaling",
+    )
+    group.add_argument(
+        "--master-weights",
+        action="store_const",
+        const=True,
+        help="bf16/fp16 params trained from f32 master weights kept by the optimizer (mixed precision "
+        "as in Apex O2): the model computes with the optimizer's 16-bit copies, no per-step cast",
+    )
+    group.add_argument(
+        "--remat",
+        choices=REMAT_MODES,
+        help="gradient checkpointing of each Transformer layer: none; layer (keep each layer's input, "
+        "recompute the layer in the backward); gemm-outputs (keep the matmul outputs, recompute "
+        "the rest)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=backend_lib.MODES,
+        help="fused-op implementation: CUDA kernels (ffi), plain XLA, or auto-detect; when not "
+        f"given, ${backend_lib.ENV_VAR} if set, else auto",
+    )
     group.add_argument("--seed", type=int, help="seed of initialization, dropout and data order")
 
     group = parser.add_argument_group("logging and checkpoints")
     group.add_argument("--run-dir", help="run directory (default runs/<run_id>)")
-    group.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue the run in RUN_DIR from its latest checkpoint, exactly; flags given now "
-                            "override its saved configuration (e.g. --steps to train longer)")
+    group.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its latest checkpoint, exactly; flags given now "
+        "override its saved configuration (e.g. --steps to train longer)",
+    )
     group.add_argument("--log-every", type=int, help="steps per interval record")
     group.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
-    group.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)")
+    group.add_argument(
+        "--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)"
+    )
     group.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
-    group.add_argument("--no-progress", dest="progress", action="store_const", const=False,
-                       help="no progress bar (without a terminal on stderr: no per-interval progress lines)")
-    group.add_argument("--no-tensorboard", dest="tensorboard", action="store_const", const=False,
-                       help="no TensorBoard event files")
-    group.add_argument("--verbose", action="store_const", const=True,
-                       help="also print what the libraries log (orbax, absl, asyncio); by default only the "
-                            "harness's own lines")
+    group.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_const",
+        const=False,
+        help="no progress bar (without a terminal on stderr: no per-interval progress lines)",
+    )
+    group.add_argument(
+        "--no-tensorboard", dest="tensorboard", action="store_const", const=False, help="no TensorBoard event files"
+    )
+    group.add_argument(
+        "--verbose",
+        action="store_const",
+        const=True,
+        help="also print what the libraries log (orbax, absl, asyncio); by default only the harness's own lines",
+    )
 
     group = parser.add_argument_group("cost and hardware")
-    group.add_argument("--price-per-hour", type=float,
-                       help="USD per device-hour for the cost estimate (overrides the built-in table)")
-    group.add_argument("--device-name", choices=metrics_lib.DEVICE_NAMES,
-                       help="use this entry of the device table (peak FLOP/s, price, power) instead of matching "
-                            "JAX's device_kind")
-    group.add_argument("--shard-optimizer", action="store_const", const=True,
-                       help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)")
-    group.add_argument("--distributed", action="store_const", const=True,
-                       help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)")
-    group.add_argument("--peer-timeout", type=int, metavar="SECONDS",
-                       help="with --distributed: stop (exit code 6) when another process shows no sign of life for "
-                            "this long (train.harness.peers)")
+    group.add_argument(
+        "--price-per-hour", type=float, help="USD per device-hour for the cost estimate (overrides the built-in table)"
+    )
+    group.add_argument(
+        "--device-name",
+        choices=metrics_lib.DEVICE_NAMES,
+        help="use this entry of the device table (peak FLOP/s, price, power) instead of matching JAX's device_kind",
+    )
+    group.add_argument(
+        "--shard-optimizer",
+        action="store_const",
+        const=True,
+        help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)",
+    )
+    group.add_argument(
+        "--distributed",
+        action="store_const",
+        const=True,
+        help="call jax.distributed.initialize() first (multi-host GPU clusters, TPU pod slices)",
+    )
+    group.add_argument(
+        "--peer-timeout",
+        type=int,
+        metavar="SECONDS",
+        help="with --distributed: stop (exit code 6) when another process shows no sign of life for "
+        "this long (train.harness.peers)",
+    )
 
 
 def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, Any], notes: str = "") -> str:
@@ -135,13 +197,20 @@ def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, A
     )
 
 
-def check_ranges(config: TrainingConfig, *, at_least_one: Iterable[str] = (), non_negative: Iterable[str] = (),
-                 fractions: Iterable[str] = ()) -> None:
+def check_ranges(
+    config: TrainingConfig,
+    *,
+    at_least_one: Iterable[str] = (),
+    non_negative: Iterable[str] = (),
+    fractions: Iterable[str] = (),
+) -> None:
     """Raises UsageError naming the flag when a set field is < 1, < 0, or outside [0, 1); every task's ``lr`` must
     be > 0, ``seed`` in [0, 2**32) and ``price_per_hour`` >= 0."""
-    for name, ok, rule in [*((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
-                           *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
-                           *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions)]:
+    for name, ok, rule in [
+        *((name, lambda v: v >= 1, ">= 1") for name in at_least_one),
+        *((name, lambda v: v >= 0, ">= 0") for name in non_negative),
+        *((name, lambda v: 0.0 <= v < 1.0, "in [0, 1)") for name in fractions),
+    ]:
         value = getattr(config, name)
         if value is not None and not ok(value):
             raise UsageError(f"{flag(name)} must be {rule}, got {value}")
@@ -177,8 +246,10 @@ def check_optimizer(config: TrainingConfig) -> None:
     if config.optimizer in optimizer_lib.UNFUSED:
         for name in ("master_weights", "shard_optimizer"):
             if getattr(config, name):
-                raise UsageError(f"{flag(name)} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
-                                 f"{config.optimizer} is optax's own")
+                raise UsageError(
+                    f"{flag(name)} needs a fused optimizer ({', '.join(optimizer_lib.FUSED)}); "
+                    f"{config.optimizer} is optax's own"
+                )
 
 
 def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
@@ -206,19 +277,28 @@ def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str
     kept = f"checkpoint {saved[-1]} in {checkpoints.directory}" if saved else None
     if result.stop_reason == "nan":
         fix = "lower --lr, or raise --warmup-steps or --clip-norm"
-        where = (f"the last good checkpoint is {kept} ({fix}, and start again from it)" if kept else
-                 f"no checkpoint was written before it ({fix}, and start the run again)")
-        print(f"error: the loss or the parameters became non-finite after step {result.steps}; {where}",
-              file=sys.stderr)
+        where = (
+            f"the last good checkpoint is {kept} ({fix}, and start again from it)"
+            if kept
+            else f"no checkpoint was written before it ({fix}, and start the run again)"
+        )
+        print(
+            f"error: the loss or the parameters became non-finite after step {result.steps}; {where}", file=sys.stderr
+        )
         return EXIT_NUMERICS
     if result.stop_reason == "io_error":
-        print(f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is "
-              f"{kept or 'none'}", file=sys.stderr)
+        print(
+            f"error: {result.error}; stopped after step {result.steps}, the newest checkpoint is {kept or 'none'}",
+            file=sys.stderr,
+        )
         return EXIT_IO
     if result.stop_reason == "signal":
         name = signal.Signals(result.signal_number).name
-        then = (f"the newest checkpoint is {kept}; continue with: {resume_command}" if kept else
-                f"no checkpoint was written yet; start it again from step 0 with: {resume_command}")
+        then = (
+            f"the newest checkpoint is {kept}; continue with: {resume_command}"
+            if kept
+            else f"no checkpoint was written yet; start it again from step 0 with: {resume_command}"
+        )
         print(f"stopped by {name} after step {result.steps}; {then}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + int(result.signal_number)
     return EXIT_FINISHED
@@ -263,6 +343,5 @@ def run_command(run: Callable[[list[str]], int], argv: Sequence[str] | None) -> 
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as err:
-        print(f"stopped by {signal.Signals(err.signum).name} before training started; nothing to save",
-              file=sys.stderr)
+        print(f"stopped by {signal.Signals(err.signum).name} before training started; nothing to save", file=sys.stderr)
         return EXIT_SIGNAL_BASE + err.signum

@@ -75,8 +75,9 @@ def defaults(config_type: type[TrainingConfig]) -> dict[str, Any]:
     return {field.name: field.default for field in dataclasses.fields(config_type)}
 
 
-def resolve(config_type: type[C], given: Mapping[str, Any], saved: Mapping[str, Any] | None,
-            by_data: Mapping[str, Any]) -> C:
+def resolve(
+    config_type: type[C], given: Mapping[str, Any], saved: Mapping[str, Any] | None, by_data: Mapping[str, Any]
+) -> C:
     """``config_type``'s defaults < ``by_data`` (the data source's defaults) < ``saved`` (a resumed run's
     config.json; keys it holds that are no field, such as ``run_id``, are left out) < ``given`` (this command
     line's flags, every one a field)."""
@@ -96,8 +97,10 @@ def flag(name: str) -> str:
 def check_task(saved: Mapping[str, Any] | None, task: str, resume: str | None) -> None:
     """Raises UsageError when ``--resume`` names the run directory of another task."""
     if saved is not None and saved.get("task", task) != task:
-        raise UsageError(f"--resume {resume}: that is a {saved['task']} run; resume it with "
-                         f"python -m train.{saved['task']} --resume {resume}")
+        raise UsageError(
+            f"--resume {resume}: that is a {saved['task']} run; resume it with "
+            f"python -m train.{saved['task']} --resume {resume}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,18 +27,18 @@ import jax
 from tqdm import tqdm
 
 from train.costs import memory
-from train.costs.windows import Reading, Span, Tally, add_optional
-from train.records import runlog
-from train.records.checkpoints import Checkpoints, is_finite
-from train.errors import Interrupted
 from train.costs.hardware import Hardware
-from train.harness.parallel import DataParallel
-from train.records.runlog import RunLog
-from train.harness.step import Batch, TrainState
-from train.harness.step_compiler import StepCompiler
+from train.costs.windows import Reading, Span, Tally, add_optional
+from train.errors import Interrupted
 from train.harness import progress
+from train.harness.parallel import DataParallel
 from train.harness.progress import Counters, Interval
 from train.harness.signals import StopSignals
+from train.harness.step import Batch, TrainState
+from train.harness.step_compiler import StepCompiler
+from train.records import runlog
+from train.records.checkpoints import Checkpoints, is_finite
+from train.records.runlog import RunLog
 
 
 @dataclasses.dataclass
@@ -89,15 +89,34 @@ def progress_line(record: Mapping[str, Any], num_steps: int) -> str:
     """One plain line for an interval record, printed instead of the progress bar when stderr is not a terminal:
     ``step 40/320  loss 3.214  0.052 s/step  elapsed 2.1 s``."""
     loss = "n/a" if record["loss"] is None else f"{record['loss']:.4g}"
-    return (f"step {record['step']}/{num_steps}  loss {loss}  {record['step_time_s']:.3g} s/step  "
-            f"elapsed {record['elapsed_s']:.1f} s")
+    return (
+        f"step {record['step']}/{num_steps}  loss {loss}  {record['step_time_s']:.3g} s/step  "
+        f"elapsed {record['elapsed_s']:.1f} s"
+    )
 
 
 class _Loop:
     """One segment of a run (from start or from a checkpoint); see `train`."""
 
-    def __init__(self, state, *, compiler, parallel, stream, flops_fn, lr_fn, evaluate, hardware, run_log,
-                 checkpoints, model_signature, config, counters, signals, batch_shapes):
+    def __init__(
+        self,
+        state,
+        *,
+        compiler,
+        parallel,
+        stream,
+        flops_fn,
+        lr_fn,
+        evaluate,
+        hardware,
+        run_log,
+        checkpoints,
+        model_signature,
+        config,
+        counters,
+        signals,
+        batch_shapes,
+    ):
         self.state = state
         self.signals, self.batch_shapes = signals, batch_shapes
         self.compiler, self.parallel, self.stream = compiler, parallel, stream
@@ -107,8 +126,11 @@ class _Loop:
         self.counters = counters
         self.step = int(jax.device_get(state.step))
         # A fresh run has nothing to save at step 0; a resumed one already has its checkpoint.
-        self.saved_step: int | None = self.step if self.step == 0 or checkpoints is None else (
-            self.step if self.step in checkpoints.all_steps() else None)
+        self.saved_step: int | None = (
+            self.step
+            if self.step == 0 or checkpoints is None
+            else (self.step if self.step in checkpoints.all_steps() else None)
+        )
         self.interval = Interval()
         self.wall_start = config.started_at
         self.wall_before = counters.wall_time_s
@@ -165,9 +187,14 @@ class _Loop:
 
     def _log_interval(self, step: int, metrics: Mapping[str, float]) -> None:
         record = progress.interval_record(
-            step, self.interval, elapsed_s=self.counters.train_time_s, lr=float(self.lr_fn(step - 1)),
-            grad_norm=metrics["grad_norm"], loss_scale=metrics["loss_scale"] if self.fp16 else None,
-            hardware=self.hardware, energy_j=self._energy(),
+            step,
+            self.interval,
+            elapsed_s=self.counters.train_time_s,
+            lr=float(self.lr_fn(step - 1)),
+            grad_norm=metrics["grad_norm"],
+            loss_scale=metrics["loss_scale"] if self.fp16 else None,
+            hardware=self.hardware,
+            energy_j=self._energy(),
         )
         self.counters.last_loss = record["loss"]
         self.run_log.write(record)
@@ -282,7 +309,11 @@ class _Loop:
                 pending = None
                 if not self._finish(current, self._step_reading().since(last)):
                     return "nan", current.step
-                if self.config.eval_every > 0 and self.step % self.config.eval_every == 0 and self.step < self.config.num_steps:
+                if (
+                    self.config.eval_every > 0
+                    and self.step % self.config.eval_every == 0
+                    and self.step < self.config.num_steps
+                ):
                     self._evaluate(final=False)
                 if self.step % self.config.checkpoint_every == 0 and not self._save():
                     return "nan", self.step
@@ -327,13 +358,16 @@ class _Loop:
         for name in self.run_log.counted:  # a run stopped before its first step counted nothing
             self.counters.counts.setdefault(name, 0)
         summary = progress.summary_record(self.counters, self.hardware, stop_reason, steps_done)
-        summary["memory"] = memory.anatomy(self.state.params, self.state.opt_state, self.compiler.memory_analysis(),
-                                           summary["peak_memory_bytes"])
+        summary["memory"] = memory.anatomy(
+            self.state.params, self.state.opt_state, self.compiler.memory_analysis(), summary["peak_memory_bytes"]
+        )
         try:
             self.run_log.write(summary)
         except OSError as err:
-            print(f"warning: the summary record could not be written to the run log: {err.strerror or err}",
-                  file=sys.stderr)
+            print(
+                f"warning: the summary record could not be written to the run log: {err.strerror or err}",
+                file=sys.stderr,
+            )
         return TrainResult(self.state, stop_reason, steps_done, summary, self.signals.received, error)
 
 
@@ -367,9 +401,20 @@ def train(
     """
     with contextlib.nullcontext(signals) if signals is not None else StopSignals() as active:
         loop = _Loop(
-            state, compiler=compiler, parallel=parallel, stream=stream, flops_fn=flops_fn, lr_fn=lr_fn,
-            evaluate=evaluate, hardware=hardware, run_log=run_log, checkpoints=checkpoints,
-            model_signature=model_signature, config=config, counters=counters or Counters(), signals=active,
+            state,
+            compiler=compiler,
+            parallel=parallel,
+            stream=stream,
+            flops_fn=flops_fn,
+            lr_fn=lr_fn,
+            evaluate=evaluate,
+            hardware=hardware,
+            run_log=run_log,
+            checkpoints=checkpoints,
+            model_signature=model_signature,
+            config=config,
+            counters=counters or Counters(),
+            signals=active,
             batch_shapes=list(batch_shapes),
         )
         return loop.run()

@@ -45,8 +45,9 @@ def hyperparameters(name: str, given: Mapping[str, float | None]) -> dict[str, f
     for key, value in values.items():
         valid = value > 0 if key == "eps" else 0.0 <= value < 1.0
         if not valid:
-            raise ValueError(f"--{key} {value:g} is out of range: " + ("eps must be > 0" if key == "eps" else
-                             "betas lie in [0, 1)"))
+            raise ValueError(
+                f"--{key} {value:g} is out of range: " + ("eps must be > 0" if key == "eps" else "betas lie in [0, 1)")
+            )
     return values
 
 
@@ -126,8 +127,9 @@ def decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _unfused(name: str, schedule: optax.Schedule, values: Mapping[str, float], *, weight_decay: float,
-             clip_norm: float | None) -> optax.GradientTransformation:
+def _unfused(
+    name: str, schedule: optax.Schedule, values: Mapping[str, float], *, weight_decay: float, clip_norm: float | None
+) -> optax.GradientTransformation:
     """optax's own AdamW or Adan, after optax's global-norm clipping when ``clip_norm`` is set."""
     if name == "optax-adamw":
         update = optax.adamw(schedule, **values, weight_decay=weight_decay, mask=decay_mask)
@@ -137,8 +139,16 @@ def _unfused(name: str, schedule: optax.Schedule, values: Mapping[str, float], *
 
 
 def make_optimizer(
-    name: str, schedule: optax.Schedule, *, weight_decay: float, clip_norm: float | None, master_dtype: Any = None,
-    b1: float | None = None, b2: float | None = None, b3: float | None = None, eps: float | None = None,
+    name: str,
+    schedule: optax.Schedule,
+    *,
+    weight_decay: float,
+    clip_norm: float | None,
+    master_dtype: Any = None,
+    b1: float | None = None,
+    b2: float | None = None,
+    b3: float | None = None,
+    eps: float | None = None,
 ) -> optax.GradientTransformation:
     """The optimizer ``name`` (`OPTIMIZERS`) with the hyperparameters given (the rest from
     `DEFAULT_HYPERPARAMETERS`); with ``master_dtype`` (bf16 or f16) a fused one keeps f32 master weights and trains
@@ -151,11 +161,17 @@ def make_optimizer(
     values = hyperparameters(name, {"b1": b1, "b2": b2, "b3": b3, "eps": eps})
     if name in UNFUSED:
         if master_dtype is not None:
-            raise ValueError(f"--master-weights needs a fused optimizer ({', '.join(FUSED)}); {name} keeps no "
-                             "master weights")
+            raise ValueError(
+                f"--master-weights needs a fused optimizer ({', '.join(FUSED)}); {name} keeps no master weights"
+            )
         return _unfused(name, schedule, values, weight_decay=weight_decay, clip_norm=clip_norm)
-    options = dict(weight_decay=weight_decay, mask=decay_mask, max_grad_norm=clip_norm if clip_norm else None,
-                   storage_dtype=master_dtype, master_weights=master_dtype is not None)
+    options = dict(
+        weight_decay=weight_decay,
+        mask=decay_mask,
+        max_grad_norm=clip_norm if clip_norm else None,
+        storage_dtype=master_dtype,
+        master_weights=master_dtype is not None,
+    )
     if name == "adamw":
         return ls_jax.optim.adamw(schedule, **values, **options)
     return ls_jax.optim.adan(schedule, **values, **options)

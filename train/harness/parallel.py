@@ -41,8 +41,9 @@ def initialize_distributed(heartbeat_timeout_s: int = 100) -> None:
     """
     kwargs = process_counts(os.environ)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s,
-                               shutdown_timeout_seconds=heartbeat_timeout_s)
+    jax.distributed.initialize(
+        **kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s, shutdown_timeout_seconds=heartbeat_timeout_s
+    )
 
 
 def job_client() -> Any:
@@ -70,8 +71,11 @@ def wait_for_processes(name: str, timeout_s: int = 300) -> None:
 
 def process_counts(environ: Mapping[str, str]) -> dict[str, int]:
     """``num_processes`` and ``process_id`` from JAX_NUM_PROCESSES and JAX_PROCESS_ID where set, checked."""
-    given = {key: environ[name] for key, name in (("num_processes", "JAX_NUM_PROCESSES"),
-                                                   ("process_id", "JAX_PROCESS_ID")) if name in environ}
+    given = {
+        key: environ[name]
+        for key, name in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
+        if name in environ
+    }
     try:
         counts = {key: int(value) for key, value in given.items()}
     except ValueError:
@@ -79,8 +83,10 @@ def process_counts(environ: Mapping[str, str]) -> dict[str, int]:
     if counts.get("num_processes", 1) < 1:
         raise UsageError(f"JAX_NUM_PROCESSES must be >= 1, got {counts['num_processes']}")
     if "process_id" in counts and not 0 <= counts["process_id"] < counts.get("num_processes", counts["process_id"] + 1):
-        raise UsageError(f"JAX_PROCESS_ID {counts['process_id']} must be in 0 .. JAX_NUM_PROCESSES - 1 "
-                         f"({counts.get('num_processes')} processes): number the processes from 0")
+        raise UsageError(
+            f"JAX_PROCESS_ID {counts['process_id']} must be in 0 .. JAX_NUM_PROCESSES - 1 "
+            f"({counts.get('num_processes')} processes): number the processes from 0"
+        )
     return counts
 
 
@@ -108,9 +114,7 @@ class DataParallel:
     def put_batch(self, local_batch: Batch, row_axis: int) -> dict[str, jax.Array]:
         """Assembles the global batch from every host's rows (this host's given as numpy)."""
         sharding = self.rows_sharding(row_axis)
-        return {
-            key: jax.make_array_from_process_local_data(sharding, value) for key, value in local_batch.items()
-        }
+        return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local_batch.items()}
 
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self.replicated)
@@ -118,7 +122,9 @@ class DataParallel:
     def shard_step(self, step_fn: Callable, state_specs: Any) -> Callable:
         """``step_fn(state, batch) -> (state, metrics)`` run per device on its rows of the batch (axis 1)."""
         return jax.shard_map(
-            step_fn, mesh=self.mesh, in_specs=(state_specs, PartitionSpec(None, DATA_AXIS)),
+            step_fn,
+            mesh=self.mesh,
+            in_specs=(state_specs, PartitionSpec(None, DATA_AXIS)),
             out_specs=(state_specs, PartitionSpec()),
         )
 
@@ -136,7 +142,9 @@ class StateLayout:
 
     def _tree(self, state: TrainState, replicated: Any, sharded: Any) -> TrainState:
         return state.replace(
-            step=replicated, params=replicated, rng=replicated,
+            step=replicated,
+            params=replicated,
+            rng=replicated,
             opt_state=sharded if self.sharded_optimizer is not None else replicated,
             loss_scale=None if state.loss_scale is None else replicated,
         )
@@ -153,8 +161,9 @@ class StateLayout:
         """The replicated form of ``state`` (what a checkpoint holds): the sharded optimizer state gathered."""
         if self.sharded_optimizer is None:
             return state
-        opt_state = self.sharded_optimizer.unshard_state(state.opt_state, state.params,
-                                                         out_sharding=self.parallel.replicated)
+        opt_state = self.sharded_optimizer.unshard_state(
+            state.opt_state, state.params, out_sharding=self.parallel.replicated
+        )
         return state.replace(opt_state=opt_state)
 
     def from_saved(self, saved: TrainState) -> TrainState:

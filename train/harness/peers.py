@@ -28,10 +28,10 @@ from typing import Callable, Iterator
 
 import jax
 
-from train.records.checkpoints import complete_steps, remove_partial_checkpoints
-from train.harness.cli import USER_ERRORS
 from train.errors import EXIT_PEER_LOST, Interrupted
+from train.harness.cli import USER_ERRORS
 from train.harness.parallel import job_client
+from train.records.checkpoints import complete_steps, remove_partial_checkpoints
 
 KEY_PREFIX = "ls_jax/alive/"
 DONE = "done"
@@ -40,8 +40,15 @@ DONE = "done"
 class PeerWatch:
     """Publishes this process's liveness and calls ``on_lost(process, reason)`` when another process's stops."""
 
-    def __init__(self, client, process_id: int, num_processes: int, timeout_s: float,
-                 on_lost: Callable[[int, str], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        client,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        on_lost: Callable[[int, str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._client, self._id, self._count = client, process_id, num_processes
         self._timeout, self._on_lost, self._clock = timeout_s, on_lost, clock
         self._stop = threading.Event()
@@ -93,9 +100,12 @@ def stop_run(process: int, reason: str, *, num_processes: int, checkpoint_dir: P
     remove_partial_checkpoints(checkpoint_dir)
     steps = complete_steps(checkpoint_dir)
     kept = f"checkpoint {steps[-1]} in {checkpoint_dir}" if steps else "no checkpoint yet"
-    print(f"error: lost process {process} of {num_processes} ({reason}): it died or hangs, so this process stops "
-          f"too; the newest complete checkpoint is {kept}; start every process again with: {resume_command}",
-          file=sys.stderr, flush=True)
+    print(
+        f"error: lost process {process} of {num_processes} ({reason}): it died or hangs, so this process stops "
+        f"too; the newest complete checkpoint is {kept}; start every process again with: {resume_command}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)  # no shutdown barrier: it would wait for the lost process
 
@@ -107,11 +117,15 @@ def watch_job(checkpoint_dir: Path, resume_command: str, timeout_s: float) -> Pe
         return None
 
     def on_lost(process: int, reason: str) -> None:
-        stop_run(process, reason, num_processes=jax.process_count(), checkpoint_dir=checkpoint_dir,
-                 resume_command=resume_command)
+        stop_run(
+            process,
+            reason,
+            num_processes=jax.process_count(),
+            checkpoint_dir=checkpoint_dir,
+            resume_command=resume_command,
+        )
 
-    return PeerWatch(job_client(), jax.process_index(), jax.process_count(), timeout_s,
-                     on_lost).start()
+    return PeerWatch(job_client(), jax.process_index(), jax.process_count(), timeout_s, on_lost).start()
 
 
 @contextlib.contextmanager

@@ -109,9 +109,19 @@ class Interval:
             self.counts[key] = self.counts.get(key, 0) + value
 
 
-def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[str, Any], implementation: str,
-               model: str, params: int, batch: Mapping[str, Any], data: Mapping[str, Any],
-               config: Mapping[str, Any]) -> dict[str, Any]:
+def run_record(
+    task: str,
+    run: Run,
+    hardware: Hardware,
+    *,
+    optimizer: Mapping[str, Any],
+    implementation: str,
+    model: str,
+    params: int,
+    batch: Mapping[str, Any],
+    data: Mapping[str, Any],
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
     """The ``run`` record that opens a run log; ``optimizer`` holds its ``optimizer*`` keys, ``implementation``
     says whose model trained (flax: the plain baseline, ls_jax: the fused one)."""
     return {
@@ -129,8 +139,17 @@ def run_record(task: str, run: Run, hardware: Hardware, *, optimizer: Mapping[st
     }
 
 
-def interval_record(step: int, interval: Interval, *, elapsed_s: float, lr: float, grad_norm: float,
-                    loss_scale: float | None, hardware: Hardware, energy_j: float | None) -> dict[str, Any]:
+def interval_record(
+    step: int,
+    interval: Interval,
+    *,
+    elapsed_s: float,
+    lr: float,
+    grad_norm: float,
+    loss_scale: float | None,
+    hardware: Hardware,
+    energy_j: float | None,
+) -> dict[str, Any]:
     """The ``interval`` record of the steps summed in ``interval``, the last of them ``step``; ``elapsed_s`` is the
     run's training time so far. Loss and nll stay null when every step of the interval was skipped (fp16 overflow).
     """
@@ -166,8 +185,12 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def tally_part(tally: Tally, hardware: Hardware) -> dict[str, Any]:
     """A one-time window of the summary: how often it ran, its time, energy and cost."""
-    return {"count": tally.count, "time_s": tally.time_s, "energy_j": tally.energy_j,
-            "cost_usd": _cost(tally.time_s, hardware)}
+    return {
+        "count": tally.count,
+        "time_s": tally.time_s,
+        "energy_j": tally.energy_j,
+        "cost_usd": _cost(tally.time_s, hardware),
+    }
 
 
 def _pick(values: Sequence[Any], indices: Sequence[int]) -> list[Any]:
@@ -177,8 +200,12 @@ def _pick(values: Sequence[Any], indices: Sequence[int]) -> list[Any]:
 def warmup_part(counters: Counters, steps: Sequence[int], hardware: Hardware) -> dict[str, Any]:
     """The summary's ``warmup``: the warm-up ``steps`` (indices) of every segment, their time, energy and cost."""
     time_s = sum(_pick(counters.step_times, steps))
-    return {"steps": len(steps), "time_s": time_s, "energy_j": windows.total(_pick(counters.step_energy_j, steps)),
-            "cost_usd": _cost(time_s, hardware)}
+    return {
+        "steps": len(steps),
+        "time_s": time_s,
+        "energy_j": windows.total(_pick(counters.step_energy_j, steps)),
+        "cost_usd": _cost(time_s, hardware),
+    }
 
 
 def steady_part(counters: Counters, steps: Sequence[int], hardware: Hardware) -> dict[str, Any]:
@@ -192,8 +219,10 @@ def steady_part(counters: Counters, steps: Sequence[int], hardware: Hardware) ->
         "steps": len(steps),
         "time_s": time_s,
         "step_time_s": statistics.median(_pick(counters.step_times, steps)) if steps else None,
-        **{f"{name}_per_s": _ratio(windows.total(_pick(counters.step_counts.get(name, []), steps)), time_s)
-           for name in counters.counts},
+        **{
+            f"{name}_per_s": _ratio(windows.total(_pick(counters.step_counts.get(name, []), steps)), time_s)
+            for name in counters.counts
+        },
         "tflops_per_s": tflops,
         "mfu": metrics_lib.mfu(tflops, hardware.peak_tflops_per_device, hardware.device_count),
         "energy_j": energy,
@@ -255,8 +284,7 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
     """The summary's windows for people: the steady state, the warm-up, the whole run (training and wall) and the
     one-time work, one line each; ``throughput`` words a record's ``<count>_per_s`` in the task's units."""
     steady, warmup = summary["steady"], summary["warmup"]
-    one_time = ", ".join(f"{name} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)"
-                         for name in _TALLIES)
+    one_time = ", ".join(f"{name} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)" for name in _TALLIES)
     return [
         f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
         f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "

@@ -12,11 +12,10 @@ from typing import Any
 import jax
 
 from ls_jax.layers import LayerConfig
+from train.errors import UsageError
 from train.harness.progress import Counters
 from train.harness.step import TrainState
 from train.records.checkpoints import CheckpointCorruptError, CheckpointMismatchError, Checkpoints
-from train.errors import UsageError
-
 
 # Signature keys added after checkpoints were written without them, and the value such a checkpoint has: before
 # --implementation every task trained the ls_jax model.
@@ -35,8 +34,13 @@ def layer_signature(layer: LayerConfig) -> dict[str, Any]:
 
 def stack_signature(config: Any, vocab_size: int, layer: LayerConfig, num_layers: int) -> dict[str, Any]:
     """The signature of a single stack of ``num_layers`` layers over learned positions (BERT, GPT)."""
-    return {"model": model_name(config), "vocab_size": vocab_size, **layer_signature(layer), "num_layers": num_layers,
-            "positions": layer.max_seq_len}
+    return {
+        "model": model_name(config),
+        "vocab_size": vocab_size,
+        **layer_signature(layer),
+        "num_layers": num_layers,
+        "positions": layer.max_seq_len,
+    }
 
 
 def restore_latest(
@@ -47,7 +51,8 @@ def restore_latest(
 
     A checkpoint whose files cannot be read or whose arrays fail their checksum is skipped with one line naming
     it, and the next older one is tried; once one verifies, the skipped ones are moved to
-    ``damaged-checkpoints/`` in the run directory. The run log is left as it is (see `train.records.runlog.truncate_for_resume`).
+    ``damaged-checkpoints/`` in the run directory. The run log is left as it is (see
+    `train.records.runlog.truncate_for_resume`).
 
     Raises:
       UsageError: no checkpoint, none that verifies, or one written for another model, implementation or
@@ -62,8 +67,9 @@ def restore_latest(
         try:
             restored, progress = checkpoints.restore(step, abstract, model_signature, later_keys=SIGNATURE_LATER_KEYS)
         except CheckpointMismatchError as err:
-            raise UsageError(f"{err}; a resumed run needs the vocabulary, model and implementation it was trained "
-                             "with") from err
+            raise UsageError(
+                f"{err}; a resumed run needs the vocabulary, model and implementation it was trained with"
+            ) from err
         except CheckpointCorruptError as err:
             if jax.process_index() == 0:
                 print(f"warning: skipping checkpoint {step} in {checkpoints.directory}: {err}", file=sys.stderr)
@@ -89,6 +95,8 @@ def transition(saved: tuple[int, float] | None, schedule: Any, kept: list[float]
 def say_nothing_to_do(task: str, run_dir: Path, step: int, steps: int) -> None:
     """A resumed run already at (or past) its ``--steps``: the run log stays as it is, summary included."""
     if jax.process_index() == 0:
-        print(f"{run_dir} is already at step {step} (--steps {steps}): nothing to train; to train longer, "
-              f"python -m train.{task} --resume {shlex.quote(str(run_dir))} --steps {max(steps, step) * 2}",
-              file=sys.stderr)
+        print(
+            f"{run_dir} is already at step {step} (--steps {steps}): nothing to train; to train longer, "
+            f"python -m train.{task} --resume {shlex.quote(str(run_dir))} --steps {max(steps, step) * 2}",
+            file=sys.stderr,
+        )

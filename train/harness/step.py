@@ -61,8 +61,16 @@ class TrainState:
     loss_scale: DynamicLossScale | None = None
 
     @classmethod
-    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array, *, fp16: bool,
-               param_dtype: Any = None, init_optimizer: Callable[[Any], Any] | None = None) -> TrainState:
+    def create(
+        cls,
+        params: Any,
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        *,
+        fp16: bool,
+        param_dtype: Any = None,
+        init_optimizer: Callable[[Any], Any] | None = None,
+    ) -> TrainState:
         """The step-0 state; ``param_dtype`` casts the params after the optimizer's init has seen them (master
         weights: the optimizer keeps the f32 values, the model trains the cast ones). ``init_optimizer`` replaces
         ``tx.init`` (e.g. a sharded optimizer's)."""
@@ -83,7 +91,10 @@ def _sum_trees(a: Any, b: Any) -> Any:
 
 
 def make_train_step(
-    loss_fn: LossFn, tx: optax.GradientTransformation, *, axis_name: str | None = None,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    axis_name: str | None = None,
     sharded_optimizer: ShardedOptimizer | None = None,
 ) -> Callable[[TrainState, Batch], tuple]:
     """``step(state, batch) -> (state, metrics)``; batch leaves have shape (grad_accum, rows, ...).

@@ -6,7 +6,8 @@ the H100 the compiled step's count was 38-40% of the analytic one), so the compi
 
 Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
 compilation; on a GPU each compiled step then runs once on a copy of the state (`StepCompiler.warm_up`), so neither
-does the one-time work of a first execution. The step takes the state (placed as `train.harness.parallel.StateLayout` says) and a batch sharded along its
+does the one-time work of a first execution. The step takes the state (placed as `train.harness.parallel.StateLayout`
+says) and a batch sharded along its
 row axis (axis 1, after the grad-accumulation axis), runs per device inside ``shard_map``, and donates the state.
 """
 
@@ -73,7 +74,9 @@ class StepCompiler:
         if not lowered:
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-            for (key, before), compiled in zip(lowered.items(), pool.map(lambda item: item.compile(), lowered.values())):
+            for (key, before), compiled in zip(
+                lowered.items(), pool.map(lambda item: item.compile(), lowered.values())
+            ):
                 self._store(key, before, compiled)
 
     def warm_up(self, state: TrainState) -> None:
@@ -87,8 +90,12 @@ class StepCompiler:
         scratch = self._copy_state(state)
         sharding = self._parallel.rows_sharding(1)
         for key, compiled in self._compiled.items():
-            batch = {name: jax.make_array_from_callback(shape, sharding, lambda index, s=shape, d=dtype: np.ones(s, d)[index])
-                     for name, shape, dtype in key}
+            batch = {
+                name: jax.make_array_from_callback(
+                    shape, sharding, lambda index, s=shape, d=dtype: np.ones(s, d)[index]
+                )
+                for name, shape, dtype in key
+            }
             scratch, _ = compiled(scratch, batch)
         jax.block_until_ready(scratch)
 
@@ -101,7 +108,9 @@ class StepCompiler:
     def lower(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         """The step lowered for ``batch``'s shapes (arrays or ShapeDtypeStructs), the batch sharded along its rows."""
         sharding = self._parallel.rows_sharding(1)
-        abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()}
+        abstract = {
+            name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for name, value in batch.items()
+        }
         return self._jitted.lower(state, abstract)
 
     def _store(self, key: tuple, lowered: Any, compiled: Any) -> None:

@@ -23,30 +23,33 @@ import optax
 from tqdm import tqdm
 
 from ls_jax import backend as backend_lib
-from train.harness import cli, peers, progress
-from train.harness.progress import format_value
-from train.costs import memory, memory_budget
-from train.records import runlog
-from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
-from train.data.stream import EpochStream
-from train.costs.hardware import Hardware, detect_hardware
-from train.harness.loop import LoopConfig, TrainResult, train
-from train.harness.signals import StopSignals
-from train.harness import optimizer as optimizer_lib
-from train.costs.compiled import optimizer_step_kernels
 from ls_jax.optim import shard_optimizer
-from train.harness.parallel import (DATA_AXIS, DataParallel, StateLayout, from_process_zero, initialize_distributed,
-                            wait_for_processes)
+from train.costs import memory, memory_budget
+from train.costs.compiled import optimizer_step_kernels
+from train.costs.hardware import Hardware, detect_hardware
 from train.costs.precision import master_dtype, precision_signature
-from train.records import rundir
-from train.records.rundir import load_saved_config, save_config
+from train.data.stream import EpochStream
+from train.harness import cli, peers, progress, resume
 from train.harness import config as config_lib
-from train.harness import resume
+from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
-from train.records.runlog import RunLog
-from train.harness.progress import Counters
+from train.harness.loop import LoopConfig, TrainResult, train
+from train.harness.parallel import (
+    DATA_AXIS,
+    DataParallel,
+    StateLayout,
+    from_process_zero,
+    initialize_distributed,
+    wait_for_processes,
+)
+from train.harness.progress import Counters, format_value
+from train.harness.signals import StopSignals
 from train.harness.step import LossFn, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
+from train.records import rundir, runlog
+from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
+from train.records.rundir import load_saved_config, save_config
+from train.records.runlog import RunLog
 
 BatchShapes = dict[str, tuple[tuple[int, ...], Any]]  # name -> (global shape, dtype)
 
@@ -125,8 +128,10 @@ def _start(task: Task, argv: list[str]) -> int:
     with rundir.claim(config.resume, config.run_dir, run_id, command=command, owner=owner) as claimed:
         if from_process_zero("restart", "yes" if claimed.restart else "no") == "yes":
             if owner:
-                print(f"{claimed.path}: its run stopped before its first checkpoint; starting it again from step 0",
-                      file=sys.stderr)
+                print(
+                    f"{claimed.path}: its run stopped before its first checkpoint; starting it again from step 0",
+                    file=sys.stderr,
+                )
             config = config.replace(resume=None, lr_transition=None)  # starts over, on the schedule of its --steps
         wait_for_processes("run directory checked")  # before process 0 starts the run log there
         run_dir = claimed.path
@@ -137,8 +142,9 @@ def _start(task: Task, argv: list[str]) -> int:
                 return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
 
 
-def state_builder(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any,
-                  layout: StateLayout) -> Callable[[Any], TrainState]:
+def state_builder(
+    setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any, layout: StateLayout
+) -> Callable[[Any], TrainState]:
     """``create(pretrained) -> TrainState``: the step-0 state from the pretrained params or ones drawn from the init
     key; with a sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
     init_key, train_key = jax.random.split(setup.init_rng)
@@ -147,7 +153,9 @@ def state_builder(setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: b
 
     def create(pretrained):
         params = setup.init_params(init_key) if pretrained is None else pretrained
-        return TrainState.create(params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer)
+        return TrainState.create(
+            params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer
+        )
 
     return create
 
@@ -160,11 +168,18 @@ def check_memory(task: Task, setup: TaskSetup, state: TrainState, layout: StateL
         return
     shards = layout.parallel.num_shards
     largest = max(setup.batch_shapes, key=lambda shapes: sum(np.prod(shape) for shape, _ in shapes.values()))
-    micro_batch = {name: jax.ShapeDtypeStruct((shape[1] // shards, *shape[2:]), dtype)
-                   for name, (shape, dtype) in largest.items()}
+    micro_batch = {
+        name: jax.ShapeDtypeStruct((shape[1] // shards, *shape[2:]), dtype) for name, (shape, dtype) in largest.items()
+    }
     accumulated = next(iter(largest.values()))[0][0] > 1
-    need = memory_budget.estimate(setup.loss_fn, state.params, state.opt_state, micro_batch, accumulated=accumulated,
-                                  optimizer_shards=shards if layout.sharded_optimizer else 1)
+    need = memory_budget.estimate(
+        setup.loss_fn,
+        state.params,
+        state.opt_state,
+        micro_batch,
+        accumulated=accumulated,
+        optimizer_shards=shards if layout.sharded_optimizer else 1,
+    )
     memory_budget.check(need, limit, task.memory_advice)
 
 
@@ -172,11 +187,14 @@ def make_layout(config: TrainingConfig, tx: optax.GradientTransformation, parall
     """Replicated state, or with ``--shard-optimizer`` the optimizer state split over the data axis (ZeRO-1)."""
     if not config.shard_optimizer:
         return StateLayout(parallel)
-    return StateLayout(parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False))
+    return StateLayout(
+        parallel, shard_optimizer(tx, DATA_AXIS, num_shards=parallel.num_shards, average_gradients=False)
+    )
 
 
-def optimizer_fields(config: TrainingConfig, tx: optax.GradientTransformation, state: TrainState,
-                     layout: StateLayout) -> dict[str, Any]:
+def optimizer_fields(
+    config: TrainingConfig, tx: optax.GradientTransformation, state: TrainState, layout: StateLayout
+) -> dict[str, Any]:
     """The run record's ``optimizer*`` keys: name, implementation, hyperparameters, kernels per step (counted when
     the optimizer state is not sharded)."""
     name = config.optimizer
@@ -184,8 +202,7 @@ def optimizer_fields(config: TrainingConfig, tx: optax.GradientTransformation, s
     return {
         "optimizer": name,
         "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
-        "optimizer_hyperparameters": optimizer_lib.hyperparameters(
-            name, cli.hyperparameters(config)),
+        "optimizer_hyperparameters": optimizer_lib.hyperparameters(name, cli.hyperparameters(config)),
         "optimizer_kernels_per_step": kernels,
     }
 
@@ -225,21 +242,31 @@ def _train(task: Task, run: Run) -> int:
         run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
         if not config.resume:
-            run_log.write(progress.run_record(
-                task.name, run, hardware, optimizer=optimizer_fields(config, prepared.tx, state, layout),
-                implementation=setup.implementation, model=setup.model_name,
-                params=param_count(state.params), batch=setup.batch_record, data=setup.data_record,
-                config=setup.config_record,
-            ))
+            run_log.write(
+                progress.run_record(
+                    task.name,
+                    run,
+                    hardware,
+                    optimizer=optimizer_fields(config, prepared.tx, state, layout),
+                    implementation=setup.implementation,
+                    model=setup.model_name,
+                    params=param_count(state.params),
+                    batch=setup.batch_record,
+                    data=setup.data_record,
+                    config=setup.config_record,
+                )
+            )
         if jax.process_index() == 0:
             shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
             print(f"compiling the training step{shapes}", file=sys.stderr, flush=True)
         result = train(
             state,
             compiler=StepCompiler(
-                make_train_step(setup.loss_fn, prepared.tx, axis_name=DATA_AXIS,
-                                sharded_optimizer=layout.sharded_optimizer),
-                layout, state,
+                make_train_step(
+                    setup.loss_fn, prepared.tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer
+                ),
+                layout,
+                state,
             ),
             parallel=layout.parallel,
             stream=prepared.stream,
@@ -251,8 +278,12 @@ def _train(task: Task, run: Run) -> int:
             checkpoints=prepared.checkpoints,
             model_signature=prepared.signature,
             config=LoopConfig(
-                num_steps=setup.steps, log_every=config.log_every, eval_every=setup.eval_every,
-                checkpoint_every=setup.checkpoint_every, progress_bar=config.progress, started_at=run.started_at,
+                num_steps=setup.steps,
+                log_every=config.log_every,
+                eval_every=setup.eval_every,
+                checkpoint_every=setup.checkpoint_every,
+                progress_bar=config.progress,
+                started_at=run.started_at,
             ),
             counters=prepared.counters,
             signals=signals,
@@ -261,11 +292,17 @@ def _train(task: Task, run: Run) -> int:
     return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
 
 
-def _optimizer(config: TrainingConfig, schedule: optax.Schedule, param_dtype: Any,
-               parallel: DataParallel) -> tuple[optax.GradientTransformation, StateLayout]:
-    tx = optimizer_lib.make_optimizer(config.optimizer, schedule, weight_decay=config.weight_decay,
-                                      clip_norm=config.clip_norm, master_dtype=param_dtype,
-                                      **cli.hyperparameters(config))
+def _optimizer(
+    config: TrainingConfig, schedule: optax.Schedule, param_dtype: Any, parallel: DataParallel
+) -> tuple[optax.GradientTransformation, StateLayout]:
+    tx = optimizer_lib.make_optimizer(
+        config.optimizer,
+        schedule,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+        master_dtype=param_dtype,
+        **cli.hyperparameters(config),
+    )
     return tx, make_layout(config, tx, parallel)
 
 
@@ -281,10 +318,13 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
 
     setup = task.setup(run, precision, parallel)
     plan = setup.learning_rate
-    setup = dataclasses.replace(setup,
-                                learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
-    signature = {**setup.model_signature, "implementation": setup.implementation, "optimizer": config.optimizer,
-                 **precision_signature(config.master_weights, precision)}
+    setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
+    signature = {
+        **setup.model_signature,
+        "implementation": setup.implementation,
+        "optimizer": config.optimizer,
+        **precision_signature(config.master_weights, precision),
+    }
     param_dtype = master_dtype(config.master_weights, precision)
     tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
     create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
@@ -294,16 +334,18 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config.resume:
-        saved, step, position, counters, rate = resume.restore_latest(checkpoints, layout.saved_abstract(state),
-                                                                      signature, run_dir)
+        saved, step, position, counters, rate = resume.restore_latest(
+            checkpoints, layout.saved_abstract(state), signature, run_dir
+        )
         state = layout.from_saved(saved)
         if step >= setup.steps and rundir.finished(run_dir):
             resume.say_nothing_to_do(task.name, run_dir, step, setup.steps)
             checkpoints.close()
             hardware.energy.close()
             return None
-        transition = resume.transition(None if rate is None else (step, rate),
-                                       optimizer_lib.on_host(setup.learning_rate), config.lr_transition)
+        transition = resume.transition(
+            None if rate is None else (step, rate), optimizer_lib.on_host(setup.learning_rate), config.lr_transition
+        )
         changed = transition != config.lr_transition
         if changed:  # the same optimizer state, with the schedule the run goes on with
             config = config.replace(lr_transition=transition)
@@ -329,8 +371,9 @@ def throughput(counted: Sequence[str], summary: Mapping[str, Any]) -> str:
     return ", ".join(f"{format_rate(summary.get(f'{name}_per_s'))} {name.replace('_', ' ')}/s" for name in counted)
 
 
-def reporting(task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
-              steps: int) -> Callable[[TrainState, bool], list[dict[str, Any]]]:
+def reporting(
+    task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]], steps: int
+) -> Callable[[TrainState, bool], list[dict[str, Any]]]:
     """``evaluate`` that also prints each evaluation during training as one line, ``step 100/300  evaluation:
     valid perplexity 12.345`` (the final one is in the summary), on the main host."""
 
@@ -344,8 +387,9 @@ def reporting(task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, 
     return run
 
 
-def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints,
-            hardware: Hardware) -> int:
+def _finish(
+    task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoints: Checkpoints, hardware: Hardware
+) -> int:
     """Closes the run, prints its summary on the main host and returns the process exit code (`cli.exit_code`)."""
     run_log.close()
     checkpoints.close()
@@ -354,20 +398,29 @@ def _finish(task: Task, run: Run, result: TrainResult, run_log: RunLog, checkpoi
     if jax.process_index() == 0:
         s = result.summary
         log_path = run_dir / runlog.LOG_FILENAME
-        evals = [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]] if log_path.exists() else []
+        evals = (
+            [r for r in runlog.read(log_path) if r["type"] == "eval" and r["step"] == s["steps"]]
+            if log_path.exists()
+            else []
+        )
         scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
         source = s["energy_source"]
         energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
-            source, f"measured ({source})")
-        print("\n".join([
-            f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-            f"({s['wall_time_s']:.1f} s wall); energy {energy}",
-            *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
-            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
-            f"  memory      {memory.describe(s['memory'])}",
-            f"  run log     {log_path}",
-            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
-            f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
-        ]))
+            source, f"measured ({source})"
+        )
+        print(
+            "\n".join(
+                [
+                    f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
+                    f"({s['wall_time_s']:.1f} s wall); energy {energy}",
+                    *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
+                    f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+                    f"  memory      {memory.describe(s['memory'])}",
+                    f"  run log     {log_path}",
+                    f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
+                    f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
+                    f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
+                ]
+            )
+        )
     return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

@@ -1,7 +1,8 @@
-"""``python -m train.imdb``, sequence classification: BERT fine-tuned on reviews (IMDB, local files, or the embedded synthetic task).
+"""``python -m train.imdb``, sequence classification: BERT fine-tuned on reviews (IMDB, local files, or the embedded
+synthetic task).
 
-  task        the flags, defaults and one run's setup (`TASK`, run by `train.harness.training`)
-  data        reading and batching the data
-  model       the model, its loss and FLOP count
-  synthetic   the embedded task a first run trains on, offline
+task        the flags, defaults and one run's setup (`TASK`, run by `train.harness.training`)
+data        reading and batching the data
+model       the model, its loss and FLOP count
+synthetic   the embedded task a first run trains on, offline
 """

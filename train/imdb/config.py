@@ -12,6 +12,7 @@ from train.errors import UsageError
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
+
 WARMUP_FRACTION = 0.1  # of the training steps, when --warmup-steps is not given
 
 
@@ -76,45 +77,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.imdb",
         description="Fine-tune BERT for sentiment classification; with no arguments, a few minutes on the embedded "
-                    "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "
-                    "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
+        "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "
+        "(docs/run-log.md), TensorBoard events and checkpoints to its run directory.",
         epilog=cli.defaults_epilog(
-            ImdbConfig, REAL_DATA_DEFAULTS,
+            ImdbConfig,
+            REAL_DATA_DEFAULTS,
             notes=f"--steps: epochs x steps per epoch; --warmup-steps: {WARMUP_FRACTION:.0%} of the steps (linear "
-                  "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch (--eval-every 0: "
-                  "only at the end)\n",
+            "warmup, then linear decay to 0);\n--eval-every and --checkpoint-every: one epoch (--eval-every 0: "
+            "only at the end)\n",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
     group = parser.add_argument_group("data")
-    group.add_argument("--data", help="synthetic | csv:PATH | jsonl:PATH | tfds:NAME (e.g. tfds:imdb_reviews; "
-                                      "needs tensorflow-datasets)")
-    group.add_argument("--test-data", help="csv:PATH | jsonl:PATH | tfds:NAME: the test set (default: the "
-                                           "source's own test split where it has one)")
-    group.add_argument("--valid-fraction", type=float,
-                       help="fraction of the training examples held out (by --seed) for validation")
+    group.add_argument(
+        "--data",
+        help="synthetic | csv:PATH | jsonl:PATH | tfds:NAME (e.g. tfds:imdb_reviews; needs tensorflow-datasets)",
+    )
+    group.add_argument(
+        "--test-data",
+        help="csv:PATH | jsonl:PATH | tfds:NAME: the test set (default: the source's own test split where it has one)",
+    )
+    group.add_argument(
+        "--valid-fraction", type=float, help="fraction of the training examples held out (by --seed) for validation"
+    )
     group.add_argument("--text-field", help="column / JSON key / tfds feature holding the text")
-    group.add_argument("--label-field", help="column / JSON key / tfds feature holding the label (0 .. "
-                                             "num_labels - 1)")
+    group.add_argument("--label-field", help="column / JSON key / tfds feature holding the label (0 .. num_labels - 1)")
     group.add_argument("--tfds-data-dir", help="TensorFlow Datasets data_dir")
-    group.add_argument("--vocab-size", type=int, help="size of the sentencepiece vocabulary trained on the "
-                                                      "training text (not with --init-from)")
-    group.add_argument("--max-seq-len", type=int,
-                       help="tokens per example, [CLS] and [SEP] included: longer texts are cut, and EVERY batch is "
-                            "padded to this length, so the training step has one shape and compiles once")
-    group.add_argument("--batch-size", type=int, help="examples per micro-batch over all devices (a multiple of the "
-                                                      "device count)")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="size of the sentencepiece vocabulary trained on the training text (not with --init-from)",
+    )
+    group.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="tokens per example, [CLS] and [SEP] included: longer texts are cut, and EVERY batch is "
+        "padded to this length, so the training step has one shape and compiles once",
+    )
+    group.add_argument(
+        "--batch-size", type=int, help="examples per micro-batch over all devices (a multiple of the device count)"
+    )
     group.add_argument("--epochs", type=int, help="passes over the training examples (--steps overrides it)")
 
     group = parser.add_argument_group("model")
-    cli.add_implementation_argument(group, "the BERT of train/reference/zoo.py, written as Hugging Face's Flax BERT "
-                                           "is (--init-from weights map onto it)")
+    cli.add_implementation_argument(
+        group,
+        "the BERT of train/reference/zoo.py, written as Hugging Face's Flax BERT is (--init-from weights map onto it)",
+    )
     group.add_argument("--preset", help=f"BERT shape for a randomly initialized model: {', '.join(PRESETS)}")
-    group.add_argument("--init-from", metavar="DIR",
-                       help="a local Hugging Face BERT directory (config.json, model.safetensors or "
-                            "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
-                            "initialized when it has none) and its tokenizer; needs transformers")
+    group.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="a local Hugging Face BERT directory (config.json, model.safetensors or "
+        "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
+        "initialized when it has none) and its tokenizer; needs transformers",
+    )
     group.add_argument("--num-labels", type=int, help="classes (default 2; with --init-from the checkpoint's)")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the model")
     cli.add_training_arguments(parser)
@@ -137,8 +155,17 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 def check_config(config: ImdbConfig) -> None:
     cli.check_ranges(
         config,
-        at_least_one=("steps", "epochs", "batch_size", "grad_accum", "log_every", "checkpoint_every",
-                      "keep_checkpoints", "vocab_size", "num_labels"),
+        at_least_one=(
+            "steps",
+            "epochs",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "vocab_size",
+            "num_labels",
+        ),
         non_negative=("warmup_steps", "weight_decay", "clip_norm", "eval_every"),
         fractions=("valid_fraction", "dropout"),
     )
@@ -168,5 +195,4 @@ class Schedule:
         if warmup >= steps:
             raise UsageError(f"--warmup-steps {warmup} leaves no step of the {steps} to train at the peak rate")
         eval_every = steps_per_epoch if config.eval_every is None else config.eval_every  # 0: at the end only
-        return cls(steps_per_epoch, steps, warmup, eval_every,
-                   config.checkpoint_every or steps_per_epoch)
+        return cls(steps_per_epoch, steps, warmup, eval_every, config.checkpoint_every or steps_per_epoch)

@@ -30,12 +30,12 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from train.imdb import synthetic as imdb_synthetic
 from train.data import files as files_lib
-from train.data import tokenizer as tokenizer_lib
 from train.data import stream as data_lib
+from train.data import tokenizer as tokenizer_lib
 from train.data.stream import EpochStream, host_rows, import_tfds
 from train.errors import DataError, UsageError
+from train.imdb import synthetic as imdb_synthetic
 
 SPLITS = ("train", "valid", "test")
 FILL_LABEL = -1  # the label of an empty row that fills up the last step of an epoch
@@ -61,8 +61,9 @@ class Split:
 # ------------------------------------------------------------------------------------- the synthetic task
 
 
-def synthetic_splits(seed: int, *, train: int = SYNTHETIC_TRAIN_EXAMPLES, test: int = SYNTHETIC_TEST_EXAMPLES
-                     ) -> dict[str, Split]:
+def synthetic_splits(
+    seed: int, *, train: int = SYNTHETIC_TRAIN_EXAMPLES, test: int = SYNTHETIC_TEST_EXAMPLES
+) -> dict[str, Split]:
     """``train`` and ``test`` reviews of `train.imdb.synthetic` seeded with ``seed``; no text is in both."""
     texts, labels = imdb_synthetic.distinct_reviews(train + test, seed)
     return {
@@ -83,15 +84,18 @@ def parse_label(value: Any, where: str) -> int:
     raise DataError(f"{where}: label {value!r} is not a class index (an integer >= 0)")
 
 
-def _split_from_rows(rows: Iterator[tuple[str, dict[str, Any]]], source: str, text_field: str, label_field: str
-                     ) -> Split:
+def _split_from_rows(
+    rows: Iterator[tuple[str, dict[str, Any]]], source: str, text_field: str, label_field: str
+) -> Split:
     """A Split from (where, record) pairs; DataError naming the first record without a field or a bad label."""
     texts, labels = [], []
     for where, record in rows:
         missing = [field for field in (text_field, label_field) if field not in record]
         if missing:
-            raise DataError(f"{where}: no field {missing[0]!r} (fields: {', '.join(map(str, record))}); "
-                            f"choose them with --text-field / --label-field")
+            raise DataError(
+                f"{where}: no field {missing[0]!r} (fields: {', '.join(map(str, record))}); "
+                f"choose them with --text-field / --label-field"
+            )
         if not isinstance(record[text_field], str):
             raise DataError(f"{where}: {text_field!r} is {type(record[text_field]).__name__}, not text")
         texts.append(record[text_field])
@@ -152,8 +156,10 @@ def read_tfds(name: str, split: str, text_field: str, label_field: str, data_dir
         raise DataError(f"cannot load tfds:{name} split {split}: {type(err).__name__}: {err}") from err
     where = f"tfds:{name} {split}"
     records = (
-        (f"{where} example {number}",
-         {key: value.decode("utf-8") if isinstance(value, bytes) else value for key, value in example.items()})
+        (
+            f"{where} example {number}",
+            {key: value.decode("utf-8") if isinstance(value, bytes) else value for key, value in example.items()},
+        )
         for number, example in enumerate(tfds.as_numpy(dataset))
     )
     return _split_from_rows(records, where, text_field, label_field)
@@ -168,24 +174,35 @@ def read_source(spec: str, *, split: str, text_field: str, label_field: str, tfd
         return read_jsonl(location, text_field, label_field)
     if kind == "tfds" and location:
         return read_tfds(location, split, text_field, label_field, tfds_data_dir)
-    raise UsageError(f"{spec!r} is not a data source: expected csv:PATH, jsonl:PATH or tfds:NAME (or synthetic for "
-                    "--data)")
+    raise UsageError(
+        f"{spec!r} is not a data source: expected csv:PATH, jsonl:PATH or tfds:NAME (or synthetic for --data)"
+    )
 
 
 def hold_out(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
     """(rest, held out): ``round(fraction * n)`` examples drawn by ``seed``; both keep their original order."""
     count = round(fraction * len(split))
     if fraction > 0 and not 0 < count < len(split):
-        raise DataError(f"--valid-fraction {fraction} of {len(split)} training examples leaves "
-                        f"{count} for validation and {len(split) - count} for training; both need at least one")
+        raise DataError(
+            f"--valid-fraction {fraction} of {len(split)} training examples leaves "
+            f"{count} for validation and {len(split) - count} for training; both need at least one"
+        )
     chosen = np.zeros(len(split), bool)
     chosen[np.random.default_rng(seed).permutation(len(split))[:count]] = True
     held_out = split.take(np.flatnonzero(chosen))
     return split.take(np.flatnonzero(~chosen)), dataclasses.replace(held_out, source=f"{split.source} (held out)")
 
 
-def read_dataset(data: str, *, test_data: str | None, valid_fraction: float, seed: int, text_field: str,
-                 label_field: str, tfds_data_dir: str | None) -> dict[str, Split]:
+def read_dataset(
+    data: str,
+    *,
+    test_data: str | None,
+    valid_fraction: float,
+    seed: int,
+    text_field: str,
+    label_field: str,
+    tfds_data_dir: str | None,
+) -> dict[str, Split]:
     """The train, valid and (when there is one) test splits of ``--data`` / ``--test-data``.
 
     The test split is ``--test-data`` when given, else the source's own (synthetic, tfds ``test``); the
@@ -261,8 +278,10 @@ class HuggingFaceVocabulary:
         try:
             from transformers import BertTokenizerFast
         except ImportError as err:
-            raise ImportError("--init-from needs transformers for the checkpoint's tokenizer: "
-                              "pip install 'ls-jax[hf]' (or pip install transformers)") from err
+            raise ImportError(
+                "--init-from needs transformers for the checkpoint's tokenizer: "
+                "pip install 'ls-jax[hf]' (or pip install transformers)"
+            ) from err
         return cls(BertTokenizerFast.from_pretrained(str(directory), local_files_only=True))
 
     @property
@@ -285,9 +304,7 @@ def train_vocabulary(texts: Sequence[str], path: Path, *, vocab_size: int, seed:
     BPE, like BERT's WordPiece, keeps frequent words whole; a unigram model trained on a small corpus splits even
     words such as "not" into pieces.
     """
-    return SentencePieceVocabulary(
-        tokenizer_lib.train(texts, path, vocab_size=vocab_size, model_type="bpe", seed=seed)
-    )
+    return SentencePieceVocabulary(tokenizer_lib.train(texts, path, vocab_size=vocab_size, model_type="bpe", seed=seed))
 
 
 # ------------------------------------------------------------------------------------------------ encoding
@@ -354,8 +371,9 @@ class BatchStream(EpochStream):
     grad_accum: int
 
     def _plan_for(self, epoch: int) -> np.ndarray:
-        return data_lib.plan_fixed_epoch(len(self.data), batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed,
-                          epoch=epoch)
+        return data_lib.plan_fixed_epoch(
+            len(self.data), batch_size=self.batch_size, grad_accum=self.grad_accum, seed=self.seed, epoch=epoch
+        )
 
     def _batch(self, step: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         local = host_rows(step, self.process_index, self.process_count)

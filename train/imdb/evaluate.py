@@ -15,7 +15,6 @@ from train.imdb import data as imdb_data
 from train.imdb.model import Classifier, classification_sums
 
 
-
 class Evaluator:
     """Loss and accuracy on the evaluation splits, in batches of the training batch size (one more compiled shape).
 
@@ -47,5 +46,3 @@ class Evaluator:
     def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         splits = self.splits if final else self.splits[:1]
         return [self.evaluate_split(state.params, name) for name in splits]
-
-

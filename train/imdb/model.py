@@ -37,13 +37,13 @@ def preset_config(name: str, *, vocab_size: int, num_labels: int, **layer_overri
     return BertConfig.preset(preset["base"], layer=layer, vocab_size=vocab_size, num_labels=num_labels, **depth)
 
 
-def build_model(config: ImdbConfig, vocab_size: int, precision: str, rng: jax.Array
-                ) -> tuple[BertConfig, dict[str, Any] | None]:
+def build_model(
+    config: ImdbConfig, vocab_size: int, precision: str, rng: jax.Array
+) -> tuple[BertConfig, dict[str, Any] | None]:
     """(model config, pretrained params or None for a random initialization)."""
     overrides = _layer_overrides(config, precision)
     if not config.init_from:
-        return preset_config(config.preset, vocab_size=vocab_size, num_labels=config.num_labels or 2,
-                             **overrides), None
+        return preset_config(config.preset, vocab_size=vocab_size, num_labels=config.num_labels or 2, **overrides), None
     try:
         model_cfg, params = hf.load_pretrained(config.init_from, rng=rng, **overrides)
     except ValueError as err:
@@ -51,8 +51,10 @@ def build_model(config: ImdbConfig, vocab_size: int, precision: str, rng: jax.Ar
     if not isinstance(model_cfg, BertConfig):
         raise UsageError(f"--init-from {config.init_from} holds a {type(model_cfg).__name__}, not a BERT model")
     if vocab_size > model_cfg.vocab_size:
-        raise UsageError(f"--init-from {config.init_from}: the tokenizer has {vocab_size} tokens but the model "
-                         f"only {model_cfg.vocab_size} embeddings")
+        raise UsageError(
+            f"--init-from {config.init_from}: the tokenizer has {vocab_size} tokens but the model "
+            f"only {model_cfg.vocab_size} embeddings"
+        )
     return model_cfg, params
 
 
@@ -65,8 +67,9 @@ class Classifier:
     implementation: str  # "ls_jax" or "flax"
     pad_id: int
 
-    def logits(self, params: Any, input_ids: jax.Array, *, deterministic: bool,
-               rng: jax.Array | None = None) -> jax.Array:
+    def logits(
+        self, params: Any, input_ids: jax.Array, *, deterministic: bool, rng: jax.Array | None = None
+    ) -> jax.Array:
         """input_ids (B, T) int, each row's tokens then ``pad_id`` -> logits (B, num_labels); dropout from
         ``rng`` unless ``deterministic``."""
         rngs = None if rng is None else {"dropout": rng}
@@ -74,16 +77,14 @@ class Classifier:
         lengths = jnp.sum(input_ids != self.pad_id, axis=-1, dtype=jnp.int32)
         if self.implementation == "flax":
             return self.module.apply({"params": params}, input_ids, lengths, deterministic, rngs=rngs)
-        return self.module.apply({"params": params}, input_ids, lengths=lengths, deterministic=deterministic,
-                                 rngs=rngs)
+        return self.module.apply({"params": params}, input_ids, lengths=lengths, deterministic=deterministic, rngs=rngs)
 
     def init(self, key: jax.Array, seq_len: int) -> Any:
         """Random parameters for rows of ``seq_len`` tokens."""
         return self.module.init(key, jnp.ones((1, seq_len), jnp.int32), None)["params"]
 
 
-def build_classifier(config: ImdbConfig, model_cfg: BertConfig, pretrained: Any, pad_id: int
-                     ) -> tuple[Classifier, Any]:
+def build_classifier(config: ImdbConfig, model_cfg: BertConfig, pretrained: Any, pad_id: int) -> tuple[Classifier, Any]:
     """The model of ``--implementation`` for ``model_cfg``, and the pretrained parameters (None: random) in its
     layout.
 
@@ -110,10 +111,11 @@ def reference_config(model_cfg: BertConfig) -> ZooConfig:
     """
     layer = model_cfg.layer
     if model_cfg.classifier_dropout not in (None, layer.hidden_dropout_ratio):
-        raise ValueError(f"the plain Flax bert cannot compute this model: classifier dropout "
-                         f"{model_cfg.classifier_dropout} (the reference's: the hidden dropout)")
-    return from_ls_jax.zoo_config(layer, kind="bert", vocab_size=model_cfg.vocab_size,
-                                  num_layers=model_cfg.num_layers)
+        raise ValueError(
+            f"the plain Flax bert cannot compute this model: classifier dropout "
+            f"{model_cfg.classifier_dropout} (the reference's: the hidden dropout)"
+        )
+    return from_ls_jax.zoo_config(layer, kind="bert", vocab_size=model_cfg.vocab_size, num_layers=model_cfg.num_layers)
 
 
 def model_signature(config: ImdbConfig, model_cfg: BertConfig) -> dict[str, Any]:
@@ -150,8 +152,14 @@ def make_flops_fn(model_cfg: BertConfig):
     def flops(shapes: Mapping[str, tuple[int, ...]]) -> float:
         grad_accum, rows, length = shapes["input_ids"]
         encoder = metrics.transformer_train_flops(
-            batch=rows, src_len=length, tgt_len=0, hidden=layer.hidden_size, ffn=layer.intermediate_size,
-            encoder_layers=model_cfg.num_layers, decoder_layers=0, vocab=0,
+            batch=rows,
+            src_len=length,
+            tgt_len=0,
+            hidden=layer.hidden_size,
+            ffn=layer.intermediate_size,
+            encoder_layers=model_cfg.num_layers,
+            decoder_layers=0,
+            vocab=0,
         )
         head = 3 * 2 * rows * layer.hidden_size * (layer.hidden_size + model_cfg.num_labels)
         return grad_accum * (encoder + head)

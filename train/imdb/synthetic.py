@@ -20,17 +20,56 @@ import numpy as np
 # to leave its starting plateau early: a 12-layer, width-256 BERT at batch 32 left it after about 100 steps with one
 # in five negated, after about 275 (or not within the 338 steps of an epoch) with one in three.
 SUBJECTS = (
-    "the movie", "the film", "the plot", "the acting", "the script", "the ending", "the soundtrack", "the cast",
-    "the dialogue", "the story", "the camera work", "the villain", "the pacing", "the lead actress", "the sequel",
+    "the movie",
+    "the film",
+    "the plot",
+    "the acting",
+    "the script",
+    "the ending",
+    "the soundtrack",
+    "the cast",
+    "the dialogue",
+    "the story",
+    "the camera work",
+    "the villain",
+    "the pacing",
+    "the lead actress",
+    "the sequel",
 )
 LINKING_VERBS = ("was", "is", "felt", "seemed")
 POSITIVE_ADJECTIVES = (
-    "good", "great", "wonderful", "brilliant", "moving", "funny", "clever", "beautiful", "charming", "gripping",
-    "superb", "delightful", "fresh", "smart", "entertaining",
+    "good",
+    "great",
+    "wonderful",
+    "brilliant",
+    "moving",
+    "funny",
+    "clever",
+    "beautiful",
+    "charming",
+    "gripping",
+    "superb",
+    "delightful",
+    "fresh",
+    "smart",
+    "entertaining",
 )
 NEGATIVE_ADJECTIVES = (
-    "bad", "awful", "boring", "dull", "terrible", "weak", "silly", "clumsy", "tedious", "lame", "messy", "bland",
-    "painful", "stupid", "forgettable",
+    "bad",
+    "awful",
+    "boring",
+    "dull",
+    "terrible",
+    "weak",
+    "silly",
+    "clumsy",
+    "tedious",
+    "lame",
+    "messy",
+    "bland",
+    "painful",
+    "stupid",
+    "forgettable",
 )
 NEUTRAL_ADJECTIVES = ("long", "short", "loud", "old", "new", "dark", "colorful", "foreign", "familiar", "unusual")
 # (base form, past tense): "i loved the plot", "i did not love the plot".
@@ -39,9 +78,16 @@ NEGATIVE_VERBS = (("hate", "hated"), ("dislike", "disliked"), ("regret", "regret
 INTENSIFIERS = ("very", "really", "extremely", "truly", "incredibly")
 DOWNTONERS = ("somewhat", "slightly", "a bit", "fairly", "mildly")
 REMARKS = (
-    "i saw it last week", "my friend recommended it", "it is about two brothers", "it runs about two hours",
-    "i watched it on a sunday", "it was shot in canada", "the theater was half empty", "i went with my sister",
-    "it came out in the nineties", "it is based on a novel",
+    "i saw it last week",
+    "my friend recommended it",
+    "it is about two brothers",
+    "it runs about two hours",
+    "i watched it on a sunday",
+    "it was shot in canada",
+    "the theater was half empty",
+    "i went with my sister",
+    "it came out in the nineties",
+    "it is based on a novel",
 )
 CONNECTIVES = ("and", ".", ";", ", and")
 MODIFIERS = ("", *INTENSIFIERS, *DOWNTONERS)

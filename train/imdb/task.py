@@ -43,7 +43,6 @@ from train.imdb.evaluate import Evaluator
 from train.imdb.model import build_classifier, build_model, make_flops_fn, make_loss_fn, model_signature
 
 
-
 def _vocabulary(config: ImdbConfig, run_dir: Path, train: imdb_data.Split) -> imdb_data.Vocabulary:
     """The checkpoint's tokenizer (--init-from), the run directory's (--resume), or one trained on ``train``."""
     if config.init_from:
@@ -59,8 +58,13 @@ def _vocabulary(config: ImdbConfig, run_dir: Path, train: imdb_data.Split) -> im
 
 def load_data(config: ImdbConfig, run_dir: Path) -> imdb_data.Prepared:
     splits = imdb_data.read_dataset(
-        config.data, test_data=config.test_data, valid_fraction=config.valid_fraction, seed=config.seed,
-        text_field=config.text_field, label_field=config.label_field, tfds_data_dir=config.tfds_data_dir,
+        config.data,
+        test_data=config.test_data,
+        valid_fraction=config.valid_fraction,
+        seed=config.seed,
+        text_field=config.text_field,
+        label_field=config.label_field,
+        tfds_data_dir=config.tfds_data_dir,
     )
     vocabulary = _vocabulary(config, run_dir, splits["train"])
     encoded = {name: imdb_data.encode_split(vocabulary, split, config.max_seq_len) for name, split in splits.items()}
@@ -80,16 +84,19 @@ def check_labels(data: imdb_data.Prepared, num_labels: int, fix: str) -> None:
     for name, split in data.splits.items():
         largest = int(split.labels.max())
         if largest >= num_labels:
-            raise DataError(f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
-                             f"labels (0 .. {num_labels - 1}); {fix}")
-
+            raise DataError(
+                f"{data.stats[name]['source']} has label {largest}, but the model has {num_labels} "
+                f"labels (0 .. {num_labels - 1}); {fix}"
+            )
 
 
 def _check_shapes(config: ImdbConfig, model_cfg: BertConfig, parallel: DataParallel) -> None:
     positions = model_cfg.layer.max_seq_len
     if config.max_seq_len > positions:
-        raise UsageError(f"--max-seq-len {config.max_seq_len} exceeds the model's {positions} positions "
-                         f"({resume.model_name(config)})")
+        raise UsageError(
+            f"--max-seq-len {config.max_seq_len} exceeds the model's {positions} positions "
+            f"({resume.model_name(config)})"
+        )
     if config.batch_size % parallel.num_shards:
         raise UsageError(f"--batch-size {config.batch_size} is not a multiple of the {parallel.num_shards} devices")
 
@@ -101,12 +108,17 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     model_key, head_key = jax.random.split(jax.random.PRNGKey(config.seed))
     model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
     _check_shapes(config, model_cfg, parallel)
-    check_labels(data, model_cfg.num_labels,
-                 "the checkpoint's config.json sets them" if config.init_from else "set --num-labels")
+    check_labels(
+        data, model_cfg.num_labels, "the checkpoint's config.json sets them" if config.init_from else "set --num-labels"
+    )
     classifier, pretrained = build_classifier(config, model_cfg, pretrained, data.vocabulary.pad_id)
     stream = imdb_data.BatchStream(
-        data.splits["train"], batch_size=config.batch_size, grad_accum=config.grad_accum, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
+        data.splits["train"],
+        batch_size=config.batch_size,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
     schedule = Schedule.resolve(config, stream.steps_per_epoch)
     rows, seq_len = config.batch_size, config.max_seq_len
@@ -117,10 +129,12 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         pretrained_params=pretrained,
         loss_fn=make_loss_fn(classifier),
         stream=stream,
-        batch_shapes=[{
-            "input_ids": ((config.grad_accum, rows, seq_len), jnp.int32),
-            "labels": ((config.grad_accum, rows), jnp.int32),
-        }],
+        batch_shapes=[
+            {
+                "input_ids": ((config.grad_accum, rows, seq_len), jnp.int32),
+                "labels": ((config.grad_accum, rows), jnp.int32),
+            }
+        ],
         flops_fn=make_flops_fn(model_cfg),
         evaluate=Evaluator(classifier, data, config.batch_size, parallel),
         learning_rate=linear_warmup_decay(config.lr, schedule.warmup_steps, schedule.steps),
@@ -146,6 +160,5 @@ TASK = Task(
     setup=setup,
     score=lambda record: format_value(record["accuracy"], ".2%"),
     memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
-                  "or choose a smaller --preset",
+    "or choose a smaller --preset",
 )
-

@@ -256,8 +256,10 @@ class Checkpoints:
         problem = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
         free = _free_bytes(self.directory)
         free_text = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
-        return (f"cannot write checkpoint {step} in {self.directory}: {problem} ({free_text} free, a checkpoint "
-                f"needs about {size / 2**20:.1f} MiB); free space there, then resume the run")
+        return (
+            f"cannot write checkpoint {step} in {self.directory}: {problem} ({free_text} free, a checkpoint "
+            f"needs about {size / 2**20:.1f} MiB); free space there, then resume the run"
+        )
 
     def _remove_partial(self, step: int, *, keep_final: bool) -> None:
         """Deletes what a failed save left (orbax's temporary directory), so the space comes back."""
@@ -269,7 +271,8 @@ class Checkpoints:
         self._manager.reload()
 
     def set_aside(self, step: int) -> Path:
-        """Moves a damaged checkpoint out of the way (to ``damaged-checkpoints/<step>`` beside the checkpoints), keeping its files
+        """Moves a damaged checkpoint out of the way (to ``damaged-checkpoints/<step>`` beside the checkpoints),
+        keeping its files
         for inspection, so the run can write that step again."""
         target = self.directory.parent / "damaged-checkpoints" / str(step)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +285,9 @@ class Checkpoints:
         restored = self._manager.restore(step, args=ocp.args.Composite(progress=ocp.args.JsonRestore()))
         return restored["progress"]
 
-    def restore(self, step: int, abstract_state: Any, model: dict[str, Any], *,
-                later_keys: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    def restore(
+        self, step: int, abstract_state: Any, model: dict[str, Any], *, later_keys: Mapping[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """The state and progress saved at ``step``, restored onto ``abstract_state``'s shapes and shardings.
 
         ``later_keys`` are signature keys added after checkpoints were written without them, with the value such a

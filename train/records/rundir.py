@@ -48,8 +48,11 @@ def finished(run_dir: Path) -> bool:
 def stopped_before_first_checkpoint(run_dir: Path) -> bool:
     """Whether the directory holds a run log but no complete checkpoint and no finished summary: a run with
     nothing to continue from, which can only start again."""
-    return ((run_dir / runlog.LOG_FILENAME).exists() and not complete_steps(run_dir / CHECKPOINT_DIR)
-            and not finished(run_dir))
+    return (
+        (run_dir / runlog.LOG_FILENAME).exists()
+        and not complete_steps(run_dir / CHECKPOINT_DIR)
+        and not finished(run_dir)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 LOG_FILENAME = "run.jsonl"
@@ -42,32 +41,88 @@ _OPT_INT = (int, type(None))
 
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "run": {
-        "schema": (int,), "run_id": (str,), "task": (str,), "command": (str,), "started_at": (str,),
-        "git_commit": _OPT_STR, "versions": (dict,), "host": (str,), "platform": (str,), "device_kind": (str,),
-        "device_count": (int,), "peak_tflops_per_device": _OPT_NUM, "peak_source": _OPT_STR, "backend": (str,),
-        "precision": (str,), "optimizer": (str,), "optimizer_implementation": _OPT_STR,
-        "optimizer_hyperparameters": (dict, type(None)), "optimizer_kernels_per_step": _OPT_INT,
-        "implementation": (str,), "model": (str,), "params": (int,), "batch": (dict,),
-        "price_per_device_hour_usd": _OPT_NUM, "price_source": _OPT_STR, "energy_method": _OPT_STR,
-        "data": (dict,), "config": (dict,),
+        "schema": (int,),
+        "run_id": (str,),
+        "task": (str,),
+        "command": (str,),
+        "started_at": (str,),
+        "git_commit": _OPT_STR,
+        "versions": (dict,),
+        "host": (str,),
+        "platform": (str,),
+        "device_kind": (str,),
+        "device_count": (int,),
+        "peak_tflops_per_device": _OPT_NUM,
+        "peak_source": _OPT_STR,
+        "backend": (str,),
+        "precision": (str,),
+        "optimizer": (str,),
+        "optimizer_implementation": _OPT_STR,
+        "optimizer_hyperparameters": (dict, type(None)),
+        "optimizer_kernels_per_step": _OPT_INT,
+        "implementation": (str,),
+        "model": (str,),
+        "params": (int,),
+        "batch": (dict,),
+        "price_per_device_hour_usd": _OPT_NUM,
+        "price_source": _OPT_STR,
+        "energy_method": _OPT_STR,
+        "data": (dict,),
+        "config": (dict,),
     },
     "interval": {
-        "step": (int,), "elapsed_s": _NUM, "step_time_s": _NUM, "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM,
-        "loss": _OPT_NUM, "nll": _OPT_NUM, "lr": _NUM, "grad_norm": _OPT_NUM, "loss_scale": _OPT_NUM,
-        "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM, "energy_source": _OPT_STR, "cost_usd": _OPT_NUM,
+        "step": (int,),
+        "elapsed_s": _NUM,
+        "step_time_s": _NUM,
+        "tflops_per_s": _OPT_NUM,
+        "mfu": _OPT_NUM,
+        "loss": _OPT_NUM,
+        "nll": _OPT_NUM,
+        "lr": _NUM,
+        "grad_norm": _OPT_NUM,
+        "loss_scale": _OPT_NUM,
+        "peak_memory_bytes": _OPT_INT,
+        "energy_j": _OPT_NUM,
+        "energy_source": _OPT_STR,
+        "cost_usd": _OPT_NUM,
     },
     "eval": {
-        "step": (int,), "split": (str,), "loss": _OPT_NUM, "nll": _OPT_NUM, "bleu": _OPT_NUM, "accuracy": _OPT_NUM,
+        "step": (int,),
+        "split": (str,),
+        "loss": _OPT_NUM,
+        "nll": _OPT_NUM,
+        "bleu": _OPT_NUM,
+        "accuracy": _OPT_NUM,
         "perplexity": _OPT_NUM,
     },
     "summary": {
-        "completed": (bool,), "stop_reason": (str,), "steps": (int,), "train_time_s": _NUM, "wall_time_s": _NUM,
-        "step_time_s": _OPT_NUM, "flops_per_step": _OPT_NUM, "xla_flops_per_step": _OPT_NUM,
-        "tflops_per_s": _OPT_NUM, "mfu": _OPT_NUM, "peak_memory_bytes": _OPT_INT, "energy_j": _OPT_NUM,
-        "energy_source": _OPT_STR, "energy_estimated": (bool,), "cost_usd": _OPT_NUM, "wall_energy_j": _OPT_NUM,
-        "wall_cost_usd": _OPT_NUM, "warmup": (dict,), "steady": (dict,), "compilation": (dict,),
-        "evaluation": (dict,), "checkpoints": (dict,), "final_loss": _OPT_NUM, "bleu": _OPT_NUM,
-        "accuracy": _OPT_NUM, "perplexity": _OPT_NUM, "memory": (dict, type(None)),
+        "completed": (bool,),
+        "stop_reason": (str,),
+        "steps": (int,),
+        "train_time_s": _NUM,
+        "wall_time_s": _NUM,
+        "step_time_s": _OPT_NUM,
+        "flops_per_step": _OPT_NUM,
+        "xla_flops_per_step": _OPT_NUM,
+        "tflops_per_s": _OPT_NUM,
+        "mfu": _OPT_NUM,
+        "peak_memory_bytes": _OPT_INT,
+        "energy_j": _OPT_NUM,
+        "energy_source": _OPT_STR,
+        "energy_estimated": (bool,),
+        "cost_usd": _OPT_NUM,
+        "wall_energy_j": _OPT_NUM,
+        "wall_cost_usd": _OPT_NUM,
+        "warmup": (dict,),
+        "steady": (dict,),
+        "compilation": (dict,),
+        "evaluation": (dict,),
+        "checkpoints": (dict,),
+        "final_loss": _OPT_NUM,
+        "bleu": _OPT_NUM,
+        "accuracy": _OPT_NUM,
+        "perplexity": _OPT_NUM,
+        "memory": (dict, type(None)),
     },
 }
 _ONE_TIME = {"count": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM}
@@ -75,9 +130,17 @@ _ONE_TIME = {"count": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": 
 PARTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
     "summary": {
         "warmup": {"steps": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM},
-        "steady": {"steps": (int,), "time_s": _NUM, "step_time_s": _OPT_NUM, "tflops_per_s": _OPT_NUM,
-                   "mfu": _OPT_NUM, "energy_j": _OPT_NUM, "energy_per_step_j": _OPT_NUM, "power_w": _OPT_NUM,
-                   "cost_usd": _OPT_NUM},
+        "steady": {
+            "steps": (int,),
+            "time_s": _NUM,
+            "step_time_s": _OPT_NUM,
+            "tflops_per_s": _OPT_NUM,
+            "mfu": _OPT_NUM,
+            "energy_j": _OPT_NUM,
+            "energy_per_step_j": _OPT_NUM,
+            "power_w": _OPT_NUM,
+            "cost_usd": _OPT_NUM,
+        },
         "compilation": _ONE_TIME,
         "evaluation": _ONE_TIME,
         "checkpoints": _ONE_TIME,
@@ -89,8 +152,9 @@ QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
 # always writes them.
 LATER_KEYS: dict[str, frozenset[str]] = {
-    "run": frozenset({"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step",
-                      "implementation"}),
+    "run": frozenset(
+        {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
+    ),
     "eval": frozenset({"perplexity"}),
     "summary": frozenset({"perplexity", "memory"}),
 }
@@ -166,8 +230,9 @@ class RecordError(ValueError):
         return f"{where}: {reason}"
 
 
-def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, schema: int = SCHEMA_VERSION,
-             complete: bool = False) -> None:
+def validate(
+    record: Mapping[str, Any], counted: Iterable[str] = (), *, schema: int = SCHEMA_VERSION, complete: bool = False
+) -> None:
     """Raises RecordError naming the first missing key or wrongly typed value of a run-log record (or of one of
     its `PARTS`) of a log of version ``schema``; a key of `LATER_KEYS` may be missing unless ``complete`` (what a
     writer checks), one of `SCHEMA_2_KEYS` in a schema-1 log."""
@@ -185,8 +250,9 @@ def validate(record: Mapping[str, Any], counted: Iterable[str] = (), *, schema: 
             _check_keys({**record[name], "type": part_type}, {**keys, **throughput_keys(part_type, counted)})
 
 
-def _check_keys(record: Mapping[str, Any], expected: Mapping[str, tuple[type, ...]],
-                may_lack: frozenset[str] = frozenset()) -> None:
+def _check_keys(
+    record: Mapping[str, Any], expected: Mapping[str, tuple[type, ...]], may_lack: frozenset[str] = frozenset()
+) -> None:
     """Raises RecordError for the first key of ``expected`` that ``record`` lacks (unless in ``may_lack``) or
     holds with another type."""
     for key, types in expected.items():
@@ -270,7 +336,8 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
     """
     path = Path(run_dir) / LOG_FILENAME
     kept = [
-        {**r, "schema": SCHEMA_VERSION} if r["type"] == "run" else r for r in read(path)
+        {**r, "schema": SCHEMA_VERSION} if r["type"] == "run" else r
+        for r in read(path)
         if r["type"] == "run" or (r["type"] in ("interval", "eval") and r["step"] <= step)
     ]
     path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
@@ -313,8 +380,12 @@ def git_commit() -> str | None:
         return os.environ["LS_JAX_GIT_COMMIT"]
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-            capture_output=True, text=True, check=True, timeout=10,
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         return None

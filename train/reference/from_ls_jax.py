@@ -19,9 +19,18 @@ PROJECTIONS = ("query", "key", "value")  # the order of the fused QKV kernel's a
 # What the references of train/reference/zoo.py fix, as ls_jax LayerConfig fields: BERT's post-LN layer with exact
 # GELU and GPT-2's pre-LN layer with tanh GELU, neither with dropout after the feed-forward activation.
 FIXED_LAYER_FIELDS: dict[str, dict[str, Any]] = {
-    "bert": {"pre_layer_norm": False, "activation_fn": "gelu", "layer_norm_eps": 1e-12, "activation_dropout_ratio": 0.0},
-    "gpt": {"pre_layer_norm": True, "activation_fn": "gelu_tanh", "layer_norm_eps": 1e-5,
-            "activation_dropout_ratio": 0.0},
+    "bert": {
+        "pre_layer_norm": False,
+        "activation_fn": "gelu",
+        "layer_norm_eps": 1e-12,
+        "activation_dropout_ratio": 0.0,
+    },
+    "gpt": {
+        "pre_layer_norm": True,
+        "activation_fn": "gelu_tanh",
+        "layer_norm_eps": 1e-5,
+        "activation_dropout_ratio": 0.0,
+    },
 }
 
 
@@ -33,15 +42,24 @@ def zoo_config(layer: Any, *, kind: Literal["bert", "gpt"], vocab_size: int, num
     Raises:
       ValueError: naming the fields of ``layer`` that differ from what the reference fixes.
     """
-    differ = [f"{name} {getattr(layer, name)!r} (the reference's: {value!r})"
-              for name, value in FIXED_LAYER_FIELDS[kind].items() if getattr(layer, name) != value]
+    differ = [
+        f"{name} {getattr(layer, name)!r} (the reference's: {value!r})"
+        for name, value in FIXED_LAYER_FIELDS[kind].items()
+        if getattr(layer, name) != value
+    ]
     if differ:
         raise ValueError(f"the plain Flax {kind} cannot compute this model: {', '.join(differ)}")
     return ZooConfig(
-        vocab_size=vocab_size, hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
-        num_heads=layer.nhead, num_layers=num_layers, max_positions=layer.max_seq_len,
-        dropout_rate=layer.hidden_dropout_ratio, attention_dropout_rate=layer.attn_prob_dropout_ratio,
-        attention="einsum", dtype=layer.dtype,
+        vocab_size=vocab_size,
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+        num_heads=layer.nhead,
+        num_layers=num_layers,
+        max_positions=layer.max_seq_len,
+        dropout_rate=layer.hidden_dropout_ratio,
+        attention_dropout_rate=layer.attn_prob_dropout_ratio,
+        attention="einsum",
+        dtype=layer.dtype,
     )
 
 
@@ -54,10 +72,14 @@ def transformer_config(model_cfg: Any) -> ReferenceConfig:
         one).
     """
     layer = model_cfg.layer
-    fixed = {"pre_layer_norm": (layer.pre_layer_norm, True), "activation_fn": (layer.activation_fn, "relu"),
-             "share_embeddings": (model_cfg.share_embeddings, True), "tie_output": (model_cfg.tie_output, True),
-             "learned_positions": (model_cfg.learned_positions, False),
-             "scale_embedding": (model_cfg.scale_embedding, True)}
+    fixed = {
+        "pre_layer_norm": (layer.pre_layer_norm, True),
+        "activation_fn": (layer.activation_fn, "relu"),
+        "share_embeddings": (model_cfg.share_embeddings, True),
+        "tie_output": (model_cfg.tie_output, True),
+        "learned_positions": (model_cfg.learned_positions, False),
+        "scale_embedding": (model_cfg.scale_embedding, True),
+    }
     differ = [f"{name} {got!r} (the reference's: {want!r})" for name, (got, want) in fixed.items() if got != want]
     ratios = {layer.hidden_dropout_ratio, layer.attn_prob_dropout_ratio, layer.activation_dropout_ratio}
     if len(ratios) > 1:
@@ -65,10 +87,15 @@ def transformer_config(model_cfg: Any) -> ReferenceConfig:
     if differ:
         raise ValueError(f"the plain Flax Transformer cannot compute this model: {', '.join(differ)}")
     return ReferenceConfig(
-        vocab_size=model_cfg.vocab_size, hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
-        num_heads=layer.nhead, num_encoder_layers=model_cfg.num_encoder_layers,
-        num_decoder_layers=model_cfg.num_decoder_layers, dropout_rate=layer.hidden_dropout_ratio,
-        max_len=layer.max_seq_len, dtype=layer.dtype,
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+        num_heads=layer.nhead,
+        num_encoder_layers=model_cfg.num_encoder_layers,
+        num_decoder_layers=model_cfg.num_decoder_layers,
+        dropout_rate=layer.hidden_dropout_ratio,
+        max_len=layer.max_seq_len,
+        dtype=layer.dtype,
     )
 
 
@@ -85,8 +112,10 @@ def _layer(layer: Params) -> dict[str, Any]:
     return {
         "self_attention": _attention(attention),
         "attention_layer_norm": attention["layer_norm"],
-        "feed_forward": {name: {"kernel": feed_forward[name]["kernel"], "bias": feed_forward[f"{name}_bias"]}
-                         for name in ("fc1", "fc2")},
+        "feed_forward": {
+            name: {"kernel": feed_forward[name]["kernel"], "bias": feed_forward[f"{name}_bias"]}
+            for name in ("fc1", "fc2")
+        },
         "output_layer_norm": feed_forward["layer_norm"],
     }
 

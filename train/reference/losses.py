@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import optax
 
 
-def label_smoothed_sums(logits: jax.Array, labels: jax.Array, *, epsilon: float, ignore_label: int
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def label_smoothed_sums(
+    logits: jax.Array, labels: jax.Array, *, epsilon: float, ignore_label: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(summed loss, summed NLL, counted positions), f32 scalars: logits (..., V), labels (...) int."""
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)

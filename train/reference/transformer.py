@@ -56,8 +56,9 @@ def _attention(cfg: ReferenceConfig, decode: bool = False) -> nn.MultiHeadDotPro
     # Flax's default attention dropout shares one mask across batch and heads: less random-number work than
     # ls_jax's per-element dropout (the fairseq / LightSeq semantics), which favours this baseline. With
     # ``decode`` it keeps Flax's own cache of keys and values, one position per call.
-    return nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=cfg.dtype, dropout_rate=cfg.dropout_rate,
-                                           decode=decode)
+    return nn.MultiHeadDotProductAttention(
+        num_heads=cfg.num_heads, dtype=cfg.dtype, dropout_rate=cfg.dropout_rate, decode=decode
+    )
 
 
 class EncoderLayer(nn.Module):
@@ -103,8 +104,12 @@ class ReferenceTransformer(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
-                              embedding_init=nn.initializers.normal(cfg.hidden_size**-0.5))
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            embedding_init=nn.initializers.normal(cfg.hidden_size**-0.5),
+        )
         self.encoder_layers = [EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers)]
         self.encoder_norm = nn.LayerNorm(dtype=cfg.dtype)
         self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]

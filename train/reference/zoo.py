@@ -63,8 +63,10 @@ class ZooConfig:
         if self.attention not in ATTENTION_CORES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_CORES)}, got {self.attention!r}")
         if self.attention != "einsum" and self.attention_dropout_rate:
-            raise ValueError(f"attention={self.attention!r} (jax.nn.dot_product_attention) has no dropout: set "
-                             f"attention_dropout_rate=0, got {self.attention_dropout_rate}")
+            raise ValueError(
+                f"attention={self.attention!r} (jax.nn.dot_product_attention) has no dropout: set "
+                f"attention_dropout_rate=0, got {self.attention_dropout_rate}"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
 
@@ -77,8 +79,7 @@ class SelfAttention(nn.Module):
     causal: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, lengths: jax.Array | None, deterministic: bool, decode: bool = False
-                 ) -> jax.Array:
+    def __call__(self, x: jax.Array, lengths: jax.Array | None, deterministic: bool, decode: bool = False) -> jax.Array:
         cfg = self.config
         heads = (cfg.num_heads, cfg.hidden_size // cfg.num_heads)
         project = lambda name: nn.DenseGeneral(heads, dtype=cfg.dtype, kernel_init=INITIALIZER, name=name)(x)
@@ -89,11 +90,16 @@ class SelfAttention(nn.Module):
             context = self._einsum_attention(query, key, value, lengths, deterministic)
         else:
             context = jax.nn.dot_product_attention(
-                query, key, value, is_causal=self.causal, key_value_seq_lengths=lengths,
+                query,
+                key,
+                value,
+                is_causal=self.causal,
+                key_value_seq_lengths=lengths,
                 implementation=cfg.attention,
             )
-        return nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, kernel_init=INITIALIZER,
-                               name="out")(context)
+        return nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, kernel_init=INITIALIZER, name="out")(
+            context
+        )
 
     def _cached_attention(self, query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
         """Causal attention while decoding (the einsum core, no dropout), with the keys and values of every
@@ -133,8 +139,14 @@ class SelfAttention(nn.Module):
         # dropout kernels as it does those of ls_jax's XLA attention (the two einsums are GEMMs by kernel name).
         with jax.named_scope("attention"):
             return nn.dot_product_attention(
-                query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=cfg.attention_dropout_rate,
-                deterministic=not dropout, dtype=cfg.dtype,
+                query,
+                key,
+                value,
+                mask=mask,
+                dropout_rng=dropout_rng,
+                dropout_rate=cfg.attention_dropout_rate,
+                deterministic=not dropout,
+                dtype=cfg.dtype,
             )
 
 
@@ -178,13 +190,16 @@ class ReferenceBert(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, lengths: jax.Array | None, deterministic: bool = True) -> jax.Array:
         cfg = self.config
-        embed = lambda rows, name: nn.Embed(rows, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
-                                            name=name)
+        embed = lambda rows, name: nn.Embed(
+            rows, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER, name=name
+        )
         positions = jnp.arange(input_ids.shape[1])[None, :]
         with jax.named_scope("encoder"):  # the stages of train.bench profile (kernel_trace.stage)
-            x = (embed(cfg.vocab_size, "word_embedding")(input_ids)
-                 + embed(cfg.max_positions, "position_embedding")(positions)
-                 + embed(self.type_vocab_size, "token_type_embedding")(jnp.zeros_like(input_ids)))
+            x = (
+                embed(cfg.vocab_size, "word_embedding")(input_ids)
+                + embed(cfg.max_positions, "position_embedding")(positions)
+                + embed(self.type_vocab_size, "token_type_embedding")(jnp.zeros_like(input_ids))
+            )
             x = nn.LayerNorm(epsilon=1e-12, dtype=cfg.dtype, name="embedding_layer_norm")(x)
             x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
             for index in range(cfg.num_layers):
@@ -226,10 +241,12 @@ class ReferenceGPT(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, deterministic: bool = True, decode: bool = False) -> jax.Array:
         cfg = self.config
-        tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
-                          name="token_embedding")
-        positions = nn.Embed(cfg.max_positions, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER,
-                             name="position_embedding")
+        tokens = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER, name="token_embedding"
+        )
+        positions = nn.Embed(
+            cfg.max_positions, cfg.hidden_size, dtype=cfg.dtype, embedding_init=INITIALIZER, name="position_embedding"
+        )
         with jax.named_scope("decoder"):  # the stages of train.bench profile (kernel_trace.stage)
             first = self._next_position(input_ids.shape[1]) if decode else 0
             x = tokens(input_ids) + positions(first + jnp.arange(input_ids.shape[1])[None, :])

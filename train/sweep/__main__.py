@@ -1,4 +1,5 @@
-"""``python -m train.sweep``: runs a grid of training runs from a TOML spec, then compares them (`train.sweep.runner`)."""
+"""``python -m train.sweep``: runs a grid of training runs from a TOML spec, then compares them
+(`train.sweep.runner`)."""
 
 from train.sweep.runner import main
 

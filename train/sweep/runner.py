@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from train.compare import report as compare
-from train.records import runlog
-from train.records.checkpoints import CHECKPOINT_DIR
-from train.errors import EXIT_USAGE, UsageError
 from train.compare import runs as run_logs
 from train.compare import scoring
+from train.errors import EXIT_USAGE, UsageError
+from train.records import runlog
+from train.records.checkpoints import CHECKPOINT_DIR
 from train.sweep.spec import Point, Spec, parse, points
 
 DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "cpu-default.toml"
@@ -43,23 +43,42 @@ Runner = Callable[[list[str]], int]  # runs a `python -m train.<task> ...` comma
 
 
 def training_command(point: Point, run_dir: Path, spec: Spec) -> list[str]:
-    return ["python", "-m", f"train.{point.task}", "--run-dir", str(run_dir), "--no-progress",
-            *point.flags(spec.flags)]
+    return ["python", "-m", f"train.{point.task}", "--run-dir", str(run_dir), "--no-progress", *point.flags(spec.flags)]
 
 
 def resume_command(point: Point, run_dir: Path) -> list[str]:
     """Continue ``run_dir`` from its latest checkpoint; --steps again in case the spec asks for more now."""
     steps = point.values.get("steps")
-    return ["python", "-m", f"train.{point.task}", "--resume", str(run_dir), "--no-progress",
-            *(["--steps", str(steps)] if steps else [])]
+    return [
+        "python",
+        "-m",
+        f"train.{point.task}",
+        "--resume",
+        str(run_dir),
+        "--no-progress",
+        *(["--steps", str(steps)] if steps else []),
+    ]
 
 
 def remote_command(point: Point, run_dir: Path, spec: Spec) -> str:
     """The command to run ``point`` on its device: through tpu.launch on a TPU VM, else as is."""
     command = training_command(point, Path(run_dir.name), spec)
     if point.device and point.device.upper().startswith("TPU"):
-        return shlex.join(["python", "-m", "tpu.launch", "--tpu", "TPU_NAME", "--zone", "ZONE", "--logs-to",
-                           str(run_dir), "--", *command])
+        return shlex.join(
+            [
+                "python",
+                "-m",
+                "tpu.launch",
+                "--tpu",
+                "TPU_NAME",
+                "--zone",
+                "ZONE",
+                "--logs-to",
+                str(run_dir),
+                "--",
+                *command,
+            ]
+        )
     return f"{shlex.join(command)}   # then copy {run_dir.name}/ into {run_dir.parent}/"
 
 
@@ -87,12 +106,16 @@ def run_state(run_dir: Path, spec: Spec, point: Point) -> str:
         return "new"
     marker = run_dir / MARKER
     if not marker.is_file():
-        raise UsageError(f"{run_dir} exists and was not made by a sweep (no {MARKER}); move it away or choose "
-                         "another out in the spec")
+        raise UsageError(
+            f"{run_dir} exists and was not made by a sweep (no {MARKER}); move it away or choose "
+            "another out in the spec"
+        )
     owner = json.loads(marker.read_text(encoding="utf-8"))
     if owner.get("sweep") != spec.name:
-        raise UsageError(f"{run_dir} belongs to sweep {owner.get('sweep')!r}, not {spec.name!r}; give this sweep "
-                         "another out, or another name")
+        raise UsageError(
+            f"{run_dir} belongs to sweep {owner.get('sweep')!r}, not {spec.name!r}; give this sweep "
+            "another out, or another name"
+        )
     summary = _summary(run_dir)
     steps = point.values.get("steps")
     if summary and summary["completed"] and (steps is None or summary["steps"] >= steps):
@@ -104,8 +127,9 @@ def run_state(run_dir: Path, spec: Spec, point: Point) -> str:
 
 def _mark(run_dir: Path, spec: Spec, point: Point) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / MARKER).write_text(json.dumps({"sweep": spec.name, "point": point.values}, indent=2) + "\n",
-                                  encoding="utf-8")
+    (run_dir / MARKER).write_text(
+        json.dumps({"sweep": spec.name, "point": point.values}, indent=2) + "\n", encoding="utf-8"
+    )
 
 
 def subprocess_runner(command: list[str]) -> int:
@@ -116,10 +140,17 @@ def subprocess_runner(command: list[str]) -> int:
 def detect_device() -> str:
     """This machine's device as a sweep names it: ``cpu``, or its entry in the device table (e.g. H100-SXM),
     else JAX's device_kind. Asked in a child process, so that this one holds no accelerator memory."""
-    code = ("import jax; from train.costs import metrics; d = jax.devices()[0]; s = metrics.find_device(d.device_kind); "
-            "print('cpu' if d.platform == 'cpu' else (s.name if s else d.device_kind))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
-                            cwd=Path(__file__).resolve().parents[2])
+    code = (
+        "import jax; from train.costs import metrics; d = jax.devices()[0]; s = metrics.find_device(d.device_kind); "
+        "print('cpu' if d.platform == 'cpu' else (s.name if s else d.device_kind))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
         raise UsageError(f"could not detect this machine's device ({last_line}); pass --device NAME")
@@ -155,7 +186,9 @@ class Sweep:
         if state == "done":
             print(f"{label}: finished earlier, skipped", flush=True)
             return
-        command = resume_command(point, run_dir) if state == "interrupted" else training_command(point, run_dir, self.spec)
+        command = (
+            resume_command(point, run_dir) if state == "interrupted" else training_command(point, run_dir, self.spec)
+        )
         if self.dry_run:
             print(f"{label}: would run {shlex.join(command)}", flush=True)
             return
@@ -167,7 +200,6 @@ class Sweep:
         if code != 0:
             self.failed.append(_failure(point.name, run_dir, code))
         print(f"{label}: {outcome} in {time.monotonic() - started:.0f} s{_quality(run_dir)}", flush=True)
-
 
     def elsewhere_run(self, point: Point, run_dir: Path, label: str) -> None:
         """A run for another device: its log, once copied back, joins the sweep; until then, its command."""
@@ -184,8 +216,11 @@ class Sweep:
 def _failure(name: str, run_dir: Path, code: int) -> str:
     """A failed run as the sweep's last line names it: where its log is, or that it has none."""
     log = run_dir / runlog.LOG_FILENAME
-    return f"{name} (exit code {code}, log {log})" if log.exists() else (
-        f"{name} (exit code {code}, no run log: it stopped before training; its output is above)")
+    return (
+        f"{name} (exit code {code}, log {log})"
+        if log.exists()
+        else (f"{name} (exit code {code}, no run log: it stopped before training; its output is above)")
+    )
 
 
 def _quality(run_dir: Path) -> str:
@@ -194,11 +229,13 @@ def _quality(run_dir: Path) -> str:
     return f", {', '.join(found)}" if found else ""
 
 
-def best_point(spec: Spec, candidates: Sequence[Point], preset: str,
-               window: str = scoring.DEFAULT_WINDOW) -> dict[str, Any] | None:
+def best_point(
+    spec: Spec, candidates: Sequence[Point], preset: str, window: str = scoring.DEFAULT_WINDOW
+) -> dict[str, Any] | None:
     """The point of the best converged finished run among ``candidates`` under ``preset`` in ``window``, or None."""
-    finished = {str((spec.out / p.name / runlog.LOG_FILENAME).resolve()): p for p in candidates
-                if _summary(spec.out / p.name)}
+    finished = {
+        str((spec.out / p.name / runlog.LOG_FILENAME).resolve()): p for p in candidates if _summary(spec.out / p.name)
+    }
     if not finished:
         return None
     runs, _ = run_logs.load_runs(list(finished))
@@ -218,8 +255,22 @@ def report(spec: Spec, names: Sequence[str], window: str = scoring.DEFAULT_WINDO
     for task in tasks:
         out = spec.out / ("report" if len(tasks) == 1 else f"report-{task}")
         print(f"\ncomparing the {task} runs into {out}", flush=True)
-        code = max(code, compare.main([*map(str, logs), "--task", task, "--weights", spec.weights, "--out", str(out),
-                                       "--score-window", window]))
+        code = max(
+            code,
+            compare.main(
+                [
+                    *map(str, logs),
+                    "--task",
+                    task,
+                    "--weights",
+                    spec.weights,
+                    "--out",
+                    str(out),
+                    "--score-window",
+                    window,
+                ]
+            ),
+        )
     return code
 
 
@@ -230,8 +281,14 @@ def with_device_in_out(spec: Spec, device: Callable[[], str]) -> Spec:
     return dataclasses.replace(spec, out=Path(str(spec.out).replace("{device}", device().lower())))
 
 
-def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run: bool = False,
-              window: str = scoring.DEFAULT_WINDOW) -> int:
+def run_sweep(
+    spec: Spec,
+    *,
+    device: Callable[[], str],
+    runner: Runner,
+    dry_run: bool = False,
+    window: str = scoring.DEFAULT_WINDOW,
+) -> int:
     """Every grid in order (a ``from_best`` grid after the grids before it ran), then the report, scored in
     ``window``."""
     spec = with_device_in_out(spec, device)
@@ -244,13 +301,19 @@ def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run:
         if grid.from_best:
             chosen = best_point(spec, list(done.values()), grid.from_best, window)
             if chosen is None:
-                print(f"grid #{index + 1}: no converged run of the grids before it has finished here yet, so its "
-                      f"best under {grid.from_best} is unknown; run the sweep again once they have", flush=True)
+                print(
+                    f"grid #{index + 1}: no converged run of the grids before it has finished here yet, so its "
+                    f"best under {grid.from_best} is unknown; run the sweep again once they have",
+                    flush=True,
+                )
                 best.append(None)
                 continue
             chosen = {key: value for key, value in chosen.items() if key not in grid.axes}
-            print(f"grid #{index + 1}: the best run under {grid.from_best} has "
-                  + ", ".join(f"{key} {value}" for key, value in chosen.items()), flush=True)
+            print(
+                f"grid #{index + 1}: the best run under {grid.from_best} has "
+                + ", ".join(f"{key} {value}" for key, value in chosen.items()),
+                flush=True,
+            )
         best.append(chosen)
         todo = [point for point in grid.points(chosen) if point.name not in done]
         total = max(total, len(done) + len(todo))
@@ -258,11 +321,16 @@ def run_sweep(spec: Spec, *, device: Callable[[], str], runner: Runner, dry_run:
         done.update((point.name, point) for point in todo)
     code = 0 if dry_run else report(spec, list(done), window)
     if sweep.elsewhere:
-        print(f"\n{len(sweep.elsewhere)} runs are for other devices; copy their run directories into {spec.out} and "
-              "run the sweep again to compare them with the rest", flush=True)
+        print(
+            f"\n{len(sweep.elsewhere)} runs are for other devices; copy their run directories into {spec.out} and "
+            "run the sweep again to compare them with the rest",
+            flush=True,
+        )
     if sweep.failed:
-        print(f"error: {len(sweep.failed)} runs failed: {'; '.join(sweep.failed)}; run the sweep again to retry "
-              "them", file=sys.stderr)
+        print(
+            f"error: {len(sweep.failed)} runs failed: {'; '.join(sweep.failed)}; run the sweep again to retry them",
+            file=sys.stderr,
+        )
         return EXIT_RUN_FAILED
     return code
 
@@ -279,12 +347,16 @@ def load_spec(path: Path | None) -> Spec:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("spec", nargs="?", type=Path, help=f"the sweep's TOML file (default {DEFAULT_SPEC.name})")
     parser.add_argument("--out", type=Path, help="the sweep's directory instead of the spec's out")
-    parser.add_argument("--device", help="this machine's device as the spec's device axis names it (default: "
-                                         "detected: cpu, or the device table's name such as H100-SXM)")
+    parser.add_argument(
+        "--device",
+        help="this machine's device as the spec's device axis names it (default: "
+        "detected: cpu, or the device table's name such as H100-SXM)",
+    )
     compare.add_window_argument(parser)
     parser.add_argument("--dry-run", action="store_true", help="print what each run would do; run nothing")
     return parser
@@ -301,4 +373,3 @@ def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) 
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-

@@ -16,7 +16,8 @@
     from_best = "balance"
 
 Axes (`AXES`): task, device, preset, implementation, optimizer, lr, precision, backend, remat, batch_size,
-max_tokens, max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they train
+max_tokens, max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they
+train
 at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
 that is set; its name joins them.
 
@@ -36,29 +37,52 @@ from pathlib import Path
 from typing import Any
 
 from ls_jax.layers.config import REMAT_MODES
-from train.errors import UsageError
-from train.harness.cli import IMPLEMENTATIONS
-from train.gpt import config as gpt_config
-from train.harness.optimizer import OPTIMIZERS
-from train.costs.precision import PRECISION_DTYPES
 from train.compare.scoring import DEFAULT_PRESET, WEIGHT_PRESETS, parse_weights, preset_name
+from train.costs.precision import PRECISION_DTYPES
+from train.errors import UsageError
+from train.gpt import config as gpt_config
+from train.harness.cli import IMPLEMENTATIONS
+from train.harness.optimizer import OPTIMIZERS
 from train.imdb import config as imdb_config
 from train.wmt import config as wmt_config
 
 TASKS = ("imdb", "wmt", "gpt")
 BACKENDS = ("auto", "ffi", "xla")
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "task": TASKS, "implementation": IMPLEMENTATIONS, "optimizer": OPTIMIZERS, "precision": ("auto", *PRECISION_DTYPES),
-    "backend": BACKENDS, "remat": REMAT_MODES,
+    "task": TASKS,
+    "implementation": IMPLEMENTATIONS,
+    "optimizer": OPTIMIZERS,
+    "precision": ("auto", *PRECISION_DTYPES),
+    "backend": BACKENDS,
+    "remat": REMAT_MODES,
 }
 _COUNTS = ("batch_size", "max_tokens", "max_seq_len", "steps", "epochs")
-AXES = ("task", "device", "preset", "implementation", "optimizer", "lr", "precision", "backend", "remat", *_COUNTS,
-        "seed")
+AXES = (
+    "task",
+    "device",
+    "preset",
+    "implementation",
+    "optimizer",
+    "lr",
+    "precision",
+    "backend",
+    "remat",
+    *_COUNTS,
+    "seed",
+)
 # Axes that are not a flag of the training command.
 _NOT_FLAGS = ("task", "device")
 # The short form of an axis in a run's name.
-_SHORT = {"lr": "lr", "batch_size": "b", "max_tokens": "t", "max_seq_len": "l", "steps": "s", "epochs": "e",
-          "seed": "seed", "remat": "remat-"}
+_SHORT = {
+    "lr": "lr",
+    "batch_size": "b",
+    "max_tokens": "t",
+    "max_seq_len": "l",
+    "steps": "s",
+    "epochs": "e",
+    "seed": "seed",
+    "remat": "remat-",
+}
 _TASK_AXES = {"max_tokens": ("wmt",), "max_seq_len": ("imdb", "gpt"), "batch_size": ("imdb", "gpt")}
 _TASK_CONFIGS = {"imdb": imdb_config, "wmt": wmt_config, "gpt": gpt_config}  # each task's parser and checks
 _KEYS = ("name", "out", "weights", "axes", "flags", "grid")
@@ -115,8 +139,10 @@ class Grid:
         for key, value in (best or {}).items():
             axes.setdefault(key, [value])
         ordered = [key for key in AXES if key in axes]
-        return [Point(tuple(zip(ordered, combination)))
-                for combination in itertools.product(*(axes[key] for key in ordered))]
+        return [
+            Point(tuple(zip(ordered, combination)))
+            for combination in itertools.product(*(axes[key] for key in ordered))
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +182,9 @@ def _check_value(key: str, value: Any, where: str) -> None:
 def _axes(table: Mapping[str, Any], where: str) -> dict[str, list[Any]]:
     unknown = [key for key in table if key not in AXES]
     if unknown:
-        raise UsageError(f"{where}: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)} (other training "
-                         "flags go in [flags])")
+        raise UsageError(
+            f"{where}: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)} (other training flags go in [flags])"
+        )
     return {key: _as_list(key, value, where) for key, value in table.items()}
 
 
@@ -167,8 +194,9 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     from_best = table.pop("from_best", None)
     if from_best is not None:
         if not isinstance(from_best, str) or preset_name(from_best) is None:
-            raise UsageError(f"{where}: from_best = {from_best!r} is not a weight preset; choose from "
-                             f"{', '.join(WEIGHT_PRESETS)}")
+            raise UsageError(
+                f"{where}: from_best = {from_best!r} is not a weight preset; choose from {', '.join(WEIGHT_PRESETS)}"
+            )
         from_best = preset_name(from_best)
         if previous == 0:
             raise UsageError(f"{where}: from_best needs a grid before it to take the best run from")
@@ -178,8 +206,10 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     for key, tasks in _TASK_AXES.items():
         wrong = [task for task in axes.get(key, []) and axes["task"] if task not in tasks]
         if wrong:
-            raise UsageError(f"{where}: axis {key} is not a flag of train.{wrong[0]} (it is of "
-                             f"{', '.join('train.' + t for t in tasks)})")
+            raise UsageError(
+                f"{where}: axis {key} is not a flag of train.{wrong[0]} (it is of "
+                f"{', '.join('train.' + t for t in tasks)})"
+            )
     return Grid(axes, from_best)
 
 
@@ -218,11 +248,13 @@ def _weights(value: Any, where: str) -> str:
 
 def _name(document: Mapping[str, Any], where: str) -> str:
     if not document:
-        raise UsageError(f"{where} is empty: a sweep spec needs a name and a task (see train/sweep/specs/"
-                         "cpu-default.toml)")
+        raise UsageError(
+            f"{where} is empty: a sweep spec needs a name and a task (see train/sweep/specs/cpu-default.toml)"
+        )
     if "name" not in document:
-        raise UsageError(f'{where}: no name; add one, e.g. name = "my-sweep" (it marks every run directory of the '
-                         "sweep)")
+        raise UsageError(
+            f'{where}: no name; add one, e.g. name = "my-sweep" (it marks every run directory of the sweep)'
+        )
     name = document["name"]
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise UsageError(f"{where}: name = {name!r} must be a non-empty string of letters, digits, '_', '.', '-'")
@@ -243,8 +275,9 @@ def parse(text: str, source: Path | None = None) -> Spec:
         raise UsageError(f"{where}: not valid TOML ({err})") from None
     unknown = [key for key in document if key not in _KEYS]
     if unknown:
-        raise UsageError(f"{where}: unknown key {unknown[0]!r}; a spec has name, out, weights, [axes], [flags], "
-                         "[[grid]]")
+        raise UsageError(
+            f"{where}: unknown key {unknown[0]!r}; a spec has name, out, weights, [axes], [flags], [[grid]]"
+        )
     name = _name(document, where)
     common = _axes(document.get("axes", {}), f"{where} [axes]")
     tables = document.get("grid", [{}])
@@ -254,16 +287,24 @@ def parse(text: str, source: Path | None = None) -> Spec:
     flags = document.get("flags", {})
     clashing = [key for key in flags if key in AXES or key in ("run_dir", "resume")]
     if clashing:
-        raise UsageError(f"{where}: [flags] sets {clashing[0]!r}, which the sweep sets itself: set it in [axes] "
-                         "or a [[grid]] instead")
+        raise UsageError(
+            f"{where}: [flags] sets {clashing[0]!r}, which the sweep sets itself: set it in [axes] "
+            "or a [[grid]] instead"
+        )
     out = document.get("out", f"runs/{name}")
     if not isinstance(out, str) or not out:
         raise UsageError(f"{where}: out = {out!r} must be a directory path")
     for number, grid in enumerate(grids, 1):
         for point in grid.points():
             check_command(point, flags, f"{where} [[grid]] #{number} ({point.name})")
-    return Spec(name=name, out=Path(out), grids=grids, flags=dict(flags), source=text,
-                weights=_weights(document.get("weights", DEFAULT_PRESET), where))
+    return Spec(
+        name=name,
+        out=Path(out),
+        grids=grids,
+        flags=dict(flags),
+        source=text,
+        weights=_weights(document.get("weights", DEFAULT_PRESET), where),
+    )
 
 
 def points(spec: Spec, best: Sequence[Mapping[str, Any] | None] = ()) -> list[Point]:

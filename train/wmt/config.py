@@ -71,30 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train.wmt",
         description="Train the ls-jax Transformer (or the plain Flax one: --implementation flax) for translation; "
-                    "with no arguments, a few minutes on the embedded synthetic task. Every run writes config.json, "
-                    "spm.model, run.jsonl (docs/run-log.md), TensorBoard events and checkpoints to its run "
-                    "directory.",
+        "with no arguments, a few minutes on the embedded synthetic task. Every run writes config.json, "
+        "spm.model, run.jsonl (docs/run-log.md), TensorBoard events and checkpoints to its run "
+        "directory.",
         epilog=cli.defaults_epilog(WmtConfig, REAL_DATA_DEFAULTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # unset flags stay absent, so defaults and --resume can fill them
     )
     group = parser.add_argument_group("data")
-    group.add_argument("--data", help="synthetic | text:DIR (DIR/{train,valid,test}.{src,tgt}) | tfds:NAME "
-                                      "(e.g. tfds:wmt14_translate/de-en; needs tensorflow-datasets)")
+    group.add_argument(
+        "--data",
+        help="synthetic | text:DIR (DIR/{train,valid,test}.{src,tgt}) | tfds:NAME "
+        "(e.g. tfds:wmt14_translate/de-en; needs tensorflow-datasets)",
+    )
     group.add_argument("--src-lang", help="source language suffix / tfds feature")
     group.add_argument("--tgt-lang", help="target language suffix / tfds feature")
     group.add_argument("--tfds-data-dir", help="TensorFlow Datasets data_dir")
-    group.add_argument("--spm", help="existing sentencepiece model (pad=0 bos=1 eos=2 unk=3); default: train one "
-                                     "on the training text, shared by source and target")
+    group.add_argument(
+        "--spm",
+        help="existing sentencepiece model (pad=0 bos=1 eos=2 unk=3); default: train one "
+        "on the training text, shared by source and target",
+    )
     group.add_argument("--spm-vocab-size", type=int, help="vocabulary size when training sentencepiece")
     group.add_argument("--spm-model-type", choices=("unigram", "bpe"), help="sentencepiece model type")
-    group.add_argument("--max-len", type=int, help="drop pairs longer than this many tokens (EOS included); "
-                                                   "default and upper bound: the model's max_seq_len")
+    group.add_argument(
+        "--max-len",
+        type=int,
+        help="drop pairs longer than this many tokens (EOS included); default and upper bound: the model's max_seq_len",
+    )
     group.add_argument("--max-tokens", type=int, help="padded tokens per device per micro-batch")
 
     group = parser.add_argument_group("model and loss")
-    cli.add_implementation_argument(group, "the Transformer of train/reference/transformer.py (Flax's attention "
-                                           "and its key/value cache for decoding)")
+    cli.add_implementation_argument(
+        group,
+        "the Transformer of train/reference/transformer.py (Flax's attention and its key/value cache for decoding)",
+    )
     group.add_argument("--preset", help=f"Transformer preset: {', '.join(PRESETS)}")
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the preset")
     group.add_argument("--label-smoothing", type=float, help="label smoothing epsilon")
@@ -103,12 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--decode", choices=("greedy", "beam"), help="decoding for BLEU")
     group.add_argument("--beam-size", type=int, help="beam size of --decode beam")
     group.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha of --decode beam")
-    group.add_argument("--bleu-sentences", type=int, help="sentences per split decoded for BLEU at each "
-                                                           "evaluation (default all; 0: loss only)")
-    group.add_argument("--decode-memory", type=int, metavar="MIB",
-                       help="device memory per device a decoding batch may use: batches hold as many sentences as "
-                            "fit (and at most --max-tokens); default half the memory free on the device, "
-                            f"{HOST_DECODE_MEMORY_MIB} MiB where it reports none (CPU)")
+    group.add_argument(
+        "--bleu-sentences",
+        type=int,
+        help="sentences per split decoded for BLEU at each evaluation (default all; 0: loss only)",
+    )
+    group.add_argument(
+        "--decode-memory",
+        type=int,
+        metavar="MIB",
+        help="device memory per device a decoding batch may use: batches hold as many sentences as "
+        "fit (and at most --max-tokens); default half the memory free on the device, "
+        f"{HOST_DECODE_MEMORY_MIB} MiB where it reports none (CPU)",
+    )
     cli.add_training_arguments(parser)
     return parser
 
@@ -123,8 +141,18 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
 def check_config(config: WmtConfig) -> None:
     cli.check_ranges(
         config,
-        at_least_one=("steps", "max_tokens", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints",
-                      "warmup_steps", "beam_size", "spm_vocab_size", "decode_memory"),
+        at_least_one=(
+            "steps",
+            "max_tokens",
+            "grad_accum",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "warmup_steps",
+            "beam_size",
+            "spm_vocab_size",
+            "decode_memory",
+        ),
         non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
         fractions=("label_smoothing", "dropout"),
     )

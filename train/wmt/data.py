@@ -37,9 +37,9 @@ import numpy as np
 
 from train.data import files as files_lib
 from train.data import tokenizer as tokenizer_lib
-from train.wmt import synthetic as wmt_synthetic
 from train.data.stream import EpochStream, host_rows, import_tfds
 from train.errors import DataError, UsageError
+from train.wmt import synthetic as wmt_synthetic
 
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
@@ -266,7 +266,9 @@ def plan_epoch(
         per_step = rows * grad_accum
         filled = np.full(math.ceil(len(members) / per_step) * per_step, -1, dtype=np.int64)
         filled[: len(members)] = members
-        steps.extend(PlannedStep(int(length), chunk.reshape(grad_accum, rows)) for chunk in filled.reshape(-1, per_step))
+        steps.extend(
+            PlannedStep(int(length), chunk.reshape(grad_accum, rows)) for chunk in filled.reshape(-1, per_step)
+        )
     if shuffle:
         steps = [steps[i] for i in rng.permutation(len(steps))]
     return steps
@@ -341,8 +343,9 @@ class BatchStream(EpochStream):
         ]
 
 
-def eval_plan(example_lengths: np.ndarray, *, max_tokens: int, num_shards: int,
-              max_rows: Callable[[int], int] | None = None) -> tuple[int, np.ndarray]:
+def eval_plan(
+    example_lengths: np.ndarray, *, max_tokens: int, num_shards: int, max_rows: Callable[[int], int] | None = None
+) -> tuple[int, np.ndarray]:
     """All examples in batches of one shape, for evaluation: ``(length, indices (batches, rows))``.
 
     ``length`` is the longest example's bucket, so the evaluation computations compile once; examples are

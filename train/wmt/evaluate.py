@@ -22,7 +22,6 @@ from train.wmt.config import HOST_DECODE_MEMORY_MIB, WmtConfig
 from train.wmt.model import Criterion, decode_row_bytes, decode_rows
 
 
-
 def _gather_rows(array: jax.Array) -> np.ndarray:
     """A globally sharded array as one numpy array on every host."""
     if jax.process_count() == 1:
@@ -49,8 +48,15 @@ class Evaluator:
     stops early.
     """
 
-    def __init__(self, model: nn.Module, model_cfg: TransformerConfig, criterion: Criterion, data: wmt_data.Prepared,
-                 config: WmtConfig, parallel: DataParallel):
+    def __init__(
+        self,
+        model: nn.Module,
+        model_cfg: TransformerConfig,
+        criterion: Criterion,
+        data: wmt_data.Prepared,
+        config: WmtConfig,
+        parallel: DataParallel,
+    ):
         """``model``: ls_jax's Transformer of ``model_cfg`` or the plain Flax one of its shape (`build_model`)."""
         self.model, self.model_cfg, self.criterion = model, model_cfg, criterion
         self.data, self.config, self.parallel = data, config, parallel
@@ -66,7 +72,9 @@ class Evaluator:
         ``decoding``, batches small enough for the decoder's memory budget (`decode_rows`)."""
         count = len(data) if limit is None else min(limit, len(data))
         length, plan = wmt_data.eval_plan(
-            data.example_lengths[:count], max_tokens=self.config.max_tokens, num_shards=self.parallel.num_shards,
+            data.example_lengths[:count],
+            max_tokens=self.config.max_tokens,
+            num_shards=self.parallel.num_shards,
             max_rows=self.decode_rows if decoding else None,
         )
         for indices in plan:
@@ -91,7 +99,11 @@ class Evaluator:
     def _decode(self, params, src: jax.Array) -> jax.Array:
         if self.config.decode == "beam":
             return beam_search(
-                self.model, params, src, beam_size=self.config.beam_size, max_len=self.decode_len,
+                self.model,
+                params,
+                src,
+                beam_size=self.config.beam_size,
+                max_len=self.decode_len,
                 length_penalty=self.config.length_penalty,
             )
         return greedy_decode(self.model, params, src, max_len=self.decode_len)
@@ -122,5 +134,3 @@ class Evaluator:
         """During training the validation split; at the end every evaluation split (valid, test)."""
         splits = list(self.data.eval_sets) if final else ["valid"]
         return [self.evaluate_split(state.params, split, self.config.bleu_sentences) for split in splits]
-
-

@@ -83,8 +83,13 @@ def make_flops_fn(model_cfg: TransformerConfig):
         grad_accum, rows, src_len = shapes["src"]
         tgt_len = shapes["tgt_in"][2]
         return grad_accum * metrics.transformer_train_flops(
-            batch=rows, src_len=src_len, tgt_len=tgt_len, hidden=layer.hidden_size, ffn=layer.intermediate_size,
-            encoder_layers=model_cfg.num_encoder_layers, decoder_layers=model_cfg.num_decoder_layers,
+            batch=rows,
+            src_len=src_len,
+            tgt_len=tgt_len,
+            hidden=layer.hidden_size,
+            ffn=layer.intermediate_size,
+            encoder_layers=model_cfg.num_encoder_layers,
+            decoder_layers=model_cfg.num_decoder_layers,
             vocab=model_cfg.vocab_size,
         )
 

@@ -28,22 +28,63 @@ Pair = tuple[str, str]
 
 # (singular, plural) source nouns; a few irregular plurals so number is not always a visible "-s".
 NOUNS: tuple[tuple[str, str], ...] = (
-    ("cat", "cats"), ("dog", "dogs"), ("bird", "birds"), ("fish", "fish"), ("horse", "horses"),
-    ("farmer", "farmers"), ("teacher", "teachers"), ("child", "children"), ("king", "kings"),
-    ("queen", "queens"), ("doctor", "doctors"), ("student", "students"), ("baker", "bakers"),
-    ("fox", "foxes"), ("mouse", "mice"), ("wolf", "wolves"), ("apple", "apples"), ("book", "books"),
-    ("letter", "letters"), ("song", "songs"), ("house", "houses"), ("boat", "boats"), ("tree", "trees"),
+    ("cat", "cats"),
+    ("dog", "dogs"),
+    ("bird", "birds"),
+    ("fish", "fish"),
+    ("horse", "horses"),
+    ("farmer", "farmers"),
+    ("teacher", "teachers"),
+    ("child", "children"),
+    ("king", "kings"),
+    ("queen", "queens"),
+    ("doctor", "doctors"),
+    ("student", "students"),
+    ("baker", "bakers"),
+    ("fox", "foxes"),
+    ("mouse", "mice"),
+    ("wolf", "wolves"),
+    ("apple", "apples"),
+    ("book", "books"),
+    ("letter", "letters"),
+    ("song", "songs"),
+    ("house", "houses"),
+    ("boat", "boats"),
+    ("tree", "trees"),
     ("stone", "stones"),
 )
 # (plural/base, third person singular) source verbs.
 VERBS: tuple[tuple[str, str], ...] = (
-    ("see", "sees"), ("like", "likes"), ("find", "finds"), ("carry", "carries"), ("watch", "watches"),
-    ("follow", "follows"), ("help", "helps"), ("draw", "draws"), ("want", "wants"), ("hold", "holds"),
-    ("paint", "paints"), ("build", "builds"), ("visit", "visits"), ("call", "calls"), ("chase", "chases"),
+    ("see", "sees"),
+    ("like", "likes"),
+    ("find", "finds"),
+    ("carry", "carries"),
+    ("watch", "watches"),
+    ("follow", "follows"),
+    ("help", "helps"),
+    ("draw", "draws"),
+    ("want", "wants"),
+    ("hold", "holds"),
+    ("paint", "paints"),
+    ("build", "builds"),
+    ("visit", "visits"),
+    ("call", "calls"),
+    ("chase", "chases"),
     ("teach", "teaches"),
 )
 ADJECTIVES: tuple[str, ...] = (
-    "big", "small", "red", "green", "old", "young", "happy", "quiet", "brave", "clever", "tired", "strange",
+    "big",
+    "small",
+    "red",
+    "green",
+    "old",
+    "young",
+    "happy",
+    "quiet",
+    "brave",
+    "clever",
+    "tired",
+    "strange",
 )
 ADVERBS: tuple[str, ...] = ("quickly", "slowly", "often", "today", "again", "carefully")
 NUMERALS: tuple[str, ...] = ("two", "three", "four", "five", "six", "seven", "eight", "nine", "many")
@@ -181,9 +222,7 @@ def generate_pairs(count: int, seed: int, *, two_clause_rate: float = 0.3) -> li
     return pairs
 
 
-def synthetic_corpus(
-    train: int = 20000, valid: int = 500, test: int = 500, *, seed: int = 0
-) -> dict[str, list[Pair]]:
+def synthetic_corpus(train: int = 20000, valid: int = 500, test: int = 500, *, seed: int = 0) -> dict[str, list[Pair]]:
     """Disjoint train/valid/test splits of distinct pairs, deterministic in ``seed``."""
     total = train + valid + test
     distinct: dict[Pair, None] = {}

@@ -41,7 +41,6 @@ from train.wmt.config import WmtConfig
 from train.wmt.evaluate import Evaluator
 from train.wmt.model import build_model, make_criterion, make_flops_fn, make_loss_fn, model_config, model_signature
 
-
 # ------------------------------------------------------------------------------------------------ data
 
 
@@ -69,17 +68,24 @@ def _vocabulary(config: WmtConfig, spm_given: str | None, run_dir: Path, corpus:
         target = own_copy if is_main else Path(scratch) / tokenizer_lib.MODEL_FILENAME
         try:
             return tokenizer_lib.train(
-                [*src, *tgt], target, vocab_size=config.spm_vocab_size, model_type=config.spm_model_type,
+                [*src, *tgt],
+                target,
+                vocab_size=config.spm_vocab_size,
+                model_type=config.spm_model_type,
                 seed=config.seed,
             )
         except tokenizer_lib.VocabularyTooSmall as err:
-            raise UsageError(f"--spm-vocab-size {config.spm_vocab_size}: {err}; pass --spm-vocab-size "
-                             f"{err.minimum} or more") from None
+            raise UsageError(
+                f"--spm-vocab-size {config.spm_vocab_size}: {err}; pass --spm-vocab-size {err.minimum} or more"
+            ) from None
 
 
 def load_data(config: WmtConfig, spm_given: str | None, run_dir: Path, max_len: int) -> wmt_data.Prepared:
     corpus = wmt_data.read_corpus(
-        config.data, src_lang=config.src_lang, tgt_lang=config.tgt_lang, seed=config.seed,
+        config.data,
+        src_lang=config.src_lang,
+        tgt_lang=config.tgt_lang,
+        seed=config.seed,
         tfds_data_dir=config.tfds_data_dir,
     )
     processor = _vocabulary(config, spm_given, run_dir, corpus)
@@ -113,8 +119,13 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     model = build_model(config.implementation, model_cfg)
     criterion = make_criterion(config.implementation, config.label_smoothing)
     stream = wmt_data.BatchStream(
-        data.train, max_tokens=config.max_tokens, num_shards=parallel.num_shards, grad_accum=config.grad_accum,
-        seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+        data.train,
+        max_tokens=config.max_tokens,
+        num_shards=parallel.num_shards,
+        grad_accum=config.grad_accum,
+        seed=config.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
 
     def init_params(key: jax.Array) -> Any:
@@ -153,6 +164,5 @@ TASK = Task(
     score=lambda record: format_value(record["bleu"], ".2f"),
     loss_name="label-smoothed training loss, see --label-smoothing",
     memory_advice="lower --max-tokens (raise --grad-accum to keep the batch), add --remat layer, or choose a "
-                  "smaller --preset",
+    "smaller --preset",
 )
-

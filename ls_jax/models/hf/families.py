@@ -33,9 +33,7 @@ def params_to_hf(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     return _family(config).params_to_hf(config, params)
 
 
-def params_from_hf(
-    config: ModelConfig, state_dict: Mapping[str, Any], *, rng: jax.Array | None = None
-) -> Params:
+def params_from_hf(config: ModelConfig, state_dict: Mapping[str, Any], *, rng: jax.Array | None = None) -> Params:
     """Hugging Face state dict -> ls_jax params (float32), checked key by key and shape by shape.
 
     Args:

@@ -30,9 +30,13 @@ from train.bench.steps import transformer_steps, zoo_steps
 from train.reference.transformer import EncoderLayer, ReferenceConfig
 
 _BERT_BASE = zoo_steps.MODELS["bert-base"]
-ENCODER_SHAPE = transformer_steps.ModelShape(hidden=_BERT_BASE.hidden, intermediate=_BERT_BASE.intermediate,
-                                             heads=_BERT_BASE.heads, encoder_layers=_BERT_BASE.layers,
-                                             decoder_layers=0)
+ENCODER_SHAPE = transformer_steps.ModelShape(
+    hidden=_BERT_BASE.hidden,
+    intermediate=_BERT_BASE.intermediate,
+    heads=_BERT_BASE.heads,
+    encoder_layers=_BERT_BASE.layers,
+    decoder_layers=0,
+)
 WARMUP_CALLS = 3
 
 
@@ -47,8 +51,9 @@ class CounterWorkload:
 
 
 WORKLOADS = {
-    "wmt-big-6e6d": CounterWorkload(layers=12, default_batch=16, default_seq_len=transformer_steps.SEQ_LEN,
-                                    whole_step=True),
+    "wmt-big-6e6d": CounterWorkload(
+        layers=12, default_batch=16, default_seq_len=transformer_steps.SEQ_LEN, whole_step=True
+    ),
     "bert-base": CounterWorkload(layers=12, default_batch=1, default_seq_len=512, whole_step=False),
     "encoder-block": CounterWorkload(layers=1, default_batch=16, default_seq_len=128, whole_step=False),
 }
@@ -83,8 +88,9 @@ class _LsJaxStack(nn.Module):
     def __call__(self, x):
         from ls_jax.layers import LayerConfig, TransformerEncoderLayer
 
-        config = LayerConfig.preset("bert-base", pre_layer_norm=True, activation_fn="relu",
-                                    activation_dropout_ratio=0.1, dtype=jnp.bfloat16)
+        config = LayerConfig.preset(
+            "bert-base", pre_layer_norm=True, activation_fn="relu", activation_dropout_ratio=0.1, dtype=jnp.bfloat16
+        )
         for _ in range(self.layers):
             x = TransformerEncoderLayer(config)(x, deterministic=False)
         return x
@@ -99,8 +105,14 @@ def encoder_stack(implementation: str, layers: int, batch: int, seq_len: int) ->
     of a BERT-base block at 128 positions)."""
     shape = ENCODER_SHAPE
     if implementation == "reference":
-        config = ReferenceConfig(vocab_size=1, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                                 num_heads=shape.heads, num_encoder_layers=layers, num_decoder_layers=0)
+        config = ReferenceConfig(
+            vocab_size=1,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_heads=shape.heads,
+            num_encoder_layers=layers,
+            num_decoder_layers=0,
+        )
         model: nn.Module = _ReferenceStack(config, layers)
     else:
         model = _LsJaxStack(layers)
@@ -124,8 +136,9 @@ def build(workload: str, implementation: str, batch: int, seq_len: int, layers: 
     with backend.use(transformer_steps.kernel_mode(implementation)):
         if spec.whole_step:
             data = transformer_steps.make_batch(batch, seed=0)
-            step = transformer_steps.build_step(implementation, workload.removeprefix("wmt-"), data,
-                                                None if layers is None else layers // 2)
+            step = transformer_steps.build_step(
+                implementation, workload.removeprefix("wmt-"), data, None if layers is None else layers // 2
+            )
             return Compiled(step.compiled, lambda: step.run(data))
         return encoder_stack(implementation, layers or spec.layers, batch, seq_len)
 
@@ -156,8 +169,15 @@ def profiler_range(start: bool) -> None:
         _driver_call(driver, "cuDevicePrimaryCtxRelease_v2", device)
 
 
-def run_child(workload: str, implementation: str, batch: int, seq_len: int, hlo_path: Path, env_path: Path,
-              layers: int | None = None) -> None:
+def run_child(
+    workload: str,
+    implementation: str,
+    batch: int,
+    seq_len: int,
+    hlo_path: Path,
+    env_path: Path,
+    layers: int | None = None,
+) -> None:
     """Compile, warm up, write the HLO and the environment record, then one call inside the profiler range."""
     fn = build(workload, implementation, batch, seq_len, layers)
     hlo_path.write_text(fn.compiled.as_text())
@@ -175,9 +195,12 @@ def main() -> None:
     parser.add_argument("implementation", choices=transformer_steps.IMPLEMENTATIONS)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--layers", type=int,
-                        help="layers to build: an encoder stack's, or a WMT step's encoder and decoder layers together "
-                             "(default: the workload's)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="layers to build: an encoder stack's, or a WMT step's encoder and decoder layers together "
+        "(default: the workload's)",
+    )
     parser.add_argument("--hlo", type=Path, required=True, help="where to write the compiled HLO text")
     parser.add_argument("--env", type=Path, required=True, help="where to write the environment record (JSON)")
     args = parser.parse_args()

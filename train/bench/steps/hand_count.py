@@ -61,8 +61,11 @@ class Count:
         return self.gemm_flops + self.elementwise_flops
 
     def __add__(self, other: Count) -> Count:
-        return Count(self.gemm_flops + other.gemm_flops, self.elementwise_flops + other.elementwise_flops,
-                     self.dram_bytes + other.dram_bytes)
+        return Count(
+            self.gemm_flops + other.gemm_flops,
+            self.elementwise_flops + other.elementwise_flops,
+            self.dram_bytes + other.dram_bytes,
+        )
 
     def times(self, factor: int) -> Count:
         return Count(self.gemm_flops * factor, self.elementwise_flops * factor, self.dram_bytes * factor)
@@ -76,15 +79,23 @@ def attention_gemms(batch: int, queries: int, keys: int, hidden: int, heads: int
 
 def encoder_block_projections(tokens: int, hidden: int, ffn: int) -> list[Gemm]:
     """Fused QKV (H x 3H), attention output (H x H), feed-forward (H x F) and (F x H) over ``tokens`` rows."""
-    return [Gemm(tokens, 3 * hidden, hidden), Gemm(tokens, hidden, hidden), Gemm(tokens, ffn, hidden),
-            Gemm(tokens, hidden, ffn)]
+    return [
+        Gemm(tokens, 3 * hidden, hidden),
+        Gemm(tokens, hidden, hidden),
+        Gemm(tokens, ffn, hidden),
+        Gemm(tokens, hidden, ffn),
+    ]
 
 
 def decoder_block_projections(target_tokens: int, source_tokens: int, hidden: int, ffn: int) -> list[Gemm]:
     """The encoder block's projections over the target, plus cross-attention's Q and output (over the target)
     and its K, V (2H wide, over the source)."""
-    return [*encoder_block_projections(target_tokens, hidden, ffn), Gemm(target_tokens, hidden, hidden),
-            Gemm(target_tokens, hidden, hidden), Gemm(source_tokens, 2 * hidden, hidden)]
+    return [
+        *encoder_block_projections(target_tokens, hidden, ffn),
+        Gemm(target_tokens, hidden, hidden),
+        Gemm(target_tokens, hidden, hidden),
+        Gemm(source_tokens, 2 * hidden, hidden),
+    ]
 
 
 def training_flops(forward: list[Gemm]) -> int:
@@ -108,9 +119,15 @@ def _fused_attention_bytes(batch: int, queries: int, keys: int, hidden: int, ele
 def _elementwise(tokens: int, hidden: int, ffn: int, scores: int, layer_norms: int, attentions: int) -> int:
     """Estimated forward + backward elementwise FLOPs of one block over ``tokens`` positions with ``scores``
     attention scores in all (see the module docstring)."""
-    forward = (SOFTMAX_FLOPS_PER_SCORE * scores + LAYER_NORM_FLOPS_PER_ELEMENT * layer_norms * tokens * hidden
-               + scores + tokens * ffn + (1 + attentions) * tokens * hidden  # dropout
-               + tokens * ffn + (1 + attentions) * tokens * hidden)  # activation and residual adds
+    forward = (
+        SOFTMAX_FLOPS_PER_SCORE * scores
+        + LAYER_NORM_FLOPS_PER_ELEMENT * layer_norms * tokens * hidden
+        + scores
+        + tokens * ffn
+        + (1 + attentions) * tokens * hidden  # dropout
+        + tokens * ffn
+        + (1 + attentions) * tokens * hidden
+    )  # activation and residual adds
     return forward * (1 + BACKWARD_OVER_FORWARD)
 
 
@@ -127,16 +144,19 @@ def encoder_block(batch: int, seq_len: int, hidden: int, ffn: int, heads: int, e
     )
 
 
-def decoder_block(batch: int, tgt_len: int, src_len: int, hidden: int, ffn: int, heads: int,
-                  element_bytes: int = 2) -> Count:
+def decoder_block(
+    batch: int, tgt_len: int, src_len: int, hidden: int, ffn: int, heads: int, element_bytes: int = 2
+) -> Count:
     """Forward + backward of one decoder block (self-attention, cross-attention over src_len, feed-forward)."""
     projections = decoder_block_projections(batch * tgt_len, batch * src_len, hidden, ffn)
     attention = attention_gemms(batch, tgt_len, tgt_len, hidden, heads) + attention_gemms(
-        batch, tgt_len, src_len, hidden, heads)
+        batch, tgt_len, src_len, hidden, heads
+    )
     return Count(
         gemm_flops=training_flops(projections + attention),
-        elementwise_flops=_elementwise(batch * tgt_len, hidden, ffn, batch * heads * tgt_len * (tgt_len + src_len),
-                                       layer_norms=3, attentions=2),
+        elementwise_flops=_elementwise(
+            batch * tgt_len, hidden, ffn, batch * heads * tgt_len * (tgt_len + src_len), layer_norms=3, attentions=2
+        ),
         dram_bytes=_projection_bytes(projections, element_bytes)
         + _fused_attention_bytes(batch, tgt_len, tgt_len, hidden, element_bytes)
         + _fused_attention_bytes(batch, tgt_len, src_len, hidden, element_bytes),
@@ -152,9 +172,19 @@ def parameters(hidden: int, ffn: int, encoder_layers: int, decoder_layers: int, 
     return vocab * hidden + encoder_layers * encoder + decoder_layers * decoder + 4 * hidden
 
 
-def training_step(batch: int, src_len: int, tgt_len: int, hidden: int, ffn: int, heads: int, encoder_layers: int,
-                  decoder_layers: int, vocab: int, element_bytes: int = 2,
-                  optimizer_bytes_per_param: int = 28) -> Count:
+def training_step(
+    batch: int,
+    src_len: int,
+    tgt_len: int,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    encoder_layers: int,
+    decoder_layers: int,
+    vocab: int,
+    element_bytes: int = 2,
+    optimizer_bytes_per_param: int = 28,
+) -> Count:
     """A whole encoder-decoder training step: the blocks, the tied output projection (B T x H by H x V) with its
     softmax cross entropy, and AdamW over every parameter."""
     logits = Gemm(batch * tgt_len, vocab, hidden)
@@ -165,8 +195,12 @@ def training_step(batch: int, src_len: int, tgt_len: int, hidden: int, ffn: int,
         dram_bytes=_projection_bytes([logits], element_bytes) + element_bytes * logit_elements,  # the loss reads them
     )
     params = parameters(hidden, ffn, encoder_layers, decoder_layers, vocab)
-    optimizer = Count(gemm_flops=0, elementwise_flops=ADAMW_FLOPS_PER_PARAM * params,
-                      dram_bytes=optimizer_bytes_per_param * params)
-    return (encoder_block(batch, src_len, hidden, ffn, heads, element_bytes).times(encoder_layers)
-            + decoder_block(batch, tgt_len, src_len, hidden, ffn, heads, element_bytes).times(decoder_layers)
-            + output + optimizer)
+    optimizer = Count(
+        gemm_flops=0, elementwise_flops=ADAMW_FLOPS_PER_PARAM * params, dram_bytes=optimizer_bytes_per_param * params
+    )
+    return (
+        encoder_block(batch, src_len, hidden, ffn, heads, element_bytes).times(encoder_layers)
+        + decoder_block(batch, tgt_len, src_len, hidden, ffn, heads, element_bytes).times(decoder_layers)
+        + output
+        + optimizer
+    )

@@ -39,8 +39,9 @@ def relative_error(estimate: float, measured: float) -> float:
     return (estimate - measured) / measured
 
 
-def model_stages(backward: float, layers: Sequence[tuple[str, int, float, float]], rest_comm: float
-                 ) -> list[tuple[str, float, float]]:
+def model_stages(
+    backward: float, layers: Sequence[tuple[str, int, float, float]], rest_comm: float
+) -> list[tuple[str, float, float]]:
     """The stages (name, compute, comm) of a model's backward, from per-layer measurements.
 
     ``layers``: (name, count, one layer's backward, one layer's all-reduce) per kind of repeated layer, in backward

@@ -16,10 +16,10 @@ import numpy as np
 
 from ls_jax.layers.transformer import TransformerDecoderLayer, TransformerEncoderLayer
 from ls_jax.models import BertForSequenceClassification, Transformer
+from train.bench.steps import transformer_steps, zoo_steps
 from train.imdb import model as imdb_model
 from train.wmt import model as wmt_model
 from train.wmt.config import WmtConfig
-from train.bench.steps import transformer_steps, zoo_steps
 
 BERT_VOCAB = zoo_steps.MODELS["bert-base"].vocab
 TRANSFORMER_PRESETS = {"big-6e6d": "transformer-big", "tiny-2e2d": "transformer-tiny"}
@@ -74,8 +74,9 @@ def build(name: str, rows: int, length: int) -> BenchModel:
 
 def _transformer(name: str, rows: int, length: int) -> BenchModel:
     rng = np.random.default_rng(0)
-    config = wmt_model.model_config(WmtConfig(preset=TRANSFORMER_PRESETS[name], dropout=0.1, remat="none"),
-                                    transformer_steps.VOCAB, "bf16")
+    config = wmt_model.model_config(
+        WmtConfig(preset=TRANSFORMER_PRESETS[name], dropout=0.1, remat="none"), transformer_steps.VOCAB, "bf16"
+    )
     module = Transformer(config)
     tokens = rng.integers(4, transformer_steps.VOCAB, size=(1, rows, length), dtype=np.int32)
     batch = {"src": tokens, "tgt_in": tokens, "labels": np.roll(tokens, -1, axis=-1)}
@@ -84,10 +85,20 @@ def _transformer(name: str, rows: int, length: int) -> BenchModel:
     mask = jnp.ones((rows, length), bool)
     key_value = jnp.zeros((rows, length, 2, layer.nhead, layer.head_dim), jnp.bfloat16)
     layers = (
-        LayerKind("decoder layer", TransformerDecoderLayer(layer), config.num_decoder_layers,
-                  lambda i: ("decoder", f"layer_{i}"), (x, key_value, mask)),
-        LayerKind("encoder layer", TransformerEncoderLayer(layer), config.num_encoder_layers,
-                  lambda i: ("encoder", f"layer_{i}"), (x, mask)),
+        LayerKind(
+            "decoder layer",
+            TransformerDecoderLayer(layer),
+            config.num_decoder_layers,
+            lambda i: ("decoder", f"layer_{i}"),
+            (x, key_value, mask),
+        ),
+        LayerKind(
+            "encoder layer",
+            TransformerEncoderLayer(layer),
+            config.num_encoder_layers,
+            lambda i: ("encoder", f"layer_{i}"),
+            (x, mask),
+        ),
     )
     return BenchModel(name, module, wmt_model.make_loss_fn(module, 0.1), batch, rows * length, layers)
 
@@ -96,11 +107,20 @@ def _bert(name: str, rows: int, length: int) -> BenchModel:
     rng = np.random.default_rng(0)
     config = imdb_model.preset_config(BERT_PRESETS[name], vocab_size=BERT_VOCAB, num_labels=2, dtype=jnp.bfloat16)
     module = BertForSequenceClassification(config)
-    batch = {"input_ids": rng.integers(5, BERT_VOCAB, size=(1, rows, length), dtype=np.int32),
-             "labels": rng.integers(0, 2, size=(1, rows), dtype=np.int32)}
+    batch = {
+        "input_ids": rng.integers(5, BERT_VOCAB, size=(1, rows, length), dtype=np.int32),
+        "labels": rng.integers(0, 2, size=(1, rows), dtype=np.int32),
+    }
     x = jnp.zeros((rows, length, config.layer.hidden_size), jnp.bfloat16)
-    layers = (LayerKind("encoder layer", TransformerEncoderLayer(config.layer), config.num_layers,
-                        lambda i: ("encoder", f"layer_{i}"), (x, jnp.ones((rows, length), bool))),)
+    layers = (
+        LayerKind(
+            "encoder layer",
+            TransformerEncoderLayer(config.layer),
+            config.num_layers,
+            lambda i: ("encoder", f"layer_{i}"),
+            (x, jnp.ones((rows, length), bool)),
+        ),
+    )
     return BenchModel(name, module, imdb_model.make_loss_fn(module, pad_id=0), batch, rows * length, layers)
 
 

@@ -83,13 +83,17 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
         def call():
             holder["params"], holder["opt_state"], norm = compiled(grads, holder["opt_state"], holder["params"])
             return norm
+
         return _milliseconds(call)
 
     return [
         _timed((*key, "forward"), jax.jit(loss), state.params, batch, rng),
         _timed((*key, "forward_backward"), jax.jit(jax.grad(loss)), state.params, batch, rng),
-        Pending((*key, "optimizer"),
-                jax.jit(update, donate_argnums=(1, 2)).lower(grads, holder["opt_state"], holder["params"]), run_update),
+        Pending(
+            (*key, "optimizer"),
+            jax.jit(update, donate_argnums=(1, 2)).lower(grads, holder["opt_state"], holder["params"]),
+            run_update,
+        ),
     ]
 
 
@@ -115,16 +119,28 @@ def allreduce(key: tuple, like: Any, devices: list[Any]) -> Pending:
     its own copy, as the step's per-device gradients."""
     mesh = Mesh(np.asarray(devices), (DATA_AXIS,))
     n, spec = len(devices), PartitionSpec(DATA_AXIS)
-    stacked = jax.jit(lambda: jax.tree.map(lambda leaf: jnp.ones((n, *leaf.shape), leaf.dtype), like),
-                      out_shardings=NamedSharding(mesh, spec))()
-    summed = jax.jit(jax.shard_map(lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, DATA_AXIS), tree),
-                                   mesh=mesh, in_specs=spec, out_specs=spec))
+    stacked = jax.jit(
+        lambda: jax.tree.map(lambda leaf: jnp.ones((n, *leaf.shape), leaf.dtype), like),
+        out_shardings=NamedSharding(mesh, spec),
+    )()
+    summed = jax.jit(
+        jax.shard_map(
+            lambda tree: jax.tree.map(lambda x: jax.lax.psum(x, DATA_AXIS), tree),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
     return _timed(key, summed, stacked)
 
 
 def split_of_step(step_ms: float, pieces: dict[str, float], allreduce_ms: float) -> dict[str, float]:
     """The step's time split: forward, backward, all-reduce, optimizer (each timed alone) and the rest (step time
     minus their sum: what overlaps or is not in any piece, negative where pieces overlap in the step)."""
-    split = {"forward_ms": pieces["forward"], "backward_ms": pieces["forward_backward"] - pieces["forward"],
-             "allreduce_ms": allreduce_ms, "optimizer_ms": pieces["optimizer"]}
+    split = {
+        "forward_ms": pieces["forward"],
+        "backward_ms": pieces["forward_backward"] - pieces["forward"],
+        "allreduce_ms": allreduce_ms,
+        "optimizer_ms": pieces["optimizer"],
+    }
     return {**split, "rest_ms": step_ms - sum(split.values())}

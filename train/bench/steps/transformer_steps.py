@@ -188,8 +188,14 @@ def train_flops(name: str, sentences: int) -> float:
     """Matmul FLOPs of one step of model ``name`` on ``sentences`` source and target sentences."""
     shape = MODELS[name]
     return metrics.transformer_train_flops(
-        hidden=shape.hidden, ffn=shape.intermediate, encoder_layers=shape.encoder_layers,
-        decoder_layers=shape.decoder_layers, vocab=VOCAB, batch=sentences, src_len=SEQ_LEN, tgt_len=SEQ_LEN,
+        hidden=shape.hidden,
+        ffn=shape.intermediate,
+        encoder_layers=shape.encoder_layers,
+        decoder_layers=shape.decoder_layers,
+        vocab=VOCAB,
+        batch=sentences,
+        src_len=SEQ_LEN,
+        tgt_len=SEQ_LEN,
     )
 
 

@@ -86,8 +86,10 @@ def wmt_workload(model: str, target_tokens: int) -> Workload:
     """``model`` at ``target_tokens`` per step (rows of SEQ_LEN target tokens)."""
     rows = target_tokens // transformer_steps.SEQ_LEN
     if rows < 1:
-        raise ValueError(f"{model}: {target_tokens} target tokens is less than one {transformer_steps.SEQ_LEN}-token "
-                         "sentence; give --tokens of at least that")
+        raise ValueError(
+            f"{model}: {target_tokens} target tokens is less than one {transformer_steps.SEQ_LEN}-token "
+            "sentence; give --tokens of at least that"
+        )
     return Workload(model, target_tokens, rows)
 
 
@@ -108,13 +110,15 @@ def expand_models(names: list[str], quick: bool = False) -> list[str]:
         elif name in MODEL_ORDER:
             models.append(name)
         else:
-            raise ValueError(f"unknown model {name!r}; give a family ({', '.join(FAMILIES)}) or a model "
-                             f"({', '.join(MODEL_ORDER)})")
+            raise ValueError(
+                f"unknown model {name!r}; give a family ({', '.join(FAMILIES)}) or a model ({', '.join(MODEL_ORDER)})"
+            )
     return list(dict.fromkeys(models))
 
 
-def workloads(models: list[str], token_counts: list[int], seq_lens: list[int] | None = None,
-              rows: int | None = None) -> list[Workload]:
+def workloads(
+    models: list[str], token_counts: list[int], seq_lens: list[int] | None = None, rows: int | None = None
+) -> list[Workload]:
     """Every (model, size): WMT models at each of ``token_counts``, the others at ``seq_lens`` (default: the
     model's own lengths) and ``rows`` (default: the model's)."""
     out = []

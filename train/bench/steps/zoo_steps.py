@@ -79,17 +79,27 @@ def make_batch(name: str, rows: int, seq_len: int, seed: int) -> dict[str, jax.A
     lengths = rng.integers(seq_len // 2 + 1, seq_len + 1, rows)
     lengths[-1] = seq_len
     mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.int32)
-    return {"input_ids": jnp.asarray(tokens[:, :-1] * mask), "attention_mask": jnp.asarray(mask),
-            "labels": jnp.asarray(rng.integers(0, 2, rows, dtype=np.int32))}
+    return {
+        "input_ids": jnp.asarray(tokens[:, :-1] * mask),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray(rng.integers(0, 2, rows, dtype=np.int32)),
+    }
 
 
 def reference_config(name: str, attention: str) -> ZooConfig:
     """The plain Flax configuration of ``name``; attention dropout only with the "einsum" core."""
     model = MODELS[name]
     return ZooConfig(
-        vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.intermediate,
-        num_heads=model.heads, num_layers=model.layers, max_positions=model.max_positions, dropout_rate=DROPOUT,
-        attention_dropout_rate=DROPOUT if attention == "einsum" else 0.0, attention=attention, dtype=jnp.bfloat16,
+        vocab_size=model.vocab,
+        hidden_size=model.hidden,
+        intermediate_size=model.intermediate,
+        num_heads=model.heads,
+        num_layers=model.layers,
+        max_positions=model.max_positions,
+        dropout_rate=DROPOUT,
+        attention_dropout_rate=DROPOUT if attention == "einsum" else 0.0,
+        attention=attention,
+        dtype=jnp.bfloat16,
     )
 
 
@@ -101,8 +111,14 @@ def ls_jax_config(name: str):
 
     model = MODELS[name]
     preset = "bert-base" if model.kind == "bert" else "gpt2-small"
-    layer = LayerConfig.preset(preset, hidden_size=model.hidden, intermediate_size=model.intermediate,
-                               nhead=model.heads, max_seq_len=model.max_positions, dtype=jnp.bfloat16)
+    layer = LayerConfig.preset(
+        preset,
+        hidden_size=model.hidden,
+        intermediate_size=model.intermediate,
+        nhead=model.heads,
+        max_seq_len=model.max_positions,
+        dtype=jnp.bfloat16,
+    )
     if model.kind == "bert":
         return BertConfig(layer=layer, vocab_size=model.vocab, num_layers=model.layers, num_labels=2)
     return GPTConfig(layer=layer, vocab_size=model.vocab, num_layers=model.layers)
@@ -137,8 +153,9 @@ def ls_jax_apply(model, params, batch, deterministic: bool = True, rngs=None) ->
     """Logits of an ls_jax model on a `make_batch` batch: BERT's right padding as each row's length."""
     if "attention_mask" in batch:
         lengths = jnp.sum(batch["attention_mask"], axis=-1, dtype=jnp.int32)
-        return model.apply({"params": params}, batch["input_ids"], lengths=lengths, deterministic=deterministic,
-                           rngs=rngs)
+        return model.apply(
+            {"params": params}, batch["input_ids"], lengths=lengths, deterministic=deterministic, rngs=rngs
+        )
     return model.apply({"params": params}, batch["input_ids"], deterministic=deterministic, rngs=rngs)
 
 
@@ -167,7 +184,8 @@ def ls_jax_step(name: str, batch) -> TrainStep:
 
     model = ls_jax_model(name)
     params = jax.jit(lambda key: model.init(key, batch["input_ids"], batch.get("attention_mask"))["params"])(
-        jax.random.PRNGKey(0))
+        jax.random.PRNGKey(0)
+    )
 
     def loss_fn(params, batch, dropout_rng):
         logits = ls_jax_apply(model, params, batch, deterministic=False, rngs={"dropout": dropout_rng})

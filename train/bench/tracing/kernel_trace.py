@@ -55,8 +55,14 @@ STAGE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 """XLA options of the stage trace's compile: no command buffers, so each kernel event names its HLO instruction."""
 STAGE_WARMUP_STEPS = 2
 # The part of the model a scope belongs to; BERT's "embeddings" feed its encoder, GPT-2's "embedding" its decoder.
-_STAGE_SCOPES = {"encoder": "encoder", "source_embedding": "encoder", "embeddings": "encoder", "decoder": "decoder",
-                 "target_embedding": "decoder", "embedding": "decoder"}
+_STAGE_SCOPES = {
+    "encoder": "encoder",
+    "source_embedding": "encoder",
+    "embeddings": "encoder",
+    "decoder": "decoder",
+    "target_embedding": "decoder",
+    "embedding": "decoder",
+}
 # Scopes of the output projection and loss: the logits of a tied table are its ``.attend``, BERT's head the rest.
 _OUTPUT_SCOPES = {"criterion", "output_projection", "pooler", "classifier"}
 _TRANSFORM_WRAPPER = re.compile(r"^(?:\w+\()+|\)+$")  # "transpose(jvp(criterion))" -> "criterion"
@@ -205,8 +211,9 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
 OpNameOf = Callable[[dict[str, Any], dict[str, str]], str]
 
 
-def stage_breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
-                    op_name_of: OpNameOf = launching_op_name) -> dict[str, float]:
+def stage_breakdown(
+    kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int, op_name_of: OpNameOf = launching_op_name
+) -> dict[str, float]:
     """Milliseconds of kernel time per step in each of `STAGES`; ``op_name_of`` finds a kernel's instruction
     (`launching_op_name` in a trace without command buffers, `event_op_name` in one with them)."""
     per_stage = dict.fromkeys(STAGES, 0.0)
@@ -257,8 +264,9 @@ def step_breakdown(train_step: Any, batch: Any, steps: int, trace_dir: Path | No
         for _ in range(STAGE_WARMUP_STEPS):
             staged.run(batch)
         staged_hlo = staged.compiled.as_text()
-        stage_kernels = _traced(lambda: staged.run(batch), staged_hlo, steps,
-                                None if trace_dir is None else trace_dir / STAGE_TRACE_DIR)
+        stage_kernels = _traced(
+            lambda: staged.run(batch), staged_hlo, steps, None if trace_dir is None else trace_dir / STAGE_TRACE_DIR
+        )
     finally:
         train_step.state = staged.state  # the staged step donated the state it was given
     return summarize(kernels, hlo_op_names(hlo), steps, stage_kernels, hlo_op_names(staged_hlo))
@@ -272,8 +280,7 @@ def reanalyze(result_path: Path, trace_root: Path) -> dict[str, Any]:
         kernels, op_names = _kept_trace(trace_root / implementation)
         stage_dir = trace_root / implementation / STAGE_TRACE_DIR
         stage_kernels, stage_op_names = _kept_trace(stage_dir) if stage_dir.is_dir() else (None, None)
-        result["results"][implementation] = summarize(kernels, op_names, result["steps"], stage_kernels,
-                                                      stage_op_names)
+        result["results"][implementation] = summarize(kernels, op_names, result["steps"], stage_kernels, stage_op_names)
     return result
 
 
@@ -282,28 +289,45 @@ def _kept_trace(directory: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
     return gpu_kernel_events(_trace_events(directory)), hlo_op_names((directory / HLO_FILENAME).read_text())
 
 
-def summarize(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int,
-              stage_kernels: list[dict[str, Any]] | None = None,
-              stage_op_names: dict[str, str] | None = None) -> dict[str, Any]:
+def summarize(
+    kernels: list[dict[str, Any]],
+    op_names: dict[str, str],
+    steps: int,
+    stage_kernels: list[dict[str, Any]] | None = None,
+    stage_op_names: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The breakdown of ``steps`` traced steps, the kernel count and the largest kernels with their categories;
     the stages from ``stage_kernels`` (the trace without command buffers) where given, else from ``kernels``."""
     ms = breakdown(kernels, op_names, steps)
-    top = [{**entry, "category": categorize(entry["kernel"], entry["op_name"])}
-           for entry in _largest_with_op_names(kernels, op_names, steps, 40)]
+    top = [
+        {**entry, "category": categorize(entry["kernel"], entry["op_name"])}
+        for entry in _largest_with_op_names(kernels, op_names, steps, 40)
+    ]
     op_name_of: OpNameOf = launching_op_name
     if stage_kernels is None:  # a trace with command buffers only: a kernel's own name is what finds its instruction
         stage_kernels, stage_op_names, op_name_of = kernels, op_names, event_op_name
     stage_op_names = stage_op_names or {}
     unattributed = [event for event in stage_kernels if stage(op_name_of(event, stage_op_names)) == "unattributed"]
-    return {"ms_per_step": ms, "total_ms_per_step": sum(ms.values()), "kernels_per_step": len(kernels) / steps,
-            "stage_ms_per_step": stage_breakdown(stage_kernels, stage_op_names, steps, op_name_of),
-            "unattributed_kernels": _largest_with_op_names(unattributed, stage_op_names, steps, 10, op_name_of),
-            "top_kernels": top}
+    return {
+        "ms_per_step": ms,
+        "total_ms_per_step": sum(ms.values()),
+        "kernels_per_step": len(kernels) / steps,
+        "stage_ms_per_step": stage_breakdown(stage_kernels, stage_op_names, steps, op_name_of),
+        "unattributed_kernels": _largest_with_op_names(unattributed, stage_op_names, steps, 10, op_name_of),
+        "top_kernels": top,
+    }
 
 
-def _largest_with_op_names(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: int, count: int,
-                           op_name_of: OpNameOf = event_op_name) -> list[dict[str, Any]]:
+def _largest_with_op_names(
+    kernels: list[dict[str, Any]],
+    op_names: dict[str, str],
+    steps: int,
+    count: int,
+    op_name_of: OpNameOf = event_op_name,
+) -> list[dict[str, Any]]:
     """The ``count`` kernel names with the most time per step, each with the op_name of one of its events."""
     op_name_by_kernel = {event["name"]: op_name_of(event, op_names) for event in kernels}
-    return [{"kernel": name, "ms_per_step": time, "op_name": op_name_by_kernel[name]}
-            for name, time in list(kernel_time_by_name(kernels, steps).items())[:count]]
+    return [
+        {"kernel": name, "ms_per_step": time, "op_name": op_name_by_kernel[name]}
+        for name, time in list(kernel_time_by_name(kernels, steps).items())[:count]
+    ]

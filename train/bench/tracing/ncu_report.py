@@ -27,23 +27,48 @@ WARPS_LAUNCHED = "smsp__warps_launched.sum"
 IPC = "sm__inst_executed.avg.per_cycle_active"
 GLOBAL_LOADS = "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"
 GLOBAL_STORES = "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum"
-HALF_OPS = {f"smsp__sass_thread_inst_executed_op_h{op}_pred_on.sum": 2 if op == "fma" else 1
-            for op in ("add", "mul", "fma")}
-SINGLE_OPS = {f"smsp__sass_thread_inst_executed_op_f{op}_pred_on.sum": 2 if op == "fma" else 1
-              for op in ("add", "mul", "fma")}
+HALF_OPS = {
+    f"smsp__sass_thread_inst_executed_op_h{op}_pred_on.sum": 2 if op == "fma" else 1 for op in ("add", "mul", "fma")
+}
+SINGLE_OPS = {
+    f"smsp__sass_thread_inst_executed_op_f{op}_pred_on.sum": 2 if op == "fma" else 1 for op in ("add", "mul", "fma")
+}
 # Tensor-core math ops (GEMMs and fused attention): the sass op counters above never see them. Hopper counts fp16
 # sources over every accumulator type in one counter, and fp32 GEMMs run on the tensor cores as tf32.
-TENSOR_OPS = ("sm__ops_path_tensor_src_bf16_dst_fp32.sum", "sm__ops_path_tensor_src_fp16.sum",
-              "sm__ops_path_tensor_src_tf32_dst_fp32.sum")
+TENSOR_OPS = (
+    "sm__ops_path_tensor_src_bf16_dst_fp32.sum",
+    "sm__ops_path_tensor_src_fp16.sum",
+    "sm__ops_path_tensor_src_tf32_dst_fp32.sum",
+)
 
-METRICS = (TIME, DRAM_READ, DRAM_WRITE, SM_THROUGHPUT, OCCUPANCY, INSTRUCTIONS, WARPS_LAUNCHED, IPC, GLOBAL_LOADS,
-           GLOBAL_STORES, *HALF_OPS, *SINGLE_OPS, *TENSOR_OPS)
+METRICS = (
+    TIME,
+    DRAM_READ,
+    DRAM_WRITE,
+    SM_THROUGHPUT,
+    OCCUPANCY,
+    INSTRUCTIONS,
+    WARPS_LAUNCHED,
+    IPC,
+    GLOBAL_LOADS,
+    GLOBAL_STORES,
+    *HALF_OPS,
+    *SINGLE_OPS,
+    *TENSOR_OPS,
+)
 FLOP_METRICS = (TIME, DRAM_READ, DRAM_WRITE, *HALF_OPS, *SINGLE_OPS, *TENSOR_OPS)
 EFFICIENCIES = {"sm_throughput_pct": SM_THROUGHPUT, "achieved_occupancy_pct": OCCUPANCY, "ipc": IPC}
 
 _UNIT_SCALE = {
-    "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-    "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+    "byte": 1.0,
+    "kbyte": 1e3,
+    "mbyte": 1e6,
+    "gbyte": 1e9,
+    "tbyte": 1e12,
+    "nsecond": 1.0,
+    "usecond": 1e3,
+    "msecond": 1e6,
+    "second": 1e9,
 }
 
 
@@ -76,8 +101,10 @@ def parse_csv(text: str, metrics: Iterable[str] | None = None) -> list[Kernel]:
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
-        raise ValueError("no ncu raw CSV header (a row starting with \"ID\") in the report; was ncu run with "
-                         "--csv --page raw, and did it profile any kernel?")
+        raise ValueError(
+            'no ncu raw CSV header (a row starting with "ID") in the report; was ncu run with '
+            "--csv --page raw, and did it profile any kernel?"
+        )
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     header, units, records = rows[0], rows[1], [row for row in rows[2:] if len(row) == len(rows[0])]
     if "Kernel Name" not in header:

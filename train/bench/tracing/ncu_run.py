@@ -71,8 +71,9 @@ def split_supported(metrics: Iterable[str], available: set[str] | None) -> tuple
     return supported, [m for m in metrics if m not in supported]
 
 
-def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[str],
-                max_kernels: int | None = None) -> list[str]:
+def ncu_command(
+    ncu: str, metrics: Iterable[str], log_file: Path, child: list[str], max_kernels: int | None = None
+) -> list[str]:
     """ncu, gated on the child's profiler range, raw CSV in base units, demangled kernel names; ``max_kernels``
     stops profiling after that many kernels (``--launch-count``).
 
@@ -80,23 +81,60 @@ def ncu_command(ncu: str, metrics: Iterable[str], log_file: Path, child: list[st
     processes it starts too (the kernel library's build checks, ``git``), ncu ended in a segmentation fault."""
     limit = [] if max_kernels is None else ["--launch-count", str(max_kernels)]
     return [
-        ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics),
-        "--target-processes", "application-only", "--profile-from-start", "off", "--kernel-name-base", "demangled",
+        ncu,
+        "--csv",
+        "--page",
+        "raw",
+        "--print-units",
+        "base",
+        "--metrics",
+        ",".join(metrics),
+        "--target-processes",
+        "application-only",
+        "--profile-from-start",
+        "off",
+        "--kernel-name-base",
+        "demangled",
         *limit,
-        "--log-file", str(log_file), *child,
+        "--log-file",
+        str(log_file),
+        *child,
     ]
 
 
-def child_command(workload: str, implementation: str, batch: int, seq_len: int, work_dir: Path,
-                  layers: int | None = None) -> list[str]:
+def child_command(
+    workload: str, implementation: str, batch: int, seq_len: int, work_dir: Path, layers: int | None = None
+) -> list[str]:
     # -X faulthandler: a crash of the child under ncu prints the Python stack that caused it
-    return [sys.executable, "-X", "faulthandler", "-m", CHILD_MODULE, workload, implementation, "--batch", str(batch),
-            "--seq-len", str(seq_len), "--hlo", str(work_dir / "step.hlo.txt"),
-            "--env", str(work_dir / "environment.json"), *([] if layers is None else ["--layers", str(layers)])]
+    return [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        CHILD_MODULE,
+        workload,
+        implementation,
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(seq_len),
+        "--hlo",
+        str(work_dir / "step.hlo.txt"),
+        "--env",
+        str(work_dir / "environment.json"),
+        *([] if layers is None else ["--layers", str(layers)]),
+    ]
 
 
-def run_under_ncu(ncu: str, metrics: list[str], child: list[str], work_dir: Path, timeout_s: float, what: str,
-                  max_kernels: int | None = None) -> tuple[str, float]:
+def run_under_ncu(
+    ncu: str,
+    metrics: list[str],
+    child: list[str],
+    work_dir: Path,
+    timeout_s: float,
+    what: str,
+    max_kernels: int | None = None,
+) -> tuple[str, float]:
     """Runs ``child`` under ncu (killing its process group after ``timeout_s``); returns ncu's report and the wall
     seconds. ``what`` names the run in the errors: a timeout (TimeoutError) or a failing ncu (RuntimeError, with the
     end of its log)."""
@@ -114,22 +152,40 @@ def run_under_ncu(ncu: str, metrics: list[str], child: list[str], work_dir: Path
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-        raise TimeoutError(f"{what} ran past {timeout_s:.0f} s under ncu; use a smaller --batch (or --case) or fewer "
-                           "metrics") from None
+        raise TimeoutError(
+            f"{what} ran past {timeout_s:.0f} s under ncu; use a smaller --batch (or --case) or fewer metrics"
+        ) from None
     wall_s = time.perf_counter() - start
     report = log_file.read_text() if log_file.exists() else ""
     if returncode != 0:
         tail = "\n".join(report.splitlines()[-5:])
-        raise RuntimeError(f"ncu exited with {returncode} for {what}; the end of {log_file}:\n"
-                           f"{tail}\n(ERR_NVGPUCTRPERM means the GPU's performance counters need admin rights)")
+        raise RuntimeError(
+            f"ncu exited with {returncode} for {what}; the end of {log_file}:\n"
+            f"{tail}\n(ERR_NVGPUCTRPERM means the GPU's performance counters need admin rights)"
+        )
     return report, wall_s
 
 
-def profile(ncu: str, metrics: list[str], workload: str, implementation: str, batch: int, seq_len: int,
-            work_dir: Path, timeout_s: float, max_kernels: int | None = None, layers: int | None = None) -> Profile:
+def profile(
+    ncu: str,
+    metrics: list[str],
+    workload: str,
+    implementation: str,
+    batch: int,
+    seq_len: int,
+    work_dir: Path,
+    timeout_s: float,
+    max_kernels: int | None = None,
+    layers: int | None = None,
+) -> Profile:
     """Runs the counters child under ncu and parses the report."""
     child = child_command(workload, implementation, batch, seq_len, work_dir, layers)
-    report, wall_s = run_under_ncu(ncu, metrics, child, work_dir, timeout_s,
-                                   f"{workload}/{implementation} batch {batch}", max_kernels)
-    return Profile(kernels=parse_csv(report, metrics), hlo=(work_dir / "step.hlo.txt").read_text(),
-                   environment=json.loads((work_dir / "environment.json").read_text()), wall_s=wall_s)
+    report, wall_s = run_under_ncu(
+        ncu, metrics, child, work_dir, timeout_s, f"{workload}/{implementation} batch {batch}", max_kernels
+    )
+    return Profile(
+        kernels=parse_csv(report, metrics),
+        hlo=(work_dir / "step.hlo.txt").read_text(),
+        environment=json.loads((work_dir / "environment.json").read_text()),
+        wall_s=wall_s,
+    )

@@ -42,6 +42,9 @@ Three formulations:
   unfused (``attention_unfused``: two einsums around ``ops.attn_softmax``): the XLA backend, and the CUDA
     backend for shapes neither the fused kernels nor cuDNN take (then ``attn_softmax`` runs its kernels). On XLA
     it measured faster than the recomputing formulation.
+
+One module on purpose: the short-sequence kernels, cuDNN's and the XLA composition are one op's
+implementations behind one custom_vjp, so their shape checks and residuals stay side by side.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ With master weights, params are the master leaves, the outputs their new values,
 ``step(...) -> (outputs, new_moments, copies)``, copies None without master weights. With ``config.split_master``
 (bf16 params, see ``master.py``) each param is a pair (bf16 params, int16 low halves of the master), the outputs
 are the new low halves and the copies the new params, rounded to nearest with ties away from zero.
+
+One module on purpose: the state layout, the validation and the dispatch of one step change together, and
+splitting them would scatter the single definition of the step the XLA and CUDA paths must both follow.
 """
 
 from __future__ import annotations

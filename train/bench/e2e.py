@@ -18,6 +18,9 @@ arguments + outputs - aliased + temporaries); per WMT (model, implementation) wi
 sizes, the largest trainable batch predicted from their memory (``--fit`` also verifies it by running one step).
 Results merge into docs/results/e2e-<device>.json after every measurement (so runs split over several invocations
 build one file), and a speedup plot is written next to it.
+
+One module on purpose: the suite's rows, its timing protocol and its report are one benchmark; the steps it
+times live in `train.bench.steps`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ Models: ``big-6e6d`` (Transformer-big, 6 + 6 layers, 64-token sentences, ``--tok
 device; ``tiny-2e2d`` the same shape of step for a CPU) and ``bert-base`` (sequence classification, ``--bert-batch``
 rows of ``--bert-length`` tokens; ``bert-tiny`` for a CPU). Compilations run side by side (``--compile-threads``);
 set JAX_COMPILATION_CACHE_DIR to keep them for the next run.
+
+One module on purpose: the sweep over device counts, the timed pieces and the tables of one report read the same
+rows; the pieces it times and the overlap model live in `train.bench.steps`.
 """
 
 from __future__ import annotations

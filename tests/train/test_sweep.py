@@ -506,3 +506,28 @@ def test_a_device_that_cannot_be_detected_is_one_line_with_the_childs_last_error
     assert message.startswith("could not detect this machine's device (RuntimeError: ")
     assert "nosuchplatform" in message and "\n" not in message
     assert message.endswith("; pass --device NAME")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_sweep_waits_for_the_run_to_write_its_checkpoint_and_summary(tmp_path):
+    """A real SIGTERM to the sweep process alone, while its run trains: the run gets it too, stops at a step
+    boundary with its checkpoint and summary, and only then the sweep exits, 128 + 15, naming how to go on."""
+    spec_file = tmp_path / "long.toml"
+    spec_file.write_text(TINY.format(name="long", out=tmp_path / "out", steps=100000))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "train.sweep", str(spec_file), "--device", "cpu"]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (point,) = sweep_spec.points(sweep_spec.parse(spec_file.read_text()))
+    log = tmp_path / "out" / point.name / "run.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and log.read_text().count('"interval"') >= 2):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no training step within 300 s"
+        time.sleep(0.2)
+    process.terminate()
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + 15, stderr[-2000:]
+    summary = runlog.read(log)[-1]
+    assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
+    assert (log.parent / "checkpoints" / str(summary["steps"])).is_dir()
+    assert "stopped by a signal, its checkpoint kept in" in stdout and "run it again to resume" in stderr

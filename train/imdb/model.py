@@ -140,7 +140,7 @@ def make_loss_fn(classifier: Classifier):
     def loss_fn(params, batch, rng):
         logits = classifier.logits(params, batch["input_ids"], deterministic=False, rng=rng)
         loss_sum, examples, correct = classification_sums(logits, batch["labels"])
-        return loss_sum, examples, {"nll": loss_sum}
+        return loss_sum, examples, {"nll": loss_sum, "accuracy": correct}
 
     return loss_fn
 

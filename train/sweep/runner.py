@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import Any
 from train.compare import report as compare
 from train.compare import runs as run_logs
 from train.compare import scoring
-from train.errors import EXIT_USAGE, UsageError
+from train.errors import EXIT_SIGNAL_BASE, EXIT_USAGE, Interrupted, UsageError
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR
 from train.sweep.spec import Point, Spec, parse, points
@@ -132,9 +133,22 @@ def _mark(run_dir: Path, spec: Spec, point: Point) -> None:
     )
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def subprocess_runner(command: list[str]) -> int:
-    """Runs a ``python -m ...`` command line with this interpreter, in its own process."""
-    return subprocess.run([sys.executable, *command[1:]], check=False).returncode
+    """Runs a ``python -m ...`` command line with this interpreter, in its own process, and returns its exit code.
+    A SIGINT or SIGTERM to the sweep meanwhile goes on to the run, which stops at its next step boundary and writes
+    its checkpoint and summary; the sweep waits for that, so its run directory is complete when the sweep exits."""
+    child = subprocess.Popen([sys.executable, *command[1:]])
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: child.send_signal(signum)) for signum in STOP_SIGNALS
+    }
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def detect_device() -> str:
@@ -196,6 +210,9 @@ class Sweep:
         print(f"{label}: {'resuming' if state == 'interrupted' else 'running'}: {shlex.join(command)}", flush=True)
         started = time.monotonic()
         code = self.runner(command)
+        if code - EXIT_SIGNAL_BASE in STOP_SIGNALS:
+            print(f"{label}: stopped by a signal, its checkpoint kept in {run_dir}", flush=True)
+            raise Interrupted(code - EXIT_SIGNAL_BASE)
         outcome = "finished" if code == 0 else f"FAILED with exit code {code}"
         if code != 0:
             self.failed.append(_failure(point.name, run_dir, code))
@@ -373,3 +390,6 @@ def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) 
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as err:
+        print("sweep stopped: run it again to resume the stopped run and go on with the rest", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + err.signum

@@ -100,7 +100,14 @@ def _transformer(name: str, rows: int, length: int) -> BenchModel:
             (x, mask),
         ),
     )
-    return BenchModel(name, module, wmt_model.make_loss_fn(module, 0.1), batch, rows * length, layers)
+    return BenchModel(
+        name,
+        module,
+        wmt_model.make_loss_fn(module, wmt_model.make_criterion("ls_jax", 0.1)),
+        batch,
+        rows * length,
+        layers,
+    )
 
 
 def _bert(name: str, rows: int, length: int) -> BenchModel:
@@ -121,7 +128,14 @@ def _bert(name: str, rows: int, length: int) -> BenchModel:
             (x, jnp.ones((rows, length), bool)),
         ),
     )
-    return BenchModel(name, module, imdb_model.make_loss_fn(module, pad_id=0), batch, rows * length, layers)
+    return BenchModel(
+        name,
+        module,
+        imdb_model.make_loss_fn(imdb_model.Classifier(module, "ls_jax", pad_id=0)),
+        batch,
+        rows * length,
+        layers,
+    )
 
 
 def subtree(params: Any, path: tuple[str, ...]) -> Any:

@@ -224,7 +224,6 @@ def test_vary_together_is_identity_outside_shard_map():
     assert together[0] is x and together[1] is gamma and together[2] is None
 
 
-@pytest.mark.slow
 def test_data_parallel_shard_map_and_sharded_jit():
     tests_dir = pathlib.Path(__file__).parent
     env = dict(

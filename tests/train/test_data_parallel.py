@@ -97,7 +97,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_process(one_device, tmp_path):
     """Without --run-dir: both processes must agree on one new runs/<run id> and check it at the same time."""
     port = _free_port()

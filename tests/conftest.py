@@ -3,6 +3,7 @@ where one is present they run and a kernel library that fails to build or load f
 
 import os
 import shutil
+import subprocess
 
 # Without a GPU, every test compiles for XLA's CPU backend, and most compile more than they run: LLVM's lighter
 # optimization compiles about a third faster. Set before JAX starts, so the tests' own processes inherit it.
@@ -28,3 +29,15 @@ def pytest_collection_modifyitems(config, items):
 def _highest_matmul_precision():
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root); skipped, with the reason, where mounting is not allowed."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: a failed test may hold a file open

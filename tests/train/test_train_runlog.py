@@ -1,5 +1,6 @@
 """The run log: its schema is docs/run-log.md, records are validated, files are written and truncated."""
 
+import errno
 import json
 import re
 from pathlib import Path
@@ -101,6 +102,30 @@ def test_run_log_writes_json_lines_and_tensorboard_events(tmp_path):
     assert [r["type"] for r in records] == ["interval", "eval"]
     assert records[0]["loss"] is None  # JSON has no NaN: non-finite numbers are logged as null
     assert list((tmp_path / runlog.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def fill(directory: Path) -> None:
+    """Writes a file in ``directory`` until its disk is full."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+
+
+def test_the_summary_is_written_to_a_full_disk_and_no_record_is_half_written(small_disk):
+    log = runlog.RunLog(small_disk, ("examples",), tensorboard=False)
+    log.write(valid_interval(step=1, examples_per_s=1.0))
+    fill(small_disk)
+    before = (small_disk / runlog.LOG_FILENAME).read_bytes()
+    with pytest.raises(OSError, match="No space left"):  # a record of two pages: its write fails part way
+        log.write(valid_interval(step=2, examples_per_s=1.0, note="x" * 8192))
+    assert (small_disk / runlog.LOG_FILENAME).read_bytes() == before
+    log.write(valid_summary())  # from the space the log held back
+    log.close()
+    assert [r["type"] for r in runlog.read(small_disk / runlog.LOG_FILENAME)] == ["interval", "summary"]
+    assert not (small_disk / runlog.RESERVE_FILENAME).exists()
 
 
 def test_only_the_main_process_writes(tmp_path):

@@ -109,18 +109,6 @@ def test_a_run_stopped_while_compiling_starts_again_from_step_0(tmp_path, capsys
     assert records[-1]["completed"] and records[-1]["steps"] == 4 and saved_steps(run_dir) == [2, 4]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root); skipped, with the reason, where mounting is not allowed."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_full_disk_stops_the_run_with_one_line(small_disk):
     run_dir = small_disk / "run"
     process = start(

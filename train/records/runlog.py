@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import math
 import os
@@ -33,6 +34,8 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 LOG_FILENAME = "run.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+RESERVE_FILENAME = ".run.jsonl.reserve"
+RESERVE_BYTES = 64 * 1024  # a summary record is about 1-4 KiB
 
 _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
@@ -279,15 +282,22 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class RunLog:
-    """Appends records to ``run_dir/run.jsonl`` and TensorBoard; only process 0 of a multi-host run writes."""
+    """Appends records to ``run_dir/run.jsonl`` and TensorBoard; only process 0 of a multi-host run writes.
+
+    A run stopped by a full disk must still record why: the log holds ``RESERVE_BYTES`` of disk in a reserve file
+    beside it while the run trains and gives that space back to write the summary record when the disk is full.
+    A record that cannot be written leaves no partial line behind.
+    """
 
     def __init__(self, run_dir: Path, counted: Iterable[str], *, enabled: bool = True, tensorboard: bool = True):
         self.path = Path(run_dir) / LOG_FILENAME
-        self._counted = tuple(counted)
+        self.counted = tuple(counted)
         self._enabled = enabled
-        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if enabled else None
+        self._reserve = Path(run_dir) / RESERVE_FILENAME
         self._writer = None
-        self.counted = self._counted
+        if enabled:
+            _hold(self._reserve, RESERVE_BYTES)
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -295,11 +305,18 @@ class RunLog:
 
     def write(self, record: dict[str, Any]) -> None:
         record = _finite_or_none(record)
-        validate(record, self._counted, complete=True)
+        validate(record, self.counted, complete=True)
         if not self._enabled:
             return
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+        try:
+            _append(self._fd, line)
+        except OSError as err:
+            disk_full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+            if record["type"] != "summary" or not disk_full or not self._reserve.exists():
+                raise
+            self._reserve.unlink()
+            _append(self._fd, line)
         if self._writer is not None:
             self._write_scalars(record)
 
@@ -316,10 +333,33 @@ class RunLog:
         self._writer.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._reserve.unlink(missing_ok=True)
         if self._writer is not None:
             self._writer.close()
+
+
+def _hold(path: Path, size: int) -> None:
+    """Writes ``size`` bytes to ``path`` so the space is the run's; where even that does not fit, holds nothing
+    (the run's first checkpoint then stops it with the disk's own error)."""
+    try:
+        path.write_bytes(bytes(size))
+    except OSError:
+        path.unlink(missing_ok=True)
+
+
+def _append(fd: int, data: bytes) -> None:
+    """Appends ``data`` whole or not at all: a failed write is cut back to where the file ended before it."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError:
+        os.ftruncate(fd, end)
+        raise
 
 
 def read(path: Path) -> list[dict[str, Any]]:

@@ -60,6 +60,7 @@ the same 16-bit params ``apply`` writes.
 from ls_jax.optim.adam import AdamState, adam, adamw
 from ls_jax.optim.adan import AdanState, adan
 from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
+from ls_jax.optim.gradient_sync import GradientSync
 from ls_jax.optim.master import MasterWeightsState, master_params
 from ls_jax.optim.sharded import ShardedOptimizer, shard_optimizer
 from ls_jax.optim.workspace import WorkspaceLayout
@@ -68,6 +69,7 @@ __all__ = [
     "AdamState",
     "AdanState",
     "FusedGradientTransformation",
+    "GradientSync",
     "MasterWeightsState",
     "ShardedOptimizer",
     "WorkspaceLayout",

@@ -128,7 +128,6 @@ class ShardedOptimizer:
         self._check_axis_size(self._bound_axis_size())
         layout_lib.check_same_shapes("gradients", grads, params)
         self._check_local_gradients(grads, state)
-        local_state = self._local_state(state, params)
         grad_rows = layout_lib.reduce_scatter(
             grads,
             self.axis_name,
@@ -137,6 +136,22 @@ class ShardedOptimizer:
             reduce_dtype=self.reduce_dtype,
             bucket_bytes=self.bucket_bytes,
         )
+        new_params, new_state = self._apply_rows(grad_rows, state, params, **extra_args)
+        return new_params, new_state, grad_rows
+
+    def apply_rows_with_grad_norm(
+        self, grad_rows: Any, state: Any, params: Any, **extra_args: Any
+    ) -> tuple[Any, Any, jax.Array]:
+        """``apply_with_grad_norm`` for gradients already summed and scattered: ``grad_rows`` is this device's row
+        ``(c_i,)`` of every leaf of ``sum_d grads_d`` (``ls_jax.optim.GradientSync`` with this optimizer gives
+        them, reduce-scattered inside the backward). Nothing is averaged here."""
+        self._check_axis_size(self._bound_axis_size())
+        new_params, new_state = self._apply_rows(grad_rows, state, params, **extra_args)
+        return new_params, new_state, self._grad_norm(grad_rows)
+
+    def _apply_rows(self, grad_rows: Any, state: Any, params: Any, **extra_args: Any) -> tuple[Any, Any]:
+        """The fused step on this device's rows, then the all-gather of the new params."""
+        local_state = self._local_state(state, params)
         param_rows = layout_lib.own_rows(params, self.axis_name, self.num_shards)
         new_rows, new_state = self.tx.apply(
             grad_rows, local_state, param_rows, grad_norm_axis=self.axis_name, mask_params=params, **extra_args
@@ -145,7 +160,7 @@ class ShardedOptimizer:
         new_params = layout_lib.all_gather(
             new_rows, params, self.axis_name, self.num_shards, invariant=invariant, bucket_bytes=self.bucket_bytes
         )
-        return new_params, jax.tree.map(lambda x: x[None], new_state), grad_rows
+        return new_params, jax.tree.map(lambda x: x[None], new_state)
 
     def apply_with_grad_norm(
         self, grads: Any, state: Any, params: Any, **extra_args: Any
@@ -153,8 +168,11 @@ class ShardedOptimizer:
         """``apply``, and the global norm of the summed gradients (before clipping), ``sqrt(psum_d |G_d|^2)``: a
         scalar the same on every device, from the rows each device holds after the reduce-scatter."""
         new_params, new_state, grad_rows = self._apply(grads, state, params, **extra_args)
+        return new_params, new_state, self._grad_norm(grad_rows)
+
+    def _grad_norm(self, grad_rows: Any) -> jax.Array:
         squares = sum(jnp.sum(jnp.square(row.astype(jnp.float32))) for row in jax.tree.leaves(grad_rows))
-        return new_params, new_state, jnp.sqrt(jax.lax.psum(squares, self.axis_name))
+        return jnp.sqrt(jax.lax.psum(squares, self.axis_name))
 
     # ---- conversion for checkpoints -----------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ def test_efficiency_falls_back_to_the_replicated_step_at_one_device():
     efficiencies(rows)
     assert rows[1]["efficiency"] == pytest.approx(0.8) and rows[1]["efficiency_base"] == "replicated, 1 device"
     assert rows[2]["efficiency"] == pytest.approx(10 / 11)
+    assert [r["exposed_comm_ms"] for r in rows] == pytest.approx([0.0, 2.5, 1.0])
 
 
 def test_more_devices_than_there_are_is_one_line():

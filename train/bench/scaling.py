@@ -100,18 +100,26 @@ def _state(params: Any, tx: Any, sharded: Any, layout: StateLayout) -> TrainStat
 
 
 def step_row(
-    key: tuple, model: scaling_models.BenchModel, params: Any, mode: str, devices: list[Any], steps: int
+    key: tuple,
+    model: scaling_models.BenchModel,
+    params: Any,
+    mode: str,
+    devices: list[Any],
+    steps: int,
+    grad_bucket_bytes: int,
 ) -> scaling_pieces.Pending:
-    """The compiled step of ``model`` on ``devices``, timed over 5 samples of ``steps`` steps after warm-up."""
+    """The compiled step of ``model`` on ``devices``, timed over 5 samples of ``steps`` steps after warm-up; the
+    gradients summed in buckets of ``grad_bucket_bytes`` inside the backward."""
     parallel = DataParallel(Mesh(np.asarray(devices), (DATA_AXIS,)))
     tx, sharded = _optimizer(mode, len(devices))
     layout = StateLayout(parallel, sharded)
     holder = {"state": _state(params, tx, sharded, layout)}
     global_batch = {name: np.concatenate([value] * len(devices), axis=1) for name, value in model.batch.items()}
     batch = parallel.put_batch(global_batch, row_axis=1)
-    compiler = StepCompiler(
-        make_train_step(model.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=sharded), layout, holder["state"]
+    step = make_train_step(
+        model.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=sharded, grad_bucket_bytes=grad_bucket_bytes
     )
+    compiler = StepCompiler(step, layout, holder["state"])
 
     def finish(compiled) -> dict[str, Any]:
         def run(count: int):
@@ -188,7 +196,13 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
                     for mode in modes_of(args, name, implementation, n):
                         pending.append(
                             step_row(
-                                ("step", name, implementation, mode, n), model, params, mode, devices[:n], args.steps
+                                ("step", name, implementation, mode, n),
+                                model,
+                                params,
+                                mode,
+                                devices[:n],
+                                args.steps,
+                                int(args.grad_bucket_mb * 2**20),
                             )
                         )
                 if args.split:
@@ -323,7 +337,8 @@ def layer_backward(layer: dict[str, float]) -> float:
 
 def efficiencies(results: list[dict[str, Any]]) -> None:
     """Adds ``efficiency`` = step time at 1 device / at N, against the 1-device row of the same model,
-    implementation and mode without extra XLA flags, else the replicated one (named in ``efficiency_base``)."""
+    implementation and mode without extra XLA flags, else the replicated one (named in ``efficiency_base``), and
+    ``exposed_comm_ms`` = step time at N - at 1 device: the communication the backward did not hide."""
     base = {
         (r["model"], r["implementation"], r["mode"]): r["step_ms"]
         for r in results
@@ -334,9 +349,10 @@ def efficiencies(results: list[dict[str, Any]]) -> None:
             one = base.get((r["model"], r["implementation"], mode))
             if one is not None:
                 r["efficiency"], r["efficiency_base"] = one / r["step_ms"], f"{mode}, 1 device"
+                r["exposed_comm_ms"] = r["step_ms"] - one
                 break
         else:
-            r["efficiency"], r["efficiency_base"] = None, None
+            r["efficiency"], r["efficiency_base"], r["exposed_comm_ms"] = None, None, None
 
 
 def run_variant(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -371,6 +387,8 @@ def run_variant(args: argparse.Namespace) -> list[dict[str, Any]]:
             str(args.bert_length),
             "--allreduce-mb",
             str(args.allreduce_mb),
+            "--grad-bucket-mb",
+            str(args.grad_bucket_mb),
             "--compile-threads",
             str(args.compile_threads),
             "--out",
@@ -408,6 +426,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bert-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed sample (5 samples)")
     parser.add_argument("--allreduce-mb", type=int, default=256)
+    parser.add_argument(
+        "--grad-bucket-mb", type=float, default=25.0, help="MiB of gradients per collective inside the backward"
+    )
     parser.add_argument("--no-split", dest="split", action="store_false", help="no pieces, no backward estimate")
     parser.add_argument("--variant-xla-flags", help="also run the ffi replicated rows with these XLA flags added")
     parser.add_argument("--variant-models", help="models of the variant rows (default: --models)")
@@ -452,6 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def report(tables: dict[str, list], probes: list[dict]) -> None:
     for probe in probes:
         print(f"all-reduce over {probe['devices']}: {probe['bus_gb_per_s']:.0f} GB/s bus bandwidth")
@@ -460,7 +485,8 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
         print(
             f"{r['model']:9s} {r['implementation']:10s} {r['mode']:10s} N={r['devices']}"
             f"{' ' + r['variant'] if r.get('variant') else ''}: {r['step_ms']:7.2f} ms, "
-            f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s, efficiency {r['efficiency'] or float('nan'):.2f}, memory "
+            f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s, efficiency {r['efficiency'] or float('nan'):.2f}, exposed "
+            f"communication {_or_nan(r['exposed_comm_ms']):.2f} ms, memory "
             f"{(r['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB {split}",
             flush=True,
         )

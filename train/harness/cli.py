@@ -166,6 +166,18 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="ZeRO-1: split the optimizer state over the data-parallel devices (ls_jax.optim.shard_optimizer)",
     )
     group.add_argument(
+        "--grad-bucket-mb",
+        type=float,
+        help="with several devices: MiB of gradients per all-reduce (reduce-scatter with --shard-optimizer); each "
+        "bucket is summed as soon as the backward has produced it, under the backward of the layers below "
+        "(default 25)",
+    )
+    group.add_argument(
+        "--grad-comm-dtype",
+        choices=("fp32", "bf16"),
+        help="dtype the gradients are summed over the devices in: fp32, or bf16 for half the traffic (default fp32)",
+    )
+    group.add_argument(
         "--distributed",
         action="store_const",
         const=True,
@@ -218,6 +230,8 @@ def check_ranges(
         raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
     if not 0 <= config.seed < SEED_LIMIT:  # a JAX key holds 32 bits of a seed: larger ones would repeat others
         raise UsageError(f"--seed must be an integer in [0, {SEED_LIMIT}), got {config.seed}")
+    if not (math.isfinite(config.grad_bucket_mb) and config.grad_bucket_mb > 0):
+        raise UsageError(f"--grad-bucket-mb must be a finite number > 0, got {config.grad_bucket_mb}")
     price = config.price_per_hour
     if price is not None and not (math.isfinite(price) and price >= 0):
         raise UsageError(f"--price-per-hour must be a finite number >= 0, got {price}")

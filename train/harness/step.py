@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 import ls_jax.optim
-from ls_jax.optim import ShardedOptimizer
+from ls_jax.optim import GradientSync, ShardedOptimizer
+from ls_jax.optim.gradient_sync import DEFAULT_BUCKET_BYTES
 
 Batch = dict[str, np.ndarray]
 LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -96,6 +97,8 @@ def make_train_step(
     *,
     axis_name: str | None = None,
     sharded_optimizer: ShardedOptimizer | None = None,
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    grad_comm_dtype: Any = None,
 ) -> Callable[[TrainState, Batch], tuple]:
     """``step(state, batch) -> (state, metrics)``; batch leaves have shape (grad_accum, rows, ...).
 
@@ -103,50 +106,74 @@ def make_train_step(
     norm before clipping, ``finite`` and the loss scale used (1 without fp16).
 
     With ``axis_name`` the step runs inside ``jax.shard_map`` over that mesh axis on this device's rows
-    (`train.harness.parallel`): each device draws its own dropout streams (the step key folded with the axis index),
-    sums its micro-batches' gradients locally, and the sums are combined once per step: the loss sums by psum,
-    the gradients by one all-reduce (in the params' dtype, which XLA combines into buckets and overlaps with
-    the backward), or, with ``sharded_optimizer`` (ZeRO-1), by its reduce-scatter. Dividing by the global weight
-    makes the update the one a single device computes on the whole batch.
+    (`train.harness.parallel`): each device draws its own dropout streams (the step key folded with the axis index)
+    and sums its earlier micro-batches' gradients locally; the last micro-batch's backward sums every device's
+    gradients bucket by bucket as it produces them (``ls_jax.optim.GradientSync``: buckets of
+    ``grad_bucket_bytes``, sent in ``grad_comm_dtype``, None for float32), so the communication runs under the
+    backward of the layers below; with ``sharded_optimizer`` (ZeRO-1) each bucket is reduce-scattered instead. The
+    loss sums are combined by psum. Dividing by the global weight makes the update the one a single device
+    computes on the whole batch.
     """
+    sync = None if axis_name is None else GradientSync(axis_name, grad_bucket_bytes, grad_comm_dtype, sharded_optimizer)
 
     def gradients(state: TrainState, batch: Mapping[str, jax.Array], scale: jax.Array) -> tuple[Any, dict]:
-        """This device's summed f32 gradients of the scaled loss over its micro-batches, and the loss sums."""
+        """The f32 gradients of the scaled loss summed over every micro-batch and device (under ZeRO-1: this
+        device's rows of them), and the loss sums."""
         step_rng = jax.random.fold_in(state.rng, state.step)
-        params = state.params
         if axis_name is not None:
             step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
-            params = jax.lax.pcast(params, axis_name, to="varying")  # per-device gradients, summed once below
 
-        def micro_step(index, micro_batch):
-            def scaled_loss(params):
-                loss_sum, weight, sums = loss_fn(params, micro_batch, jax.random.fold_in(step_rng, index))
-                totals = {"loss": loss_sum, "weight": weight, **sums}
-                return loss_sum * scale, jax.tree.map(lambda x: x.astype(jnp.float32), totals)
+        def scaled_loss(params, micro_batch, index):
+            loss_sum, weight, sums = loss_fn(params, micro_batch, jax.random.fold_in(step_rng, index))
+            totals = {"loss": loss_sum, "weight": weight, **sums}
+            return loss_sum * scale, jax.tree.map(lambda x: x.astype(jnp.float32), totals)
 
-            grads, totals = jax.grad(scaled_loss, has_aux=True)(params)
+        def local_step(params, index, micro_batch):
+            """This device's f32 gradients of one micro-batch, not summed over the devices."""
+            grads, totals = jax.grad(scaled_loss, has_aux=True)(params, micro_batch, index)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), totals
 
-        def accumulate(carry, inputs):
-            grads, totals = micro_step(*inputs)
-            return (_sum_trees(carry[0], grads), _sum_trees(carry[1], totals)), None
+        def local_sums(micro_batches):
+            """This device's gradient and loss sums over ``micro_batches`` (leading axis), not summed over devices."""
+            params = state.params
+            if axis_name is not None:
+                params = jax.lax.pcast(params, axis_name, to="varying")  # per-device gradients
 
-        # The first micro-batch starts the sums, so one micro-batch needs no loop at all.
-        grads, totals = micro_step(0, jax.tree.map(lambda x: x[0], batch))
-        num_micro = jax.tree.leaves(batch)[0].shape[0]
-        if num_micro > 1:
-            rest = jax.tree.map(lambda x: x[1:], batch)
-            (grads, totals), _ = jax.lax.scan(accumulate, (grads, totals), (jnp.arange(1, num_micro), rest))
+            def accumulate(carry, inputs):
+                grads, totals = local_step(params, *inputs)
+                return (_sum_trees(carry[0], grads), _sum_trees(carry[1], totals)), None
+
+            # The first micro-batch starts the sums, so one needs no loop at all.
+            sums = local_step(params, 0, jax.tree.map(lambda x: x[0], micro_batches))
+            count = jax.tree.leaves(micro_batches)[0].shape[0]
+            if count > 1:
+                rest = jax.tree.map(lambda x: x[1:], micro_batches)
+                sums, _ = jax.lax.scan(accumulate, sums, (jnp.arange(1, count), rest))
+            return sums
+
+        # One device needs no overlap, and its all-reduce is free (XLA removes it); ZeRO-1 still wants its rows.
+        one_device = sync is None or (sharded_optimizer is None and jax.lax.axis_size(axis_name) == 1)
+        if one_device:
+            grads, totals = local_sums(batch)
+            if axis_name is not None:
+                grads = jax.lax.psum(grads, axis_name)
+        else:  # the earlier micro-batches' sums join the last one's in its backward's collectives
+            num_micro = jax.tree.leaves(batch)[0].shape[0]
+            carried = earlier = None
+            if num_micro > 1:
+                carried, earlier = local_sums(jax.tree.map(lambda x: x[:-1], batch))
+            last = jax.tree.map(lambda x: x[-1], batch)
+            grads, totals = sync.grad(scaled_loss, state.params, last, num_micro - 1, carried=carried)
+            totals = totals if earlier is None else _sum_trees(earlier, totals)
         if axis_name is not None:
             totals = jax.lax.psum(totals, axis_name)
         return grads, totals
 
     def update(state: TrainState, grads: Any) -> tuple[Any, Any, jax.Array]:
-        """(params, opt_state, global gradient norm) after the optimizer step on the normalized local gradients."""
+        """(params, opt_state, global gradient norm) after the optimizer step on the normalized summed gradients
+        (under ZeRO-1 this device's rows of them)."""
         if sharded_optimizer is not None:
-            return sharded_optimizer.apply_with_grad_norm(grads, state.opt_state, state.params)
-        if axis_name is not None:
-            grads = jax.lax.psum(grads, axis_name)
+            return sharded_optimizer.apply_rows_with_grad_norm(grads, state.opt_state, state.params)
         params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
         return params, opt_state, optax.tree.norm(grads)
 

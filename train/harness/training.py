@@ -27,7 +27,7 @@ from ls_jax.optim import shard_optimizer
 from train.costs import memory, memory_budget
 from train.costs.compiled import optimizer_step_kernels
 from train.costs.hardware import Hardware, detect_hardware
-from train.costs.precision import master_dtype, precision_signature
+from train.costs.precision import PRECISION_DTYPES, master_dtype, precision_signature
 from train.data.stream import EpochStream
 from train.harness import cli, peers, progress, resume
 from train.harness import config as config_lib
@@ -263,7 +263,12 @@ def _train(task: Task, run: Run) -> int:
             state,
             compiler=StepCompiler(
                 make_train_step(
-                    setup.loss_fn, prepared.tx, axis_name=DATA_AXIS, sharded_optimizer=layout.sharded_optimizer
+                    setup.loss_fn,
+                    prepared.tx,
+                    axis_name=DATA_AXIS,
+                    sharded_optimizer=layout.sharded_optimizer,
+                    grad_bucket_bytes=int(config.grad_bucket_mb * 2**20),
+                    grad_comm_dtype=PRECISION_DTYPES[config.grad_comm_dtype],
                 ),
                 layout,
                 state,

@@ -1,0 +1,197 @@
+"""Data-parallel gradients summed inside the backward: each bucket's all-reduce starts as soon as its gradients exist.
+
+Inside ``jax.shard_map`` over a mesh axis of N devices, a data-parallel step needs ``G = sum_d g_d``, the sum of
+every device's gradient. Summed after the backward (one ``psum`` of the whole tree), the communication waits for
+the last gradient and then runs alone. ``GradientSync.grad`` instead groups the parameter leaves into buckets in
+the order the backward finishes them (the reverse of their first use in the forward) and wraps each bucket in an
+identity whose backward rule sums that bucket's gradient over the axis. The collective of the last layer's bucket
+is then issued while the backward of the layers below it still runs, and XLA's asynchronous collectives and
+latency-hiding scheduler run the two at once, as DDP's bucketed all-reduce does in PyTorch.
+
+With a ZeRO-1 optimizer (``ls_jax.optim.shard_optimizer``) a bucket is reduce-scattered instead: the step gets
+this device's rows of ``G`` (``ShardedOptimizer.apply_rows``). Earlier micro-batches' gradients (gradient
+accumulation) are summed locally and passed as ``carried``: they join the last micro-batch's in the same
+collectives, so an accumulated step communicates once.
+
+The identity's backward returns the summed gradient as the cotangent of a *receiver*, a zero tree of the result's
+shape (the params' shapes, or rows under ZeRO-1) that ``grad`` differentiates with respect to, so the result can
+have another shape and dtype than the params; the params themselves get a zero cotangent, which XLA removes.
+
+    sync = GradientSync("data", bucket_bytes=25 * 2**20)
+    grads, aux = sync.grad(loss_fn, params, batch)   # inside shard_map: G, the same on every device
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ls_jax.optim import _shard_layout as layout_lib
+from ls_jax.optim.sharded import ShardedOptimizer
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket
+
+
+def backward_order(fun: Callable[..., Any], params: Any, *args: Any) -> list[int]:
+    """Indices of ``params``' leaves in the order the backward of ``fun(params, *args)`` completes their gradients:
+    by first use in the forward, latest first (a leaf used twice, such as a tied embedding, completes when its
+    first use is differentiated); leaves ``fun`` does not use come last.
+
+    The forward is traced once (``jax.make_jaxpr``); calls, remat and scans are followed into their bodies.
+    """
+    closed = jax.make_jaxpr(fun)(params, *args)
+    num_leaves = len(jax.tree.leaves(params))
+    first_use: dict[Any, int] = {}
+    _record_uses(closed.jaxpr, {var: i for i, var in enumerate(closed.jaxpr.invars[:num_leaves])}, first_use, [0])
+    return sorted(range(num_leaves), key=lambda i: -first_use.get(i, -1))
+
+
+def _record_uses(jaxpr: Any, leaf_of: dict[Any, int], first_use: dict[int, int], clock: list[int]) -> None:
+    """Sets ``first_use[leaf]`` to the clock of the first equation reading a variable of ``leaf_of``, entering an
+    equation's body where its operands map one to one onto the body's inputs."""
+    for eqn in jaxpr.eqns:
+        body = _body(eqn)
+        if body is not None:
+            inner = {v: leaf_of[o] for o, v in zip(eqn.invars, body.invars) if _is_var(o) and o in leaf_of}
+            _record_uses(body, inner, first_use, clock)
+        else:
+            for operand in eqn.invars:
+                if _is_var(operand) and operand in leaf_of:
+                    first_use.setdefault(leaf_of[operand], clock[0])
+        clock[0] += 1
+
+
+def _body(eqn: Any) -> Any:
+    """The one sub-jaxpr of a call-like equation whose inputs are its operands in order, else None."""
+    bodies = [getattr(value, "jaxpr", value) for value in eqn.params.values()]
+    bodies = [body for body in bodies if hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)]
+    return bodies[0] if len(bodies) == 1 else None
+
+
+def _is_var(atom: Any) -> bool:
+    return not hasattr(atom, "val")  # a Literal has a value; a Var does not
+
+
+def plan_buckets(nbytes: Sequence[int], order: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive leaves of ``order`` grouped into buckets of at most ``bucket_bytes`` (a larger leaf alone)."""
+    planned: list[list[int]] = []
+    total = 0
+    for index in order:
+        if not planned or total + nbytes[index] > bucket_bytes:
+            planned.append([])
+            total = 0
+        planned[-1].append(index)
+        total += nbytes[index]
+    return planned
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientSync:
+    """Sums data-parallel gradients over ``axis_name`` inside the backward, one collective per bucket.
+
+    Attributes:
+      axis_name: the shard_map mesh axis of the data-parallel devices.
+      bucket_bytes: the most bytes of communicated gradient per collective (a larger leaf goes alone); a value
+        at least the size of all gradients gives one collective after the whole backward.
+      comm_dtype: the dtype gradients travel and are summed in (e.g. ``jnp.bfloat16``, as DDP's compression
+        hook); None: float32. The sum is returned in float32 either way.
+      sharded: a ZeRO-1 optimizer: reduce-scatter each bucket to this device's rows instead of all-reducing it.
+    """
+
+    axis_name: str
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    comm_dtype: Any = None
+    sharded: ShardedOptimizer | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.sharded is not None and self.sharded.axis_name != self.axis_name:
+            raise ValueError(
+                f"the sharded optimizer splits over axis {self.sharded.axis_name!r}, not {self.axis_name!r}"
+            )
+
+    def grad(
+        self, fun: Callable[..., tuple[jax.Array, Any]], params: Any, *args: Any, carried: Any = None
+    ) -> tuple[Any, Any]:
+        """``(G, aux)`` for ``fun(params, *args) -> (loss, aux)``, called inside ``shard_map`` over the axis.
+
+        ``G`` is ``sum_d (grad_d + carried_d)`` over the axis devices in float32: a tree of the params' shapes,
+        the same on every device, or with ``sharded`` this device's rows (``(c_i,)`` per leaf, as
+        ``ShardedOptimizer.apply_rows`` takes them). ``params`` are the same on every device; ``carried`` (the
+        params' structure and shapes, float32, per device) is this device's gradient of earlier micro-batches.
+        """
+        leaves, treedef = jax.tree.flatten(params)
+        carried_leaves = [None] * len(leaves) if carried is None else treedef.flatten_up_to(carried)
+        comm = jnp.dtype(self.comm_dtype or jnp.float32)
+        order = backward_order(lambda p, *a: fun(p, *a)[0], params, *args)
+        buckets = plan_buckets([leaf.size * comm.itemsize for leaf in leaves], order, self.bucket_bytes)
+        receivers = [self._receivers([leaves[i] for i in bucket]) for bucket in buckets]
+
+        def loss_of_receivers(receivers):
+            synced: list[Any] = [None] * len(leaves)
+            for bucket, received in zip(buckets, receivers):
+                outputs = self._identity()([leaves[i] for i in bucket], [carried_leaves[i] for i in bucket], received)
+                for i, out in zip(bucket, outputs):
+                    synced[i] = out
+            return fun(jax.tree.unflatten(treedef, synced), *args)
+
+        summed, aux = jax.grad(loss_of_receivers, has_aux=True)(receivers)
+        out: list[Any] = [None] * len(leaves)
+        for bucket, received in zip(buckets, summed):
+            for i, value in zip(bucket, received):
+                out[i] = value
+        return jax.tree.unflatten(treedef, out), aux
+
+    def _receivers(self, leaves: list[jax.Array]) -> list[jax.Array]:
+        """Zeros shaped like what the bucket's collective returns: the leaves, or under ZeRO-1 this device's rows."""
+        if self.sharded is None:
+            return [jnp.zeros(leaf.shape, jnp.float32) for leaf in leaves]
+        n = self.sharded.num_shards
+        rows = [jnp.zeros((layout_lib.row_length(leaf.size, n),), jnp.float32) for leaf in leaves]
+        return jax.lax.pcast(rows, self.axis_name, to="varying")
+
+    def _reduce(self, totals: list[jax.Array]) -> list[jax.Array]:
+        """One bucket's collective: float32 ``totals`` summed over the axis in ``comm_dtype``, back in float32."""
+        comm = jnp.dtype(self.comm_dtype or jnp.float32)
+        if self.sharded is None:  # one flat buffer, so XLA's all-reduce combiner cannot merge it with a later bucket
+            flat = jnp.concatenate([t.astype(comm).reshape(-1) for t in totals])
+            summed = jax.lax.psum(flat, self.axis_name).astype(jnp.float32)
+            ends = np.cumsum([t.size for t in totals])
+            return [summed[end - t.size : end].reshape(t.shape) for end, t in zip(ends, totals)]
+        rows = layout_lib.reduce_scatter(
+            totals,
+            self.axis_name,
+            self.sharded.num_shards,
+            average=False,
+            reduce_dtype=comm,
+            bucket_bytes=sum(t.size for t in totals) * comm.itemsize,
+        )
+        return [r.astype(jnp.float32) for r in rows]
+
+    def _identity(self) -> Callable[[list, list, list], list]:
+        """``f(leaves, carried, receivers) -> leaves`` made per-device, whose backward sends the leaves' summed
+        cotangent (plus ``carried``) to the receivers through ``_reduce`` and zeros to the leaves."""
+        axis_name = self.axis_name
+
+        @jax.custom_vjp
+        def identity(leaves, carried, receivers):
+            return jax.lax.pcast(leaves, axis_name, to="varying")
+
+        def forward(leaves, carried, receivers):
+            return identity(leaves, carried, receivers), carried
+
+        def backward(carried, cotangents):
+            totals = [
+                ct.astype(jnp.float32) if c is None else ct.astype(jnp.float32) + c
+                for ct, c in zip(cotangents, carried)
+            ]
+            no_carried = [None if c is None else jnp.zeros_like(c) for c in carried]
+            return [jnp.zeros(ct.shape, ct.dtype) for ct in cotangents], no_carried, self._reduce(totals)
+
+        identity.defvjp(forward, backward)
+        return identity

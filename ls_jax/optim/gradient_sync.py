@@ -24,7 +24,8 @@ have another shape and dtype than the params; the params themselves get a zero c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import itertools
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +46,17 @@ def backward_order(fun: Callable[..., Any], params: Any, *args: Any) -> list[int
     """
     closed = jax.make_jaxpr(fun)(params, *args)
     num_leaves = len(jax.tree.leaves(params))
-    first_use: dict[Any, int] = {}
-    _record_uses(closed.jaxpr, {var: i for i, var in enumerate(closed.jaxpr.invars[:num_leaves])}, first_use, [0])
+    first_use: dict[int, int] = {}
+    leaf_of = {var: i for i, var in enumerate(closed.jaxpr.invars[:num_leaves])}
+    _record_uses(closed.jaxpr, leaf_of, first_use, itertools.count())
     return sorted(range(num_leaves), key=lambda i: -first_use.get(i, -1))
 
 
-def _record_uses(jaxpr: Any, leaf_of: dict[Any, int], first_use: dict[int, int], clock: list[int]) -> None:
-    """Sets ``first_use[leaf]`` to the clock of the first equation reading a variable of ``leaf_of``, entering an
-    equation's body where its operands map one to one onto the body's inputs."""
+def _record_uses(jaxpr: Any, leaf_of: dict[Any, int], first_use: dict[int, int], clock: Iterator[int]) -> None:
+    """Sets ``first_use[leaf]`` to the tick of ``clock`` of the first equation reading a variable of ``leaf_of``,
+    entering an equation's body where its operands map one to one onto the body's inputs."""
     for eqn in jaxpr.eqns:
+        now = next(clock)
         body = _body(eqn)
         if body is not None:
             inner = {v: leaf_of[o] for o, v in zip(eqn.invars, body.invars) if _is_var(o) and o in leaf_of}
@@ -61,8 +64,7 @@ def _record_uses(jaxpr: Any, leaf_of: dict[Any, int], first_use: dict[int, int],
         else:
             for operand in eqn.invars:
                 if _is_var(operand) and operand in leaf_of:
-                    first_use.setdefault(leaf_of[operand], clock[0])
-        clock[0] += 1
+                    first_use.setdefault(leaf_of[operand], now)
 
 
 def _body(eqn: Any) -> Any:

@@ -100,7 +100,7 @@ class GradientSync:
       bucket_bytes: the most bytes of communicated gradient per collective (a larger leaf goes alone); a value
         at least the size of all gradients gives one collective after the whole backward.
       comm_dtype: the dtype gradients travel and are summed in (e.g. ``jnp.bfloat16``, as DDP's compression
-        hook); None: float32. The sum is returned in float32 either way.
+        hook); None: the params' (a bucket of mixed dtypes: the widest). The sum is returned in float32 either way.
       sharded: a ZeRO-1 optimizer: reduce-scatter each bucket to this device's rows instead of all-reducing it.
     """
 
@@ -129,9 +129,9 @@ class GradientSync:
         """
         leaves, treedef = jax.tree.flatten(params)
         carried_leaves = [None] * len(leaves) if carried is None else treedef.flatten_up_to(carried)
-        comm = jnp.dtype(self.comm_dtype or jnp.float32)
         order = backward_order(lambda p, *a: fun(p, *a)[0], params, *args)
-        buckets = plan_buckets([leaf.size * comm.itemsize for leaf in leaves], order, self.bucket_bytes)
+        nbytes = [leaf.size * self._comm_dtype([leaf.dtype]).itemsize for leaf in leaves]
+        buckets = plan_buckets(nbytes, order, self.bucket_bytes)
         receivers = [self._receivers([leaves[i] for i in bucket]) for bucket in buckets]
 
         def loss_of_receivers(receivers):
@@ -157,9 +157,13 @@ class GradientSync:
         rows = [jnp.zeros((layout_lib.row_length(leaf.size, n),), jnp.float32) for leaf in leaves]
         return jax.lax.pcast(rows, self.axis_name, to="varying")
 
-    def _reduce(self, totals: list[jax.Array]) -> list[jax.Array]:
-        """One bucket's collective: float32 ``totals`` summed over the axis in ``comm_dtype``, back in float32."""
-        comm = jnp.dtype(self.comm_dtype or jnp.float32)
+    def _comm_dtype(self, param_dtypes: Sequence[Any]) -> np.dtype:
+        return jnp.dtype(self.comm_dtype) if self.comm_dtype is not None else jnp.result_type(*param_dtypes)
+
+    def _reduce(self, totals: list[jax.Array], param_dtypes: list[Any]) -> list[jax.Array]:
+        """One bucket's collective: float32 ``totals`` summed over the axis in the communication dtype, back in
+        float32."""
+        comm = self._comm_dtype(param_dtypes)
         if self.sharded is None:  # one flat buffer, so XLA's all-reduce combiner cannot merge it with a later bucket
             flat = jnp.concatenate([t.astype(comm).reshape(-1) for t in totals])
             summed = jax.lax.psum(flat, self.axis_name).astype(jnp.float32)
@@ -193,7 +197,8 @@ class GradientSync:
                 for ct, c in zip(cotangents, carried)
             ]
             no_carried = [None if c is None else jnp.zeros_like(c) for c in carried]
-            return [jnp.zeros(ct.shape, ct.dtype) for ct in cotangents], no_carried, self._reduce(totals)
+            summed = self._reduce(totals, [ct.dtype for ct in cotangents])
+            return [jnp.zeros(ct.shape, ct.dtype) for ct in cotangents], no_carried, summed
 
         identity.defvjp(forward, backward)
         return identity

@@ -130,6 +130,24 @@ def test_bf16_communication_is_bf16_close_and_not_exact():
     assert jax.tree.leaves(bf16)[0].dtype == jnp.float32
 
 
+def collective_dtypes(params, comm_dtype):
+    """The dtypes of the all-reduces of the differentiated per-device program."""
+    sync = GradientSync(AXIS, 600, comm_dtype=comm_dtype)
+    mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
+    run = jax.shard_map(lambda p, b: sync.grad(loss, p, b)[0], mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+    (shard_map_eqn,) = jax.make_jaxpr(run)(params, make_batch()).jaxpr.eqns
+    return {str(e.invars[0].aval.dtype) for e in shard_map_eqn.params["jaxpr"].eqns if "psum" in e.primitive.name}
+
+
+def test_gradients_travel_in_the_params_dtype_unless_told():
+    params = make_params()
+    bf16_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    assert collective_dtypes(params, None) == {"float32"}
+    assert collective_dtypes(bf16_params, None) == {"bfloat16"}
+    assert collective_dtypes(params, jnp.bfloat16) == {"bfloat16"}
+    assert collective_dtypes(bf16_params, jnp.float32) == {"float32"}
+
+
 def products_before_each_collective(bucket_bytes):
     """For each all-reduce of the differentiated per-device program, in order, how many of its matrix products it
     waits for (depends on through the data flow), and how many products the program has."""

@@ -175,7 +175,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-comm-dtype",
         choices=("fp32", "bf16"),
-        help="dtype the gradients are summed over the devices in: fp32, or bf16 for half the traffic (default fp32)",
+        help="dtype the gradients are summed over the devices in (default: the params', f32 unless --master-weights "
+        "makes them 16-bit); bf16 halves the traffic of f32 params",
     )
     group.add_argument(
         "--distributed",

@@ -50,7 +50,7 @@ class TrainingConfig:
     device_name: str | None = None
     shard_optimizer: bool = False
     grad_bucket_mb: float = 25.0
-    grad_comm_dtype: str = "fp32"
+    grad_comm_dtype: str | None = None
     distributed: bool = False
     peer_timeout: int = 60
     # Not a flag: set on --resume when --steps changed the schedule, the (step, rate) the rate moves on from

@@ -268,7 +268,7 @@ def _train(task: Task, run: Run) -> int:
                     axis_name=DATA_AXIS,
                     sharded_optimizer=layout.sharded_optimizer,
                     grad_bucket_bytes=int(config.grad_bucket_mb * 2**20),
-                    grad_comm_dtype=PRECISION_DTYPES[config.grad_comm_dtype],
+                    grad_comm_dtype=PRECISION_DTYPES.get(config.grad_comm_dtype),
                 ),
                 layout,
                 state,

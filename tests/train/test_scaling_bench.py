@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train.bench.scaling import device_counts, efficiencies
+from train.bench.scaling import bucket_sizes, device_counts, efficiencies
 from train.bench.steps import overlap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +61,14 @@ def test_efficiency_falls_back_to_the_replicated_step_at_one_device():
     assert [r["exposed_comm_ms"] for r in rows] == pytest.approx([0.0, 2.5, 1.0])
 
 
+def test_bucket_sizes_are_positive_numbers():
+    assert bucket_sizes("25,100000") == [25.0, 100000.0]
+    with pytest.raises(SystemExit, match="each size must be a finite number > 0, got 0"):
+        bucket_sizes("25,0")
+    with pytest.raises(SystemExit, match="give MiB as numbers"):
+        bucket_sizes("25MB")
+
+
 def test_more_devices_than_there_are_is_one_line():
     with pytest.raises(SystemExit, match="--devices 1,4: this host has 2 devices"):
         device_counts(2, "1,4")
@@ -92,6 +100,8 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
         "tiny-2e2d:ls_jax_xla",
         "--compile-threads",
         "2",
+        "--grad-bucket-mb",
+        "0.05,100000",
         "--no-plot",
         "--tag",
         "tiny",
@@ -101,17 +111,23 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "scaling-cpux2-tiny.json").read_text())
-    rows = {(r["model"], r["mode"], r["devices"]): r for r in data["results"]}
-    assert set(rows) == {("tiny-2e2d", "replicated", 1), ("tiny-2e2d", "replicated", 2), ("tiny-2e2d", "sharded", 2)}
-    for (model, mode, n), row in rows.items():
+    rows = {(r["model"], r["mode"], r["devices"], r["grad_bucket_mb"]): r for r in data["results"]}
+    # Both bucket sizes side by side at 2 devices; one device sums nothing over devices.
+    assert set(rows) == {
+        ("tiny-2e2d", "replicated", 1, 0.05),
+        *((("tiny-2e2d", mode, 2, mb) for mode in ("replicated", "sharded") for mb in (0.05, 100000))),
+    }
+    for (model, mode, n, _), row in rows.items():
         assert row["step_ms"] > 0 and row["efficiency"] > 0 and row["tokens_per_s"] > 0
         assert ("split" in row) == (mode == "replicated")
+        assert row["exposed_comm_ms"] == pytest.approx(row["step_ms"] - rows[(model, "replicated", 1, 0.05)]["step_ms"])
+    rows = {key[:3]: row for key, row in rows.items() if key[3] == 0.05}
     two = rows[("tiny-2e2d", "replicated", 2)]["split"]
     assert two["allreduce_ms"] > 0 and two["forward_ms"] > 0 and two["backward_ms"] > 0 and two["optimizer_ms"] > 0
     assert rows[("tiny-2e2d", "replicated", 1)]["split"]["allreduce_ms"] == 0
     sharded = rows[("tiny-2e2d", "sharded", 2)]["optimizer_state_bytes_per_device"]
     assert sharded < rows[("tiny-2e2d", "replicated", 2)]["optimizer_state_bytes_per_device"]
-    estimates = {(e["model"], e["devices"]): e for e in data["backward_estimate"]}
+    estimates = {(e["model"], e["devices"]): e for e in data["backward_estimate"] if e["grad_bucket_mb"] == 0.05}
     assert set(estimates) == {("tiny-2e2d", 1), ("tiny-2e2d", 2)}
     tiny = estimates[("tiny-2e2d", 2)]
     assert [s["name"] for s in tiny["stages"]][1:-1] == [

@@ -185,6 +185,7 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
         allreduce_probe(devices[:n], args.allreduce_mb << 20) for n in counts if n > 1
     ]
     shapes: dict[str, Any] = {}
+    buckets = bucket_sizes(args.grad_bucket_mb)
     for name in args.models.split(","):
         rows, length = scaling_models.rows_and_length(name, args.tokens_per_device, args.bert_batch, args.bert_length)
         model = scaling_models.build(name, rows, length)
@@ -194,17 +195,18 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
             with backend.use(IMPLEMENTATIONS[implementation]):
                 for n in counts:
                     for mode in modes_of(args, name, implementation, n):
-                        pending.append(
-                            step_row(
-                                ("step", name, implementation, mode, n),
-                                model,
-                                params,
-                                mode,
-                                devices[:n],
-                                args.steps,
-                                int(args.grad_bucket_mb * 2**20),
+                        for mb in buckets if n > 1 else buckets[:1]:  # one device sums nothing over devices
+                            pending.append(
+                                step_row(
+                                    ("step", name, implementation, mode, n, mb),
+                                    model,
+                                    params,
+                                    mode,
+                                    devices[:n],
+                                    args.steps,
+                                    int(mb * 2**20),
+                                )
                             )
-                        )
                 if args.split:
                     pending.extend(_split_pieces(name, implementation, model, params, devices[0]))
         if args.split:
@@ -232,6 +234,18 @@ def _split_pieces(
     ]
 
 
+def bucket_sizes(text: str) -> list[float]:
+    """The ``--grad-bucket-mb`` values, each a finite number > 0 (one line naming the bad one otherwise)."""
+    try:
+        sizes = [float(value) for value in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--grad-bucket-mb {text}: give MiB as numbers, comma-separated (e.g. 25,100000)") from None
+    bad = [size for size in sizes if not (math.isfinite(size) and size > 0)]
+    if bad:
+        raise SystemExit(f"--grad-bucket-mb {text}: each size must be a finite number > 0, got {bad[0]:g}")
+    return sizes
+
+
 def modes_of(args: argparse.Namespace, model: str, implementation: str, devices: int) -> list[str]:
     """The optimizer modes of (model, implementation) on ``devices``: --modes, with sharded only where
     --sharded-for allows and on more than one device (on one it is the replicated step with extra copies; its
@@ -245,13 +259,14 @@ def assemble(measured: dict[tuple, dict], shapes: dict, flags: str) -> dict[str,
     results, pieces, estimates = [], [], []
     for key, value in measured.items():
         if key[0] == "step":
-            _, name, implementation, mode, n = key
+            _, name, implementation, mode, n, mb = key
             results.append(
                 {
                     "model": name,
                     "implementation": implementation,
                     "mode": mode,
                     "devices": n,
+                    "grad_bucket_mb": mb,
                     "xla_flags": flags,
                     **value,
                 }
@@ -308,6 +323,7 @@ def estimate(row: dict, piece: dict, layers: dict, measured: dict, info: dict) -
         "model": name,
         "implementation": row["implementation"],
         "devices": n,
+        "grad_bucket_mb": row["grad_bucket_mb"],
         "xla_flags": row["xla_flags"],
         "measured_ms": measured_ms,
     }
@@ -427,7 +443,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="steps per timed sample (5 samples)")
     parser.add_argument("--allreduce-mb", type=int, default=256)
     parser.add_argument(
-        "--grad-bucket-mb", type=float, default=25.0, help="MiB of gradients per collective inside the backward"
+        "--grad-bucket-mb",
+        default="25",
+        help="MiB of gradients per collective inside the backward; several, comma-separated (e.g. 25,100000), are "
+        "timed side by side at each N > 1; one above the gradients' size sums them after the whole backward",
     )
     parser.add_argument("--no-split", dest="split", action="store_false", help="no pieces, no backward estimate")
     parser.add_argument("--variant-xla-flags", help="also run the ffi replicated rows with these XLA flags added")
@@ -441,6 +460,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    bucket_sizes(args.grad_bucket_mb)  # a bad value stops the run before any child or compilation starts
     variant_rows = run_variant(args) if args.variant_xla_flags else []
     args.out = common.out_dir(args.out)
     devices = jax.devices()
@@ -483,8 +503,8 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
     for r in tables["results"]:
         split = " ".join(f"{k[:-3]} {v:.2f}" for k, v in r.get("split", {}).items())
         print(
-            f"{r['model']:9s} {r['implementation']:10s} {r['mode']:10s} N={r['devices']}"
-            f"{' ' + r['variant'] if r.get('variant') else ''}: {r['step_ms']:7.2f} ms, "
+            f"{r['model']:9s} {r['implementation']:10s} {r['mode']:10s} N={r['devices']} buckets "
+            f"{r['grad_bucket_mb']:g} MiB{' ' + r['variant'] if r.get('variant') else ''}: {r['step_ms']:7.2f} ms, "
             f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s, efficiency {r['efficiency'] or float('nan'):.2f}, exposed "
             f"communication {_or_nan(r['exposed_comm_ms']):.2f} ms, memory "
             f"{(r['memory_per_device_bytes'] or 0) / 2**30:.2f} GiB {split}",
@@ -499,6 +519,10 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
         )
 
 
+def _devices(row: dict[str, Any]) -> int:
+    return row["devices"]
+
+
 def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:
     import matplotlib
 
@@ -507,11 +531,16 @@ def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     label = lambda r: (r["model"], r["implementation"], r["mode"], r.get("variant") or "")  # noqa: E731
+    several = len({r["grad_bucket_mb"] for r in results if r["devices"] > 1}) > 1
     for key in sorted({label(r) for r in results}):
-        rows = sorted((r for r in results if label(r) == key), key=lambda r: r["devices"])
-        n = [r["devices"] for r in rows]
-        axes[0].plot(n, [r["tokens_per_s"] / 1e3 for r in rows], marker="o", label=" ".join(filter(None, key)))
-        axes[1].plot(n, [r["efficiency"] for r in rows], marker="o", label=" ".join(filter(None, key)))
+        rows = [r for r in results if label(r) == key]
+        one = [r for r in rows if r["devices"] == 1]
+        for mb in sorted({r["grad_bucket_mb"] for r in rows if r["devices"] > 1}) or [None]:
+            line = sorted(one + [r for r in rows if r["devices"] > 1 and r["grad_bucket_mb"] == mb], key=_devices)
+            name = " ".join(filter(None, (*key, f"buckets {mb:g} MiB" if several else "")))
+            n = [r["devices"] for r in line]
+            axes[0].plot(n, [r["tokens_per_s"] / 1e3 for r in line], marker="o", label=name)
+            axes[1].plot(n, [r["efficiency"] for r in line], marker="o", label=name)
     axes[0].set(xlabel="devices", ylabel="tokens/s (thousands)", title="throughput")
     axes[1].set(xlabel="devices", ylabel="step time at 1 / at N", title="weak-scaling efficiency", ylim=(0, 1.1))
     axes[1].legend(fontsize=7)

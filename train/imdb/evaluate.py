@@ -14,6 +14,11 @@ from train.harness.step import TrainState
 from train.imdb import data as imdb_data
 from train.imdb.model import Classifier, classification_sums
 
+# Batches dispatched before waiting for their sums. Unbounded, a fast host queues dozens of multi-device programs,
+# and XLA's CPU client then deadlocks with several host devices: a device's queue holds at most 32 computations,
+# and the thread launching the next one waits for room while the queue's head waits for that thread's device.
+BATCHES_IN_FLIGHT = 4
+
 
 class Evaluator:
     """Loss and accuracy on the evaluation splits, in batches of the training batch size (one more compiled shape).
@@ -28,18 +33,20 @@ class Evaluator:
 
         def sums(params, batch):
             logits = classifier.logits(params, batch["input_ids"], deterministic=True)
-            return classification_sums(logits, batch["labels"])
+            return jnp.stack(classification_sums(logits, batch["labels"])).astype(jnp.float32)
 
         self._sums = jax.jit(sums, out_shardings=parallel.replicated)
 
     def evaluate_split(self, params, name: str) -> dict[str, Any]:
         data = self.data.splits[name]
         totals = None
-        for indices in data_lib.fixed_eval_plan(len(data), self.batch_size):
+        for count, indices in enumerate(data_lib.fixed_eval_plan(len(data), self.batch_size), 1):
             local = host_rows(indices, jax.process_index(), jax.process_count())
             batch = self.parallel.put_batch(imdb_data.make_batch(data, local), row_axis=0)
             sums = self._sums(params, batch)
-            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+            totals = sums if totals is None else totals + sums
+            if count % BATCHES_IN_FLIGHT == 0:
+                jax.block_until_ready(totals)
         loss, examples, correct = (float(value) for value in jax.device_get(totals))
         return {"split": name, "loss": loss / examples, "nll": loss / examples, "accuracy": correct / examples}
 

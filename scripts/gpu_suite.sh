@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
-#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops attention optim e2e profile scaling
+#   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops gemm attention optim e2e profile scaling
 #                                    counters flops multiprocess train
 # TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench (COUNTERS_ARGS and FLOPS_ARGS to those two
 # suites, whose flags differ); *_TIMEOUT bound the stages.
@@ -40,7 +40,7 @@ for name in "$@"; do
       timeout ${COUNTERS_TIMEOUT:-540} python3 -m train.bench counters ${COUNTERS_ARGS:-} || status=1 ;;
     flops)  # one ncu run per implementation and batch size
       timeout ${FLOPS_TIMEOUT:-1300} python3 -m train.bench flops ${FLOPS_ARGS:-} || status=1 ;;
-    ops|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
+    ops|gemm|attention|optim|e2e|profile|scaling) timeout ${BENCH_TIMEOUT:-200} python3 -m train.bench "$name" ${BENCH_ARGS:-} || status=1 ;;
     multiprocess)  # N processes x 1 GPU against 1 process x N GPUs (MULTIPROCESS_ARGS=--gpus 0,1,2,3)
       timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;

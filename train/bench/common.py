@@ -110,6 +110,18 @@ def time_call(fn: Callable[[], Any], *, warmup: int = 5, samples: int = 30, inne
     }
 
 
+def forward_backward(op: Callable[..., Any], primals: tuple[Any, ...]) -> tuple[Callable[..., Any], Any]:
+    """``(fn, cotangent)``: ``fn(primals, cotangent)`` runs one forward and one backward pass of ``op``, jitted
+    (trace it inside ``backend.use``), against a fixed all-ones cotangent."""
+
+    def run(primals, cotangent):
+        outputs, vjp = jax.vjp(op, *primals)
+        return outputs, vjp(cotangent)
+
+    outputs = jax.eval_shape(op, *primals)
+    return jax.jit(run), jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outputs)
+
+
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
     """Measured device memory bandwidth in bytes/s, counting bytes read plus bytes written.
 

@@ -260,21 +260,9 @@ CASES: list[Case] = [
 # ---- measurement ----------------------------------------------------------------------------------------
 
 
-def forward_backward(workload: Workload) -> tuple[Callable[..., Any], Any]:
-    """``(fn, cotangent)``: ``fn(primals, cotangent)`` runs one forward and one backward pass of the workload,
-    jitted (trace it inside ``backend.use``), against a fixed all-ones cotangent."""
-
-    def run(primals, cotangent):
-        outputs, vjp = jax.vjp(workload.op, *primals)
-        return outputs, vjp(cotangent)
-
-    outputs = jax.eval_shape(workload.op, *workload.primals)
-    return jax.jit(run), jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outputs)
-
-
 def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float, quick: bool) -> dict[str, Any]:
     """Times one forward + backward of ``workload`` compiled in kernel mode ``mode``."""
-    fn, cotangent = forward_backward(workload)
+    fn, cotangent = common.forward_backward(workload.op, workload.primals)
     sampling = dict(warmup=2, samples=5, inner=2) if quick else dict(warmup=5, samples=30, inner=5)
     with backend.use(mode):  # the mode is read when the function is traced, i.e. at its first call
         hlo = fn.lower(workload.primals, cotangent).as_text()

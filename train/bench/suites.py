@@ -1,10 +1,10 @@
 """Benchmarks: ``python -m train.bench SUITE [options]``; each suite writes <suite>-<device>.json to --out DIR
 (default docs/results when JAX sees a GPU, runs/bench otherwise).
 
-Suites: ops (fused kernels vs XLA), attention (self-attention vs cuDNN's as JAX calls it), optim (fused
-optimizers vs optax), e2e (training step vs plain Flax: the WMT Transformers, BERT-base, GPT-2 small), profile
-(per-category and per-stage step breakdown), scaling (data parallel), counters (Nsight Compute counters vs plain
-Flax), flops (hand-counted FLOPs and DRAM bytes against measured).
+Suites: ops (fused kernels vs XLA), gemm (the FFN GEMMs alone and with their epilogues), attention (self-attention
+vs cuDNN's as JAX calls it), optim (fused optimizers vs optax), e2e (training step vs plain Flax: the WMT
+Transformers, BERT-base, GPT-2 small), profile (per-category and per-stage step breakdown), scaling (data parallel),
+counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes against measured).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 
 SUITES = {
     "ops": "train.bench.ops",
+    "gemm": "train.bench.gemm",
     "attention": "train.bench.attention",
     "optim": "train.bench.optim",
     "e2e": "train.bench.e2e",

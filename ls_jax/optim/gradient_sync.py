@@ -5,12 +5,12 @@ every device's gradient. Summed after the backward (one ``psum`` of the whole tr
 the last gradient and then runs alone. ``GradientSync.grad`` instead groups the parameter leaves into buckets in
 the order the backward finishes them (the reverse of their first use in the forward) and wraps each bucket in an
 identity whose backward rule sums that bucket's gradient over the axis. The collective of the last layer's bucket
-is then issued while the backward of the layers below it still runs, and XLA's asynchronous collectives and
-latency-hiding scheduler run the two at once, as DDP's bucketed all-reduce does in PyTorch.
+is then issued while the backward of the layers below it still runs, so XLA's asynchronous collectives and its
+scheduler can run the two at once, as DDP's bucketed all-reduce does in PyTorch.
 
 With a ZeRO-1 optimizer (``ls_jax.optim.shard_optimizer``) a bucket is reduce-scattered instead: the step gets
-this device's rows of ``G`` (``ShardedOptimizer.apply_rows``). Earlier micro-batches' gradients (gradient
-accumulation) are summed locally and passed as ``carried``: they join the last micro-batch's in the same
+this device's rows of ``G`` (``ShardedOptimizer.apply_rows_with_grad_norm``). Earlier micro-batches' gradients
+(gradient accumulation) are summed locally and passed as ``carried``: they join the last micro-batch's in the same
 collectives, so an accumulated step communicates once.
 
 The identity's backward returns the summed gradient as the cotangent of a *receiver*, a zero tree of the result's
@@ -124,8 +124,9 @@ class GradientSync:
 
         ``G`` is ``sum_d (grad_d + carried_d)`` over the axis devices in float32: a tree of the params' shapes,
         the same on every device, or with ``sharded`` this device's rows (``(c_i,)`` per leaf, as
-        ``ShardedOptimizer.apply_rows`` takes them). ``params`` are the same on every device; ``carried`` (the
-        params' structure and shapes, float32, per device) is this device's gradient of earlier micro-batches.
+        ``ShardedOptimizer.apply_rows_with_grad_norm`` takes them). ``params`` are the same on every device;
+        ``carried`` (the params' structure and shapes, float32, per device) is this device's gradient of earlier
+        micro-batches.
         """
         leaves, treedef = jax.tree.flatten(params)
         carried_leaves = [None] * len(leaves) if carried is None else treedef.flatten_up_to(carried)

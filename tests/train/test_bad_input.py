@@ -101,9 +101,17 @@ def test_data_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, capsys, cas
         (["--seed", str(2**32)], f"--seed must be an integer in [0, 4294967296), got {2**32}"),
         (["--price-per-hour", "-1"], "--price-per-hour must be a finite number >= 0, got -1.0"),
         (["--price-per-hour", "nan"], "--price-per-hour must be a finite number >= 0, got nan"),
+        *(
+            (
+                ["--grad-bucket-mb", value],
+                f"--grad-bucket-mb must be from {2**-20:g} (one byte) to 1.04858e+06 "
+                f"(1 TiB, one bucket for any model), got {float(value):g}",
+            )
+            for value in ("0", "1e-9", "1e303", "nan")
+        ),
     ],
 )
-def test_a_seed_or_price_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, task, flags, message):
+def test_a_number_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, task, flags, message):
     run_dir = tmp_path / "run"
     code, err = run(task, [*flags, "--run-dir", str(run_dir)], capsys)
     assert code == 2

@@ -120,7 +120,8 @@ def run_case(model: str, ffn: FeedForward, tokens: int, layer: str, modes: Seque
 
 def _format_row(result: dict[str, Any]) -> str:
     cells = "  ".join(
-        f"{name} {result[name]['median_ms']:8.3f} ms {result[name]['tflops']:6.1f} TF/s"
+        f"{name} {result[name]['median_ms']:8.3f} ms {result[name]['tflops']:6.1f} TF/s "
+        f"{result[name]['share_of_peak']:4.0%}"
         for name in ("gemm", "gemm+ffi", "gemm+xla")
         if name in result
     )
@@ -135,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.add_out_argument(parser, "gemm")
     parser.add_argument("--quick", action="store_true", help="tokens / 16, widths / 4, few samples (runs on CPU)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    parser.add_argument(
+        "--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts (--quick divides them by 16)"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:

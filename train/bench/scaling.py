@@ -50,6 +50,7 @@ from ls_jax import backend
 from ls_jax.optim import shard_optimizer
 from train.bench import common
 from train.bench.steps import overlap, scaling_models, scaling_pieces
+from train.harness.cli import GRAD_BUCKET_MB
 from train.harness.optimizer import make_optimizer
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.harness.step import TrainState, make_train_step
@@ -240,9 +241,10 @@ def bucket_sizes(text: str) -> list[float]:
         sizes = [float(value) for value in text.split(",")]
     except ValueError:
         raise SystemExit(f"--grad-bucket-mb {text}: give MiB as numbers, comma-separated (e.g. 25,100000)") from None
-    bad = [size for size in sizes if not (math.isfinite(size) and size > 0)]
+    low, high = GRAD_BUCKET_MB
+    bad = [size for size in sizes if not low <= size <= high]  # also refuses nan
     if bad:
-        raise SystemExit(f"--grad-bucket-mb {text}: each size must be a finite number > 0, got {bad[0]:g}")
+        raise SystemExit(f"--grad-bucket-mb {text}: each size must be from {low:g} to {high:g} MiB, got {bad[0]:g}")
     return sizes
 
 

@@ -67,6 +67,7 @@ def check_implementation(implementation: str, remat: str) -> None:
 
 
 SEED_LIMIT = 2**32
+GRAD_BUCKET_MB = (2.0**-20, 2.0**20)  # one byte to 1 TiB
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,15 +169,16 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-bucket-mb",
         type=float,
-        help="with several devices: MiB of gradients per all-reduce (reduce-scatter with --shard-optimizer); each "
-        "bucket is summed as soon as the backward has produced it, under the backward of the layers below "
-        "(default 25)",
+        help="several devices only: the gradients are summed over the devices in buckets of this many MiB, each "
+        "sent as soon as the backward has computed it, while the backward goes on; smaller buckets start sending "
+        "sooner, larger ones send fewer messages; one above the model's size sends once after the backward "
+        "(default 25, PyTorch DDP's)",
     )
     group.add_argument(
         "--grad-comm-dtype",
         choices=("fp32", "bf16"),
-        help="dtype the gradients are summed over the devices in (default: the params', f32 unless --master-weights "
-        "makes them 16-bit); bf16 halves the traffic of f32 params",
+        help="several devices only: the dtype gradients are sent and summed in (default: the params', f32 unless "
+        "--master-weights makes them 16-bit); bf16 halves the traffic of f32 params at bf16's precision",
     )
     group.add_argument(
         "--distributed",
@@ -231,8 +233,11 @@ def check_ranges(
         raise UsageError(f"--lr must be a finite number > 0, got {config.lr}")
     if not 0 <= config.seed < SEED_LIMIT:  # a JAX key holds 32 bits of a seed: larger ones would repeat others
         raise UsageError(f"--seed must be an integer in [0, {SEED_LIMIT}), got {config.seed}")
-    if not (math.isfinite(config.grad_bucket_mb) and config.grad_bucket_mb > 0):
-        raise UsageError(f"--grad-bucket-mb must be a finite number > 0, got {config.grad_bucket_mb}")
+    if not GRAD_BUCKET_MB[0] <= config.grad_bucket_mb <= GRAD_BUCKET_MB[1]:  # also refuses nan
+        raise UsageError(
+            f"--grad-bucket-mb must be from {GRAD_BUCKET_MB[0]:g} (one byte) to {GRAD_BUCKET_MB[1]:g} (1 TiB, one "
+            f"bucket for any model), got {config.grad_bucket_mb:g}"
+        )
     price = config.price_per_hour
     if price is not None and not (math.isfinite(price) and price >= 0):
         raise UsageError(f"--price-per-hour must be a finite number >= 0, got {price}")

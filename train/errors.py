@@ -3,6 +3,9 @@ class (docs/training.md lists them)."""
 
 from __future__ import annotations
 
+import argparse
+from typing import NoReturn
+
 EXIT_FINISHED = 0
 EXIT_USAGE = 2  # bad flags, a missing optional package, an unusable run directory (argparse's errors use 2 too)
 EXIT_DATA = 3  # the data the flags name cannot be used: missing, empty or malformed files, too little data
@@ -29,3 +32,10 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by signal {signum}")
         self.signum = signum
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (``prog: error: ...; see --help``), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see --help\n")

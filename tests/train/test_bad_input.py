@@ -141,3 +141,19 @@ def test_resuming_the_run_of_another_task_names_it(tmp_path, capsys):
         f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume {run_dir}\n"
     )
     assert sorted(run_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--grad-comm-dtype", "fp16"], "argument --grad-comm-dtype: invalid choice: 'fp16' (choose from"),
+        (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_flag_argparse_refuses_is_one_line(capsys, task, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        run(task, flags, capsys)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err and err.endswith("; see --help\n"), err

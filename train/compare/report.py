@@ -23,6 +23,7 @@ from pathlib import Path
 from train.compare import plots, quality, scoring, tables
 from train.compare import runs as run_logs
 from train.costs import measured_utilization
+from train.errors import ArgumentParser
 from train.records import runlog
 
 EXIT_USAGE = 2
@@ -39,7 +40,7 @@ def _presets_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.compare",
         description=(
             "Tables, a weighted score and plots comparing training runs (run.jsonl logs) from any devices.\n\n"

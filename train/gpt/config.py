@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ls_jax.models.gpt import PRESETS, GPTConfig
-from train.errors import UsageError
+from train.errors import ArgumentParser, UsageError
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
@@ -69,7 +69,7 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.gpt",
         description="Train a GPT-2 language model; with no arguments, a few minutes on the embedded synthetic "
         "corpus. Every run writes config.json, run.jsonl (docs/run-log.md), samples.txt, TensorBoard "

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any, Mapping
 
-from train.errors import UsageError
+from train.errors import ArgumentParser, UsageError
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
@@ -74,7 +74,7 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.imdb",
         description="Fine-tune BERT for sentiment classification; with no arguments, a few minutes on the embedded "
         "synthetic review task. Every run writes config.json, the vocabulary, run.jsonl "

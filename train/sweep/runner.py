@@ -32,7 +32,7 @@ from typing import Any
 from train.compare import report as compare
 from train.compare import runs as run_logs
 from train.compare import scoring
-from train.errors import EXIT_SIGNAL_BASE, EXIT_USAGE, Interrupted, UsageError
+from train.errors import EXIT_SIGNAL_BASE, EXIT_USAGE, ArgumentParser, Interrupted, UsageError
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR
 from train.sweep.spec import Point, Spec, parse, points
@@ -364,7 +364,7 @@ def load_spec(path: Path | None) -> Spec:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("spec", nargs="?", type=Path, help=f"the sweep's TOML file (default {DEFAULT_SPEC.name})")

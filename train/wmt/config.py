@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ls_jax.models import PRESETS
+from train.errors import ArgumentParser
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
@@ -68,7 +69,7 @@ REAL_DATA_DEFAULTS: dict[str, Any] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.wmt",
         description="Train the ls-jax Transformer (or the plain Flax one: --implementation flax) for translation; "
         "with no arguments, a few minutes on the embedded synthetic task. Every run writes config.json, "

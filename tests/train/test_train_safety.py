@@ -39,6 +39,18 @@ def test_resume_of_a_finished_run_is_a_no_op_then_extends(tmp_path, capsys):
     assert [r["step"] for r in records if r["type"] == "interval"] == list(range(1, 10))
 
 
+def test_a_resume_names_the_flags_it_changes(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2"]) == 0
+    capsys.readouterr()
+    flags = ["--steps", "4", "--grad-bucket-mb", "0.5", "--grad-comm-dtype", "bf16", "--keep-checkpoints", "3"]
+    assert toy_task.main(["--resume", str(run_dir), *flags]) == 0
+    resumed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("resuming")]
+    assert resumed == [  # --keep-checkpoints 3 is what the run had
+        f"resuming {run_dir} at step 2 with --grad-bucket-mb 0.5 (was 25.0), --grad-comm-dtype bf16 (was default)"
+    ]
+
+
 def test_a_non_finite_update_is_never_checkpointed(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # Step 4's loss is finite, its update (learning rate NaN) is not.

@@ -7,12 +7,13 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 
 from ls_jax.layers import LayerConfig
 from train.errors import UsageError
+from train.harness.config import flag
 from train.harness.progress import Counters
 from train.harness.step import TrainState
 from train.records.checkpoints import CheckpointCorruptError, CheckpointMismatchError, Checkpoints
@@ -90,6 +91,25 @@ def transition(saved: tuple[int, float] | None, schedule: Any, kept: list[float]
         return kept
     step, rate = saved
     return kept if abs(float(schedule(step)) - rate) <= 1e-6 * max(abs(rate), 1e-12) else [step, rate]
+
+
+def changed_flags(saved: Mapping[str, Any], config: Any, given: Mapping[str, Any]) -> list[str]:
+    """``--flag NEW (was OLD)`` for each flag given now that changes the resumed run's ``saved`` configuration
+    (config.json), ``--resume`` and ``--steps`` apart (the resume line says where the schedule goes)."""
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "default"
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+    return [
+        f"{flag(name)} {shown(getattr(config, name))} (was {shown(saved.get(name))})"
+        for name, value in given.items()
+        if value is not None
+        and name not in ("resume", "steps")
+        and hasattr(config, name)
+        and saved.get(name) != getattr(config, name)
+    ]
 
 
 def say_nothing_to_do(task: str, run_dir: Path, step: int, steps: int) -> None:

@@ -359,8 +359,13 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
             tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
         if jax.process_index() == 0:
             runlog.truncate_for_resume(run_dir, step)
+            flags = resume.changed_flags(load_saved_config(run_dir), config, run.given)
             moved = f"; its learning rate goes on from {rate:.3g} into the schedule of --steps {setup.steps}"
-            print(f"resuming {run_dir} at step {step}{moved if changed else ''}", file=sys.stderr)
+            print(
+                f"resuming {run_dir} at step {step}{' with ' + ', '.join(flags) if flags else ''}"
+                f"{moved if changed else ''}",
+                file=sys.stderr,
+            )
         stream = stream.at(position)
     return Prepared(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
 

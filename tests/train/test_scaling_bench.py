@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from train.bench import scaling
 from train.bench.scaling import bucket_sizes, device_counts, efficiencies
 from train.bench.steps import overlap
 
@@ -69,6 +70,11 @@ def test_bucket_sizes_are_positive_numbers():
         bucket_sizes("1e303")
     with pytest.raises(SystemExit, match="give MiB as numbers"):
         bucket_sizes("25MB")
+
+
+def test_an_unknown_implementation_is_one_line():
+    with pytest.raises(SystemExit, match="--implementations foo: unknown foo; choose from ls_jax_ffi, ls_jax_xla"):
+        scaling.main(["--implementations", "foo"])
 
 
 def test_more_devices_than_there_are_is_one_line():

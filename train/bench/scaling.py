@@ -435,7 +435,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m train.bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(scaling_models.MODELS)}")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument(
+        "--implementations",
+        help=f"comma-separated subset of {', '.join(IMPLEMENTATIONS)} (default: both with a CUDA device, else "
+        "ls_jax_xla)",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--sharded-for", default="all", help="MODEL:IMPLEMENTATION,... that get sharded rows")
     parser.add_argument("--devices", help="comma-separated device counts (default 1, 2, 4, ... up to all)")
@@ -462,8 +466,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    unknown = sorted(set((args.implementations or "").split(",")) - set(IMPLEMENTATIONS) - {""})
+    if unknown:
+        raise SystemExit(
+            f"--implementations {args.implementations}: unknown {', '.join(unknown)}; choose from "
+            f"{', '.join(IMPLEMENTATIONS)}"
+        )
     bucket_sizes(args.grad_bucket_mb)  # a bad value stops the run before any child or compilation starts
     variant_rows = run_variant(args) if args.variant_xla_flags else []
+    if args.implementations is None:  # the ffi implementation needs the CUDA kernels; asked once run_variant is done
+        args.implementations = ",".join(IMPLEMENTATIONS) if backend.cuda_visible() else "ls_jax_xla"
     args.out = common.out_dir(args.out)
     devices = jax.devices()
     counts = device_counts(len(devices), args.devices)

@@ -108,6 +108,9 @@ class GradientSync:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     comm_dtype: Any = None
     sharded: ShardedOptimizer | None = None
+    # backward_order by (loss code, params structure and shapes): a step compiled for several batch shapes traces
+    # its forward for the order once.
+    _orders: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1:
@@ -130,7 +133,10 @@ class GradientSync:
         """
         leaves, treedef = jax.tree.flatten(params)
         carried_leaves = [None] * len(leaves) if carried is None else treedef.flatten_up_to(carried)
-        order = backward_order(lambda p, *a: fun(p, *a)[0], params, *args)
+        key = (getattr(fun, "__code__", fun), treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+        if key not in self._orders:
+            self._orders[key] = backward_order(lambda p, *a: fun(p, *a)[0], params, *args)
+        order = self._orders[key]
         nbytes = [leaf.size * self._comm_dtype([leaf.dtype]).itemsize for leaf in leaves]
         buckets = plan_buckets(nbytes, order, self.bucket_bytes)
         receivers = [self._receivers([leaves[i] for i in bucket]) for bucket in buckets]

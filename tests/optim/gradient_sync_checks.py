@@ -181,6 +181,23 @@ def test_each_buckets_collective_waits_only_for_its_layers_backward():
     assert collectives == [products]
 
 
+def test_the_order_is_traced_once_for_every_batch_shape():
+    traced = []
+
+    def counted_loss(params, batch):
+        traced.append(batch[0].shape[0])
+        return loss(params, batch)
+
+    sync, params = GradientSync(AXIS, 600), make_params()
+    mesh = Mesh(np.asarray(jax.devices()), (AXIS,))
+    run = jax.jit(
+        jax.shard_map(lambda p, b: sync.grad(counted_loss, p, b)[0], mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+    )
+    run(params, make_batch(16))
+    run(params, make_batch(32))
+    assert traced == [4, 4, 8]  # per device: the order and the gradient at 16 rows, the gradient alone at 32
+
+
 def test_a_sync_over_another_axis_than_its_optimizer_is_refused():
     sharded = shard_optimizer(adamw(1e-3), "model", num_shards=4)
     with pytest.raises(ValueError, match="splits over axis 'model'"):

@@ -141,10 +141,12 @@ class GradientSync:
         buckets = plan_buckets(nbytes, order, self.bucket_bytes)
         receivers = [self._receivers([leaves[i] for i in bucket]) for bucket in buckets]
 
+        identity = self._identity()
+
         def loss_of_receivers(receivers):
             synced: list[Any] = [None] * len(leaves)
             for bucket, received in zip(buckets, receivers):
-                outputs = self._identity()([leaves[i] for i in bucket], [carried_leaves[i] for i in bucket], received)
+                outputs = identity([leaves[i] for i in bucket], [carried_leaves[i] for i in bucket], received)
                 for i, out in zip(bucket, outputs):
                     synced[i] = out
             return fun(jax.tree.unflatten(treedef, synced), *args)

@@ -533,10 +533,6 @@ def report(tables: dict[str, list], probes: list[dict]) -> None:
         )
 
 
-def _devices(row: dict[str, Any]) -> int:
-    return row["devices"]
-
-
 def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:
     import matplotlib
 
@@ -550,7 +546,8 @@ def plot(results: list[dict[str, Any]], path: Path, device_kind: str) -> None:
         rows = [r for r in results if label(r) == key]
         one = [r for r in rows if r["devices"] == 1]
         for mb in sorted({r["grad_bucket_mb"] for r in rows if r["devices"] > 1}) or [None]:
-            line = sorted(one + [r for r in rows if r["devices"] > 1 and r["grad_bucket_mb"] == mb], key=_devices)
+            many = [r for r in rows if r["devices"] > 1 and r["grad_bucket_mb"] == mb]
+            line = sorted(one + many, key=lambda r: r["devices"])
             name = " ".join(filter(None, (*key, f"buckets {mb:g} MiB" if several else "")))
             n = [r["devices"] for r in line]
             axes[0].plot(n, [r["tokens_per_s"] / 1e3 for r in line], marker="o", label=name)

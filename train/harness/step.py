@@ -109,7 +109,7 @@ def make_train_step(
     (`train.harness.parallel`): each device draws its own dropout streams (the step key folded with the axis index)
     and sums its earlier micro-batches' gradients locally; the last micro-batch's backward sums every device's
     gradients bucket by bucket as it produces them (``ls_jax.optim.GradientSync``: buckets of
-    ``grad_bucket_bytes``, sent in ``grad_comm_dtype``, None for float32), so the communication runs under the
+    ``grad_bucket_bytes``, sent in ``grad_comm_dtype``, None for the params' dtype), so the communication runs under the
     backward of the layers below; with ``sharded_optimizer`` (ZeRO-1) each bucket is reduce-scattered instead. The
     loss sums are combined by psum. Dividing by the global weight makes the update the one a single device
     computes on the whole batch.

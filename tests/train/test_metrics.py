@@ -1,6 +1,7 @@
 """FLOPs, device tables and memory of train.costs.metrics; the energy meters of train.costs.energy."""
 
 import os
+import time
 import types
 
 import jax
@@ -278,19 +279,85 @@ def fake_gpus(*ordinals):
 def test_nvml_energy_is_the_summed_counter_difference(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = FakeNvml(start_mj=[1_000_000, 5_000_000, 9_000_000], step_mj=[1500, 2500, 99999])
-    meter = energy.energy_meter(fake_gpus(0, 1), None, nvml=nvml)
-    assert meter.source == "nvml"
+    meter = energy.NvmlEnergy(nvml, [0, 1])
+    meter.start()
     # start() read each counter once; the next read is one step further: (1500 + 2500) mJ = 4 J.
     assert meter.joules() == pytest.approx(4.0)
+
+
+def test_gpu_meter_samples_nvml_in_the_background(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = FakeNvml(start_mj=[0, 0], step_mj=[1000, 1000])
+    meter = energy.energy_meter(fake_gpus(0, 1), None, nvml=nvml)
+    assert isinstance(meter, energy.SampledEnergy) and meter.source == "nvml"
+    assert "background thread" in meter.method
+    deadline = time.monotonic() + 10
+    while meter.joules() < 10.0 and time.monotonic() < deadline:  # 2 J per read of both GPUs, every 20 ms
+        time.sleep(0.01)
+    assert meter.joules() >= 10.0
     meter.close()
-    assert nvml.shut_down
+    reads = list(nvml.counters)
+    time.sleep(0.1)
+    assert nvml.counters == reads and nvml.shut_down  # the thread stopped before NVML was shut down
 
 
 def test_nvml_follows_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-0000")
     nvml = FakeNvml(start_mj=[0, 0, 0], step_mj=[1000, 50000, 3000])
-    meter = energy.energy_meter(fake_gpus(0, 1), None, nvml=nvml)  # CUDA 0 -> NVML 2, CUDA 1 -> NVML 0
+    indices = energy._visible_nvml_indices(nvml, [0, 1])  # CUDA 0 -> NVML 2, CUDA 1 -> NVML 0
+    assert indices == [2, 0]
+    meter = energy.NvmlEnergy(nvml, indices)
+    meter.start()
     assert meter.joules() == pytest.approx(4.0)
+
+
+class ClockMeter(energy.EnergyMeter):
+    """A meter of ``watts`` over the test's clock; each read takes 0.1 s of that clock and returns the energy at its
+    middle. ``fail`` makes its reads raise."""
+
+    source, method = "test", "a test meter"
+
+    def __init__(self, clock, watts):
+        self.clock, self.watts, self.fail, self.reads = clock, watts, False, 0
+
+    def joules(self):
+        if self.fail:
+            raise OSError("the device is gone")
+        value = self.watts * (self.clock[0] + 0.05)
+        self.clock[0] += 0.1
+        self.reads += 1
+        return value
+
+
+def test_sampled_meter_extrapolates_from_its_latest_reads_and_never_goes_back():
+    clock = [0.0]
+    inner = ClockMeter(clock, watts=100.0)
+    meter = energy.SampledEnergy(inner, period_s=0.001, clock=lambda: clock[0])
+    meter.start()
+    deadline = time.monotonic() + 10
+    while inner.reads < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    meter._stop_thread()
+    reads = inner.reads
+    clock[0] += 0.37
+    assert meter.joules() == pytest.approx(100.0 * clock[0])  # on the 100 W line, past the last read
+    clock[0] -= 0.3
+    assert meter.joules() == pytest.approx(100.0 * (clock[0] + 0.3))  # a later call never reads less
+    assert inner.reads == reads  # joules() itself never waits for the slow meter
+    meter.close()
+
+
+def test_sampled_meter_whose_read_fails_reports_unknown_energy():
+    clock = [0.0]
+    inner = ClockMeter(clock, watts=10.0)
+    meter = energy.SampledEnergy(inner, period_s=0.005, clock=lambda: clock[0])
+    meter.start()
+    inner.fail = True
+    deadline = time.monotonic() + 10
+    while meter.joules() is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert meter.joules() is None
+    meter.close()
 
 
 def test_nvml_failure_means_unknown_energy():

@@ -1,7 +1,7 @@
 """Energy meters: the joules the devices of a run used since the meter started, and how that is known.
 
 - NVIDIA GPUs: NVML's total-energy counter (millijoules since driver load), summed over the GPUs in use
-  (``source`` ``nvml``).
+  (``source`` ``nvml``), read by a background thread (`SampledEnergy`): a read can take milliseconds.
 - CPUs: Linux's powercap RAPL counters of the CPU packages (``/sys/class/powercap/intel-rapl:N/energy_uj``, also
   AMD's on Linux 5.11 and newer) where this process may read them (``rapl``); they count every process on those
   packages. Elsewhere (the files are root-only on most systems since 2020) an estimate, as on TPUs.
@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -60,6 +62,81 @@ class NvmlEnergy(EnergyMeter):
 
     def close(self) -> None:
         self._nvml.nvmlShutdown()
+
+
+class SampledEnergy(EnergyMeter):
+    """A meter whose reads are slow, read by a background thread every ``period_s``; `joules` answers at once.
+
+    NVML's energy counter takes about 9 ms per GPU and read on some virtual machines (seen on H200s): read on the
+    training loop's thread at every step, it held an H200 pair's 23 ms step back by a host that read 18 ms of meters
+    per step. Here the loop reads two numbers instead: the value at the call is the latest sample extrapolated
+    linearly by the rate between the two latest samples (each sample stamped at the middle of its read), never
+    below a value returned before, so the energy of consecutive windows adds up to the meter's own difference. A
+    read that fails stops the sampling, and the energy is unknown (None) from then on.
+    """
+
+    def __init__(self, meter: EnergyMeter, period_s: float = 0.02, clock: Callable[[], float] = time.monotonic):
+        self._meter = meter
+        self._period_s = period_s
+        self._clock = clock
+        self.source = meter.source
+        self.method = (
+            f"{meter.method}; read every {period_s * 1e3:g} ms by a background thread, each value extrapolated "
+            "from the two latest reads"
+        )
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=2)
+        self._returned = 0.0
+        self._failed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        before = self._clock()
+        value = self._meter.joules()
+        stamp = (before + self._clock()) / 2
+        with self._lock:
+            self._samples.append((stamp, value))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            try:
+                self._sample()
+            except Exception:  # noqa: BLE001 - a GPU gone, NVML shut down: the energy is unknown from here on
+                with self._lock:
+                    self._failed = True
+                return
+
+    def start(self) -> None:
+        """Starts the inner meter and the sampling thread (raises what the inner meter's first reads raise)."""
+        self._stop_thread()
+        self._meter.start()
+        self._samples.clear()
+        self._returned, self._failed = 0.0, False
+        self._sample()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="energy-meter", daemon=True)
+        self._thread.start()
+
+    def joules(self) -> float | None:
+        with self._lock:
+            if self._failed or not self._samples:
+                return None
+            (stamp, value), *older = reversed(self._samples)
+            if older and stamp > older[0][0]:
+                value += (value - older[0][1]) / (stamp - older[0][0]) * (self._clock() - stamp)
+            self._returned = max(self._returned, value)
+            return self._returned
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        self._stop_thread()
+        self._meter.close()
 
 
 class EstimatedEnergy(EnergyMeter):
@@ -171,7 +248,7 @@ def _gpu_meter(devices: Sequence[Any], nvml: Any) -> EnergyMeter:
             return EnergyMeter()
     try:
         nvml.nvmlInit()
-        meter = NvmlEnergy(nvml, _visible_nvml_indices(nvml, [d.local_hardware_id for d in devices]))
+        meter = SampledEnergy(NvmlEnergy(nvml, _visible_nvml_indices(nvml, [d.local_hardware_id for d in devices])))
         meter.start()
     except Exception:  # noqa: BLE001 - no NVML, or a GPU without the energy counter
         return EnergyMeter()

@@ -169,6 +169,7 @@ def valid_summary():
         energy_source="nvml",
         energy_estimated=False,
         memory=None,
+        host_phases=None,
         peak_memory_bytes=None,
         examples=24,
         examples_per_s=8.0,

@@ -15,6 +15,7 @@ from train.costs import windows
 from train.costs.hardware import Hardware
 from train.costs.windows import Tally
 from train.harness.config import Run
+from train.harness.host_phases import PHASES, HostPhases
 from train.records.runlog import QUALITY_KEYS, energy_fields, identity
 
 _TALLIES = ("compilation", "evaluation", "checkpoints")
@@ -48,6 +49,7 @@ class Counters:
     compilation: Tally = dataclasses.field(default_factory=Tally)
     evaluation: Tally = dataclasses.field(default_factory=Tally)
     checkpoints: Tally = dataclasses.field(default_factory=Tally)
+    host: HostPhases = dataclasses.field(default_factory=HostPhases)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Counters:
@@ -59,6 +61,7 @@ class Counters:
         if "segment_starts" not in fields:
             fields["segment_starts"] = [0]
             fields["wall_energy_j"] = None
+        fields["host"] = HostPhases.from_dict(fields["host"]) if "host" in fields else HostPhases()
         counters = cls(**fields)
         steps = len(counters.step_times)
         counters.step_energy_j = _padded(counters.step_energy_j, steps)
@@ -268,8 +271,25 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         **{name: tally_part(getattr(counters, name), hardware) for name in _TALLIES},
         "final_loss": counters.last_loss,
         **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
+        "host_phases": host_part(
+            counters.host,
+            statistics.median(counters.step_times) if counters.step_times else None,
+            asynchronous=hardware.devices[0].platform != "cpu",
+        ),
         "memory": None,
     }
+
+
+def host_part(host: HostPhases, step_time_s: float | None, *, asynchronous: bool) -> dict[str, Any] | None:
+    """The summary's ``host_phases``: milliseconds per step the host spent in each phase of the loop
+    (`train.harness.host_phases`), and whether it held the device back; None before the first step.
+
+    Only devices that run a launched step while the host goes on (``asynchronous``: GPUs, TPUs) can wait for the
+    host; a CPU computes the step inside its launch, so ``host_bound`` is false there."""
+    per_step = host.per_step_ms()
+    if per_step is None:
+        return None
+    return {"steps": host.steps, **per_step, "host_bound": asynchronous and host.host_bound(step_time_s)}
 
 
 def format_value(value: float | None, spec: str = ".3g", unit: str = "") -> str:
@@ -297,4 +317,16 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
         f"{_energy_cost(summary)}",
         f"  wall        {summary['wall_time_s']:.1f} s: {_energy_cost(summary, 'wall_energy_j', 'wall_cost_usd')}; "
         f"{one_time}",
+        *_describe_host(summary.get("host_phases")),
     ]
+
+
+def _describe_host(host: Mapping[str, Any] | None) -> list[str]:
+    """The host's line of the summary (`train.harness.host_phases`); none before the first step."""
+    if host is None:
+        return []
+    own = ", ".join(f"{phase} {host[f'{phase}_ms']:.2f}" for phase in PHASES if phase != "wait")
+    line = f"  host        {own} ms/step; waited {host['wait_ms']:.2f} ms/step for the device"
+    if host["host_bound"]:
+        line += ": the host held the device back (a faster input pipeline or fewer devices per process helps)"
+    return [line]

@@ -125,6 +125,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "bleu": _OPT_NUM,
         "accuracy": _OPT_NUM,
         "perplexity": _OPT_NUM,
+        "host_phases": (dict, type(None)),
         "memory": (dict, type(None)),
     },
 }
@@ -159,7 +160,7 @@ LATER_KEYS: dict[str, frozenset[str]] = {
         {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
     ),
     "eval": frozenset({"perplexity"}),
-    "summary": frozenset({"perplexity", "memory"}),
+    "summary": frozenset({"perplexity", "memory", "host_phases"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {

@@ -10,3 +10,10 @@
   bench/            benchmarks; reference/ the plain Flax models they and ``--implementation flax`` train
 docs/architecture.md has the whole map.
 """
+
+import os
+
+# XLA's C++ warnings (the GPU autotuner's "Delay kernel timed out", TensorFlow's start-up lines when tfds imports it)
+# are read against this level once, when jaxlib loads: set here, before any tool imports JAX, they stay out of a
+# user's output. TF_CPP_MIN_LOG_LEVEL=0 in the environment shows them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

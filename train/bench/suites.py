@@ -4,7 +4,9 @@
 Suites: ops (fused kernels vs XLA), gemm (the FFN GEMMs alone and with their epilogues), attention (self-attention
 vs cuDNN's as JAX calls it), optim (fused optimizers vs optax), e2e (training step vs plain Flax: the WMT
 Transformers, BERT-base, GPT-2 small), profile (per-category and per-stage step breakdown), scaling (data parallel),
-counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes against measured).
+counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes against measured);
+timeline (where each device's time went in a trace of a training run's steps, ``--profile-steps``), cli-scaling
+(weak scaling of the training commands themselves, their own summaries at 1, 2, 4 ... devices).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ SUITES = {
     "scaling": "train.bench.scaling",
     "counters": "train.bench.counters",
     "flops": "train.bench.flops",
+    "timeline": "train.bench.timeline",
+    "cli-scaling": "train.bench.cli_scaling",
 }
 
 

@@ -151,6 +151,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="also print what the libraries log (orbax, absl, asyncio); by default only the harness's own lines",
     )
 
+    group.add_argument(
+        "--profile-steps",
+        type=step_range,
+        metavar="FIRST:LAST",
+        help="trace training steps FIRST to LAST with jax.profiler into RUN_DIR/profile (view it in Perfetto or "
+        "TensorBoard; python -m train.bench timeline RUN_DIR/profile says where each device's time went)",
+    )
+
     group = parser.add_argument_group("cost and hardware")
     group.add_argument(
         "--price-per-hour", type=float, help="USD per device-hour for the cost estimate (overrides the built-in table)"
@@ -193,6 +201,18 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --distributed: stop (exit code 6) when another process shows no sign of life for "
         "this long (train.harness.peers)",
     )
+
+
+def step_range(text: str) -> list[int]:
+    """``FIRST:LAST`` as [FIRST, LAST]: steps from 1, LAST >= FIRST (argparse's ``type`` of ``--profile-steps``)."""
+    first, sep, last = text.partition(":")
+    try:
+        steps = [int(first), int(last)] if sep else [int(first)] * 2
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIRST:LAST, two step numbers such as 100:104") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: steps count from 1 and LAST must be >= FIRST")
+    return steps
 
 
 def defaults_epilog(config_type: type[TrainingConfig], real_data: Mapping[str, Any], notes: str = "") -> str:

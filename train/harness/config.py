@@ -53,6 +53,7 @@ class TrainingConfig:
     grad_comm_dtype: str | None = None
     distributed: bool = False
     peer_timeout: int = 60
+    profile_steps: list[int] | None = None  # [first, last]: steps traced with jax.profiler into RUN_DIR/profile
     # Not a flag: set on --resume when --steps changed the schedule, the (step, rate) the rate moves on from
     # (train.harness.optimizer.continued); kept in config.json so a later resume follows the same schedule.
     lr_transition: list[float] | None = None

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import jax
@@ -49,6 +50,8 @@ class LoopConfig:
     checkpoint_every: int = 1000
     progress_bar: bool = True
     started_at: float = dataclasses.field(default_factory=time.monotonic)  # process start, for wall_time_s
+    profile_steps: tuple[int, int] | None = None  # (first, last): trace these steps with jax.profiler
+    profile_dir: Path | None = None
 
 
 class BatchStream(Protocol):
@@ -132,6 +135,7 @@ class _Loop:
             else (self.step if self.step in checkpoints.all_steps() else None)
         )
         self.interval = Interval()
+        self.profiling = False
         self.wall_start = config.started_at
         self.wall_before = counters.wall_time_s
         self.energy_before = counters.energy_j
@@ -248,10 +252,15 @@ class _Loop:
     # -- steps
 
     def _dispatch(self) -> _Pending:
-        local_batch, counts = next(self.stream)
-        batch = self.parallel.put_batch(local_batch, row_axis=1)
-        compiled = self.compiler.compiled(self.state, batch)
-        self.state, step_metrics = compiled(self.state, batch)
+        host = self.counters.host
+        with host.timing("batch"):
+            local_batch, counts = next(self.stream)
+        with host.timing("transfer"):
+            batch = self.parallel.put_batch(local_batch, row_axis=1)
+        with host.timing("launch"):
+            compiled = self.compiler.compiled(self.state, batch)
+            self.state, step_metrics = compiled(self.state, batch)
+        host.count_step()
         self.step += 1
         return _Pending(
             self.step,
@@ -260,6 +269,25 @@ class _Loop:
             self.flops_fn({name: value.shape for name, value in batch.items()}),
             self.compiler.xla_flops[StepCompiler.key(batch)],
         )
+
+    def _profile_due(self, next_step: int) -> bool:
+        """Whether the ``--profile-steps`` trace starts before ``next_step`` (its first) or stops (after its last)."""
+        steps = self.config.profile_steps
+        if steps is None or self.config.profile_dir is None:
+            return False
+        return next_step == steps[1] + 1 if self.profiling else next_step == steps[0]
+
+    def _toggle_profile(self) -> None:
+        if self.profiling:
+            self._stop_profile()
+        else:
+            jax.profiler.start_trace(str(self.config.profile_dir), create_perfetto_trace=True)
+            self.profiling = True
+
+    def _stop_profile(self) -> None:
+        if self.profiling:
+            jax.profiler.stop_trace()
+            self.profiling = False
 
     def _finish(self, pending: _Pending, span: Span) -> bool:
         """Accounts for a finished step that took ``span``; False when it was not finite (and fp16 did not skip it)."""
@@ -296,19 +324,34 @@ class _Loop:
         pending: _Pending | None = None
         last = self._step_reading()  # when the oldest unaccounted step could start
         while self.step < self.config.num_steps and signals.received is None:
+            if self._profile_due(self.step + 1):
+                # Starting or stopping the profiler takes the host up to seconds: no step is in flight meanwhile,
+                # and its time is no step's.
+                if pending is not None:
+                    jax.block_until_ready(self.state)
+                    if not self._finish(pending, self._step_reading().since(last)):
+                        return "nan", pending.step
+                    pending = None
+                self._toggle_profile()
+                last = self._step_reading()
             current = self._dispatch()
+            host = self.counters.host
             if pending is not None:  # read step n-1 while step n runs
-                jax.block_until_ready(pending.metrics)  # the clock and meter read once step n-1 is done
-                done = self._step_reading()
-                if not self._finish(pending, done.since(last)):
-                    return "nan", pending.step
+                with host.timing("wait"):
+                    jax.block_until_ready(pending.metrics)  # the clock and meter read once step n-1 is done
+                with host.timing("account"):
+                    done = self._step_reading()
+                    if not self._finish(pending, done.since(last)):
+                        return "nan", pending.step
                 last = done
             pending = current
             if self._sync_point() or signals.received is not None:
-                jax.block_until_ready(self.state)
+                with host.timing("wait"):
+                    jax.block_until_ready(self.state)
                 pending = None
-                if not self._finish(current, self._step_reading().since(last)):
-                    return "nan", current.step
+                with host.timing("account"):
+                    if not self._finish(current, self._step_reading().since(last)):
+                        return "nan", current.step
                 if (
                     self.config.eval_every > 0
                     and self.step % self.config.eval_every == 0
@@ -332,7 +375,10 @@ class _Loop:
                 self.compiler.precompile(self.state, self.batch_shapes)
                 if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
                     self.compiler.warm_up(self.state)
-            stop_reason, bad_step = self._steps()
+            try:
+                stop_reason, bad_step = self._steps()
+            finally:
+                self._stop_profile()
             self.progress.close()
             if stop_reason != "nan" and not self._save():
                 stop_reason, bad_step = "nan", self.step

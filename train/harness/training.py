@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -52,6 +51,7 @@ from train.records.rundir import load_saved_config, save_config
 from train.records.runlog import RunLog
 
 BatchShapes = dict[str, tuple[tuple[int, ...], Any]]  # name -> (global shape, dtype)
+PROFILE_DIR = "profile"  # under the run directory: the --profile-steps trace, one folder per process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,6 @@ class Task:
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
     """Trains ``task`` as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit code."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter, when tfds imports it
     return cli.run_command(lambda args: _start(task, args), argv)
 
 
@@ -289,6 +288,8 @@ def _train(task: Task, run: Run) -> int:
                 checkpoint_every=setup.checkpoint_every,
                 progress_bar=config.progress,
                 started_at=run.started_at,
+                profile_steps=None if config.profile_steps is None else tuple(config.profile_steps),
+                profile_dir=run_dir / PROFILE_DIR / f"process{jax.process_index()}",
             ),
             counters=prepared.counters,
             signals=signals,

@@ -1,0 +1,193 @@
+"""Where each device's time went in a traced stretch of training: ``python -m train.bench timeline TRACE_DIR``.
+
+Reads the ``jax.profiler`` trace that ``--profile-steps`` writes (RUN_DIR/profile, one folder per process) or any
+other trace directory, and reports per GPU over the traced window (first kernel start to last kernel end):
+
+  busy       the union of every kernel's interval, on any stream
+  compute    the union of the kernels that are not NCCL's
+  nccl       the union of NCCL's kernels (the collectives)
+  exposed    NCCL time not under any other kernel: communication the step waits for
+  idle       window - busy: the device ran nothing, e.g. waiting for the host to launch the next work
+  gaps       idle stretches of at least ``--gap-us``: how many, their sum, and the largest with the kernels around
+
+per step (the window divided by the traced steps), and the host threads' longest events by total time (what the
+host did meanwhile: launching executables, updating CUDA graphs, copying batches). With ``--out`` the numbers go to
+a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+DEFAULT_GAP_US = 20.0
+LARGEST_GAPS = 5
+HOST_EVENTS = 15
+
+
+def trace_files(directory: Path) -> list[Path]:
+    """The trace JSON files under ``directory``, one per traced process, in path order."""
+    files = sorted(directory.rglob("*.trace.json.gz")) or sorted(directory.rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no jax.profiler trace (*.trace.json.gz, perfetto_trace.json.gz) under {directory}")
+    return files
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt") as handle:
+        return json.load(handle)["traceEvents"]
+
+
+def _names(events: Iterable[Mapping[str, Any]], kind: str) -> dict[Any, str]:
+    """process_name (``kind`` "process_name", keyed by pid) or thread_name ("thread_name", by (pid, tid))."""
+    names = {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == kind:
+            key = event["pid"] if kind == "process_name" else (event["pid"], event.get("tid"))
+            names[key] = str(event.get("args", {}).get("name", ""))
+    return names
+
+
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint, sorted intervals covering ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for start, stop in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(stop - start for start, stop in intervals)
+
+
+def is_nccl(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def device_timeline(kernels: Sequence[Mapping[str, Any]], steps: int, gap_us: float) -> dict[str, Any]:
+    """The numbers of one device's kernel events (trace time in microseconds), in milliseconds per step."""
+    spans = [(float(k["ts"]), float(k["ts"]) + float(k["dur"]), str(k["name"])) for k in kernels]
+    busy = union((start, stop) for start, stop, _ in spans)
+    compute = union((start, stop) for start, stop, name in spans if not is_nccl(name))
+    nccl = union((start, stop) for start, stop, name in spans if is_nccl(name))
+    window = busy[-1][1] - busy[0][0]
+    exposed = length(busy) - length(compute)
+    gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1) if busy[i + 1][0] - busy[i][1] >= gap_us]
+    by_end = sorted(spans, key=lambda span: span[1])
+    by_start = sorted(spans)
+
+    def around(gap: tuple[float, float]) -> dict[str, Any]:
+        before = max((s for s in by_end if s[1] <= gap[0] + 1e-6), key=lambda s: s[1], default=None)
+        after = next((s for s in by_start if s[0] >= gap[1] - 1e-6), None)
+        return {
+            "at_ms": (gap[0] - busy[0][0]) / 1e3,
+            "length_us": gap[1] - gap[0],
+            "after_kernel": before[2] if before else None,
+            "before_kernel": after[2] if after else None,
+        }
+
+    per_step = 1e-3 / steps
+    return {
+        "kernels": len(spans),
+        "window_ms": window * per_step,
+        "busy_ms": length(busy) * per_step,
+        "compute_ms": length(compute) * per_step,
+        "nccl_ms": length(nccl) * per_step,
+        "exposed_nccl_ms": exposed * per_step,
+        "idle_ms": (window - length(busy)) * per_step,
+        "gaps": len(gaps) / steps,
+        "gaps_ms": length(gaps) * per_step,
+        "largest_gaps": [around(gap) for gap in sorted(gaps, key=lambda g: g[0] - g[1])[:LARGEST_GAPS]],
+    }
+
+
+def host_events(events: Sequence[Mapping[str, Any]], gpu_pids: set[Any], steps: int) -> list[dict[str, Any]]:
+    """The host's complete events grouped by (thread, name), longest total first, in milliseconds per step."""
+    threads = _names(events, "thread_name")
+    totals: dict[tuple[str, str], list[float]] = {}
+    for event in events:
+        if event.get("ph") != "X" or event.get("pid") in gpu_pids or "dur" not in event:
+            continue
+        key = (threads.get((event["pid"], event.get("tid")), str(event.get("tid"))), str(event["name"]))
+        entry = totals.setdefault(key, [0.0, 0])
+        entry[0] += float(event["dur"])
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:HOST_EVENTS]
+    return [
+        {"thread": thread, "name": name, "ms_per_step": total / 1e3 / steps, "count_per_step": count / steps}
+        for (thread, name), (total, count) in ranked
+    ]
+
+
+def summarize(events: Sequence[Mapping[str, Any]], steps: int, gap_us: float = DEFAULT_GAP_US) -> dict[str, Any]:
+    """Per GPU (by its process name in the trace) `device_timeline`, and the host's `host_events`."""
+    processes = _names(events, "process_name")
+    gpu_pids = {pid for pid, name in processes.items() if "GPU" in name}
+    devices = {}
+    for pid in sorted(gpu_pids, key=lambda p: processes[p]):
+        kernels = [e for e in events if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
+        if kernels:
+            devices[processes[pid]] = device_timeline(kernels, steps, gap_us)
+    return {"steps": steps, "gap_us": gap_us, "devices": devices, "host": host_events(events, gpu_pids, steps)}
+
+
+def traced_steps(trace_dir: Path) -> int | None:
+    """The number of steps ``--profile-steps`` traced, from the run's config.json when ``trace_dir`` is (inside) a
+    run's profile folder."""
+    for directory in (trace_dir, *trace_dir.parents):
+        config = directory / "config.json"
+        if config.is_file():
+            steps = json.loads(config.read_text()).get("profile_steps")
+            return None if steps is None else steps[1] - steps[0] + 1
+    return None
+
+
+def table(summary: Mapping[str, Any]) -> str:
+    """The summary as text: one row per device, then the largest gaps and the host's longest events."""
+    columns = ("window_ms", "busy_ms", "compute_ms", "nccl_ms", "exposed_nccl_ms", "idle_ms", "gaps", "gaps_ms")
+    lines = [f"per step, over {summary['steps']} traced steps (ms; gaps of at least {summary['gap_us']:g} us)"]
+    lines.append(f"{'device':<28}" + "".join(f"{c.removesuffix('_ms'):>10}" for c in columns))
+    for name, device in summary["devices"].items():
+        lines.append(f"{name[:27]:<28}" + "".join(f"{device[c]:>10.3f}" for c in columns))
+    for name, device in summary["devices"].items():
+        for gap in device["largest_gaps"]:
+            lines.append(
+                f"  {name[:20]} gap {gap['length_us']:.0f} us at {gap['at_ms']:.2f} ms: after "
+                f"{str(gap['after_kernel'])[:50]}, before {str(gap['before_kernel'])[:50]}"
+            )
+    lines.append("host (ms per step, calls per step):")
+    for event in summary["host"]:
+        lines.append(
+            f"  {event['ms_per_step']:8.3f} {event['count_per_step']:8.1f}  {event['thread'][:24]:<24} "
+            f"{event['name'][:80]}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.bench timeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir", type=Path, help="a --profile-steps folder (RUN_DIR/profile) or any trace folder")
+    parser.add_argument("--steps", type=int, help="steps in the trace (default: the run's --profile-steps)")
+    parser.add_argument("--gap-us", type=float, default=DEFAULT_GAP_US, help="shortest idle stretch counted as a gap")
+    parser.add_argument("--out", type=Path, help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    if not args.trace_dir.is_dir():
+        parser.error(f"trace folder not found: {args.trace_dir}")
+    steps = args.steps or traced_steps(args.trace_dir)
+    if steps is None or steps < 1:
+        parser.error("say how many steps the trace holds with --steps N (it is not a --profile-steps folder)")
+    results = {}
+    for path in trace_files(args.trace_dir):
+        summary = summarize(read_events(path), steps, args.gap_us)
+        results[str(path.relative_to(args.trace_dir))] = summary
+        print(f"{path}\n{table(summary)}\n")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU evidence in one command, run from the repository root on a CUDA machine:
 #   scripts/gpu_suite.sh STAGE...    stages: build test sanitizer cpu-compat ops gemm attention optim e2e profile scaling
-#                                    counters flops multiprocess train
-# TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench (COUNTERS_ARGS and FLOPS_ARGS to those two
-# suites, whose flags differ); *_TIMEOUT bound the stages.
+#                                    counters flops multiprocess train cli-scaling
+# TEST_ARGS and BENCH_ARGS pass extra arguments to pytest and train.bench (COUNTERS_ARGS, FLOPS_ARGS and
+# CLI_SCALING_ARGS to those suites, whose flags differ); *_TIMEOUT bound the stages.
 # Everything printed also goes to $OUT/suite.log (OUT defaults to ./gpu-out); benchmark JSON lands in
 # docs/results/ and is copied to $OUT. Wheels in .whl/ (packages the machine lacks) are installed first.
 set -uo pipefail
@@ -44,6 +44,8 @@ for name in "$@"; do
     multiprocess)  # N processes x 1 GPU against 1 process x N GPUs (MULTIPROCESS_ARGS=--gpus 0,1,2,3)
       timeout ${MULTIPROCESS_TIMEOUT:-400} python3 scripts/gpu_multiprocess_check.py ${MULTIPROCESS_ARGS:-} || status=1 ;;
     train) bash scripts/gpu_train_runs.sh || status=1 ;;
+    cli-scaling)  # the training commands themselves at 1, 2, 4 ... GPUs: one compilation per run
+      timeout ${CLI_SCALING_TIMEOUT:-900} python3 -m train.bench cli-scaling ${CLI_SCALING_ARGS:-} || status=1 ;;
     *) echo "unknown stage $name"; status=1 ;;
   esac
 done

@@ -154,7 +154,7 @@ def step_row(
             "optimizer_state_bytes_per_device": opt_bytes,
         }
 
-    return scaling_pieces.Pending(key, compiler.lower(holder["state"], batch), finish)
+    return scaling_pieces.Pending(key, compiler.lower(holder["state"], batch), finish, parallel.compiler_options())
 
 
 def allreduce_probe(devices: list[Any], num_bytes: int) -> scaling_pieces.Pending:

@@ -119,6 +119,20 @@ class DataParallel:
     def replicate(self, tree: Any) -> Any:
         return jax.device_put(tree, self.replicated)
 
+    def compiler_options(self) -> dict[str, Any]:
+        """XLA options of the data-parallel step: on several GPUs, the latency-hiding scheduler.
+
+        It places each asynchronous collective's start as early as its operands allow and its end as late as its
+        users allow, so a gradient bucket's all-reduce can run under the backward of the layers below it, which
+        `ls_jax.optim.gradient_sync.backward_in_layer_order` makes ready one layer at a time. An option already
+        named in ``$XLA_FLAGS`` is left to the user's value.
+        """
+        if self.num_shards == 1 or self.mesh.devices.flat[0].platform != "gpu":
+            return {}
+        options = {"xla_gpu_enable_latency_hiding_scheduler": True}
+        given = os.environ.get("XLA_FLAGS", "")
+        return {name: value for name, value in options.items() if f"--{name}" not in given}
+
     def shard_step(self, step_fn: Callable, state_specs: Any) -> Callable:
         """``step_fn(state, batch) -> (state, metrics)`` run per device on its rows of the batch (axis 1)."""
         return jax.shard_map(

@@ -41,6 +41,7 @@ class StepCompiler:
             donate_argnums=(0,),
         )
         self._parallel = parallel
+        self._options = parallel.compiler_options()
         self._copy_state = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
         self._compiled: dict[tuple, Any] = {}
         self.xla_flops: dict[tuple, float | None] = {}
@@ -53,7 +54,7 @@ class StepCompiler:
         key = self.key(batch)
         if key not in self._compiled:
             lowered = self.lower(state, batch)
-            self._store(key, lowered, lowered.compile())
+            self._store(key, lowered, lowered.compile(self._options))
         return self._compiled[key]
 
     def precompile(self, state: TrainState, global_shapes: Iterable[Mapping[str, tuple[tuple[int, ...], Any]]]) -> None:
@@ -75,7 +76,7 @@ class StepCompiler:
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
             for (key, before), compiled in zip(
-                lowered.items(), pool.map(lambda item: item.compile(), lowered.values())
+                lowered.items(), pool.map(lambda item: item.compile(self._options), lowered.values())
             ):
                 self._store(key, before, compiled)
 

@@ -46,13 +46,14 @@ class Pending:
     key: tuple
     lowered: Any
     finish: Callable[[Any], dict[str, Any]]
+    compiler_options: dict[str, Any] | None = None  # the XLA options it is compiled with (the training step's)
 
 
 def compile_all(pending: list[Pending], threads: int) -> dict[tuple, dict[str, Any]]:
     """Compiles every `Pending` (``threads`` at a time), then finishes (times) them one after another."""
     workers = max(1, min(threads, len(pending), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        compiled = list(pool.map(lambda item: item.lowered.compile(), pending))
+        compiled = list(pool.map(lambda item: item.lowered.compile(item.compiler_options), pending))
     return {item.key: item.finish(executable) for item, executable in zip(pending, compiled)}
 
 

@@ -1,0 +1,92 @@
+"""``python -m train.bench cli-scaling``: the training command itself at 1 and 2 devices, its own summaries read
+back, efficiencies and speedups; and the data-parallel step's XLA options."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from train.bench import cli_scaling
+from train.harness.parallel import DataParallel
+
+
+def row(backend, devices, rate, layout="one"):
+    return {"backend": backend, "devices": devices, "layout": layout, "steady_rate": rate}
+
+
+def test_efficiency_is_against_n_times_one_device_and_speedup_against_xla():
+    rows = [
+        row("ffi", 1, 100.0),
+        row("ffi", 2, 180.0),
+        row("ffi", 2, 150.0, "per-device"),
+        row("xla", 2, 120.0),
+        row("xla", 4, None),
+    ]
+    cli_scaling.add_ratios(rows)
+    assert [r["efficiency"] for r in rows] == [1.0, 0.9, 0.75, None, None]  # xla has no one-device run here
+    assert [r["speedup_vs_xla"] for r in rows] == [None, 1.5, None, None, None]
+
+
+def test_the_report_shows_missing_numbers_as_dashes():
+    rows = [{**row("ffi", 2, None), "steady_step_ms": None, "host_phases": None, "timeline": None}]
+    cli_scaling.add_ratios(rows)
+    line = cli_scaling.report(rows, "tokens").splitlines()[1]
+    assert line.split()[:4] == ["ffi", "2", "one", "-"]
+
+
+def fake_parallel(count, platform):
+    devices = np.asarray([types.SimpleNamespace(platform=platform)] * count)
+    return DataParallel(types.SimpleNamespace(size=count, devices=devices))
+
+
+def test_several_gpus_compile_with_the_latency_hiding_scheduler_unless_the_user_says(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert fake_parallel(2, "gpu").compiler_options() == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    assert fake_parallel(1, "gpu").compiler_options() == {}
+    assert fake_parallel(4, "cpu").compiler_options() == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert fake_parallel(2, "gpu").compiler_options() == {}
+
+
+@pytest.mark.slow
+def test_the_suite_runs_the_training_command_at_one_and_two_devices(tmp_path):
+    code = cli_scaling.main(
+        [
+            "--task",
+            "wmt",
+            "--devices",
+            "1,2",
+            "--backends",
+            "xla",
+            "--processes",
+            "xla",
+            "--cpu",
+            "--steps",
+            "6",
+            "--profile-steps",
+            "4:5",
+            "--keep-logs",
+            str(tmp_path / "logs"),
+            "--pack",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--preset",
+            "transformer-tiny",
+            "--bleu-sentences",
+            "0",
+        ]
+    )
+    assert code == 0
+    result = json.loads((tmp_path / "cli-scaling-cpux2.json").read_text())
+    layouts = [(r["devices"], r["layout"]) for r in result["rows"]]
+    assert layouts == [(1, "one"), (2, "one"), (2, "per-device")]
+    for r in result["rows"]:
+        assert r["error"] is None and r["device_count"] == r["devices"] and r["steady_rate"] > 0
+        assert r["host_phases"]["steps"] == 6 and r["efficiency"] > 0
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "wmt-xla-1-one.tar.gz",
+        "wmt-xla-2-one.tar.gz",
+        "wmt-xla-2-per-device.tar.gz",
+    ]

@@ -10,6 +10,7 @@ from ls_jax.layers.attention import MultiHeadAttention
 from ls_jax.layers.common import DeferredResidual, LayerNorm, dense
 from ls_jax.layers.config import LayerConfig
 from ls_jax.layers.feed_forward import FeedForward
+from ls_jax.optim.gradient_sync import layer_order_requested
 
 SOURCE_CACHE_NAMES = ("cross_key_value", "src_mask")
 """Decoder cache entries computed from the source alone: every beam-search hypothesis of a row shares them."""
@@ -135,21 +136,57 @@ def _layer(
     named and shaped alike either way."""
     if config.remat == "none" or decode:
         decode_, deterministic, defer_residual = static
-        *arguments, lengths = arguments
-        return plain(config, *attributes, name=name)(
-            *arguments,
-            **{plain.LENGTHS_ARGUMENT: lengths},
-            decode=decode_,
-            deterministic=deterministic,
-            defer_residual=defer_residual,
-        )
-    first_static = 1 + len(arguments)  # argument 0 is the module
-    layer = nn.remat(
-        positional,
-        policy=_REMAT_POLICIES[config.remat],
-        static_argnums=tuple(range(first_static, first_static + len(static))),
-    )
-    return layer(config, *attributes, name=name)(*arguments, *static)
+        module = plain(config, *attributes, name=name)
+
+        def call(layer, *arguments):
+            *arguments, lengths = arguments
+            return layer(
+                *arguments,
+                **{plain.LENGTHS_ARGUMENT: lengths},
+                decode=decode_,
+                deterministic=deterministic,
+                defer_residual=defer_residual,
+            )
+
+    else:
+        first_static = 1 + len(arguments)  # argument 0 is the module
+        module = nn.remat(
+            positional,
+            policy=_REMAT_POLICIES[config.remat],
+            static_argnums=tuple(range(first_static, first_static + len(static))),
+        )(config, *attributes, name=name)
+
+        def call(layer, *arguments):
+            return layer(*arguments, *static)
+
+    if decode or not layer_order_requested():
+        return call(module, *arguments)
+    return _in_layer_order(call)(module, *arguments)
+
+
+def _in_layer_order(call):
+    """``call(layer, *arguments)`` whose backward hands the gradient of its inputs on only once the layer's parameter
+    gradients exist too (one optimization barrier over both), so the backward of the layers below waits for them:
+    a data-parallel step's collective of this layer's gradients then runs under that backward
+    (`ls_jax.optim.gradient_sync.backward_in_layer_order`). The values are the same as ``call``'s."""
+
+    def forward(layer, *arguments):
+        return nn.vjp(call, layer, *arguments)
+
+    def backward(vjp_fn, cotangent):
+        return _barrier(vjp_fn(cotangent))
+
+    return nn.custom_vjp(call, forward_fn=forward, backward_fn=backward)
+
+
+def _barrier(tree):
+    """``tree`` through one ``optimization_barrier`` over its floating-point leaves (integer inputs' cotangents are
+    float0 and stay out)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    inexact = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    for i, leaf in zip(inexact, jax.lax.optimization_barrier([leaves[i] for i in inexact])):
+        leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _final_layer_norm(config: LayerConfig, x: jax.Array | DeferredResidual) -> jax.Array:

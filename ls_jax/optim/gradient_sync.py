@@ -47,9 +47,9 @@ def backward_in_layer_order() -> Iterator[None]:
     backward of the layer below starts (`ls_jax.layers.transformer`), as PyTorch's autograd runs them.
 
     Left free, XLA's GPU schedulers (the default one and the latency-hiding one alike) put every weight-gradient
-    product after the whole backward, since nothing but the update reads them: on two H200s the products of all
-    twelve transformer-big layers ran in the last 3 ms of the backward, so no bucket's all-reduce could start
-    earlier. `GradientSync.grad` traces the loss inside this context.
+    product after the rest of the backward, since nothing but the update reads them: on two H200s the 60 products
+    of transformer-big's 12 layers ran after the last LayerNorm backward, so no bucket's all-reduce could start
+    before it. `GradientSync.grad` traces the loss inside this context.
     """
     previous = getattr(_layer_order, "active", False)
     _layer_order.active = True

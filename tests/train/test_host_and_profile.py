@@ -99,3 +99,20 @@ def test_the_timeline_splits_a_devices_time_into_compute_communication_and_idle(
     (host,) = summary["host"]
     assert host == {"thread": "python", "name": "PjitFunction(train_step)", "ms_per_step": 0.05, "count_per_step": 1}
     assert "/device:GPU:0" in timeline.table(summary)
+
+
+def test_a_step_kernel_bounds_the_window_to_whole_steps():
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        kernel("gemm", 0, 50),  # before the first step's end: cut off
+        kernel("step_kernel<adam>", 60, 40),  # the first step ends at 100
+        kernel("gemm", 110, 60),
+        kernel("step_kernel<adam>", 180, 20),  # ends at 200
+        kernel("gemm", 210, 60),
+        kernel("step_kernel<adam>", 280, 20),  # ends at 300
+        kernel("gemm", 300, 500),  # after the last: cut off
+    ]
+    (device,) = timeline.summarize(events, steps=9, gap_us=5, step_kernel="step_kernel")["devices"].values()
+    assert device["steps"] == 2 and device["window_ms"] == pytest.approx(0.1)  # 200 us over 2 steps
+    assert device["busy_ms"] == pytest.approx(0.08)  # 60 + 20 + 60 + 20
+    assert device["gaps"] == 2 and device["gaps_ms"] == pytest.approx(0.02)  # 10 + 10 + 10 + 10 us

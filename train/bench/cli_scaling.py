@@ -183,6 +183,7 @@ def run_row(run_dir: Path, counted: str) -> dict[str, Any]:
         "backend": run["backend"],
         "steady_steps": steady["steps"],
         "steady_step_ms": None if steady["step_time_s"] is None else 1e3 * steady["step_time_s"],
+        "steady_mean_step_ms": 1e3 * steady["time_s"] / steady["steps"] if steady["steps"] else None,
         "steady_rate": steady.get(f"{counted}_per_s"),
         "steady_mfu": steady["mfu"],
         "whole_rate": summary.get(f"{counted}_per_s"),
@@ -235,15 +236,17 @@ def report(rows: list[dict[str, Any]], counted: str) -> str:
     return "\n".join(lines)
 
 
-def device_timelines(run_dir: Path, steps: int) -> dict[str, Any] | None:
-    """Per device (every process's trace), `timeline.device_timeline` of the run's --profile-steps trace."""
+def device_timelines(run_dir: Path, steps: int, step_kernel: str) -> dict[str, Any] | None:
+    """Per device (every process's trace), `timeline.device_timeline` of the run's --profile-steps trace (whole
+    steps between runs of ``step_kernel`` where the trace has them)."""
     profile = run_dir / "profile"
     if not profile.is_dir():
         return None
     devices = {}
     for path in timeline.trace_files(profile):
         process = path.relative_to(profile).parts[0]
-        for name, numbers in timeline.summarize(timeline.read_events(path), steps)["devices"].items():
+        summary = timeline.summarize(timeline.read_events(path), steps, step_kernel=step_kernel)
+        for name, numbers in summary["devices"].items():
             devices[f"{process} {name}"] = numbers
     return devices
 
@@ -282,6 +285,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
     parser.add_argument("--profile-steps", help="FIRST:LAST steps each run traces (default: none)")
+    parser.add_argument(
+        "--step-kernel",
+        default="step_kernel",
+        help="a kernel every step runs once, bounding the traced steps (default: the fused optimizer's)",
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds per run")
     parser.add_argument("--cpu", action="store_true", help="CPU devices (a trial of the suite without GPUs)")
     parser.add_argument(
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"backend": job.backend, "devices": job.devices, "layout": job.layout, "gpus": job.gpus}
         if job.error is None:
             row.update(run_row(job.run_dir, counted), error=None)
-            row["timeline"] = device_timelines(job.run_dir, steps) if steps else None
+            row["timeline"] = device_timelines(job.run_dir, steps, args.step_kernel) if steps else None
         else:
             row.update(dict.fromkeys(("steady_rate", "steady_step_ms", "host_phases", "timeline")), error=job.error)
         rows.append(row)

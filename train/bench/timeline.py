@@ -70,15 +70,23 @@ def is_nccl(name: str) -> bool:
     return "nccl" in name.lower()
 
 
-def device_timeline(kernels: Sequence[Mapping[str, Any]], steps: int, gap_us: float) -> dict[str, Any]:
-    """The numbers of one device's kernel events (trace time in microseconds), in milliseconds per step."""
+def device_timeline(
+    kernels: Sequence[Mapping[str, Any]], steps: int, gap_us: float, window: tuple[float, float] | None = None
+) -> dict[str, Any]:
+    """The numbers of one device's kernel events (trace time in microseconds), in milliseconds per step, over
+    ``window`` (kernels clipped to it) or from the first kernel's start to the last one's end."""
     spans = [(float(k["ts"]), float(k["ts"]) + float(k["dur"]), str(k["name"])) for k in kernels]
+    if window is not None:
+        spans = [
+            (max(a, window[0]), min(b, window[1]), name) for a, b, name in spans if b > window[0] and a < window[1]
+        ]
     busy = union((start, stop) for start, stop, _ in spans)
     compute = union((start, stop) for start, stop, name in spans if not is_nccl(name))
     nccl = union((start, stop) for start, stop, name in spans if is_nccl(name))
-    window = busy[-1][1] - busy[0][0]
+    first, last = window or (busy[0][0], busy[-1][1])
     exposed = length(busy) - length(compute)
-    gaps = [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1) if busy[i + 1][0] - busy[i][1] >= gap_us]
+    edges = [first, *(edge for interval in busy for edge in interval), last]
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a >= gap_us]
     by_end = sorted(spans, key=lambda span: span[1])
     by_start = sorted(spans)
 
@@ -86,7 +94,7 @@ def device_timeline(kernels: Sequence[Mapping[str, Any]], steps: int, gap_us: fl
         before = max((s for s in by_end if s[1] <= gap[0] + 1e-6), key=lambda s: s[1], default=None)
         after = next((s for s in by_start if s[0] >= gap[1] - 1e-6), None)
         return {
-            "at_ms": (gap[0] - busy[0][0]) / 1e3,
+            "at_ms": (gap[0] - first) / 1e3,
             "length_us": gap[1] - gap[0],
             "after_kernel": before[2] if before else None,
             "before_kernel": after[2] if after else None,
@@ -94,13 +102,14 @@ def device_timeline(kernels: Sequence[Mapping[str, Any]], steps: int, gap_us: fl
 
     per_step = 1e-3 / steps
     return {
+        "steps": steps,
         "kernels": len(spans),
-        "window_ms": window * per_step,
+        "window_ms": (last - first) * per_step,
         "busy_ms": length(busy) * per_step,
         "compute_ms": length(compute) * per_step,
         "nccl_ms": length(nccl) * per_step,
         "exposed_nccl_ms": exposed * per_step,
-        "idle_ms": (window - length(busy)) * per_step,
+        "idle_ms": (last - first - length(busy)) * per_step,
         "gaps": len(gaps) / steps,
         "gaps_ms": length(gaps) * per_step,
         "largest_gaps": [around(gap) for gap in sorted(gaps, key=lambda g: g[0] - g[1])[:LARGEST_GAPS]],
@@ -125,14 +134,24 @@ def host_events(events: Sequence[Mapping[str, Any]], gpu_pids: set[Any], steps: 
     ]
 
 
-def summarize(events: Sequence[Mapping[str, Any]], steps: int, gap_us: float = DEFAULT_GAP_US) -> dict[str, Any]:
-    """Per GPU (by its process name in the trace) `device_timeline`, and the host's `host_events`."""
+def summarize(
+    events: Sequence[Mapping[str, Any]], steps: int, gap_us: float = DEFAULT_GAP_US, step_kernel: str | None = None
+) -> dict[str, Any]:
+    """Per GPU (by its process name in the trace) `device_timeline`, and the host's `host_events`.
+
+    With ``step_kernel`` (part of the name of a kernel each step runs once, such as the optimizer's ``step_kernel``)
+    a device's window runs from the end of its first such kernel to the end of its last, and holds one step fewer
+    than there are of them: whole steps, whatever the trace's edges cut.
+    """
     processes = _names(events, "process_name")
     gpu_pids = {pid for pid, name in processes.items() if "GPU" in name}
     devices = {}
     for pid in sorted(gpu_pids, key=lambda p: processes[p]):
         kernels = [e for e in events if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
-        if kernels:
+        ends = sorted(float(k["ts"]) + float(k["dur"]) for k in kernels if step_kernel and step_kernel in k["name"])
+        if len(ends) > 1:
+            devices[processes[pid]] = device_timeline(kernels, len(ends) - 1, gap_us, (ends[0], ends[-1]))
+        elif kernels:
             devices[processes[pid]] = device_timeline(kernels, steps, gap_us)
     return {"steps": steps, "gap_us": gap_us, "devices": devices, "host": host_events(events, gpu_pids, steps)}
 
@@ -151,10 +170,11 @@ def traced_steps(trace_dir: Path) -> int | None:
 def table(summary: Mapping[str, Any]) -> str:
     """The summary as text: one row per device, then the largest gaps and the host's longest events."""
     columns = ("window_ms", "busy_ms", "compute_ms", "nccl_ms", "exposed_nccl_ms", "idle_ms", "gaps", "gaps_ms")
-    lines = [f"per step, over {summary['steps']} traced steps (ms; gaps of at least {summary['gap_us']:g} us)"]
-    lines.append(f"{'device':<28}" + "".join(f"{c.removesuffix('_ms'):>10}" for c in columns))
+    names = ("window", "busy", "compute", "nccl", "nccl alone", "idle", "gaps", "gap ms")
+    lines = [f"per step (ms; gaps of at least {summary['gap_us']:g} us)"]
+    lines.append(f"{'device':<22}{'steps':>6}" + "".join(f"{name:>12}" for name in names))
     for name, device in summary["devices"].items():
-        lines.append(f"{name[:27]:<28}" + "".join(f"{device[c]:>10.3f}" for c in columns))
+        lines.append(f"{name[:21]:<22}{device['steps']:>6}" + "".join(f"{device[c]:>12.3f}" for c in columns))
     for name, device in summary["devices"].items():
         for gap in device["largest_gaps"]:
             lines.append(
@@ -175,16 +195,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace_dir", type=Path, help="a --profile-steps folder (RUN_DIR/profile) or any trace folder")
     parser.add_argument("--steps", type=int, help="steps in the trace (default: the run's --profile-steps)")
     parser.add_argument("--gap-us", type=float, default=DEFAULT_GAP_US, help="shortest idle stretch counted as a gap")
+    parser.add_argument(
+        "--step-kernel",
+        help="part of the name of a kernel every step runs once (e.g. step_kernel, the fused optimizer's): each "
+        "device's numbers then cover the whole steps between its first and last run",
+    )
     parser.add_argument("--out", type=Path, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     if not args.trace_dir.is_dir():
         parser.error(f"trace folder not found: {args.trace_dir}")
     steps = args.steps or traced_steps(args.trace_dir)
-    if steps is None or steps < 1:
-        parser.error("say how many steps the trace holds with --steps N (it is not a --profile-steps folder)")
+    if (steps is None or steps < 1) and args.step_kernel is None:
+        parser.error(
+            "say how many steps the trace holds with --steps N or --step-kernel NAME (it is not a "
+            "--profile-steps folder)"
+        )
     results = {}
     for path in trace_files(args.trace_dir):
-        summary = summarize(read_events(path), steps, args.gap_us)
+        summary = summarize(read_events(path), steps, args.gap_us, args.step_kernel)
         results[str(path.relative_to(args.trace_dir))] = summary
         print(f"{path}\n{table(summary)}\n")
     if args.out is not None:

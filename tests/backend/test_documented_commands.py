@@ -16,7 +16,7 @@ DOCUMENTS = [
     *sorted((REPO / "docs").rglob("*.md")),
 ]
 # `python -m MODULE [SUITE]`: the module, and the suite where the module takes one (train.bench SUITE)
-COMMAND = re.compile(r"python3? -m ((?:train|tpu|ffi_kernels)(?:\.[a-z_]+)+)(?: ([a-z0-9]+))?")
+COMMAND = re.compile(r"python3? -m ((?:train|tpu|ffi_kernels)(?:\.[a-z_]+)+)(?: ([a-z0-9][a-z0-9-]*))?")
 SUITE_COMMANDS = {"train.bench"}
 NOT_RUN = {"pytest", "venv", "pip"}
 

@@ -371,7 +371,7 @@ class _Loop:
         """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
         run: (stop reason, first bad step or None, what could not be written or None)."""
         try:
-            with self._window(self.counters.compilation), self.signals.interruptible():
+            with self._window(self.counters.compilation), self.signals.deferred("compilation"):
                 self.compiler.precompile(self.state, self.batch_shapes)
                 if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
                     self.compiler.warm_up(self.state)
@@ -439,11 +439,12 @@ def train(
 
     First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
     Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
-    when the caller already handles them): in the step loop it finishes the step in flight; during compilation or
-    an evaluation it stops that at once; either way it writes a checkpoint if a step was taken since the last one,
-    and stops. Non-finite loss or state: stops without writing a checkpoint, and no checkpoint is ever written of a
-    non-finite state, so the latest one on disk is finite. A checkpoint or log write that fails stops the run
-    (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says which of these ended it.
+    when the caller already handles them): in the step loop it finishes the step in flight; during compilation it
+    stops once the compilation returns, during an evaluation at once; either way it writes a checkpoint if a step
+    was taken since the last one, and stops. Non-finite loss or state: stops without writing a checkpoint, and no
+    checkpoint is ever written of a non-finite state, so the latest one on disk is finite. A checkpoint or log write
+    that fails stops the run (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says
+    which of these ended it.
     """
     with contextlib.nullcontext(signals) if signals is not None else StopSignals() as active:
         loop = _Loop(

@@ -28,6 +28,7 @@ from train.costs.compiled import optimizer_step_kernels
 from train.costs.hardware import Hardware, detect_hardware
 from train.costs.precision import PRECISION_DTYPES, master_dtype, precision_signature
 from train.data.stream import EpochStream
+from train.errors import Interrupted
 from train.harness import cli, peers, progress, resume
 from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
@@ -229,10 +230,18 @@ class Prepared:
 
 def _train(task: Task, run: Run) -> int:
     """Sets the run up, trains it and reports; SIGINT/SIGTERM are handled from here on
-    (`train.harness.signals.StopSignals`): before training starts they stop the run at once, with nothing to save."""
+    (`train.harness.signals.StopSignals`): during setup they stop the run once the work in hand (a compilation) has
+    returned, with nothing to save."""
     with StopSignals() as signals:
-        with signals.interruptible():
-            prepared = _prepare(task, run)
+        prepared = None
+        try:
+            with signals.deferred("setup"):
+                prepared = _prepare(task, run)
+        except Interrupted:
+            if prepared is not None:  # what setup started stops before the process ends
+                prepared.checkpoints.close()
+                prepared.hardware.energy.close()
+            raise
         if prepared is None:
             return 0
         run, setup, state, layout = prepared.run, prepared.setup, prepared.state, prepared.layout
@@ -406,7 +415,8 @@ def _finish(
     checkpoints.close()
     hardware.energy.close()
     run_dir = run.run_dir
-    if jax.process_index() == 0:
+    # A run stopped before its first step trained nothing to report: the line of `cli.exit_code` says what happened.
+    if jax.process_index() == 0 and result.summary["train_time_s"] > 0:
         s = result.summary
         log_path = run_dir / runlog.LOG_FILENAME
         evals = (

@@ -1,7 +1,12 @@
 """``python -m train.imdb``: `train.imdb.task.TASK` through the training harness."""
 
-from train.harness.training import run_training
-from train.imdb.task import TASK
+from train.harness.signals import stop_at_start_up
+
+if __name__ == "__main__":
+    stop_at_start_up()  # before the imports below load JAX
+
+from train.harness.training import run_training  # noqa: E402
+from train.imdb.task import TASK  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(run_training(TASK))

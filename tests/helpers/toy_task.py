@@ -127,6 +127,7 @@ TASK = Task(
     name="toy",
     counted=("examples",),
     metric="loss",
+    config_type=ToyConfig,
     build_parser=build_parser,
     resolve_config=resolve_config,
     check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),

@@ -119,6 +119,20 @@ def test_a_number_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, ta
     assert not run_dir.exists()
 
 
+def test_max_len_0_is_refused_like_its_neighbours(tmp_path, capsys):
+    for value in ("0", "-3"):
+        code, err = run("wmt", ["--max-len", value, "--run-dir", str(tmp_path / "run")], capsys)
+        assert code == 2 and err == f"error: --max-len must be >= 1, got {value}\n"
+
+
+def test_a_data_path_of_the_wrong_kind_says_which_kind_it_is(tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("a line\n")
+    code, err = run("wmt", ["--data", f"text:{tmp_path / 'file.txt'}", "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 3 and err.startswith(f"error: {tmp_path / 'file.txt'} is a file: --data text: takes a directory")
+    code, err = run("imdb", ["--data", f"csv:{tmp_path}", "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 3 and err == f"error: {tmp_path} is a directory, not a data file\n"
+
+
 def test_a_failed_start_keeps_a_directory_the_user_made(tmp_path, capsys):
     given = tmp_path / "mine"
     given.mkdir()

@@ -2,6 +2,7 @@
 task (`helpers.toy_task`): a finished run resumed, a non-finite update, signals outside the step loop, a full
 disk, damaged checkpoint files."""
 
+import json
 import os
 import signal
 import subprocess
@@ -79,6 +80,47 @@ def test_a_non_finite_update_is_never_checkpointed(tmp_path, capsys):
     assert "the last good checkpoint is checkpoint 3 " in err
     summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
     assert summary["stop_reason"] == "nan" and summary["steps"] == 3
+    assert "  resume " not in capsys.readouterr().out + err  # the error line says how to go on, with other flags
+
+
+def edited_config(run_dir, **fields):
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def test_a_hand_edited_config_is_checked_like_its_flags(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2", "--checkpoint-every", "1"]) == 0
+    path = run_dir / "config.json"
+    saved = json.loads(path.read_text())
+    cases = [
+        ([1, 2, 3], "holds a JSON list, not a run's saved configuration (an object of flag values)"),
+        ({**saved, "steps": "x"}, ": steps is 'x', not an integer or null; correct it there, or give --steps"),
+        ({**saved, "lr": True}, ": lr is True, not a number; correct it there, or give --lr"),
+        ({**saved, "lr": -1.0}, ": --lr must be a finite number > 0, got -1.0 (saved there; correct it, or give --lr)"),
+    ]
+    for content, message in cases:
+        path.write_text(json.dumps(content))
+        capsys.readouterr()
+        code = toy_task.main(["--resume", str(run_dir)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err == [f"error: {path}{'' if message[0] == ':' else ' '}{message}"], err
+    path.write_text(json.dumps({**saved, "steps": "banana"}))  # a flag given now replaces the saved value
+    assert toy_task.main(["--resume", str(run_dir), "--steps", "3", "--log-every", "1"]) == 0
+
+
+def test_a_resume_stays_in_its_own_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2"]) == 0
+    config = (run_dir / "config.json").read_text()
+    capsys.readouterr()
+    assert toy_task.main(["--resume", str(run_dir), "--run-dir", str(tmp_path / "other"), "--steps", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --run-dir {tmp_path / 'other'} with --resume {run_dir}: a resumed run goes on in its own directory; "
+        "drop --run-dir"
+    )
+    assert (run_dir / "config.json").read_text() == config and not (tmp_path / "other").exists()
+    assert toy_task.main(["--resume", str(run_dir), "--run-dir", str(run_dir), "--steps", "3"]) == 0
 
 
 def test_sigterm_during_the_final_evaluation_saves_and_resumes_into_it(tmp_path):

@@ -178,6 +178,7 @@ TASK = Task(
     name="gpt",
     counted=("tokens",),
     metric="perplexity",
+    config_type=GptConfig,
     build_parser=gpt_config.build_parser,
     resolve_config=gpt_config.resolve_config,
     check_config=gpt_config.check_config,

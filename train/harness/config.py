@@ -10,6 +10,8 @@ the task and the harness, saved to config.json and read back on ``--resume``.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
@@ -95,6 +97,59 @@ def resolve(
 def flag(name: str) -> str:
     """The command-line flag of a field: ``max_tokens`` -> ``--max-tokens``."""
     return "--" + name.replace("_", "-")
+
+
+def check_saved(config_type: type[TrainingConfig], saved: Any, path: Path, given: Mapping[str, Any]) -> None:
+    """Raises UsageError naming ``path`` for a saved configuration (a resumed run's config.json, perhaps edited by
+    hand) that is not a JSON object, or that holds a value of another type than its field takes, unless the flag
+    given now replaces it."""
+    if not isinstance(saved, dict):
+        raise UsageError(
+            f"{path} holds a JSON {type(saved).__name__}, not a run's saved configuration (an object of flag values)"
+        )
+    hints = typing.get_type_hints(config_type)
+    for name, value in saved.items():
+        if name in hints and given.get(name) is None and not _has_type(value, hints[name]):
+            raise UsageError(
+                f"{path}: {name} is {value!r}, not {_type_name(hints[name])}; correct it there, or give {flag(name)}"
+            )
+
+
+def blame_saved(err: UsageError, given: Mapping[str, Any], saved: Mapping[str, Any] | None, path: Path) -> UsageError:
+    """``err`` (a flag's value refused) naming ``path`` when the refused value came from the saved configuration,
+    not from a flag given now."""
+    if saved is None:
+        return err
+    for name in saved:
+        if given.get(name) is None and f"{flag(name)} " in f"{err} ":
+            return UsageError(f"{path}: {err} (saved there; correct it, or give {flag(name)})")
+    return err
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether the JSON ``value`` is of the field type ``hint`` (int | None, float, list[float] | None, ...)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint) and not isinstance(value, bool)
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def check_task(saved: Mapping[str, Any] | None, task: str, resume: str | None) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -87,6 +88,7 @@ class Task:
     name: str  # also the run record's task
     counted: tuple[str, ...]  # what a step counts (tokens, examples): the run log's throughput keys
     metric: str  # the quality metric the final summary names (BLEU, accuracy)
+    config_type: type[TrainingConfig]  # the typed configuration its flags fill (a saved config.json is checked on it)
     build_parser: Callable[[], argparse.ArgumentParser]  # the task's flags and `cli.add_training_arguments`
     resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
     check_config: Callable[[Any], None]  # raises UsageError naming a flag out of range
@@ -109,13 +111,21 @@ def _start(task: Task, argv: list[str]) -> int:
     """
     started_at, started_utc = time.monotonic(), runlog.utc_now()
     given = vars(task.build_parser().parse_args(argv))
-    saved = load_saved_config(given["resume"]) if given.get("resume") else None
+    saved, saved_path = None, None
+    if given.get("resume"):
+        check_resume_directory(given)
+        saved = load_saved_config(given["resume"])
+        saved_path = Path(given["resume"]) / rundir.CONFIG_FILENAME
+        config_lib.check_saved(task.config_type, saved, saved_path, given)
     config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
     config = config.replace(backend=cli.kernel_mode(config, given))
     cli.quiet_libraries(config.verbose)
-    task.check_config(config)
-    cli.check_optimizer(config)
+    try:
+        task.check_config(config)
+        cli.check_optimizer(config)
+    except cli.UsageError as err:
+        raise config_lib.blame_saved(err, given, saved, saved_path) from None
     if given.get("peer_timeout") is not None and not config.distributed:
         raise cli.UsageError("--peer-timeout applies only to a --distributed run; add --distributed or drop it")
     if config.distributed:
@@ -140,6 +150,17 @@ def _start(task: Task, argv: list[str]) -> int:
             with backend_lib.use(config.backend):
                 backend_lib.active_backend()
                 return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+
+
+def check_resume_directory(given: Mapping[str, Any]) -> None:
+    """Raises UsageError for ``--run-dir`` beside ``--resume`` naming another directory: a resumed run goes on in
+    its own."""
+    run_dir = given.get("run_dir")
+    if run_dir is not None and Path(run_dir).resolve() != Path(given["resume"]).resolve():
+        raise cli.UsageError(
+            f"--run-dir {run_dir} with --resume {given['resume']}: a resumed run goes on in its own directory; "
+            "drop --run-dir"
+        )
 
 
 def state_builder(
@@ -439,8 +460,14 @@ def _finish(
                     f"  memory      {memory.describe(s['memory'])}",
                     f"  run log     {log_path}",
                     f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
-                    f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-                    f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}",
+                    *(  # a run stopped for a non-finite loss goes on from a checkpoint with other flags (its line)
+                        []
+                        if s["stop_reason"] == "nan"
+                        else [
+                            f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
+                            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
+                        ]
+                    ),
                 ]
             )
         )

@@ -107,6 +107,8 @@ def _split_from_rows(
 
 def _existing_file(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a data file")
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     return path

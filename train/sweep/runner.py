@@ -34,7 +34,7 @@ from train.compare import runs as run_logs
 from train.compare import scoring
 from train.errors import EXIT_SIGNAL_BASE, EXIT_USAGE, ArgumentParser, Interrupted, UsageError
 from train.records import runlog
-from train.records.checkpoints import CHECKPOINT_DIR
+from train.records.checkpoints import CHECKPOINT_DIR, complete_steps
 from train.sweep.spec import Point, Spec, parse, points
 
 DEFAULT_SPEC = Path(__file__).resolve().parent / "specs" / "cpu-default.toml"
@@ -211,7 +211,9 @@ class Sweep:
         started = time.monotonic()
         code = self.runner(command)
         if code - EXIT_SIGNAL_BASE in STOP_SIGNALS:
-            print(f"{label}: stopped by a signal, its checkpoint kept in {run_dir}", flush=True)
+            saved = complete_steps(run_dir / CHECKPOINT_DIR)
+            kept = f"its checkpoint {saved[-1]} kept in {run_dir}" if saved else "before its first checkpoint"
+            print(f"{label}: stopped by a signal, {kept}", flush=True)
             raise Interrupted(code - EXIT_SIGNAL_BASE)
         outcome = "finished" if code == 0 else f"FAILED with exit code {code}"
         if code != 0:

@@ -153,6 +153,7 @@ def check_config(config: WmtConfig) -> None:
             "beam_size",
             "spm_vocab_size",
             "decode_memory",
+            "max_len",
         ),
         non_negative=("eval_every", "bleu_sentences", "weight_decay", "clip_norm"),
         fractions=("label_smoothing", "dropout"),

@@ -59,6 +59,8 @@ def synthetic_corpus(seed: int = 0, *, train: int = 20000, valid: int = 500, tes
 
 
 def _read_lines(path: Path) -> list[str]:
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a data file")
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     lines = [line.rstrip("\n") for line in files_lib.utf8_lines(path)]
@@ -75,6 +77,10 @@ def read_text_corpus(directory: str | Path, src_lang: str, tgt_lang: str) -> Cor
         different numbers of lines.
     """
     directory = Path(directory)
+    if directory.is_file():
+        raise DataError(
+            f"{directory} is a file: --data text: takes a directory of {{train,valid,test}}.{{{src_lang},{tgt_lang}}}"
+        )
     if not directory.is_dir():
         raise DataError(f"data directory not found: {directory}")
     corpus: Corpus = {}

@@ -157,6 +157,7 @@ TASK = Task(
     name="wmt",
     counted=("tokens", "target_tokens"),
     metric="BLEU",
+    config_type=WmtConfig,
     build_parser=wmt_config.build_parser,
     resolve_config=wmt_config.resolve_config,
     check_config=wmt_config.check_config,

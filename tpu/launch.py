@@ -1,17 +1,21 @@
 """Run an ls-jax training command on every worker of a Cloud TPU VM slice and fetch its run logs.
 
     python -m tpu.launch --tpu NAME --zone ZONE [--project P] [--workers all] [--dry-run]
-                         [--setup-only | --skip-setup] [--package WHEEL|SPEC] [--python PY] [--env K=V ...]
-                         [--logs-to DIR] -- python -m train.wmt ...
+                         [--setup-only | --skip-setup] [--source ARCHIVE] [--python PY] [--jax REQ]
+                         [--env K=V ...] [--logs-to DIR] -- python -m train.wmt ...
 
 Steps, each one gcloud command (``gcloud compute tpus tpu-vm ssh|scp``), run from this machine:
-  setup  build a wheel of this checkout (or take --package), copy it to every worker, and
-         ``pip install -U "jax[tpu]" <wheel>`` there;
-  run    the command, on all workers at once, in ~/ls_jax_work/<launch id>/, with LS_JAX_KERNELS=xla (the fused
-         CUDA kernels do not exist on TPU) and JAX_PLATFORMS=tpu,cpu (a TPU that fails to start is an error, not
-         a silent fall back to CPU). ``python -m train.*`` commands get the TPU defaults they do not set
-         themselves: ``--backend xla --precision bf16 --distributed`` (jax.distributed.initialize(), which on
-         Cloud TPU finds the other hosts of the slice itself; on one host it is a one-process cluster);
+  setup  pack this checkout's source (``python -m tpu.source``: the library and the tools, train/ and tpu/) or take
+         --source, copy it to every worker, unpack it into ~/ls_jax_work/src, make a virtual environment
+         ~/ls_jax_work/venv from a Python 3.11+ (the first on the worker's PATH, else Python 3.12 installed with uv:
+         TPU VM images of Ubuntu 22.04 ship 3.10, which current JAX does not support) and ``pip install``
+         ``jax[tpu]`` and the library into it;
+  run    the command, on all workers at once, in ~/ls_jax_work/<launch id>/, with that environment's Python, the
+         source on PYTHONPATH (so ``python -m train.wmt`` finds the tools), LS_JAX_KERNELS=xla (the fused CUDA
+         kernels do not exist on TPU) and JAX_PLATFORMS=tpu,cpu (a TPU that fails to start is an error, not a
+         silent fall back to CPU). ``python -m train.*`` commands get the TPU defaults they do not set themselves:
+         ``--backend xla --precision bf16 --distributed`` (jax.distributed.initialize(), which on Cloud TPU finds
+         the other hosts of the slice itself; on one host it is a one-process cluster);
   fetch  pack every run.jsonl under the launch directory on worker 0 (the process that writes the logs), copy the
          archive here and unpack it into --logs-to, ready for ``python -m train.compare``.
 Commands are argument lists (no local shell); the remote command line quotes every word with shlex.
@@ -32,8 +36,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WHEEL_DIR = REPO_ROOT / "build" / "tpu_launch"
+ARCHIVE = REPO_ROOT / "build" / "tpu_launch" / "ls_jax_src.tar.gz"
 REMOTE_WORK_DIR = "ls_jax_work"
+REMOTE_SOURCE = f"{REMOTE_WORK_DIR}/src"
+REMOTE_PYTHON = f"~/{REMOTE_WORK_DIR}/venv/bin/python"
+MIN_PYTHON = (3, 11)
 RUN_ENV = {"LS_JAX_KERNELS": "xla", "JAX_PLATFORMS": "tpu,cpu"}
 # Flags of the train.* entry points (train/harness/cli.py) and their values on TPU; None marks a switch.
 TRAINER_TPU_FLAGS: dict[str, str | None] = {"--backend": "xla", "--precision": "bf16", "--distributed": None}
@@ -127,41 +134,63 @@ def scp_from(target: Target, worker: str, remote: str, local: Path) -> tuple[str
     )
 
 
-def wheel_name(version: str) -> str:
-    """File name of the pure-Python wheel of ls-jax ``version`` (what ``pip wheel`` names it)."""
-    return f"ls_jax-{version}-py3-none-any.whl"
+def build_source(archive: Path) -> tuple[str, ...]:
+    return (sys.executable, str(REPO_ROOT / "tpu" / "source.py"), str(archive))
 
 
-def build_wheel(wheel_dir: Path) -> tuple[str, ...]:
-    return (sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheel_dir), str(REPO_ROOT))
-
-
-def setup_steps(target: Target, workers: str, package: str | Path, python: str) -> list[Step]:
-    """Install JAX for TPU and ls-jax on ``workers``; ``package`` is a local wheel/sdist (copied over) or a pip
-    requirement (e.g. ``ls-jax @ git+https://...``) installed as given."""
-    steps = []
-    if isinstance(package, Path):
-        remote_package = f"{REMOTE_WORK_DIR}/{package.name}"
-        steps += [
-            Step(
-                "setup", "make the work directory on every worker", ssh(target, workers, f"mkdir -p {REMOTE_WORK_DIR}")
-            ),
-            Step("setup", f"copy {package.name} to every worker", scp_to(target, workers, package, remote_package)),
-        ]
-        requirement = remote_package
+def install_script(archive_name: str, python: str | None, jax_requirement: str) -> str:
+    """The shell command that installs on a worker: the source unpacked into ~/ls_jax_work/src, a virtual
+    environment ~/ls_jax_work/venv made from ``python`` (None: the first Python of MIN_PYTHON or newer on the PATH,
+    else Python 3.12 installed with uv), and ``jax_requirement`` and the library pip-installed into it."""
+    minimum = ", ".join(map(str, MIN_PYTHON))
+    if python is not None:
+        choose = f"PY={remote_word(python)}"
     else:
-        requirement = package
-    install = remote_line([python, "-m", "pip", "install", "--upgrade", "jax[tpu]", requirement])
-    steps.append(Step("setup", "install jax[tpu] and ls-jax on every worker", ssh(target, workers, install)))
-    return steps
+        choose = (
+            "PY=; for candidate in python3.13 python3.12 python3.11 python3; do "
+            f"if \"$candidate\" -c 'import sys; sys.exit(sys.version_info < ({minimum}))' 2>/dev/null; then "
+            'PY=$(command -v "$candidate"); break; fi; done; '
+            'if [ -z "$PY" ]; then echo "no Python 3.11+ on this worker: installing Python 3.12 with uv" >&2; '
+            "python3 -m pip install --user --quiet uv && ~/.local/bin/uv python install 3.12 && "
+            "PY=$(~/.local/bin/uv python find 3.12); fi"
+        )
+    pip = "venv/bin/python -m pip install --quiet --upgrade"
+    return "; ".join(
+        [
+            "set -e",
+            f"cd ~/{REMOTE_WORK_DIR}",
+            f"rm -rf src && mkdir src && tar -xzf {shlex.quote(archive_name)} -C src",
+            choose,
+            '"$PY" -m venv --clear venv',
+            f"{pip} pip",
+            f"{pip} {shlex.quote(jax_requirement)} ./src",
+        ]
+    )
 
 
-def with_tpu_defaults(command: Sequence[str], python: str) -> list[str]:
-    """The command as run on TPU: ``python``/``python3`` replaced by the workers' interpreter, and each flag of
-    TRAINER_TPU_FLAGS that a ``python -m train.*`` command does not give added to it."""
+def setup_steps(target: Target, workers: str, archive: Path, python: str | None, jax_requirement: str) -> list[Step]:
+    """Copy the source ``archive`` to ``workers`` and install it there (`install_script`)."""
+    return [
+        Step("setup", "make the work directory on every worker", ssh(target, workers, f"mkdir -p {REMOTE_WORK_DIR}")),
+        Step(
+            "setup",
+            f"copy {archive.name} to every worker",
+            scp_to(target, workers, archive, f"{REMOTE_WORK_DIR}/{archive.name}"),
+        ),
+        Step(
+            "setup",
+            f"install {jax_requirement} and ls-jax on every worker",
+            ssh(target, workers, install_script(archive.name, python, jax_requirement)),
+        ),
+    ]
+
+
+def with_tpu_defaults(command: Sequence[str]) -> list[str]:
+    """The command as run on TPU: ``python``/``python3`` replaced by the workers' environment's interpreter, and
+    each flag of TRAINER_TPU_FLAGS that a ``python -m train.*`` command does not give added to it."""
     command = list(command)
     if command[0] in ("python", "python3"):
-        command[0] = python
+        command[0] = REMOTE_PYTHON
     if not (len(command) >= 3 and command[1] == "-m" and command[2].startswith("train.")):
         return command
     for flag, value in TRAINER_TPU_FLAGS.items():
@@ -170,16 +199,16 @@ def with_tpu_defaults(command: Sequence[str], python: str) -> list[str]:
     return command
 
 
-def run_step(
-    target: Target, workers: str, launch_dir: str, command: Sequence[str], python: str, env: Mapping[str, str]
-) -> Step:
-    """The training command on ``workers``, all at once, in ``launch_dir`` with RUN_ENV and ``env`` set."""
+def run_step(target: Target, workers: str, launch_dir: str, command: Sequence[str], env: Mapping[str, str]) -> Step:
+    """The training command on ``workers``, all at once, in ``launch_dir`` with RUN_ENV, the source on PYTHONPATH
+    and ``env`` set."""
     assignments = [f"{name}={shlex.quote(value)}" for name, value in {**RUN_ENV, **env}.items()]
     line = " ".join(
         [
             f"mkdir -p {shlex.quote(launch_dir)} && cd {shlex.quote(launch_dir)} &&",
+            f'PYTHONPATH="$HOME/{REMOTE_SOURCE}"',
             *assignments,
-            remote_line(with_tpu_defaults(command, python)),
+            remote_line(with_tpu_defaults(command)),
         ]
     )
     return Step("run", f"run the command on workers {workers}", ssh(target, workers, line))
@@ -238,16 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--setup-only", action="store_true", help="install on the workers, run nothing")
     stage.add_argument("--skip-setup", action="store_true", help="the workers are set up already: run and fetch")
     parser.add_argument(
-        "--package",
-        help="what to install: a local .whl/.tar.gz file, or a pip requirement such as "
-        "'ls-jax @ git+https://github.com/ORG/ls-jax@COMMIT' "
-        f"(default: a wheel built from this checkout into {WHEEL_DIR})",
+        "--source",
+        help="a source archive made by python -m tpu.source to install (default: this checkout, packed into "
+        f"{ARCHIVE})",
     )
     parser.add_argument(
         "--python",
-        default="python3",
-        help="Python interpreter on the workers (default python3; e.g. ~/venv/bin/python)",
+        help="the Python on the workers the environment is made from, 3.11 or newer (default: the first on their "
+        "PATH, else 3.12 installed with uv)",
     )
+    parser.add_argument("--jax", default="jax[tpu]", help="the JAX requirement installed (default jax[tpu])")
     parser.add_argument(
         "--env",
         action="append",
@@ -262,29 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def checkout_version() -> str:
-    """The version in this checkout's pyproject.toml: the version of the wheel built from it."""
-    pyproject = REPO_ROOT / "pyproject.toml"
-    if not pyproject.is_file():
-        raise ValueError(f"no source checkout at {REPO_ROOT} to build a wheel from: pass --package")
-    try:
-        import tomllib
-    except ImportError:
-        raise ValueError("building the wheel here needs Python 3.11+ (tomllib); pass --package instead") from None
-    return tomllib.loads(pyproject.read_text())["project"]["version"]
-
-
-def _package(spec: str | None, dry_run: bool) -> tuple[list[Step], Path | str]:
-    """Steps that make the package, and the package: a local file, or a pip requirement."""
+def _source(spec: str | None, dry_run: bool) -> tuple[list[Step], Path]:
+    """Steps that make the source archive, and the archive."""
     if spec is None:
-        build = Step("setup", f"build the ls-jax wheel into {WHEEL_DIR}", build_wheel(WHEEL_DIR))
-        return [build], WHEEL_DIR / wheel_name(checkout_version())
-    if spec.endswith((".whl", ".tar.gz")) and not spec.startswith(("http://", "https://")):
-        path = Path(spec).expanduser()
-        if not dry_run and not path.is_file():
-            raise FileNotFoundError(f"--package {spec}: no such file")
-        return [], path.resolve()
-    return [], spec
+        return [Step("setup", "pack this checkout's source", build_source(ARCHIVE))], ARCHIVE
+    path = Path(spec).expanduser()
+    if not spec.endswith(".tar.gz"):
+        raise ValueError(f"--source {spec}: give a .tar.gz made by python -m tpu.source")
+    if not dry_run and not path.is_file():
+        raise FileNotFoundError(f"--source {spec}: no such file")
+    return [], path.resolve()
 
 
 def plan(args: argparse.Namespace, command: Sequence[str], launch_id: str) -> list[Step]:
@@ -295,18 +311,18 @@ def plan(args: argparse.Namespace, command: Sequence[str], launch_id: str) -> li
         raise ValueError("no command to run: put it after --, e.g. -- python -m train.wmt --preset transformer-base")
     if command and args.setup_only:
         raise ValueError("--setup-only runs no command: leave out the command after --")
-    if args.package and args.skip_setup:
-        raise ValueError("--package is installed by the setup, which --skip-setup skips")
+    if args.source and args.skip_setup:
+        raise ValueError("--source is installed by the setup, which --skip-setup skips")
     target = Target(args.tpu, args.zone, args.project)
     steps: list[Step] = []
     if not args.skip_setup:
-        build, package = _package(args.package, args.dry_run)
-        steps += build + setup_steps(target, args.workers, package, args.python)
+        build, archive = _source(args.source, args.dry_run)
+        steps += build + setup_steps(target, args.workers, archive, args.python, args.jax)
     if args.setup_only:
         return steps
     launch_dir = f"{REMOTE_WORK_DIR}/{launch_id}"
     logs_to = args.logs_to or Path("runs") / f"{args.tpu}-{launch_id}"
-    steps.append(run_step(target, args.workers, launch_dir, command, args.python, parse_env(args.env)))
+    steps.append(run_step(target, args.workers, launch_dir, command, parse_env(args.env)))
     return steps + fetch_steps(target, launch_dir, logs_to)
 
 

@@ -7,7 +7,6 @@ import shlex
 import subprocess
 import sys
 import tarfile
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ from tpu import launch
 
 REPO = Path(__file__).parents[2]
 FIXTURE_LOG = Path(__file__).parents[1] / "data" / "compare" / "tpu-v3-8" / "run.jsonl"
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 GCLOUD_TPU = ["gcloud", "compute", "tpus", "tpu-vm"]
+PY = launch.REMOTE_PYTHON
 
 
 def dry_run(capsys, argv):
@@ -53,17 +52,8 @@ def test_dry_run_single_host_v3_8(capsys):
         ],
     )
     commands = [argv for _, argv in steps]
-    wheel = launch.WHEEL_DIR / f"ls_jax-{VERSION}-py3-none-any.whl"
-    assert commands[0] == [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--no-deps",
-        "--wheel-dir",
-        str(launch.WHEEL_DIR),
-        str(REPO),
-    ]
+    archive = launch.ARCHIVE
+    assert commands[0] == [sys.executable, str(REPO / "tpu" / "source.py"), str(archive)]
     assert commands[1] == [
         *GCLOUD_TPU,
         "ssh",
@@ -76,20 +66,12 @@ def test_dry_run_single_host_v3_8(capsys):
     assert commands[2] == [
         *GCLOUD_TPU,
         "scp",
-        str(wheel),
-        f"my-v3-8:ls_jax_work/{wheel.name}",
+        str(archive),
+        f"my-v3-8:ls_jax_work/{archive.name}",
         "--zone=europe-west4-a",
         "--worker=all",
     ]
-    assert remote_words(commands[3]) == [
-        "python3",
-        "-m",
-        "pip",
-        "install",
-        "--upgrade",
-        "jax[tpu]",
-        f"ls_jax_work/{wheel.name}",
-    ]
+    assert commands[3][-1] == launch.install_script(archive.name, None, "jax[tpu]")
     assert commands[3][5:8] == ["my-v3-8", "--zone=europe-west4-a", "--worker=all"]
 
     run = remote_words(commands[4])
@@ -97,9 +79,10 @@ def test_dry_run_single_host_v3_8(capsys):
     assert launch_dir.startswith("ls_jax_work/") and run[:6] == ["mkdir", "-p", launch_dir, "&&", "cd", launch_dir]
     assert run[6:] == [
         "&&",
+        "PYTHONPATH=$HOME/ls_jax_work/src",
         "LS_JAX_KERNELS=xla",
         "JAX_PLATFORMS=tpu,cpu",
-        "python3",
+        "~/ls_jax_work/venv/bin/python",
         "-m",
         "train.wmt",
         "--preset",
@@ -147,7 +130,7 @@ def test_dry_run_single_host_v3_8(capsys):
 
 
 def test_dry_run_multi_host_v4_32(capsys, tmp_path):
-    wheel = tmp_path / f"ls_jax-{VERSION}-py3-none-any.whl"
+    archive = tmp_path / "ls_jax_src.tar.gz"
     steps = dry_run(
         capsys,
         [
@@ -159,8 +142,8 @@ def test_dry_run_multi_host_v4_32(capsys, tmp_path):
             "my-proj",
             "--workers",
             "all",
-            "--package",
-            str(wheel),
+            "--source",
+            str(archive),
             "--logs-to",
             str(tmp_path / "logs"),
             "--env",
@@ -175,7 +158,7 @@ def test_dry_run_multi_host_v4_32(capsys, tmp_path):
         ],
     )
     descriptions = [description for description, _ in steps]
-    assert descriptions[0] == "make the work directory on every worker"  # a given wheel is not built
+    assert descriptions[0] == "make the work directory on every worker"  # a given archive is not built
     for description, argv in steps:
         if argv[:4] == GCLOUD_TPU:
             assert "--project=my-proj" in argv and "--zone=us-central2-b" in argv
@@ -184,10 +167,11 @@ def test_dry_run_multi_host_v4_32(capsys, tmp_path):
     run = remote_words(steps[3][1])
     assert run[6:] == [
         "&&",
+        "PYTHONPATH=$HOME/ls_jax_work/src",
         "LS_JAX_KERNELS=xla",
         "JAX_PLATFORMS=tpu,cpu",
         "XLA_FLAGS=--xla_dump_to=/tmp/dump",
-        "python3",
+        "~/ls_jax_work/venv/bin/python",
         "-m",
         "train.wmt",
         "--precision=fp32",
@@ -207,15 +191,14 @@ def test_run_command_quotes_every_word():
         "all",
         "ls_jax_work/id",
         ["python", "-m", "train.wmt", "--data", "$(whoami); ls"],
-        "~/venv/bin/python",
         {"NOTE": "a b; rm -rf ~"},
     )
     line = step.argv[-1]
     assert "'$(whoami); ls'" in line and "NOTE='a b; rm -rf ~'" in line
-    assert "~/venv/bin/python" in line  # the remote home, expanded by the remote shell
+    assert " ~/ls_jax_work/venv/bin/python " in line  # the remote home, expanded by the remote shell
     assert shlex.split(line)[-11:] == [
         "NOTE=a b; rm -rf ~",
-        "~/venv/bin/python",
+        "~/ls_jax_work/venv/bin/python",
         "-m",
         "train.wmt",
         "--data",
@@ -233,49 +216,34 @@ def test_run_command_quotes_every_word():
     [
         (
             ["python", "-m", "train.imdb"],
-            ["py", "-m", "train.imdb", "--backend", "xla", "--precision", "bf16", "--distributed"],
+            [PY, "-m", "train.imdb", "--backend", "xla", "--precision", "bf16", "--distributed"],
         ),
         (
             ["python3", "-m", "train.wmt", "--precision", "fp32", "--distributed"],
-            ["py", "-m", "train.wmt", "--precision", "fp32", "--distributed", "--backend", "xla"],
+            [PY, "-m", "train.wmt", "--precision", "fp32", "--distributed", "--backend", "xla"],
         ),
         (
             ["python", "-m", "train.wmt", "--precision=fp16", "--backend=xla"],
-            ["py", "-m", "train.wmt", "--precision=fp16", "--backend=xla", "--distributed"],
+            [PY, "-m", "train.wmt", "--precision=fp16", "--backend=xla", "--distributed"],
         ),
-        (["python", "my_script.py"], ["py", "my_script.py"]),
+        (["python", "my_script.py"], [PY, "my_script.py"]),
         (["bash", "-c", "nproc"], ["bash", "-c", "nproc"]),
     ],
 )
 def test_tpu_defaults(command, expected):
-    assert launch.with_tpu_defaults(command, "py") == expected
+    assert launch.with_tpu_defaults(command) == expected
 
 
-def test_setup_only_installs_a_pip_requirement_as_given(capsys):
+def test_setup_only_makes_the_environment_from_the_python_given(capsys):
     steps = dry_run(
         capsys,
-        [
-            "--tpu",
-            "t",
-            "--zone",
-            "z",
-            "--setup-only",
-            "--python",
-            "~/venv/bin/python",
-            "--package",
-            "ls-jax @ git+https://github.com/org/ls-jax@0123abc",
-        ],
+        ["--tpu", "t", "--zone", "z", "--setup-only", "--python", "~/py312/bin/python3", "--jax", "jax[tpu]==0.11.2"],
     )
-    assert len(steps) == 1
-    assert remote_words(steps[0][1]) == [
-        "~/venv/bin/python",
-        "-m",
-        "pip",
-        "install",
-        "--upgrade",
-        "jax[tpu]",
-        "ls-jax @ git+https://github.com/org/ls-jax@0123abc",
-    ]
+    assert [description for description, _ in steps][-1] == "install jax[tpu]==0.11.2 and ls-jax on every worker"
+    script = steps[-1][1][-1]
+    assert script == launch.install_script(launch.ARCHIVE.name, "~/py312/bin/python3", "jax[tpu]==0.11.2")
+    assert "PY=~/py312/bin/python3;" in script and "uv" not in script
+    assert script.endswith("venv/bin/python -m pip install --quiet --upgrade 'jax[tpu]==0.11.2' ./src")
 
 
 @pytest.mark.parametrize(
@@ -289,8 +257,9 @@ def test_setup_only_installs_a_pip_requirement_as_given(capsys):
         (["--tpu", "t", "--zone", "z", "--workers", "first", "--", "python"], "--workers 'first'"),
         (["--tpu", "t", "--zone", "z", "--env", "1X=2", "--", "python"], "--env '1X=2'"),
         (["--tpu", "t", "--zone", "z", "--env", "NOEQUALS", "--", "python"], "expected NAME=VALUE"),
-        (["--tpu", "t", "--zone", "z", "--skip-setup", "--package", "x.whl", "--", "python"], "--skip-setup skips"),
-        (["--tpu", "t", "--zone", "z", "--package", "/no/such/ls_jax.whl", "--", "python"], "no such file"),
+        (["--tpu", "t", "--zone", "z", "--skip-setup", "--source", "x.tar.gz", "--", "python"], "--skip-setup skips"),
+        (["--tpu", "t", "--zone", "z", "--source", "/no/such/src.tar.gz", "--", "python"], "no such file"),
+        (["--tpu", "t", "--zone", "z", "--source", "ls_jax.whl", "--", "python"], "made by python -m tpu.source"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, argv, message):
@@ -355,15 +324,15 @@ def fake_gcloud(tmp_path, monkeypatch):
 
 
 def _launch_argv(tmp_path):
-    wheel = tmp_path / f"ls_jax-{VERSION}-py3-none-any.whl"
-    wheel.write_bytes(b"stand-in wheel")
+    archive = tmp_path / "ls_jax_src.tar.gz"
+    archive.write_bytes(b"stand-in archive")
     return [
         "--tpu",
         "t",
         "--zone",
         "z",
-        "--package",
-        str(wheel),
+        "--source",
+        str(archive),
         "--logs-to",
         str(tmp_path / "logs"),
         "--",

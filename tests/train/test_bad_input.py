@@ -125,6 +125,13 @@ def test_max_len_0_is_refused_like_its_neighbours(tmp_path, capsys):
         assert code == 2 and err == f"error: --max-len must be >= 1, got {value}\n"
 
 
+def test_a_default_refused_beside_a_given_flag_is_named_a_default(tmp_path, capsys):
+    code, err = run("gpt", ["--positions", "32", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and err.startswith("error: the default --max-seq-len 64 is longer than the 32 positions")
+    code, err = run("gpt", ["--positions", "32", "--max-seq-len", "64", "--run-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and err.startswith("error: --max-seq-len 64 is longer than the 32 positions")
+
+
 def test_a_data_path_of_the_wrong_kind_says_which_kind_it_is(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("a line\n")
     code, err = run("wmt", ["--data", f"text:{tmp_path / 'file.txt'}", "--run-dir", str(tmp_path / "r")], capsys)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from train.compare import scoring
-from train.errors import UsageError
+from train.errors import Interrupted, UsageError
 from train.harness.training import run_training
 from train.imdb import task as imdb
 from train.records import runlog
@@ -278,6 +279,13 @@ def test_a_failed_run_without_a_log_is_named_as_such(tmp_path, capsys):
     assert "their logs are in" not in err
 
 
+def test_a_run_stopped_by_a_signal_before_its_first_checkpoint_says_so(tmp_path, capsys):
+    with pytest.raises(Interrupted):
+        sweep.run_sweep(tiny_spec(tmp_path), device=lambda: "cpu", runner=lambda command: 128 + signal.SIGINT)
+    out = capsys.readouterr().out
+    assert "stopped by a signal, before its first checkpoint" in out and "kept" not in out
+
+
 def test_device_in_out_is_this_machines_device():
     spec = sweep_spec.parse('name = "x"\nout = "docs/results/sweep-{device}"\n[axes]\ntask = "imdb"')
     assert sweep.with_device_in_out(spec, lambda: "H100-SXM").out == Path("docs/results/sweep-h100-sxm")
@@ -530,4 +538,5 @@ def test_sigterm_to_the_sweep_waits_for_the_run_to_write_its_checkpoint_and_summ
     summary = runlog.read(log)[-1]
     assert summary["type"] == "summary" and summary["stop_reason"] == "signal" and not summary["completed"]
     assert (log.parent / "checkpoints" / str(summary["steps"])).is_dir()
-    assert "stopped by a signal, its checkpoint kept in" in stdout and "run it again to resume" in stderr
+    assert f"stopped by a signal, its checkpoint {summary['steps']} kept in" in stdout
+    assert "run it again to resume" in stderr

@@ -115,14 +115,25 @@ def check_saved(config_type: type[TrainingConfig], saved: Any, path: Path, given
             )
 
 
-def blame_saved(err: UsageError, given: Mapping[str, Any], saved: Mapping[str, Any] | None, path: Path) -> UsageError:
-    """``err`` (a flag's value refused) naming ``path`` when the refused value came from the saved configuration,
-    not from a flag given now."""
-    if saved is None:
+def where_refused_value_came_from(
+    err: UsageError,
+    config_type: type[TrainingConfig],
+    given: Mapping[str, Any],
+    saved: Mapping[str, Any] | None,
+    path: Path | None,
+) -> UsageError:
+    """``err`` (a check refused a value; its message names the flag first) saying where the value came from when not
+    from the command line: the saved configuration at ``path``, or the flag's default."""
+    message = f"{err} "
+    named = [(message.find(f"{flag(name)} "), name) for name in field_names(config_type)]
+    named = sorted((at, name) for at, name in named if at >= 0)
+    if not named or given.get(named[0][1]) is not None:
         return err
-    for name in saved:
-        if given.get(name) is None and f"{flag(name)} " in f"{err} ":
-            return UsageError(f"{path}: {err} (saved there; correct it, or give {flag(name)})")
+    name = named[0][1]
+    if saved is not None and name in saved:
+        return UsageError(f"{path}: {err} (saved there; correct it, or give {flag(name)})")
+    if str(err).startswith(flag(name)):
+        return UsageError(f"the default {err}")
     return err
 
 

@@ -125,7 +125,7 @@ def _start(task: Task, argv: list[str]) -> int:
         task.check_config(config)
         cli.check_optimizer(config)
     except cli.UsageError as err:
-        raise config_lib.blame_saved(err, given, saved, saved_path) from None
+        raise config_lib.where_refused_value_came_from(err, task.config_type, given, saved, saved_path) from None
     if given.get("peer_timeout") is not None and not config.distributed:
         raise cli.UsageError("--peer-timeout applies only to a --distributed run; add --distributed or drop it")
     if config.distributed:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,17 +90,12 @@ def check_labels(data: imdb_data.Prepared, num_labels: int, fix: str) -> None:
             )
 
 
-def _check_shapes(config: ImdbConfig, model_cfg: BertConfig, parallel: DataParallel, given: Mapping[str, Any]) -> None:
+def _check_shapes(config: ImdbConfig, model_cfg: BertConfig, parallel: DataParallel) -> None:
     positions = model_cfg.layer.max_seq_len
     if config.max_seq_len > positions:
-        length = (
-            f"--max-seq-len {config.max_seq_len}"
-            if "max_seq_len" in given
-            else f"the default --max-seq-len {config.max_seq_len}"
-        )
         raise UsageError(
-            f"{length} exceeds the model's {positions} positions ({resume.model_name(config)}); give "
-            f"--max-seq-len {positions} or less"
+            f"--max-seq-len {config.max_seq_len} exceeds the model's {positions} positions "
+            f"({resume.model_name(config)}); give --max-seq-len {positions} or less"
         )
     if config.batch_size % parallel.num_shards:
         raise UsageError(f"--batch-size {config.batch_size} is not a multiple of the {parallel.num_shards} devices")
@@ -112,7 +107,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     data = load_data(config, run.run_dir)
     model_key, head_key = jax.random.split(jax.random.PRNGKey(config.seed))
     model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
-    _check_shapes(config, model_cfg, parallel, run.given)
+    _check_shapes(config, model_cfg, parallel)
     check_labels(
         data, model_cfg.num_labels, "the checkpoint's config.json sets them" if config.init_from else "set --num-labels"
     )

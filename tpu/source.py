@@ -8,6 +8,7 @@ not the tests, docs or results. Unpacked, ``pip install DIR`` installs the libra
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tarfile
 from pathlib import Path
@@ -43,11 +44,10 @@ def build(archive: Path, root: Path = REPO_ROOT) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m tpu.source ARCHIVE (a .tar.gz to write)", file=sys.stderr)
-        return 2
-    print(build(Path(argv[0])))
+    parser = argparse.ArgumentParser(prog="python -m tpu.source", description=__doc__.split("\n\n")[0])
+    parser.add_argument("archive", type=Path, help="the .tar.gz to write")
+    args = parser.parse_args(argv)
+    print(build(args.archive))
     return 0
 
 

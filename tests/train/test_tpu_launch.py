@@ -387,3 +387,14 @@ def test_interrupt_says_the_remote_command_may_still_run(tmp_path, fake_gcloud, 
     monkeypatch.setattr(launch.subprocess, "run", interrupted)
     assert launch.main(_launch_argv(tmp_path)) == 130
     assert "may still be running" in capsys.readouterr().err
+
+
+def test_the_source_archive_holds_the_library_and_the_tools_only(tmp_path):
+    from tpu import source
+
+    archive = source.build(tmp_path / "src.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"pyproject.toml", "README.md", "train/wmt/__main__.py", "tpu/launch.py", "ls_jax/__init__.py"} <= names
+    assert "ffi_kernels/csrc/common.cuh" in names
+    assert not any(name.startswith(("tests/", "docs/")) or "__pycache__" in name for name in names)

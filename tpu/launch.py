@@ -141,7 +141,8 @@ def build_source(archive: Path) -> tuple[str, ...]:
 def install_script(archive_name: str, python: str | None, jax_requirement: str) -> str:
     """The shell command that installs on a worker: the source unpacked into ~/ls_jax_work/src, a virtual
     environment ~/ls_jax_work/venv made from ``python`` (None: the first Python of MIN_PYTHON or newer on the PATH,
-    else Python 3.12 installed with uv), and ``jax_requirement`` and the library pip-installed into it."""
+    else Python 3.12 installed with uv), and ``jax_requirement`` and the library with the tools' extra (``train``)
+    pip-installed into it."""
     minimum = ", ".join(map(str, MIN_PYTHON))
     if python is not None:
         choose = f"PY={remote_word(python)}"
@@ -163,7 +164,7 @@ def install_script(archive_name: str, python: str | None, jax_requirement: str) 
             choose,
             '"$PY" -m venv --clear venv',
             f"{pip} pip",
-            f"{pip} {shlex.quote(jax_requirement)} ./src",
+            f"{pip} {shlex.quote(jax_requirement)} './src[train]'",
         ]
     )
 

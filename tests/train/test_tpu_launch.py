@@ -243,7 +243,7 @@ def test_setup_only_makes_the_environment_from_the_python_given(capsys):
     script = steps[-1][1][-1]
     assert script == launch.install_script(launch.ARCHIVE.name, "~/py312/bin/python3", "jax[tpu]==0.11.2")
     assert "PY=~/py312/bin/python3;" in script and "uv" not in script
-    assert script.endswith("venv/bin/python -m pip install --quiet --upgrade 'jax[tpu]==0.11.2' ./src")
+    assert script.endswith("venv/bin/python -m pip install --quiet --upgrade 'jax[tpu]==0.11.2' './src[train]'")
 
 
 @pytest.mark.parametrize(

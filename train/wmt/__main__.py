@@ -1,9 +1,9 @@
 """``python -m train.wmt``: `train.wmt.task.TASK` through the training harness."""
 
-from train.harness.signals import stop_at_start_up
+from train.harness import entry
 
 if __name__ == "__main__":
-    stop_at_start_up()  # before the imports below load JAX
+    entry.start()  # before the imports below load JAX
 
 from train.harness.training import run_training  # noqa: E402
 from train.wmt.task import TASK  # noqa: E402

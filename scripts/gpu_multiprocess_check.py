@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from train.bench.cli_scaling import device_env, free_port  # noqa: E402 - after the checkout is on sys.path
+
 TASK_ARGS = {
     "imdb": ["--batch-size", "32", "--dropout", "0"],
     "wmt": ["--max-tokens", "2048", "--dropout", "0", "--warmup-steps", "2"],
 }
 COMMON = ["--precision", "fp32", "--eval-every", "1000", "--log-every", "1", "--no-progress", "--no-tensorboard"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _command(task: str, run_dir: Path, steps: int, backend: str, *extra: str) -> list[str]:
@@ -62,16 +58,8 @@ def _run_summary(run_dir: Path) -> dict:
     return {"device_count": run["device_count"], "losses": [r["loss"] for r in records if r["type"] == "interval"]}
 
 
-def _devices_env(gpus: str, cpu: bool) -> dict[str, str]:
-    """The environment that shows a process ``gpus`` (comma-separated), or as many CPU devices with ``cpu``."""
-    if not cpu:
-        return {"CUDA_VISIBLE_DEVICES": gpus}
-    count = len(gpus.split(","))
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
-
-
 def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, timeout: int, cpu: bool) -> dict:
-    env = {**os.environ, **_devices_env(gpus, cpu)}
+    env = {**os.environ, **device_env([int(gpu) for gpu in gpus.split(",")], cpu)}
     started = time.perf_counter()
     subprocess.run(_command(task, run_dir, steps, backend), cwd=ROOT, env=env, check=True, timeout=timeout)
     return {**_run_summary(run_dir), "wall_s": time.perf_counter() - started}
@@ -80,14 +68,14 @@ def one_process(task: str, run_dir: Path, steps: int, backend: str, gpus: str, t
 def process_per_gpu(
     task: str, run_dir: Path, steps: int, backend: str, gpus: list[str], timeout: int, cpu: bool
 ) -> dict:
-    port, started = _free_port(), time.perf_counter()
+    port, started = free_port(), time.perf_counter()
     processes = [
         subprocess.Popen(
             _command(task, run_dir, steps, backend, "--distributed"),
             cwd=ROOT,
             env={
                 **os.environ,
-                **_devices_env(gpu, cpu),
+                **device_env([int(gpu)], cpu),
                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                 "JAX_NUM_PROCESSES": str(len(gpus)),
                 "JAX_PROCESS_ID": str(rank),

@@ -62,7 +62,8 @@ def device_env(devices: Sequence[int], cpu: bool) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of localhost free now (for a ``jax.distributed`` coordinator)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -110,7 +111,7 @@ class Job:
         if self.layout == "one":
             self.processes = [_popen(self.command, device_env(gpus, cpu), out)]
         else:
-            port = _free_port()
+            port = free_port()
             self.processes = [
                 _popen(
                     [*self.command, "--distributed"],

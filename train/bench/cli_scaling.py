@@ -12,9 +12,11 @@ Per run: the steady state's median step time and rates, the whole run's rates, t
 (tokens, examples) at N over N times the one-device rate of the same backend: what a user gets out of N devices.
 ``speedup_vs_xla`` divides an ffi run's steady rate by the xla run's at the same N and layout.
 
-The parent process never starts JAX, so every child has its GPUs to itself. Writes
-``cli-scaling-<device>x<devices of this host>[-TAG].json``; ``--keep-logs DIR`` keeps each run's run.jsonl,
-config.json and timeline.
+The parent process never starts JAX on a device, so every child has its GPUs to itself; runs go one after another,
+or with ``--concurrent`` side by side on disjoint GPUs (sharing the host's CPUs). Writes
+``cli-scaling-<device>x<devices of this host>[-TAG].json``, again after every run, so a set cut short keeps what
+finished; ``--keep-logs DIR`` keeps each run's run.jsonl, config.json, output, timeline and traces (``--pack``: one
+tar.gz a run).
 """
 
 from __future__ import annotations

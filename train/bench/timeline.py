@@ -51,6 +51,11 @@ def _names(events: Iterable[Mapping[str, Any]], kind: str) -> dict[Any, str]:
     return names
 
 
+def gpu_processes(events: Iterable[Mapping[str, Any]]) -> dict[Any, str]:
+    """The trace's GPU device processes: pid -> name (``/device:GPU:0``)."""
+    return {pid: name for pid, name in _names(events, "process_name").items() if "GPU" in name}
+
+
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """The disjoint, sorted intervals covering ``intervals``."""
     merged: list[tuple[float, float]] = []
@@ -143,8 +148,8 @@ def summarize(
     a device's window runs from the end of its first such kernel to the end of its last, and holds one step fewer
     than there are of them: whole steps, whatever the trace's edges cut.
     """
-    processes = _names(events, "process_name")
-    gpu_pids = {pid for pid, name in processes.items() if "GPU" in name}
+    processes = gpu_processes(events)
+    gpu_pids = set(processes)
     devices = {}
     for pid in sorted(gpu_pids, key=lambda p: processes[p]):
         kernels = [e for e in events if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]

@@ -18,7 +18,6 @@ command buffers (`STAGE_COMPILER_OPTIONS`), where every kernel's event names the
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import jax
+
+from train.bench import timeline
 
 CATEGORIES = (
     "GEMM",
@@ -151,29 +152,14 @@ def _trace_events(log_dir: Path) -> list[dict[str, Any]]:
     files = own("*.trace.json.gz") or own("perfetto_trace.json.gz")
     if not files:
         raise FileNotFoundError(f"jax.profiler wrote no trace JSON under {log_dir}")
-    with gzip.open(files[-1], "rt") as handle:
-        return json.load(handle)["traceEvents"]
+    return timeline.read_events(files[-1])
 
 
 def gpu_kernel_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Complete ('X') events on GPU device processes (not the host threads)."""
     events = list(events)
-    gpu_pids = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
-    }
+    gpu_pids = set(timeline.gpu_processes(events))
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
 
 
 def event_op_name(event: dict[str, Any], op_names: dict[str, str]) -> str:
@@ -204,7 +190,7 @@ def breakdown(kernels: list[dict[str, Any]], op_names: dict[str, str], steps: in
     intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     if intervals:
         window = max(stop for _, stop in intervals) - min(start for start, _ in intervals)
-        per_category["idle"] = window - _union_length(intervals)
+        per_category["idle"] = window - timeline.length(timeline.union(intervals))
     return {category: microseconds / 1e3 / steps for category, microseconds in per_category.items()}
 
 

@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from train.records import rundir
+
 DEFAULT_GAP_US = 20.0
 LARGEST_GAPS = 5
 HOST_EVENTS = 15
@@ -165,7 +167,7 @@ def traced_steps(trace_dir: Path) -> int | None:
     """The number of steps ``--profile-steps`` traced, from the run's config.json when ``trace_dir`` is (inside) a
     run's profile folder."""
     for directory in (trace_dir, *trace_dir.parents):
-        config = directory / "config.json"
+        config = rundir.config_path(directory)
         if config.is_file():
             steps = json.loads(config.read_text()).get("profile_steps")
             return None if steps is None else steps[1] - steps[0] + 1

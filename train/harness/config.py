@@ -99,14 +99,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_saved(config_type: type[TrainingConfig], saved: Any, path: Path, given: Mapping[str, Any]) -> None:
+def check_saved(
+    config_type: type[TrainingConfig], saved: Mapping[str, Any], path: Path, given: Mapping[str, Any]
+) -> None:
     """Raises UsageError naming ``path`` for a saved configuration (a resumed run's config.json, perhaps edited by
-    hand) that is not a JSON object, or that holds a value of another type than its field takes, unless the flag
-    given now replaces it."""
-    if not isinstance(saved, dict):
-        raise UsageError(
-            f"{path} holds a JSON {type(saved).__name__}, not a run's saved configuration (an object of flag values)"
-        )
+    hand) that holds a value of another type than its field takes, unless the flag given now replaces it."""
     hints = typing.get_type_hints(config_type)
     for name, value in saved.items():
         if name in hints and given.get(name) is None and not _has_type(value, hints[name]):

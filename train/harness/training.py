@@ -115,7 +115,7 @@ def _start(task: Task, argv: list[str]) -> int:
     if given.get("resume"):
         check_resume_directory(given)
         saved = load_saved_config(given["resume"])
-        saved_path = Path(given["resume"]) / rundir.CONFIG_FILENAME
+        saved_path = rundir.config_path(given["resume"])
         config_lib.check_saved(task.config_type, saved, saved_path, given)
     config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
@@ -450,25 +450,17 @@ def _finish(
         energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
             source, f"measured ({source})"
         )
-        print(
-            "\n".join(
-                [
-                    f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
-                    f"({s['wall_time_s']:.1f} s wall); energy {energy}",
-                    *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
-                    f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
-                    f"  memory      {memory.describe(s['memory'])}",
-                    f"  run log     {log_path}",
-                    f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
-                    *(  # a run stopped for a non-finite loss goes on from a checkpoint with other flags (its line)
-                        []
-                        if s["stop_reason"] == "nan"
-                        else [
-                            f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}"
-                            f"{'' if s['stop_reason'] != 'finished' else ' --steps ' + str(2 * s['steps'])}"
-                        ]
-                    ),
-                ]
-            )
-        )
+        lines = [
+            f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
+            f"({s['wall_time_s']:.1f} s wall); energy {energy}",
+            *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+            f"  memory      {memory.describe(s['memory'])}",
+            f"  run log     {log_path}",
+            f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",
+        ]
+        if s["stop_reason"] != "nan":  # a non-finite loss goes on from a checkpoint with other flags (its own line)
+            longer = f" --steps {2 * s['steps']}" if s["stop_reason"] == "finished" else ""
+            lines.append(f"  resume      python -m train.{task.name} --resume {shlex.quote(str(run_dir))}{longer}")
+        print("\n".join(lines))
     return cli.exit_code(result, checkpoints, f"python -m train.{task.name} --resume {shlex.quote(str(run_dir))}")

@@ -27,15 +27,24 @@ from train.records.lock import DirectoryInUse, RunDirectoryLock
 CONFIG_FILENAME = "config.json"
 
 
+def config_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CONFIG_FILENAME
+
+
 def load_saved_config(run_dir: str | Path) -> dict[str, Any]:
-    """The resolved configuration a run saved in its directory (what ``--resume`` starts from)."""
-    path = Path(run_dir) / CONFIG_FILENAME
+    """The resolved configuration a run saved in its directory (what ``--resume`` starts from): a JSON object."""
+    path = config_path(run_dir)
     if not path.is_file():
         raise UsageError(f"--resume {run_dir}: no {CONFIG_FILENAME} there; is it a run directory?")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        saved = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UsageError(f"--resume {run_dir}: {path} is not a saved configuration ({err})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(
+            f"{path} holds a JSON {type(saved).__name__}, not a run's saved configuration (an object of flag values)"
+        )
+    return saved
 
 
 def finished(run_dir: Path) -> bool:
@@ -139,4 +148,4 @@ def claim(resume: str | None, run_dir: str | None, run_id: str, *, command: str,
 
 def save_config(run_dir: Path, config: Mapping[str, Any]) -> None:
     if jax.process_index() == 0:
-        (run_dir / CONFIG_FILENAME).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+        config_path(run_dir).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")

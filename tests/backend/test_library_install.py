@@ -35,3 +35,14 @@ def test_the_library_installs_alone_and_a_tool_names_the_extra_it_needs(tmp_path
     assert tool.returncode == 2 and tool.stdout == ""
     assert tool.stderr.startswith("error: the training tools need the packages of ls-jax's train extra (")
     assert tool.stderr.count("\n") == 1 and "pip install -e '.[train]'" in tool.stderr
+
+
+def test_a_run_without_tensorboard_does_not_need_tensorboardx(monkeypatch):
+    import importlib.util
+
+    from train.harness import entry
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "tensorboardX" else real(name))
+    assert entry.missing_tool_packages(["--steps", "3"]) == ["tensorboardX"]
+    assert entry.missing_tool_packages(["--steps", "3", "--no-tensorboard"]) == []

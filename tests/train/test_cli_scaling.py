@@ -90,3 +90,33 @@ def test_the_suite_runs_the_training_command_at_one_and_two_devices(tmp_path):
         "wmt-xla-2-one.tar.gz",
         "wmt-xla-2-per-device.tar.gz",
     ]
+
+
+def test_a_batch_per_device_grows_the_batch_with_the_device_count(tmp_path):
+    code = cli_scaling.main(
+        [
+            "--task",
+            "imdb",
+            "--devices",
+            "1,2",
+            "--backends",
+            "xla",
+            "--batch-per-device",
+            "4",
+            "--cpu",
+            "--steps",
+            "3",
+            "--keep-logs",
+            str(tmp_path / "logs"),
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    kept = {p.name: json.loads((p / "config.json").read_text()) for p in (tmp_path / "logs").iterdir()}
+    assert {name: config["batch_size"] for name, config in kept.items()} == {"imdb-xla-1-one": 4, "imdb-xla-2-one": 8}
+
+
+def test_a_batch_per_device_is_refused_for_wmt():
+    with pytest.raises(SystemExit, match="--batch-per-device"):
+        cli_scaling.main(["--task", "wmt", "--batch-per-device", "4", "--cpu"])

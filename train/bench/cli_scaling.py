@@ -71,7 +71,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_command(task: str, flags: Sequence[str], backend: str, steps: int, run_dir: Path, profile: str | None) -> list:
+def run_command(
+    task: str,
+    flags: Sequence[str],
+    backend: str,
+    steps: int,
+    run_dir: Path,
+    profile: str | None,
+    batch_size: int | None = None,
+) -> list:
+    """The training command of one run; ``batch_size`` (examples or rows over all devices) is passed when given."""
     return [
         sys.executable,
         "-m",
@@ -87,6 +96,7 @@ def run_command(task: str, flags: Sequence[str], backend: str, steps: int, run_d
         "--run-dir",
         str(run_dir),
         *(["--profile-steps", profile] if profile else []),
+        *(["--batch-size", str(batch_size)] if batch_size else []),
     ]
 
 
@@ -286,6 +296,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--processes", default="", help="backends (comma-separated) also run as N processes x 1 device at each N > 1"
     )
+    parser.add_argument(
+        "--batch-per-device",
+        type=int,
+        help="imdb, gpt: examples (rows) per device, passed as --batch-size N x this to a run on N devices, so every "
+        "N trains the same batch per device (wmt's --max-tokens already counts per device)",
+    )
     parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
     parser.add_argument("--profile-steps", help="FIRST:LAST steps each run traces (default: none)")
     parser.add_argument(
@@ -331,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_steps:
         first, _, last = args.profile_steps.partition(":")
         steps = int(last or first) - int(first) + 1
+    if args.batch_per_device is not None and (args.task == "wmt" or args.batch_per_device < 1):
+        raise SystemExit("--batch-per-device: a positive count, for imdb and gpt (wmt's --max-tokens is per device)")
     counted = counted_of(args.task)
     device = "cpu" if args.cpu else _slug(names[0])
     out = args.out or (SCRATCH_DIR if args.cpu else REPO_ROOT / "docs" / "results")
@@ -374,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 for layout in LAYOUTS if backend in args.processes.split(",") and n > 1 else LAYOUTS[:1]:
                     name = f"{args.task}-{backend}-{n}-{layout}"
                     run_dir = Path(scratch) / name
-                    command = run_command(args.task, flags, backend, args.steps, run_dir, args.profile_steps)
+                    batch = args.batch_per_device and args.batch_per_device * n
+                    command = run_command(args.task, flags, backend, args.steps, run_dir, args.profile_steps, batch)
                     jobs.append(Job(name, backend, n, layout, command, run_dir, Path(scratch) / f"{name}.out"))
         run_jobs(jobs, available, args.cpu, args.concurrent and not args.cpu, args.timeout, finished)
     print(report(rows, counted), flush=True)

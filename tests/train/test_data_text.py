@@ -1,11 +1,14 @@
 """Reading parallel text files and the sentencepiece vocabulary."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import sentencepiece as spm
 
 from train.data import tokenizer as tokenizer_lib
 from train.errors import DataError, UsageError
+from train.wmt import config as wmt_config
 from train.wmt import data as wmt_data
 from train.wmt import synthetic as wmt_synthetic
 
@@ -40,6 +43,14 @@ def test_read_corpus_dispatches_on_the_data_spec(tmp_path):
     assert len(wmt_data.read_corpus("synthetic", src_lang="de", tgt_lang="en")["valid"][0]) == 500
     with pytest.raises(UsageError, match="not one of"):
         wmt_data.read_corpus("csv:x", src_lang="de", tgt_lang="en")
+
+
+def test_a_synthetic_corpus_of_a_given_size():
+    corpus = wmt_data.read_corpus("synthetic:1234", src_lang="de", tgt_lang="en")
+    assert [len(corpus[split][0]) for split in ("train", "valid", "test")] == [1234, 500, 500]
+    for bad in ("0", "1e5", "-3", "many", "2000001"):
+        with pytest.raises(UsageError, match=f"synthetic:{bad}: PAIRS must be a whole number"):
+            wmt_data.read_corpus(f"synthetic:{bad}", src_lang="de", tgt_lang="en")
 
 
 @pytest.mark.parametrize(
@@ -126,3 +137,9 @@ def test_encode_and_length_filter_count_what_they_drop(trained_vocab):
     assert stats.too_long == int((lengths[:50] > limit).sum()) > 0
     assert stats.kept == len(keep) == 50 - stats.too_long
     assert keep.tolist() == [i for i in range(50) if lengths[i] <= limit]
+
+
+def test_a_sized_synthetic_corpus_keeps_the_synthetic_defaults():
+    sized = wmt_config.resolve_config({"data": "synthetic:50000"})
+    assert dataclasses.replace(sized, data="synthetic") == wmt_config.resolve_config({})
+    assert wmt_config.resolve_config({"data": "text:x"}).steps == 100_000

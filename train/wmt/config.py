@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("data")
     group.add_argument(
         "--data",
-        help="synthetic | text:DIR (DIR/{train,valid,test}.{src,tgt}) | tfds:NAME "
+        help="synthetic[:PAIRS] (the embedded task, 20,000 training pairs or PAIRS) | text:DIR "
+        "(DIR/{train,valid,test}.{src,tgt}) | tfds:NAME "
         "(e.g. tfds:wmt14_translate/de-en; needs tensorflow-datasets)",
     )
     group.add_argument("--src-lang", help="source language suffix / tfds feature")
@@ -136,7 +137,8 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
     """Defaults (the real-data ones unless ``--data synthetic``), then a resumed run's saved configuration, then the
     flags given now."""
     data = given.get("data", (saved or {}).get("data", WmtConfig.data))
-    return config_lib.resolve(WmtConfig, given, saved, {} if data == "synthetic" else REAL_DATA_DEFAULTS)
+    synthetic = data.partition(":")[0] == "synthetic"
+    return config_lib.resolve(WmtConfig, given, saved, {} if synthetic else REAL_DATA_DEFAULTS)
 
 
 def check_config(config: WmtConfig) -> None:

@@ -1,7 +1,7 @@
 """Parallel text in, token batches out: reading, encoding, length filtering and token-based batching.
 
 Sources (``--data``):
-  ``synthetic``            the toy task of `train.wmt.synthetic`, generated in memory;
+  ``synthetic[:PAIRS]``    the toy task of `train.wmt.synthetic`, generated in memory (20,000 training pairs or PAIRS);
   ``text:DIR``             ``DIR/{train,valid,test}.{src,tgt}``, one sentence per line, test optional;
   ``tfds:NAME``            a TensorFlow Datasets translation set such as ``wmt14_translate/de-en``
                            (needs the optional ``tensorflow-datasets`` package; imported only here).
@@ -45,6 +45,8 @@ PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "b
 SPLITS = ("train", "valid", "test")
 LENGTH_MULTIPLE = 8
 BUCKET_GROWTH = 1.1
+SYNTHETIC_TRAIN_PAIRS = 20_000
+SYNTHETIC_MAX_PAIRS = 2_000_000  # generated in memory: about a minute on one CPU core
 
 # split -> (source sentences, target sentences)
 Corpus = dict[str, tuple[list[str], list[str]]]
@@ -53,7 +55,7 @@ Corpus = dict[str, tuple[list[str], list[str]]]
 # ----------------------------------------------------------------------------------------------- reading
 
 
-def synthetic_corpus(seed: int = 0, *, train: int = 20000, valid: int = 500, test: int = 500) -> Corpus:
+def synthetic_corpus(seed: int = 0, *, train: int = SYNTHETIC_TRAIN_PAIRS, valid: int = 500, test: int = 500) -> Corpus:
     splits = wmt_synthetic.synthetic_corpus(train, valid, test, seed=seed)
     return {name: ([s for s, _ in pairs], [t for _, t in pairs]) for name, pairs in splits.items()}
 
@@ -127,13 +129,26 @@ def read_tfds_corpus(name: str, src_lang: str, tgt_lang: str, data_dir: str | No
 def read_corpus(spec: str, *, src_lang: str, tgt_lang: str, seed: int = 0, tfds_data_dir: str | None = None) -> Corpus:
     """The corpus named by a ``--data`` value: ``synthetic``, ``text:DIR`` or ``tfds:NAME``."""
     kind, _, location = spec.partition(":")
-    if kind == "synthetic" and not location:
-        return synthetic_corpus(seed)
+    if kind == "synthetic":
+        return synthetic_corpus(seed, train=synthetic_size(location))
     if kind == "text" and location:
         return read_text_corpus(location, src_lang, tgt_lang)
     if kind == "tfds" and location:
         return read_tfds_corpus(location, src_lang, tgt_lang, tfds_data_dir)
-    raise UsageError(f"--data {spec!r} is not one of: synthetic, text:DIR, tfds:NAME")
+    raise UsageError(f"--data {spec!r} is not one of: synthetic, synthetic:PAIRS, text:DIR, tfds:NAME")
+
+
+def synthetic_size(location: str) -> int:
+    """The training pairs of ``--data synthetic[:PAIRS]``: PAIRS, or 20,000 without it.
+
+    A larger corpus keeps a large global batch (many devices x ``--max-tokens``) from spending a noticeable part
+    of each epoch on the partly empty last step of every length bucket.
+    """
+    if not location:
+        return SYNTHETIC_TRAIN_PAIRS
+    if not location.isdigit() or not 1 <= int(location) <= SYNTHETIC_MAX_PAIRS:
+        raise UsageError(f"--data synthetic:{location}: PAIRS must be a whole number from 1 to {SYNTHETIC_MAX_PAIRS:,}")
+    return int(location)
 
 
 # ---------------------------------------------------------------------------------------------- encoding

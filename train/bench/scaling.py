@@ -3,10 +3,10 @@
 For N = 1, 2, 4, ... devices (the first N of this host) each model trains the same batch per device, so the global
 batch grows with N. The step is exactly the one `python -m train.wmt` / `train.imdb` run (`train.harness.step`,
 `train.harness.parallel`: shard_map over the data axis, one gradient all-reduce, or ZeRO-1 with ``sharded``), on
-synthetic tokens, bf16 with f32 master weights and AdamW. Per (model, implementation, optimizer mode, N):
-median step time, tokens per second, weak-scaling efficiency (step time at 1 device / at N), XLA's memory
-analysis of the compiled step per device, and the optimizer state's bytes per device. An all-reduce probe
-measures the bus bandwidth of a large psum at each N.
+synthetic tokens, bf16 with f32 master weights, gradients sent in bf16, and AdamW. Per (model, implementation,
+optimizer mode, N): median step time, tokens per second, weak-scaling efficiency (step time at 1 device / at N),
+XLA's memory analysis of the compiled step per device, and the optimizer state's bytes per device. An all-reduce
+probe measures the bus bandwidth of a large psum at each N.
 
 Unless ``--no-split``, per (model, implementation) the step's pieces are timed alone (`scaling_pieces`: forward,
 forward + backward, optimizer on one device; the gradient all-reduce at each N), giving each replicated row a time
@@ -50,6 +50,7 @@ from ls_jax import backend
 from ls_jax.optim import shard_optimizer
 from train.bench import common
 from train.bench.steps import overlap, scaling_models, scaling_pieces
+from train.costs.precision import gradient_comm_dtype
 from train.harness.cli import GRAD_BUCKET_MB
 from train.harness.optimizer import make_optimizer
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
@@ -118,7 +119,12 @@ def step_row(
     global_batch = {name: np.concatenate([value] * len(devices), axis=1) for name, value in model.batch.items()}
     batch = parallel.put_batch(global_batch, row_axis=1)
     step = make_train_step(
-        model.loss_fn, tx, axis_name=DATA_AXIS, sharded_optimizer=sharded, grad_bucket_bytes=grad_bucket_bytes
+        model.loss_fn,
+        tx,
+        axis_name=DATA_AXIS,
+        sharded_optimizer=sharded,
+        grad_bucket_bytes=grad_bucket_bytes,
+        grad_comm_dtype=gradient_comm_dtype(None, "bf16"),  # as the CLIs' bf16 runs send them
     )
     compiler = StepCompiler(step, layout, holder["state"])
 

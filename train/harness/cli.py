@@ -185,8 +185,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-comm-dtype",
         choices=("fp32", "bf16"),
-        help="several devices only: the dtype gradients are sent and summed in (default: the params', f32 unless "
-        "--master-weights makes them 16-bit); bf16 halves the traffic of f32 params at bf16's precision",
+        help="several devices only: the dtype gradients are sent and summed in (default: bf16 in a bf16 run, else "
+        "the params'); bf16 halves the traffic of f32 params at bf16's precision",
     )
     group.add_argument(
         "--distributed",

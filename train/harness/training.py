@@ -27,7 +27,7 @@ from ls_jax.optim import shard_optimizer
 from train.costs import memory, memory_budget
 from train.costs.compiled import optimizer_step_kernels
 from train.costs.hardware import Hardware, detect_hardware
-from train.costs.precision import PRECISION_DTYPES, master_dtype, precision_signature
+from train.costs.precision import gradient_comm_dtype, master_dtype, precision_signature
 from train.data.stream import EpochStream
 from train.errors import Interrupted
 from train.harness import cli, peers, progress, resume
@@ -297,7 +297,7 @@ def _train(task: Task, run: Run) -> int:
                     axis_name=DATA_AXIS,
                     sharded_optimizer=layout.sharded_optimizer,
                     grad_bucket_bytes=int(config.grad_bucket_mb * 2**20),
-                    grad_comm_dtype=PRECISION_DTYPES.get(config.grad_comm_dtype),
+                    grad_comm_dtype=gradient_comm_dtype(config.grad_comm_dtype, hardware.precision),
                 ),
                 layout,
                 state,

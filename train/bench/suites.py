@@ -6,7 +6,8 @@ vs cuDNN's as JAX calls it), optim (fused optimizers vs optax), e2e (training st
 Transformers, BERT-base, GPT-2 small), profile (per-category and per-stage step breakdown), scaling (data parallel),
 counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes against measured);
 timeline (where each device's time went in a trace of a training run's steps, ``--profile-steps``), cli-scaling
-(weak scaling of the training commands themselves, their own summaries at 1, 2, 4 ... devices).
+(weak scaling of the training commands themselves, their own summaries at 1, 2, 4 ... devices), schedule (where
+a compiled step's all-reduces sit among its matrix products, from XLA's scheduled HLO).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SUITES = {
     "flops": "train.bench.flops",
     "timeline": "train.bench.timeline",
     "cli-scaling": "train.bench.cli_scaling",
+    "schedule": "train.bench.schedule",
 }
 
 

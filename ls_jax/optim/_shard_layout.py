@@ -64,10 +64,18 @@ def _split(joined: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
 
 
 def reduce_scatter(
-    grads: Any, axis_name: str, num_shards: int, *, average: bool, reduce_dtype: Any, bucket_bytes: int
+    grads: Any,
+    axis_name: str,
+    num_shards: int,
+    *,
+    average: bool,
+    reduce_dtype: Any,
+    bucket_bytes: int,
+    after: Any = None,
 ) -> Any:
     """Inside shard_map: row r (this device's) of ``sum_d grads_d`` (``/ N`` when ``average``), a tree of ``(c_i,)``
-    in the gradients' dtypes, summed in ``reduce_dtype`` (None: the gradients' dtype). One psum_scatter per bucket."""
+    in the gradients' dtypes, summed in ``reduce_dtype`` (None: the gradients' dtype). One psum_scatter per bucket;
+    with ``after``, the first starts only once ``after`` exists (one optimization barrier)."""
     leaves, treedef = jax.tree.flatten(grads)
     dtypes = [jnp.dtype(reduce_dtype or leaf.dtype) for leaf in leaves]
     lengths = [row_length(leaf.size, num_shards) for leaf in leaves]
@@ -75,6 +83,8 @@ def reduce_scatter(
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in buckets(dtypes, nbytes, bucket_bytes):
         joined = jnp.concatenate([rows(leaves[i].astype(dtypes[i]), num_shards) for i in bucket], axis=1)
+        if after is not None:
+            joined, after = jax.lax.optimization_barrier((joined, after))[0], None
         summed = jax.lax.psum_scatter(joined, axis_name, scatter_dimension=0, tiled=True)[0]
         if average:
             summed = summed / num_shards

@@ -1,0 +1,53 @@
+"""GPU: `ls_jax.optim.GradientSync` on two GPUs: the summed gradient, and where XLA puts the buckets' all-reduces in
+the compiled step (`train.bench.schedule`): one after another, starting while matrix products of the backward
+remain."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gradient_sync_checks import AXIS, LAYERS, loss, make_batch
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ls_jax.optim import GradientSync
+from train.bench import schedule
+
+pytestmark = pytest.mark.gpu
+
+WIDTH = 512  # wide enough that XLA runs the products as GEMMs
+
+
+def wide_params():
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer_{i}": {"w": rng.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH), "b": np.zeros(WIDTH)}
+        for i in range(LAYERS)
+    }
+    params["embed"] = rng.standard_normal((7, WIDTH), np.float32)
+    params["unused"] = np.ones((3,), np.float32)
+    return jax.tree.map(jnp.float32, params)
+
+
+def test_two_gpus_sum_the_gradient_in_a_chain_of_all_reduces_inside_the_backward():
+    if jax.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; JAX sees {jax.device_count()}")
+    params, batch = wide_params(), make_batch(rows=64)
+    sync = GradientSync(AXIS, 2**20)  # a bucket per layer
+    mesh = Mesh(np.asarray(jax.devices()[:2]), (AXIS,))
+    run = jax.jit(
+        jax.shard_map(lambda p, b: sync.grad(loss, p, b)[0], mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
+    )
+    with jax.default_matmul_precision("highest"):
+        summed = run(params, batch)
+        whole = jax.grad(lambda p: loss(p, batch)[0])(params)
+        compiled = run.lower(params, batch).compile().as_text()
+    for got, expected in zip(jax.tree.leaves(summed), jax.tree.leaves(whole)):
+        scale = float(np.max(np.abs(expected))) or 1.0  # sums of 64 rows taken in another order: f32 rounding
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=0, atol=1e-5 * scale)
+
+    summary = schedule.summarize(compiled, start="all")
+    sequence = [entry.split(" x")[0] for entry in summary["sequence"]]
+    ends = [kind for kind in sequence if kind.startswith("all-reduce")]
+    assert ends == ["all-reduce-start", "all-reduce-done"] * summary["all_reduces"]  # one at a time
+    assert summary["all_reduces"] >= LAYERS and summary["gemms_after_first_all_reduce"] > 0

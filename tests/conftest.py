@@ -4,11 +4,16 @@ where one is present they run and a kernel library that fails to build or load f
 import os
 import shutil
 import subprocess
+import tempfile
 
 # Without a GPU, every test compiles for XLA's CPU backend, and most compile more than they run: LLVM's lighter
 # optimization compiles about a third faster. Set before JAX starts, so the tests' own processes inherit it.
 if shutil.which("nvidia-smi") is None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+# The training tools keep compiled programs in XLA's persistent cache (`train.harness.compile_cache`); the tests'
+# programs go to a directory of their own, not the user's.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ls_jax-tests-xla-cache-"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

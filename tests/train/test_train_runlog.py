@@ -170,6 +170,7 @@ def valid_summary():
         energy_estimated=False,
         memory=None,
         host_phases=None,
+        compile_cache={"directory": None, "requests": 0, "hits": 0},
         peak_memory_bytes=None,
         examples=24,
         examples_per_s=8.0,

@@ -145,6 +145,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-tensorboard", dest="tensorboard", action="store_const", const=False, help="no TensorBoard event files"
     )
     group.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_const",
+        const=False,
+        help="compile every program again instead of loading it from XLA's persistent compilation cache "
+        "($JAX_COMPILATION_CACHE_DIR, else ~/.cache/ls_jax/xla)",
+    )
+    group.add_argument(
         "--verbose",
         action="store_const",
         const=True,

@@ -47,6 +47,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     progress: bool = True
     tensorboard: bool = True
+    compile_cache: bool = True
     verbose: bool = False
     price_per_hour: float | None = None
     device_name: str | None = None

@@ -14,6 +14,7 @@ from train.costs import metrics as metrics_lib
 from train.costs import windows
 from train.costs.hardware import Hardware
 from train.costs.windows import Tally
+from train.harness import compile_cache
 from train.harness.config import Run
 from train.harness.host_phases import PHASES, HostPhases
 from train.records.runlog import QUALITY_KEYS, energy_fields, identity
@@ -269,6 +270,7 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "warmup": warmup_part(counters, [i for i, warm in enumerate(flags) if warm], hardware),
         "steady": steady_part(counters, [i for i, warm in enumerate(flags) if not warm], hardware),
         **{name: tally_part(getattr(counters, name), hardware) for name in _TALLIES},
+        "compile_cache": dataclasses.asdict(compile_cache.use()),
         "final_loss": counters.last_loss,
         **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
         "host_phases": host_part(
@@ -305,6 +307,7 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
     one-time work, one line each; ``throughput`` words a record's ``<count>_per_s`` in the task's units."""
     steady, warmup = summary["steady"], summary["warmup"]
     one_time = ", ".join(f"{name} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)" for name in _TALLIES)
+    one_time += _describe_cache(summary.get("compile_cache"))
     return [
         f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
         f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "
@@ -319,6 +322,15 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
         f"{one_time}",
         *_describe_host(summary.get("host_phases")),
     ]
+
+
+def _describe_cache(cache: Mapping[str, Any] | None) -> str:
+    """How much of this process's compilation came from the persistent cache, for the wall line."""
+    if cache is None:
+        return ""
+    if cache["directory"] is None:
+        return "; compilation cache off"
+    return f"; {cache['hits']} of {cache['requests']} compiled programs loaded from the cache"
 
 
 def _describe_host(host: Mapping[str, Any] | None) -> list[str]:

@@ -30,7 +30,7 @@ from train.costs.hardware import Hardware, detect_hardware
 from train.costs.precision import gradient_comm_dtype, master_dtype, precision_signature
 from train.data.stream import EpochStream
 from train.errors import Interrupted
-from train.harness import cli, peers, progress, resume
+from train.harness import cli, compile_cache, peers, progress, resume
 from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
@@ -121,6 +121,7 @@ def _start(task: Task, argv: list[str]) -> int:
     config = task.resolve_config(given, saved)
     config = config.replace(backend=cli.kernel_mode(config, given))
     cli.quiet_libraries(config.verbose)
+    compile_cache.enable(config.compile_cache)
     try:
         task.check_config(config)
         cli.check_optimizer(config)

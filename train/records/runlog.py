@@ -127,6 +127,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "perplexity": _OPT_NUM,
         "host_phases": (dict, type(None)),
         "memory": (dict, type(None)),
+        "compile_cache": (dict, type(None)),
     },
 }
 _ONE_TIME = {"count": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM}
@@ -160,7 +161,7 @@ LATER_KEYS: dict[str, frozenset[str]] = {
         {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
     ),
     "eval": frozenset({"perplexity"}),
-    "summary": frozenset({"perplexity", "memory", "host_phases"}),
+    "summary": frozenset({"perplexity", "memory", "host_phases", "compile_cache"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {

@@ -1,0 +1,41 @@
+"""XLA's persistent compilation cache in the training tools: a second identical run loads its compiled programs
+from the cache and its summary says so; ``--no-compile-cache`` compiles everything again."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = ["--steps", "2", "--eval-every", "0", "--no-progress", "--no-tensorboard", "--backend", "xla"]
+
+
+def _run(run_dir: Path, cache: Path, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    # Every program is written, however fast it compiled, so the tiny model's programs are cached too.
+    env.update(
+        JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "train.imdb", *FLAGS, "--run-dir", str(run_dir), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "run.jsonl").read_text().splitlines()[-1])
+    return summary["compile_cache"] | {"output": result.stdout}
+
+
+def test_a_second_run_loads_its_programs_from_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    first = _run(tmp_path / "first", cache)
+    assert first["directory"] == str(cache) and first["requests"] > 0 and first["hits"] == 0
+    second = _run(tmp_path / "second", cache)
+    assert second["hits"] == second["requests"] == first["requests"]
+    assert f"{second['hits']} of {second['requests']} compiled programs loaded from the cache" in second["output"]
+    off = _run(tmp_path / "off", cache, "--no-compile-cache")
+    assert off["directory"] is None and off["hits"] == 0 and "compilation cache off" in off["output"]

@@ -1,0 +1,81 @@
+"""XLA's persistent compilation cache for the training tools, on unless ``--no-compile-cache``.
+
+A compiled program is written to the cache directory and loaded again by a later process that compiles the same
+program on the same devices and versions: a re-run, a resumed run, a sweep's runs of repeated shapes skip most of
+their compilation. The directory is ``$JAX_COMPILATION_CACHE_DIR`` when set, else
+``${XDG_CACHE_HOME:-~/.cache}/ls_jax/xla``, holding at most ``MAX_BYTES`` (the least recently used entries go
+first) unless ``$JAX_COMPILATION_CACHE_MAX_SIZE`` says otherwise. JAX's other thresholds apply (programs that
+compiled in under ``jax_persistent_cache_min_compile_time_secs``, one second by default, are not written).
+
+`CacheUse` counts, through ``jax.monitoring``, the compilations that asked the cache and those it answered, so the
+summary can say how much of the compilation came from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import jax
+
+REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+MAX_BYTES = 10 * 2**30
+
+
+def default_directory() -> Path:
+    """Where the cache lives unless ``$JAX_COMPILATION_CACHE_DIR`` says otherwise."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()
+    return Path(root) / "ls_jax" / "xla"
+
+
+def enable(on: bool) -> Path | None:
+    """Turns the cache on in its directory (made if missing) or off, and starts counting its use (`use`); returns
+    the directory, None when off."""
+    use()
+    if not on:
+        jax.config.update("jax_enable_compilation_cache", False)
+        _use.directory = None
+        return None
+    directory = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_directory())
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    _use.directory = str(directory)
+    return directory
+
+
+@dataclasses.dataclass
+class CacheUse:
+    """The cache's ``directory`` (None: off) and the compilations of this process that asked it (``requests``) and
+    that it answered (``hits``)."""
+
+    directory: str | None = None
+    requests: int = 0
+    hits: int = 0
+
+
+def use() -> CacheUse:
+    """This process's running counts (listening from the first call on)."""
+    global _registered
+    with _listening:
+        if not _registered:
+            jax.monitoring.register_event_listener(_count)
+            _registered = True
+    return _use
+
+
+_use = CacheUse()
+_listening = threading.Lock()
+_registered = False
+
+
+def _count(event: str, **_: object) -> None:
+    if event == REQUEST_EVENT:
+        _use.requests += 1
+    elif event == HIT_EVENT:
+        _use.hits += 1

@@ -117,6 +117,7 @@ class DeviceSpec:
     price: Price | None = None
     power: Power | None = None
     per_logical_cpu: bool = False  # price and power per logical CPU (vCPU), not per JAX device
+    max_power_w: float | None = None  # the datasheet's maximum board power: no measured average can exceed it
 
     def matches(self, device_kind: str) -> bool:
         return re.search(self.pattern, device_kind, re.IGNORECASE) is not None
@@ -153,6 +154,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0},
         _NV.format("H100 PCIe"),
         Price(4.916, _AWS_CB + " (H100 SXM price)"),
+        max_power_w=350,
     ),
     DeviceSpec(
         "H100-NVL",
@@ -160,6 +162,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
         _NV.format("H100 NVL"),
         Price(4.916, _AWS_CB + " (H100 SXM price)"),
+        max_power_w=400,
     ),
     DeviceSpec(
         "H100-SXM",
@@ -167,6 +170,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
         _NV.format("H100 SXM"),
         Price(4.916, _AWS_CB),
+        max_power_w=700,
     ),
     DeviceSpec(
         "H200-NVL",
@@ -174,6 +178,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
         _NV.format("H200 NVL"),
         Price(5.408, _AWS_CB + " (H200 SXM price)"),
+        max_power_w=600,
     ),
     DeviceSpec(
         "H200-SXM",
@@ -181,6 +186,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
         _NV.format("H200 SXM"),
         Price(5.408, _AWS_CB),
+        max_power_w=700,
     ),
     DeviceSpec(
         "A100-80GB",
@@ -188,9 +194,15 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
         _NV.format("A100"),
         Price(3.93, _GCP_GPU),
+        max_power_w=400,
     ),
     DeviceSpec(
-        "A100-40GB", r"a100", {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0}, _NV.format("A100"), Price(2.934, _GCP_GPU)
+        "A100-40GB",
+        r"a100",
+        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
+        _NV.format("A100"),
+        Price(2.934, _GCP_GPU),
+        max_power_w=400,
     ),
     DeviceSpec(
         "V100-PCIe",
@@ -198,6 +210,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 14.0, "bf16": None, "fp16": 112.0},
         _NV.format("V100 PCIe"),
         Price(2.48, _GCP_GPU),
+        max_power_w=250,
     ),
     DeviceSpec(
         "V100-SXM2",
@@ -205,6 +218,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 15.7, "bf16": None, "fp16": 125.0},
         _NV.format("V100 SXM2"),
         Price(2.48, _GCP_GPU),
+        max_power_w=300,
     ),
     DeviceSpec(
         "A10",
@@ -212,8 +226,16 @@ DEVICES: tuple[DeviceSpec, ...] = (
         {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0},
         _NV.format("A10"),
         Price(0.75, "Lambda GPU cloud pricing, 1x A10 on-demand, listed 2024"),
+        max_power_w=150,
     ),
-    DeviceSpec("T4", r"\bt4\b", {"fp32": 8.1, "bf16": None, "fp16": 65.0}, _NV.format("T4"), Price(0.35, _GCP_GPU)),
+    DeviceSpec(
+        "T4",
+        r"\bt4\b",
+        {"fp32": 8.1, "bf16": None, "fp16": 65.0},
+        _NV.format("T4"),
+        Price(0.35, _GCP_GPU),
+        max_power_w=70,
+    ),
     DeviceSpec(
         "TPU-v2",
         r"tpu v2",

@@ -17,7 +17,7 @@ def test_top_level_help_names_the_suites(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     out = capsys.readouterr().out
-    suites = "{attention,cli-scaling,counters,e2e,flops,gemm,ops,optim,profile,scaling,timeline}"
+    suites = "{attention,cli-scaling,counters,e2e,flops,gemm,ops,optim,profile,scaling,schedule,timeline}"
     assert "SUITE --help" in out and suites in out
 
 

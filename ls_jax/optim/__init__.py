@@ -57,6 +57,7 @@ params written), as with f32 params. ``update`` returns the f32 updates that ``o
 the same 16-bit params ``apply`` writes.
 """
 
+from ls_jax.optim import registry
 from ls_jax.optim.adam import AdamState, adam, adamw
 from ls_jax.optim.adan import AdanState, adan
 from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
@@ -79,5 +80,6 @@ __all__ = [
     "chain",
     "fused_apply",
     "master_params",
+    "registry",
     "shard_optimizer",
 ]

@@ -11,12 +11,12 @@ import optax
 import pytest
 
 import ls_jax.optim
+from ls_jax.optim import registry
 from train.costs import compiled
 from train.errors import UsageError
 from train.harness import cli
 from train.harness.config import TrainingConfig
 from train.harness.optimizer import (
-    DEFAULT_HYPERPARAMETERS,
     hyperparameters,
     implementation,
     linear_warmup_decay,
@@ -77,9 +77,10 @@ def test_unfused_optimizer_is_plain_optax():
 
 
 def test_hyperparameters_defaults_and_bad_values():
-    assert hyperparameters("optax-adan", {"b3": 0.9}) == {**DEFAULT_HYPERPARAMETERS["adan"], "b3": 0.9}
-    assert hyperparameters("adamw", {"b1": None}) == DEFAULT_HYPERPARAMETERS["adamw"]
-    with pytest.raises(ValueError, match="--b3 is an Adan hyperparameter"):
+    adan_defaults = {"b1": 0.98, "b2": 0.92, "b3": 0.99, "eps": 1e-8}
+    assert hyperparameters("optax-adan", {"b3": 0.9}) == {**adan_defaults, "b3": 0.9}
+    assert hyperparameters("adamw", {"b1": None}) == {"b1": 0.9, "b2": 0.98, "eps": 1e-8}
+    with pytest.raises(ValueError, match="--b3 is Adan's hyperparameter; adamw has only b1, b2, eps"):
         hyperparameters("adamw", {"b3": 0.9})
     with pytest.raises(ValueError, match="--b1 1 is out of range"):
         hyperparameters("adan", {"b1": 1.0})
@@ -98,7 +99,7 @@ def test_implementation_names_what_runs():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"optimizer": "adamw", "b3": 0.9}, "--optimizer adamw: --b3 is an Adan hyperparameter"),
+        ({"optimizer": "adamw", "b3": 0.9}, "--optimizer adamw: --b3 is Adan's hyperparameter"),
         ({"optimizer": "optax-adamw", "master_weights": True}, "--master-weights needs a fused optimizer"),
         ({"optimizer": "optax-adan", "shard_optimizer": True}, "--shard-optimizer needs a fused optimizer"),
     ],
@@ -181,7 +182,7 @@ def test_bad_optimizer_flag_is_one_line(tmp_path, capsys):
         imdb.TASK, ["--steps", "1", "--optimizer", "adamw", "--b3", "0.9", "--run-dir", str(tmp_path / "r")]
     )
     assert code == 2
-    assert "error: --optimizer adamw: --b3 is an Adan hyperparameter" in capsys.readouterr().err
+    assert "error: --optimizer adamw: --b3 is Adan's hyperparameter" in capsys.readouterr().err
 
 
 def test_the_logged_learning_rate_is_the_schedules_value_as_a_float():
@@ -206,3 +207,24 @@ def test_the_logged_learning_rate_compiles_at_setup_not_at_the_first_record(capl
     assert compilations(lambda: [lr(3), lr(8)]) == 0
     assert compilations(lambda: jax.jit(lambda step: schedule(step) + 1)(5)) == 1  # a compilation is seen
     assert [lr(3), lr(8)] == pytest.approx([0.375, 0.25])
+
+
+def test_a_registered_optimizer_gets_its_hyperparameters_help_and_errors(monkeypatch):
+    """The entry alone gives a new optimizer its hyperparameter checks, their help and the unfused refusals."""
+    spec = registry.OptimizerSpec(
+        "optax-sgd",
+        "SGD",
+        False,
+        {"b1": registry.Hyperparameter(0.5, "momentum")},
+        lambda lr, values, **_: optax.sgd(lr, momentum=values["b1"]),
+    )
+    monkeypatch.setitem(registry.OPTIMIZERS, "optax-sgd", spec)
+    assert "optax-sgd" in registry.names(fused=False)
+    assert registry.meaning("b1") == "AdamW: first-moment decay; Adan: first-moment decay; SGD: momentum"
+    with pytest.raises(ValueError, match="--eps is AdamW and Adan's hyperparameter; optax-sgd has only b1"):
+        spec.hyperparameters({"eps": 1e-6})
+    with pytest.raises(ValueError, match=r"needs a fused optimizer \(adamw, adan\); optax-sgd keeps no master"):
+        spec.build(0.1, {"b1": 0.5}, weight_decay=0.0, master_weights=True)
+    tx = spec.build(0.1, spec.hyperparameters({"b1": 0.0}), weight_decay=0.0)
+    updates, _ = tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+    np.testing.assert_allclose(updates["w"], -0.1 * np.ones(2))

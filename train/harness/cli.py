@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
+from ls_jax.optim import registry
 from train.costs import memory_budget
 from train.costs import metrics as metrics_lib
 from train.costs.precision import PRECISION_DTYPES
@@ -77,16 +78,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--optimizer",
         choices=optimizer_lib.OPTIMIZERS,
-        help="adamw, adan: ls_jax.optim's fused multi-tensor update; optax-adamw, optax-adan: optax's "
-        "unfused baselines (default adamw)",
+        help=f"{', '.join(optimizer_lib.FUSED)}: ls_jax.optim's fused multi-tensor update; "
+        f"{', '.join(optimizer_lib.UNFUSED)}: optax's unfused baselines (default adamw)",
     )
-    for name, meaning in (
-        ("b1", "first-moment decay"),
-        ("b2", "AdamW: second-moment decay; Adan: gradient-difference decay"),
-        ("b3", "Adan only: second-moment decay"),
-        ("eps", "denominator epsilon"),
-    ):
-        group.add_argument(f"--{name}", type=float, help=f"optimizer {meaning} (default: the optimizer's own)")
+    for name in optimizer_lib.HYPERPARAMETERS:
+        group.add_argument(
+            f"--{name}", type=float, help=f"optimizer {registry.meaning(name)} (default: the optimizer's own)"
+        )
     group.add_argument("--lr", type=float, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, help="linear warmup steps of the learning-rate schedule")
     group.add_argument("--weight-decay", type=float, help="decoupled weight decay on matrices")

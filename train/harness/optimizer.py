@@ -9,53 +9,29 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import ls_jax.optim
+from ls_jax.optim import registry
 
-FUSED = ("adamw", "adan")
-UNFUSED = ("optax-adamw", "optax-adan")
-OPTIMIZERS = FUSED + UNFUSED
-HYPERPARAMETERS = ("b1", "b2", "b3", "eps")
-# AdamW with fairseq's Transformer betas; Adan with its paper's (optax.adan's) defaults. Only Adan has b3.
-DEFAULT_HYPERPARAMETERS: dict[str, dict[str, float]] = {
-    "adamw": {"b1": 0.9, "b2": 0.98, "eps": 1e-8},
-    "adan": {"b1": 0.98, "b2": 0.92, "b3": 0.99, "eps": 1e-8},
-}
-
-
-def algorithm(name: str) -> str:
-    """The update rule of an optimizer name: ``adamw`` or ``adan`` (``optax-adan`` is Adan)."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
-    return name.removeprefix("optax-")
+OPTIMIZERS = registry.names()
+FUSED = registry.names(fused=True)
+UNFUSED = registry.names(fused=False)
+HYPERPARAMETERS = registry.hyperparameter_names()
 
 
 def hyperparameters(name: str, given: Mapping[str, float | None]) -> dict[str, float]:
     """The optimizer's defaults overridden by the ``given`` values that are not None.
 
     Raises:
-      ValueError: ``b3`` given for AdamW, or a beta outside [0, 1) or eps <= 0.
+      ValueError: an unknown optimizer, a hyperparameter it does not take, or a value out of range.
     """
-    values = dict(DEFAULT_HYPERPARAMETERS[algorithm(name)])
-    for key, value in given.items():
-        if value is None:
-            continue
-        if key not in values:
-            raise ValueError(f"--{key} is an Adan hyperparameter; {name} has only {', '.join(values)}")
-        values[key] = float(value)
-    for key, value in values.items():
-        valid = value > 0 if key == "eps" else 0.0 <= value < 1.0
-        if not valid:
-            raise ValueError(
-                f"--{key} {value:g} is out of range: " + ("eps must be > 0" if key == "eps" else "betas lie in [0, 1)")
-            )
-    return values
+    return registry.get(name).hyperparameters(given)
 
 
 def implementation(name: str, backend: str) -> str:
     """What runs one optimizer step: optax's per-leaf XLA ops, or ls_jax.optim's multi-tensor update through the
     CUDA kernel (``backend`` ffi) or its XLA form."""
-    if name in UNFUSED:
-        return f"optax.{algorithm(name)} (unfused, per-leaf XLA ops)"
+    spec = registry.get(name)
+    if not spec.fused:
+        return f"optax.{spec.rule.lower()} (unfused, per-leaf XLA ops)"
     form = "CUDA kernel" if backend == "ffi" else "XLA"
     return f"ls_jax.optim.{name} (fused multi-tensor, {form})"
 
@@ -127,17 +103,6 @@ def decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def _unfused(
-    name: str, schedule: optax.Schedule, values: Mapping[str, float], *, weight_decay: float, clip_norm: float | None
-) -> optax.GradientTransformation:
-    """optax's own AdamW or Adan, after optax's global-norm clipping when ``clip_norm`` is set."""
-    if name == "optax-adamw":
-        update = optax.adamw(schedule, **values, weight_decay=weight_decay, mask=decay_mask)
-    else:
-        update = optax.adan(schedule, **values, weight_decay=weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update
-
-
 def make_optimizer(
     name: str,
     schedule: optax.Schedule,
@@ -150,28 +115,22 @@ def make_optimizer(
     b3: float | None = None,
     eps: float | None = None,
 ) -> optax.GradientTransformation:
-    """The optimizer ``name`` (`OPTIMIZERS`) with the hyperparameters given (the rest from
-    `DEFAULT_HYPERPARAMETERS`); with ``master_dtype`` (bf16 or f16) a fused one keeps f32 master weights and trains
-    params of that dtype.
+    """The optimizer ``name`` (`ls_jax.optim.registry`) with the hyperparameters given (the rest its defaults),
+    decoupled weight decay on matrices; with ``master_dtype`` (bf16 or f16) a fused one keeps f32 master weights
+    and trains params of that dtype.
 
     Raises:
       ValueError: an unknown name or bad hyperparameter, or ``master_dtype`` with an unfused optimizer (optax
         keeps no master weights).
     """
-    values = hyperparameters(name, {"b1": b1, "b2": b2, "b3": b3, "eps": eps})
-    if name in UNFUSED:
-        if master_dtype is not None:
-            raise ValueError(
-                f"--master-weights needs a fused optimizer ({', '.join(FUSED)}); {name} keeps no master weights"
-            )
-        return _unfused(name, schedule, values, weight_decay=weight_decay, clip_norm=clip_norm)
-    options = dict(
+    spec = registry.get(name)
+    values = spec.hyperparameters({"b1": b1, "b2": b2, "b3": b3, "eps": eps})
+    return spec.build(
+        schedule,
+        values,
         weight_decay=weight_decay,
         mask=decay_mask,
-        max_grad_norm=clip_norm if clip_norm else None,
+        max_grad_norm=clip_norm or None,
         storage_dtype=master_dtype,
         master_weights=master_dtype is not None,
     )
-    if name == "adamw":
-        return ls_jax.optim.adamw(schedule, **values, **options)
-    return ls_jax.optim.adan(schedule, **values, **options)

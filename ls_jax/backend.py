@@ -112,6 +112,20 @@ def kernels_enabled() -> bool:
     return False
 
 
+def kernel_targets() -> tuple[str, ...]:
+    """The FFI targets of the kernel library, loaded (and built) on first use.
+
+    Raises:
+      KernelsUnavailableError: the kernels cannot be loaded (the reason is in the message).
+    """
+    reason = _load_kernels()
+    if reason is not None:
+        raise KernelsUnavailableError(f"the CUDA kernels cannot be loaded: {reason}")
+    import ffi_kernels
+
+    return ffi_kernels.load()  # loaded already: the names
+
+
 def active_backend() -> Literal["ffi", "xla"]:
     """The implementation that ops traced now run on JAX's default platform: ``"ffi"`` or ``"xla"``."""
     import jax

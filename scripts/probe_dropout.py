@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ffi_kernels
 from ls_jax import backend, ops
 
 start = time.perf_counter()
-ffi_kernels.load()
+backend.kernel_targets()
 print(f"load (build) {time.perf_counter() - start:.1f}s", flush=True)
 x = jax.random.normal(jax.random.PRNGKey(0), (4096, 1027), jnp.bfloat16)
 seed = ops.dropout_seed(jax.random.PRNGKey(1))

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import ffi_kernels
 import ls_jax.optim
 from ls_jax import backend, ops
 
@@ -164,7 +163,7 @@ def optimizer_cases() -> dict[str, Case]:
 
 def main(only: list[str]) -> int:
     with backend.use("ffi"):
-        every_target = set(ffi_kernels.load())
+        every_target = set(backend.kernel_targets())
         all_cases = {f"{name} {jnp.dtype(dtype).name}": case for dtype in DTYPES for name, case in cases(dtype).items()}
         all_cases.update(optimizer_cases())
         if only:

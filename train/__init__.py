@@ -7,7 +7,9 @@
   costs/            what a run costs: devices, FLOPs, time, energy, price, memory
   data/             what every input pipeline shares: epoch streams, tfds, the sentencepiece vocabulary
   sweep/ compare/   grids of runs and the reports that score them
-  bench/            benchmarks; reference/ the plain Flax models they and ``--implementation flax`` train
+  bench/            benchmarks
+  reference/        the plain Flax models the benchmarks and ``--implementation flax`` train
+  errors            how a run ends: the one-line errors and the exit code of each
 docs/architecture.md has the whole map.
 """
 

@@ -1,7 +1,7 @@
 """docs/architecture.md's one direction of imports (ffi_kernels <- ls_jax.ops <- ls_jax.layers <- ls_jax.models <-
-train's layers <- tpu; only the ops, the optimizer and the backend reach ffi_kernels) and the absence of import
-cycles, checked over the source with helpers.imports, and the checker itself on small packages with forbidden
-imports and a cycle."""
+train's layers <- tpu <- scripts; only the ops, the optimizer and the backend reach ffi_kernels) and the absence of
+import cycles, checked over the source with helpers.imports, and the checker itself on small packages with
+forbidden imports and a cycle."""
 
 import textwrap
 from pathlib import Path
@@ -64,6 +64,8 @@ def test_the_checker_sees_every_link_of_the_chain_in_the_source():
         ("train.harness.loop", "ffi_kernels"),
         ("train.bench.ops", "ffi_kernels.build"),
         ("tpu.launch", "ffi_kernels"),
+        ("scripts.sanitize_kernels", "ffi_kernels"),
+        ("train.bench.ops", "scripts.gemm_probe"),
         ("ls_jax.layers.attention", "ffi_kernels"),
         ("ls_jax.models.bert", "ffi_kernels"),
         ("ls_jax.ops.dropout", "ls_jax.layers"),

@@ -5,7 +5,7 @@ Packages sit in layers, lowest first; a module may import its own layer and the 
     ffi_kernels  <-  ls_jax.backend  <-  ls_jax (root), ls_jax.ops, ls_jax.optim  <-  ls_jax.layers
                  <-  ls_jax.models   <-  train.errors  <-  train.data, train.costs, train.records, train.reference
                  <-  train.harness   <-  train.wmt, train.imdb, train.gpt, train.compare, train.sweep
-                 <-  train.bench     <-  train (root), tpu
+                 <-  train.bench     <-  train (root), tpu  <-  scripts
 
 and only the bridges (ls_jax.backend, ls_jax.ops, ls_jax.optim) import ffi_kernels: a layer, a model or the
 training harness never reaches a kernel except through an op or the optimizer. Every import counts: module
@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train.wmt", "train.imdb", "train.gpt", "train.compare", "train.sweep"),
     ("train.bench",),
     ("train", "tpu"),
+    ("scripts",),
 )
 KERNEL_PACKAGE = "ffi_kernels"
 KERNEL_BRIDGES: tuple[str, ...] = ("ls_jax.backend", "ls_jax.ops", "ls_jax.optim")

@@ -1,8 +1,10 @@
 """``python -m train.imdb``, sequence classification: BERT fine-tuned on reviews (IMDB, local files, or the embedded
 synthetic task).
 
-task        the flags, defaults and one run's setup (`TASK`, run by `train.harness.training`)
+task        one run's setup (`TASK`, run by `train.harness.training`)
+config      the flags as one typed configuration, with their defaults
 data        reading and batching the data
 model       the model, its loss and FLOP count
 synthetic   the embedded task a first run trains on, offline
+evaluate    the validation and test scores
 """

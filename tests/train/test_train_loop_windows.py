@@ -62,7 +62,10 @@ def test_slow_first_steps_are_the_warm_up_and_every_window_draws_the_meters_powe
     assert [summary[name]["count"] for name in ("compilation", "evaluation", "checkpoints")] == [1, 1, 1]
     one_time = sum(summary[name]["energy_j"] for name in ("compilation", "evaluation", "checkpoints"))
     assert summary["wall_energy_j"] > summary["energy_j"] + one_time
-    assert summary["wall_time_s"] > summary["train_time_s"] + summary["compilation"]["time_s"]
+    # Start-up, compilation, the steps, evaluation and checkpoints are disjoint stretches of the wall time.
+    parts = ("startup", "compilation", "evaluation", "checkpoints")
+    assert summary["startup"]["count"] == 1 and summary["startup"]["time_s"] > 0
+    assert summary["wall_time_s"] >= summary["train_time_s"] + sum(summary[name]["time_s"] for name in parts)
     # The interval records' energy covers the loop: compilation and training so far.
     last_interval = [r for r in runlog.read(tmp_path / runlog.LOG_FILENAME) if r["type"] == "interval"][-1]
     loop_energy = last_interval["energy_j"]
@@ -98,6 +101,7 @@ def test_a_resumed_run_counts_the_warm_up_and_compilation_of_each_segment(tmp_pa
     summary = resumed.summary
     # A checkpoint's counters are saved before its own write: the resumed run counts its own checkpoint only.
     assert summary["compilation"]["count"] == 2 and summary["checkpoints"]["count"] == 1
+    assert summary["startup"]["count"] == 2
     # Each segment's batches 1-3 are slow: its steps 1-2 hold them.
     assert 4 <= summary["warmup"]["steps"] <= 8 and summary["warmup"]["time_s"] >= 6 * SLOW
     assert summary["warmup"]["steps"] + summary["steady"]["steps"] == 20

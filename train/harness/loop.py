@@ -370,6 +370,8 @@ class _Loop:
     def _train_and_close(self) -> tuple[str, int | None, str | None]:
         """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
         run: (stop reason, first bad step or None, what could not be written or None)."""
+        # Start-up: imports, data, model and state, from the process's start; its energy from device detection on.
+        self.counters.startup.add(Span(time.monotonic() - self.wall_start, self.loop_started))
         try:
             with self._window(self.counters.compilation), self.signals.deferred("compilation"):
                 self.compiler.precompile(self.state, self.batch_shapes)

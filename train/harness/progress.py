@@ -19,7 +19,7 @@ from train.harness.config import Run
 from train.harness.host_phases import PHASES, HostPhases
 from train.records.runlog import QUALITY_KEYS, energy_fields, identity
 
-_TALLIES = ("compilation", "evaluation", "checkpoints")
+_TALLIES = ("startup", "compilation", "evaluation", "checkpoints")
 
 
 @dataclasses.dataclass
@@ -47,6 +47,7 @@ class Counters:
     step_flops: list[float | None] = dataclasses.field(default_factory=list)
     step_counts: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
     segment_starts: list[int] = dataclasses.field(default_factory=list)
+    startup: Tally = dataclasses.field(default_factory=Tally)  # each segment's, from its process start on
     compilation: Tally = dataclasses.field(default_factory=Tally)
     evaluation: Tally = dataclasses.field(default_factory=Tally)
     checkpoints: Tally = dataclasses.field(default_factory=Tally)

@@ -118,6 +118,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "wall_cost_usd": _OPT_NUM,
         "warmup": (dict,),
         "steady": (dict,),
+        "startup": (dict,),
         "compilation": (dict,),
         "evaluation": (dict,),
         "checkpoints": (dict,),
@@ -146,6 +147,7 @@ PARTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
             "power_w": _OPT_NUM,
             "cost_usd": _OPT_NUM,
         },
+        "startup": _ONE_TIME,
         "compilation": _ONE_TIME,
         "evaluation": _ONE_TIME,
         "checkpoints": _ONE_TIME,
@@ -161,7 +163,7 @@ LATER_KEYS: dict[str, frozenset[str]] = {
         {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
     ),
     "eval": frozenset({"perplexity"}),
-    "summary": frozenset({"perplexity", "memory", "host_phases", "compile_cache"}),
+    "summary": frozenset({"perplexity", "memory", "host_phases", "compile_cache", "startup"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {

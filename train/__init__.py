@@ -2,6 +2,7 @@
 ``train.compare`` (studies of many runs) and ``train.bench`` (benchmarks). Imports run one way, top to bottom:
 
   wmt/ imdb/ gpt/   the tasks: flags, data, model, evaluation; each hands a `Task` to the harness
+  tasks             every task by name, for the tools that compare and sweep runs
   harness/          run_training(task): flags every task shares, the loop, the step, parallelism, the optimizer
   records/          what a run leaves on disk: the run directory, its checkpoints and its run log
   costs/            what a run costs: devices, FLOPs, time, energy, price, memory

@@ -4,7 +4,7 @@ Packages sit in layers, lowest first; a module may import its own layer and the 
 
     ffi_kernels  <-  ls_jax.backend  <-  ls_jax (root), ls_jax.ops, ls_jax.optim  <-  ls_jax.layers
                  <-  ls_jax.models   <-  train.errors  <-  train.data, train.costs, train.records, train.reference
-                 <-  train.harness   <-  train.wmt, train.imdb, train.gpt, train.compare, train.sweep
+                 <-  train.harness   <-  train.wmt, train.imdb, train.gpt, train.tasks, train.compare, train.sweep
                  <-  train.bench     <-  train (root), tpu  <-  scripts
 
 and only the bridges (ls_jax.backend, ls_jax.ops, ls_jax.optim) import ffi_kernels: a layer, a model or the
@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("train.errors",),
     ("train.data", "train.costs", "train.records", "train.reference"),
     ("train.harness",),
-    ("train.wmt", "train.imdb", "train.gpt", "train.compare", "train.sweep"),
+    ("train.wmt", "train.imdb", "train.gpt", "train.tasks", "train.compare", "train.sweep"),
     ("train.bench",),
     ("train", "tpu"),
     ("scripts",),

@@ -25,7 +25,7 @@ from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
 from train.harness.optimizer import linear_warmup_decay
-from train.harness.training import Task, TaskSetup, run_training
+from train.harness.training import Quality, Task, TaskSetup, run_training
 
 FEATURES = 4
 ROWS = 8
@@ -126,7 +126,7 @@ def setup(run, precision: str, parallel) -> TaskSetup:
 TASK = Task(
     name="toy",
     counted=("examples",),
-    metric="loss",
+    quality=Quality("loss", "loss", False, float("inf")),
     config_type=ToyConfig,
     build_parser=build_parser,
     resolve_config=resolve_config,

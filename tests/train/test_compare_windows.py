@@ -14,10 +14,11 @@ from train.compare import report as compare
 from train.compare import runs as run_logs
 from train.compare.runs import Steady, Warmup
 from train.costs import windows
+from train.tasks import TASKS
 
 DATA = Path(__file__).parents[1] / "data"
 CPU_LOG = DATA / "windows" / "cpu-imdb" / "run.jsonl"
-OPEN_GATE = quality.Gate(quality.METRICS["imdb"], threshold=0.0, margin=0.999)
+OPEN_GATE = quality.Gate(TASKS["imdb"].quality, threshold=0.0, margin=0.999)
 PRICE = 4.916  # USD per device-hour (an H100)
 
 

@@ -1,8 +1,8 @@
 """The quality gate of a comparison: a run that did not learn is shown but never ranked.
 
-A run passes when its final quality (imdb: accuracy, wmt: BLEU, gpt: perplexity) is known, is at least as good as
-the task's threshold, and lies within ``margin`` of the best run: q >= (1 - margin) * q_best for a metric where
-higher is better, q <= (1 + margin) * q_best for perplexity.
+A run passes when its final quality (its task's `Quality`, `train.tasks`: imdb accuracy, wmt BLEU, gpt perplexity)
+is known, is at least as good as the task's threshold, and lies within ``margin`` of the best run: q >= (1 -
+margin) * q_best for a metric where higher is better, q <= (1 + margin) * q_best for perplexity.
 """
 
 from __future__ import annotations
@@ -11,28 +11,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from train.compare.runs import Run
+from train.harness.training import Quality
+from train.tasks import TASKS
 
-
-@dataclasses.dataclass(frozen=True)
-class Metric:
-    """A task's quality metric: the Run attribute holding it, and whether higher is better."""
-
-    key: str
-    label: str
-    higher_is_better: bool
-
-    def better_or_equal(self, value: float, bound: float) -> bool:
-        return value >= bound if self.higher_is_better else value <= bound
-
-
-METRICS = {
-    "imdb": Metric("accuracy", "accuracy", True),
-    "wmt": Metric("bleu", "BLEU", True),
-    "gpt": Metric("perplexity", "perplexity", False),
-}
-# Defaults: imdb is binary (chance 0.5); wmt's BLEU of a model that learned nothing is near 0; gpt's embedded corpus
-# gives a context-free (unigram) model a perplexity of 47, so a run at or above 40 has learned little context.
-DEFAULT_THRESHOLDS = {"imdb": 0.6, "wmt": 1.0, "gpt": 40.0}
 DEFAULT_MARGIN = 0.1
 
 
@@ -40,7 +21,7 @@ DEFAULT_MARGIN = 0.1
 class Gate:
     """Threshold and relative margin on ``metric``; `verdicts` applies them to runs."""
 
-    metric: Metric
+    metric: Quality
     threshold: float
     margin: float = DEFAULT_MARGIN
 
@@ -85,10 +66,11 @@ def default_gate(task: str, threshold: float | None = None, margin: float | None
     Raises:
       ValueError: a task without a quality metric.
     """
-    if task not in METRICS:
-        raise ValueError(f"task {task!r} has no quality metric; known: {', '.join(METRICS)}")
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} has no quality metric; known: {', '.join(TASKS)}")
+    metric = TASKS[task].quality
     return Gate(
-        METRICS[task],
-        DEFAULT_THRESHOLDS[task] if threshold is None else threshold,
+        metric,
+        metric.threshold if threshold is None else threshold,
         DEFAULT_MARGIN if margin is None else margin,
     )

@@ -25,6 +25,7 @@ from train.compare import runs as run_logs
 from train.costs import measured_utilization
 from train.errors import ArgumentParser
 from train.records import runlog
+from train.tasks import TASKS
 
 EXIT_USAGE = 2
 
@@ -76,9 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"comma-separated numbers (default: {scoring.DEFAULT_PRESET})",
     )
     add_window_argument(parser)
-    thresholds = ", ".join(
-        f"{task} {quality.METRICS[task].label} {value:g}" for task, value in quality.DEFAULT_THRESHOLDS.items()
-    )
+    thresholds = ", ".join(f"{name} {task.quality.label} {task.quality.threshold:g}" for name, task in TASKS.items())
     parser.add_argument(
         "--quality-threshold",
         type=float,

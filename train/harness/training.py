@@ -82,12 +82,28 @@ class TaskSetup:
 
 
 @dataclasses.dataclass(frozen=True)
+class Quality:
+    """How a task's runs are judged: the eval records' ``key`` (its ``label`` for people), whether higher is
+    better, and the quality gate's default ``threshold``, below which (above, for lower-is-better) a run has
+    learned little (`train.compare.quality`)."""
+
+    key: str
+    label: str
+    higher_is_better: bool
+    threshold: float
+
+    def better_or_equal(self, value: float, bound: float) -> bool:
+        return value >= bound if self.higher_is_better else value <= bound
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
-    """A training entry point, ``python -m train.<name>``, as `run_training` drives it."""
+    """A training entry point, ``python -m train.<name>``, as `run_training` drives it, and what the tools that
+    compare and sweep runs need of it; `train.tasks` lists every task."""
 
     name: str  # also the run record's task
     counted: tuple[str, ...]  # what a step counts (tokens, examples): the run log's throughput keys
-    metric: str  # the quality metric the final summary names (BLEU, accuracy)
+    quality: Quality  # the metric the final summary names and the reports rank by
     config_type: type[TrainingConfig]  # the typed configuration its flags fill (a saved config.json is checked on it)
     build_parser: Callable[[], argparse.ArgumentParser]  # the task's flags and `cli.add_training_arguments`
     resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
@@ -96,6 +112,7 @@ class Task:
     score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
     loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
     memory_advice: str = "lower the batch size, or train a smaller model"  # the flags that make a step smaller
+    batch_axes: tuple[str, ...] = ("batch_size",)  # the flags that size its batches (sweep axes of this task only)
 
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
@@ -422,7 +439,7 @@ def reporting(
     def run(state: TrainState, final: bool) -> list[dict[str, Any]]:
         records = evaluate(state, final)
         if not final and jax.process_index() == 0:
-            scores = ", ".join(f"{record['split']} {task.metric} {task.score(record)}" for record in records)
+            scores = ", ".join(f"{record['split']} {task.quality.label} {task.score(record)}" for record in records)
             tqdm.write(f"step {int(jax.device_get(state.step))}/{steps}  evaluation: {scores}", file=sys.stderr)
         return records
 
@@ -455,7 +472,7 @@ def _finish(
             f"\n{s['stop_reason']} after {s['steps']} steps in {s['train_time_s']:.1f} s of training "
             f"({s['wall_time_s']:.1f} s wall); energy {energy}",
             *progress.describe_windows(s, lambda record: throughput(task.counted, record)),
-            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.metric} {scores}",
+            f"  final loss  {format_value(s['final_loss'], '.4f')} ({task.loss_name}), {task.quality.label} {scores}",
             f"  memory      {memory.describe(s['memory'])}",
             f"  run log     {log_path}",
             f"  compare     python -m train.compare {shlex.quote(str(log_path))} OTHER_RUN/run.jsonl",

@@ -35,7 +35,7 @@ from train.harness import resume
 from train.harness.config import Run
 from train.harness.optimizer import linear_warmup_decay
 from train.harness.parallel import DataParallel
-from train.harness.training import Task, TaskSetup, format_value
+from train.harness.training import Quality, Task, TaskSetup, format_value
 from train.imdb import config as imdb_config
 from train.imdb import data as imdb_data
 from train.imdb.config import ImdbConfig, Schedule
@@ -153,7 +153,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
 TASK = Task(
     name="imdb",
     counted=("examples",),
-    metric="accuracy",
+    quality=Quality("accuracy", "accuracy", True, 0.6),  # two classes: chance is 0.5
     config_type=ImdbConfig,
     build_parser=imdb_config.build_parser,
     resolve_config=imdb_config.resolve_config,
@@ -162,4 +162,5 @@ TASK = Task(
     score=lambda record: format_value(record["accuracy"], ".2%"),
     memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
     "or choose a smaller --preset",
+    batch_axes=("batch_size", "max_seq_len"),
 )

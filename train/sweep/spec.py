@@ -40,16 +40,13 @@ from ls_jax.layers.config import REMAT_MODES
 from train.compare.scoring import DEFAULT_PRESET, WEIGHT_PRESETS, parse_weights, preset_name
 from train.costs.precision import PRECISION_DTYPES
 from train.errors import UsageError
-from train.gpt import config as gpt_config
 from train.harness.cli import IMPLEMENTATIONS
 from train.harness.optimizer import OPTIMIZERS
-from train.imdb import config as imdb_config
-from train.wmt import config as wmt_config
+from train.tasks import TASKS
 
-TASKS = ("imdb", "wmt", "gpt")
 BACKENDS = ("auto", "ffi", "xla")
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "task": TASKS,
+    "task": tuple(TASKS),
     "implementation": IMPLEMENTATIONS,
     "optimizer": OPTIMIZERS,
     "precision": ("auto", *PRECISION_DTYPES),
@@ -83,8 +80,6 @@ _SHORT = {
     "seed": "seed",
     "remat": "remat-",
 }
-_TASK_AXES = {"max_tokens": ("wmt",), "max_seq_len": ("imdb", "gpt"), "batch_size": ("imdb", "gpt")}
-_TASK_CONFIGS = {"imdb": imdb_config, "wmt": wmt_config, "gpt": gpt_config}  # each task's parser and checks
 _KEYS = ("name", "out", "weights", "axes", "flags", "grid")
 
 
@@ -203,7 +198,8 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     axes = {**common, **_axes(table, where)}
     if "task" not in axes:
         raise UsageError(f"{where}: no task; set task (one of {', '.join(TASKS)}) in [axes] or the grid")
-    for key, tasks in _TASK_AXES.items():
+    for key in dict.fromkeys(axis for task in TASKS.values() for axis in task.batch_axes):
+        tasks = [name for name, task in TASKS.items() if key in task.batch_axes]
         wrong = [task for task in axes.get(key, []) and axes["task"] if task not in tasks]
         if wrong:
             raise UsageError(
@@ -220,8 +216,8 @@ def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
     Raises:
       UsageError: a flag the task does not know, a value it cannot parse, or one out of range.
     """
-    module = _TASK_CONFIGS[point.task]
-    parser = module.build_parser()
+    task = TASKS[point.task]
+    parser = task.build_parser()
 
     def refuse(message: str) -> None:
         raise UsageError(f"{where}: train.{point.task} {message}")
@@ -229,7 +225,7 @@ def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
     parser.error = refuse  # argparse would print its usage and exit; one line instead
     given = vars(parser.parse_args(point.flags(flags)))
     try:
-        module.check_config(module.resolve_config(given, None))
+        task.check_config(task.resolve_config(given, None))
     except UsageError as err:
         refuse(str(err))
 

@@ -34,7 +34,7 @@ from train.errors import UsageError
 from train.harness.config import Run
 from train.harness.optimizer import inverse_sqrt_schedule
 from train.harness.parallel import DataParallel
-from train.harness.training import Task, TaskSetup, format_value
+from train.harness.training import Quality, Task, TaskSetup, format_value
 from train.wmt import config as wmt_config
 from train.wmt import data as wmt_data
 from train.wmt.config import WmtConfig
@@ -156,7 +156,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
 TASK = Task(
     name="wmt",
     counted=("tokens", "target_tokens"),
-    metric="BLEU",
+    quality=Quality("bleu", "BLEU", True, 1.0),  # a model that learned nothing scores near 0
     config_type=WmtConfig,
     build_parser=wmt_config.build_parser,
     resolve_config=wmt_config.resolve_config,
@@ -166,4 +166,5 @@ TASK = Task(
     loss_name="label-smoothed training loss, see --label-smoothing",
     memory_advice="lower --max-tokens (raise --grad-accum to keep the batch), add --remat layer, or choose a "
     "smaller --preset",
+    batch_axes=("max_tokens",),
 )

@@ -393,11 +393,17 @@ def test_peer_timeout_without_distributed_is_refused(tmp_path, capsys):
     assert err == ["error: --peer-timeout applies only to a --distributed run; add --distributed or drop it"]
 
 
-def test_backend_flag_wins_over_the_kernels_variable(monkeypatch):
-    from train.harness import cli
+def test_backend_flag_wins_over_the_kernels_variable_which_wins_over_a_saved_run(monkeypatch):
+    from train.errors import UsageError
+    from train.harness import config as config_lib
 
+    saved = {"backend": "ffi"}
     monkeypatch.setenv("LS_JAX_KERNELS", "xla")
-    assert cli.kernel_mode(TrainingConfig(backend="ffi"), {"backend": "ffi"}) == "ffi"
-    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "xla"
+    assert config_lib.resolve(TrainingConfig, {"backend": "ffi"}, saved, {}).backend == "ffi"
+    assert config_lib.resolve(TrainingConfig, {}, saved, {}).backend == "xla"
+    monkeypatch.setenv("LS_JAX_KERNELS", "cuda")
+    with pytest.raises(UsageError, match="set it to one of them or pass --backend"):
+        config_lib.resolve(TrainingConfig, {}, None, {})
     monkeypatch.delenv("LS_JAX_KERNELS")
-    assert cli.kernel_mode(TrainingConfig(backend="auto"), {}) == "auto"
+    assert config_lib.resolve(TrainingConfig, {}, saved, {}).backend == "ffi"
+    assert config_lib.resolve(TrainingConfig, {}, None, {}).backend == "auto"

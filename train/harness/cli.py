@@ -14,7 +14,6 @@ import argparse
 import inspect
 import logging
 import math
-import os
 import signal
 import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -298,20 +297,13 @@ def check_optimizer(config: TrainingConfig) -> None:
                 )
 
 
-def kernel_mode(config: TrainingConfig, given: Mapping[str, Any]) -> str:
-    """The backend a run uses: ``--backend`` when given now, else ``$LS_JAX_KERNELS`` when set, else the
-    configuration's (a resumed run's saved mode, or ``auto``). Raises UsageError for a variable that names no mode,
-    and for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1 (read when attention is traced, too late for one line)."""
+def check_environment() -> None:
+    """Raises UsageError for a ``$LS_JAX_CUDNN_ATTENTION`` other than 0 or 1, which is read when attention is traced,
+    too late for one line (``$LS_JAX_KERNELS`` is a source of the configuration, `config.resolve`)."""
     try:
         attention_ops.cudnn_enabled()
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if "backend" in given or not os.environ.get(backend_lib.ENV_VAR, "").strip():
-        return config.backend
-    try:
-        return backend_lib.requested_mode()
-    except ValueError as err:
-        raise UsageError(f"{err}; set it to one of them or pass --backend") from None
 
 
 def exit_code(result: TrainResult, checkpoints: Checkpoints, resume_command: str) -> int:

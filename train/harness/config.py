@@ -1,20 +1,23 @@
 """Typed configuration. `TrainingConfig` holds the flags every task shares; each task subclasses it with its own
-fields (`train.wmt.task.WmtConfig`, ...), so a flag such as ``--max-tokens`` is the attribute ``config.max_tokens``
-from argparse to where it is used. `resolve` combines, in rising precedence, the dataclass defaults, the defaults
-of the data source, a resumed run's saved configuration and the flags given now; the result is checked once by
-the task and the harness, saved to config.json and read back on ``--resume``.
+fields (`train.wmt.config.WmtConfig`, ...), so a flag such as ``--max-tokens`` is the attribute
+``config.max_tokens`` from argparse to where it is used. `resolve` combines, in rising precedence, the dataclass
+defaults, the defaults of the data source, a resumed run's saved configuration, the environment and the flags given
+now; the result is checked once by the task and the harness, saved to config.json and read back on ``--resume``.
 
-`Run` is what a task's setup starts from: the configuration, the flags of this invocation and the run directory.
+`Run` is what a task's setup starts from: the configuration, which flags this invocation gave, and the run
+directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
+from ls_jax import backend as backend_lib
 from train.errors import UsageError
 
 
@@ -85,14 +88,32 @@ def resolve(
     config_type: type[C], given: Mapping[str, Any], saved: Mapping[str, Any] | None, by_data: Mapping[str, Any]
 ) -> C:
     """``config_type``'s defaults < ``by_data`` (the data source's defaults) < ``saved`` (a resumed run's
-    config.json; keys it holds that are no field, such as ``run_id``, are left out) < ``given`` (this command
-    line's flags, every one a field)."""
+    config.json; keys it holds that are no field, such as ``run_id``, are left out) < the environment
+    (`environment`) < ``given`` (this command line's flags, every one a field).
+
+    Raises:
+      UsageError: an environment variable of `environment` names no value its field takes.
+    """
     names = field_names(config_type)
     unknown = sorted(set(given) - names)
     if unknown:  # a parser flag without a field is a programming error, not the user's
         raise TypeError(f"{config_type.__name__} has no field for {', '.join(unknown)}")
     kept = {key: value for key, value in (saved or {}).items() if key in names}
-    return config_type(**{**by_data, **kept, **given})
+    return config_type(**{**by_data, **kept, **environment(), **given})
+
+
+def environment() -> dict[str, Any]:
+    """The fields set by environment variables: ``$LS_JAX_KERNELS`` (`ls_jax.backend`) sets ``backend``.
+
+    Raises:
+      UsageError: a variable that names no value its field takes.
+    """
+    if not os.environ.get(backend_lib.ENV_VAR, "").strip():
+        return {}
+    try:
+        return {"backend": backend_lib.requested_mode()}
+    except ValueError as err:
+        raise UsageError(f"{err}; set it to one of them or pass --backend") from None
 
 
 def flag(name: str) -> str:
@@ -175,7 +196,8 @@ class Run:
     """What a task's training starts from."""
 
     config: Any  # the task's TrainingConfig subclass, resolved and checked
-    given: dict[str, Any]  # the flags of this invocation, as argparse parsed them
+    given: frozenset[str]  # the fields whose flags this command line gave
+    changed: tuple[str, ...]  # on --resume: ``--flag NEW (was OLD)`` for each flag that changes the saved run
     run_id: str
     run_dir: Path
     command: str  # the command line, for the run record

@@ -136,7 +136,7 @@ def _start(task: Task, argv: list[str]) -> int:
         config_lib.check_saved(task.config_type, saved, saved_path, given)
     config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
-    config = config.replace(backend=cli.kernel_mode(config, given))
+    cli.check_environment()
     cli.quiet_libraries(config.verbose)
     compile_cache.enable(config.compile_cache)
     try:
@@ -167,7 +167,9 @@ def _start(task: Task, argv: list[str]) -> int:
         with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume_command, config.peer_timeout):
             with backend_lib.use(config.backend):
                 backend_lib.active_backend()
-                return _train(task, Run(config, given, run_id, run_dir, command, started_at, started_utc))
+                changed = tuple(resume.changed_flags(saved, config, given)) if saved else ()
+                run = Run(config, frozenset(given), changed, run_id, run_dir, command, started_at, started_utc)
+                return _train(task, run)
 
 
 def check_resume_directory(given: Mapping[str, Any]) -> None:
@@ -408,10 +410,9 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
             tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
         if jax.process_index() == 0:
             runlog.truncate_for_resume(run_dir, step)
-            flags = resume.changed_flags(load_saved_config(run_dir), config, run.given)
             moved = f"; its learning rate goes on from {rate:.3g} into the schedule of --steps {setup.steps}"
             print(
-                f"resuming {run_dir} at step {step}{' with ' + ', '.join(flags) if flags else ''}"
+                f"resuming {run_dir} at step {step}{' with ' + ', '.join(run.changed) if run.changed else ''}"
                 f"{moved if changed else ''}",
                 file=sys.stderr,
             )

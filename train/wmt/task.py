@@ -114,7 +114,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     max_len = config.max_len or max_seq_len
     if max_len > max_seq_len:
         raise UsageError(f"--max-len {max_len} exceeds the model's max_seq_len {max_seq_len} ({config.preset})")
-    data = load_data(config, run.given.get("spm"), run.run_dir, max_len)
+    data = load_data(config, config.spm if "spm" in run.given else None, run.run_dir, max_len)
     model_cfg = model_config(config, data.stats["vocab_size"], precision)
     model = build_model(config.implementation, model_cfg)
     criterion = make_criterion(config.implementation, config.label_smoothing)

@@ -3,9 +3,11 @@
 A compiled program is written to the cache directory and loaded again by a later process that compiles the same
 program on the same devices and versions: a re-run, a resumed run, a sweep's runs of repeated shapes skip most of
 their compilation. The directory is ``$JAX_COMPILATION_CACHE_DIR`` when set, else
-``${XDG_CACHE_HOME:-~/.cache}/ls_jax/xla``, holding at most ``MAX_BYTES`` (the least recently used entries go
-first) unless ``$JAX_COMPILATION_CACHE_MAX_SIZE`` says otherwise. JAX's other thresholds apply (programs that
-compiled in under ``jax_persistent_cache_min_compile_time_secs``, one second by default, are not written).
+``${XDG_CACHE_HOME:-~/.cache}/ls_jax/xla``. JAX's thresholds apply (programs that compiled in under
+``jax_persistent_cache_min_compile_time_secs``, one second by default, are not written). The cache is left
+unbounded, as JAX leaves it: JAX's size limit (``jax_compilation_cache_max_size``) keeps a second file per entry,
+and a process stopped between writing the two (a Ctrl-C during compilation) leaves every later write to that
+directory failing with a warning. Delete the directory to empty it.
 
 `CacheUse` counts, through ``jax.monitoring``, the compilations that asked the cache and those it answered, so the
 summary can say how much of the compilation came from it.
@@ -22,7 +24,6 @@ import jax
 
 REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
-MAX_BYTES = 10 * 2**30
 
 
 def default_directory() -> Path:
@@ -43,8 +44,6 @@ def enable(on: bool) -> Path | None:
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     _use.directory = str(directory)
     return directory
 

@@ -88,7 +88,7 @@ def run_loop(
     state = state if state is not None else parallel.replicate(new_state(tx))
     run_log = runlog.RunLog(tmp_path, ("examples",), tensorboard=False)
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=10)
-    result = loop.train(
+    result = loop.Loop(
         state,
         compiler=StepCompiler(make_train_step(toy_loss, tx, axis_name=DATA_AXIS), StateLayout(parallel), state),
         parallel=parallel,
@@ -104,7 +104,7 @@ def run_loop(
             num_steps=steps, log_every=log_every, checkpoint_every=checkpoint_every, progress_bar=False
         ),
         counters=counters,
-    )
+    ).run()
     run_log.close()
     return result, checkpoints
 

@@ -22,7 +22,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import jax
 from tqdm import tqdm
@@ -98,30 +98,43 @@ def progress_line(record: Mapping[str, Any], num_steps: int) -> str:
     )
 
 
-class _Loop:
-    """One segment of a run (from start or from a checkpoint); see `train`."""
+class Loop:
+    """One segment of a run (from the start or from a checkpoint): ``Loop(state, ...).run()``.
+
+    Trains until ``config.num_steps``, a signal, or a non-finite loss, then writes the summary record.
+
+    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
+    Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
+    when the caller already handles them): in the step loop it finishes the step in flight; during compilation it
+    stops once the compilation returns, during an evaluation at once; either way it writes a checkpoint if a step
+    was taken since the last one, and stops. Non-finite loss or state: stops without writing a checkpoint, and no
+    checkpoint is ever written of a non-finite state, so the latest one on disk is finite. A checkpoint or log write
+    that fails stops the run (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says
+    which of these ended it.
+    """
 
     def __init__(
         self,
-        state,
+        state: TrainState,
         *,
-        compiler,
-        parallel,
-        stream,
-        flops_fn,
-        lr_fn,
-        evaluate,
-        hardware,
-        run_log,
-        checkpoints,
-        model_signature,
-        config,
-        counters,
-        signals,
-        batch_shapes,
+        compiler: StepCompiler,
+        parallel: DataParallel,
+        stream: BatchStream,
+        flops_fn: Callable[[Mapping[str, tuple[int, ...]]], float],
+        lr_fn: Callable[[int], float],
+        evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
+        hardware: Hardware,
+        run_log: RunLog,
+        checkpoints: Checkpoints | None,
+        model_signature: dict[str, Any],
+        config: LoopConfig,
+        counters: Counters | None = None,
+        signals: StopSignals | None = None,
+        batch_shapes: Sequence[Mapping[str, tuple[tuple[int, ...], Any]]] = (),
     ):
+        counters = counters or Counters()
         self.state = state
-        self.signals, self.batch_shapes = signals, batch_shapes
+        self.signals, self.batch_shapes = signals, list(batch_shapes)
         self.compiler, self.parallel, self.stream = compiler, parallel, stream
         self.flops_fn, self.lr_fn, self.evaluate = flops_fn, lr_fn, evaluate
         self.hardware, self.run_log, self.checkpoints = hardware, run_log, checkpoints
@@ -399,6 +412,13 @@ class _Loop:
             return "io_error", None, _write_error(err)
 
     def run(self) -> TrainResult:
+        """Trains, then writes the summary record (see the class docstring)."""
+        if self.signals is None:
+            with StopSignals() as self.signals:
+                return self._run()
+        return self._run()
+
+    def _run(self) -> TrainResult:
         stop_reason, bad_step, error = self._train_and_close()
         self.progress.close()
         steps_done = bad_step - 1 if stop_reason == "nan" else self.step
@@ -417,53 +437,3 @@ class _Loop:
                 file=sys.stderr,
             )
         return TrainResult(self.state, stop_reason, steps_done, summary, self.signals.received, error)
-
-
-def train(
-    state: TrainState,
-    *,
-    compiler: StepCompiler,
-    parallel: DataParallel,
-    stream: BatchStream,
-    flops_fn: Callable[[Mapping[str, tuple[int, ...]]], float],
-    lr_fn: Callable[[int], float],
-    evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],
-    hardware: Hardware,
-    run_log: RunLog,
-    checkpoints: Checkpoints | None,
-    model_signature: dict[str, Any],
-    config: LoopConfig,
-    counters: Counters | None = None,
-    signals: StopSignals | None = None,
-    batch_shapes: list[Mapping[str, tuple[tuple[int, ...], Any]]] = (),
-) -> TrainResult:
-    """Trains until ``config.num_steps``, a signal, or a non-finite loss, then writes the summary record.
-
-    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
-    Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
-    when the caller already handles them): in the step loop it finishes the step in flight; during compilation it
-    stops once the compilation returns, during an evaluation at once; either way it writes a checkpoint if a step
-    was taken since the last one, and stops. Non-finite loss or state: stops without writing a checkpoint, and no
-    checkpoint is ever written of a non-finite state, so the latest one on disk is finite. A checkpoint or log write
-    that fails stops the run (``"io_error"``). ``counters`` continue a resumed run's totals. The summary record says
-    which of these ended it.
-    """
-    with contextlib.nullcontext(signals) if signals is not None else StopSignals() as active:
-        loop = _Loop(
-            state,
-            compiler=compiler,
-            parallel=parallel,
-            stream=stream,
-            flops_fn=flops_fn,
-            lr_fn=lr_fn,
-            evaluate=evaluate,
-            hardware=hardware,
-            run_log=run_log,
-            checkpoints=checkpoints,
-            model_signature=model_signature,
-            config=config,
-            counters=counters or Counters(),
-            signals=active,
-            batch_shapes=list(batch_shapes),
-        )
-        return loop.run()

@@ -34,7 +34,7 @@ from train.harness import cli, compile_cache, peers, progress, resume
 from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
-from train.harness.loop import LoopConfig, TrainResult, train
+from train.harness.loop import Loop, LoopConfig, TrainResult
 from train.harness.parallel import (
     DATA_AXIS,
     DataParallel,
@@ -308,7 +308,7 @@ def _train(task: Task, run: Run) -> int:
         if jax.process_index() == 0:
             shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
             print(f"compiling the training step{shapes}", file=sys.stderr, flush=True)
-        result = train(
+        result = Loop(
             state,
             compiler=StepCompiler(
                 make_train_step(
@@ -344,7 +344,7 @@ def _train(task: Task, run: Run) -> int:
             counters=prepared.counters,
             signals=signals,
             batch_shapes=setup.batch_shapes,
-        )
+        ).run()
     return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
 
 

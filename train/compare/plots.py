@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from train.compare.runs import Run
+from train.compare.runs import LoggedRun
 from train.compare.scoring import WINDOW_LABELS, Comparison, figures, speedups_by_model_and_batch
 from train.compare.tables import Plot, si_scale, time_scale
 
@@ -42,14 +42,14 @@ def _figure(width: float = 7.0, height: float = 4.8) -> Figure:
 PER_UNITS = {"examples": 1_000, "tokens": 1_000_000}
 
 
-def device_markers(runs: Sequence[Run]) -> dict[str, str]:
+def device_markers(runs: Sequence[LoggedRun]) -> dict[str, str]:
     """A marker per device kind, in order of first appearance."""
     kinds = list(dict.fromkeys(run.device_kind for run in runs))
     return {kind: MARKERS[i % len(MARKERS)] for i, kind in enumerate(kinds)}
 
 
-def kernel_colours(runs: Sequence[Run]) -> dict[str, str]:
-    """A colour per implementation, backend and precision (`Run.kernel_label`), in order of first appearance."""
+def kernel_colours(runs: Sequence[LoggedRun]) -> dict[str, str]:
+    """A colour per implementation, backend and precision (`LoggedRun.kernel_label`), in order of first appearance."""
     labels = list(dict.fromkeys(run.kernel_label for run in runs))
     return {label: f"C{i % 10}" for i, label in enumerate(labels)}
 

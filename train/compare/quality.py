@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from train.compare.runs import Run
+from train.compare.runs import LoggedRun
 from train.harness.training import Quality
 from train.tasks import TASKS
 
@@ -38,7 +38,7 @@ class Gate:
             f"{self.metric.label} {bound} {self.threshold:g} and not more than {self.margin:.0%} {side} the best run's"
         )
 
-    def verdicts(self, runs: Sequence[Run]) -> list[str | None]:
+    def verdicts(self, runs: Sequence[LoggedRun]) -> list[str | None]:
         """Per run: None when it passes, else why it did not converge."""
         values = [getattr(run, self.metric.key) for run in runs]
         known = [value for value in values if value is not None]

@@ -48,8 +48,9 @@ class Steady:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """One training run: its configuration (the ``run`` record) and its results (the ``summary`` record)."""
+class LoggedRun:
+    """One training run as its log tells it: its configuration (the ``run`` record) and its results (the ``summary``
+    record)."""
 
     source: Path
     run_id: str
@@ -201,7 +202,7 @@ def _check_usable(results: dict[str, Any], run_id: str, where: str) -> None:
         raise UnusableRun(f"left out run {run_id} ({where}): train_time_s={results['train_time_s']} must be > 0")
 
 
-def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict[str, Any], where: str) -> Run:
+def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict[str, Any], where: str) -> LoggedRun:
     config = _checked(run_record, run_where)
     schema = config["schema"]
     if schema not in runlog.READABLE_SCHEMAS:
@@ -218,7 +219,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         )
     batch_size, batch_unit, grad_accum = _batch(config["batch"], run_where)
     trained, trained_unit, throughput = _trained(summary, where, schema)
-    return Run(
+    return LoggedRun(
         source=source,
         run_id=config["run_id"],
         task=config["task"],
@@ -293,7 +294,7 @@ def is_run_log(path: Path) -> bool:
     return isinstance(record, dict) and record.get("type") == "run" and "schema" in record
 
 
-def read_run_log(path: Path) -> tuple[list[Run], list[str]]:
+def read_run_log(path: Path) -> tuple[list[LoggedRun], list[str]]:
     """The runs of one log, and a note for each run skipped because it has no summary.
 
     A log normally holds one run; every ``run`` record starts a new one (e.g. logs concatenated with ``cat``).
@@ -362,7 +363,7 @@ def find_run_logs(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
     return list(found), notes
 
 
-def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
+def load_runs(paths: Iterable[str | Path]) -> tuple[list[LoggedRun], list[str]]:
     """Every run with a summary in the logs named by ``paths`` (files or directories), and notes on what was left out:
     runs without a summary or a usable time, and logs that cannot be read (each note names the file, line and key).
 
@@ -371,7 +372,7 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
       ValueError: no run is left to compare (the message holds the notes).
     """
     logs, notes = find_run_logs(paths)
-    runs: list[Run] = []
+    runs: list[LoggedRun] = []
     for log in logs:
         try:
             log_runs, log_notes = read_run_log(log)
@@ -380,7 +381,7 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
             continue
         runs += log_runs
         notes += log_notes
-    first_seen: dict[str, Run] = {}
+    first_seen: dict[str, LoggedRun] = {}
     unique = []
     for run in runs:
         if run.run_id in first_seen:
@@ -396,7 +397,7 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[Run], list[str]]:
     return unique, notes
 
 
-def select_task(runs: Sequence[Run], task: str | None) -> list[Run]:
+def select_task(runs: Sequence[LoggedRun], task: str | None) -> list[LoggedRun]:
     """The runs of ``task``; with ``task=None`` the runs must all be of one task (scores compare one workload)."""
     counts = collections.Counter(run.task for run in runs)
     listing = ", ".join(f"{name}: {count} run{'s' * (count > 1)}" for name, count in counts.items())
@@ -409,7 +410,7 @@ def select_task(runs: Sequence[Run], task: str | None) -> list[Run]:
     return [run for run in runs if run.task == task]
 
 
-def find_baseline(runs: Sequence[Run], spec: str | None) -> int:
+def find_baseline(runs: Sequence[LoggedRun], spec: str | None) -> int:
     """Index of the baseline run: ``spec`` is a run id, a row number (``#1`` or ``1`` is the first) or a unique
     substring of a run id or log path; None means the slowest run, the one with the lowest throughput (the first
     run where no run logs one), so every other run's speedup reads as how much faster it is."""

@@ -33,7 +33,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from train.compare.quality import Gate, default_gate
-from train.compare.runs import Run
+from train.compare.runs import LoggedRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +124,11 @@ class Ratios:
     steady_speedup: float | None = None
 
 
-def _steady_throughput(run: Run) -> float | None:
+def _steady_throughput(run: LoggedRun) -> float | None:
     return None if run.steady is None else run.steady.throughput
 
 
-def ratios_to(baseline: Run, run: Run) -> Ratios:
+def ratios_to(baseline: LoggedRun, run: LoggedRun) -> Ratios:
     return Ratios(
         speedup=baseline.train_time_s / run.train_time_s,
         cost=_ratio(run.cost_usd, baseline.cost_usd),
@@ -148,7 +148,7 @@ class Figures:
     utilization: float | None
 
 
-def figures(run: Run, window: str = DEFAULT_WINDOW) -> Figures:
+def figures(run: LoggedRun, window: str = DEFAULT_WINDOW) -> Figures:
     """The run's figures in ``window`` (`WINDOWS`). Steady state: time per unit = 1 / steady throughput, cost and
     energy per unit = the steady window's over the units it trained (throughput x its time)."""
     if window == "whole":
@@ -174,7 +174,7 @@ class Score:
 _TERMS = (("time", "time"), ("cost", "cost"), ("energy", "energy"), ("MFU", "utilization"))
 
 
-def missing_terms(run: Run, weights: Weights, window: str = DEFAULT_WINDOW) -> list[str]:
+def missing_terms(run: LoggedRun, weights: Weights, window: str = DEFAULT_WINDOW) -> list[str]:
     """The weighted score terms for which ``run`` has no value in ``window``."""
     values = figures(run, window)
     return [name for name, field in _TERMS if getattr(weights, field) > 0 and getattr(values, field) is None]
@@ -186,7 +186,7 @@ def max_normalized(values: Sequence[float | None]) -> list[float | None]:
     return [None if value is None else (value / top if top > 0 else 0.0) for value in values]
 
 
-def utilization_unknown(runs: Sequence[Run], eligible: Sequence[bool], window: str = DEFAULT_WINDOW) -> bool:
+def utilization_unknown(runs: Sequence[LoggedRun], eligible: Sequence[bool], window: str = DEFAULT_WINDOW) -> bool:
     """Whether no ``eligible`` run has an MFU in ``window`` (while some are eligible): the score then leaves the
     utilization term out."""
     chosen = [run for run, ok in zip(runs, eligible) if ok]
@@ -194,7 +194,7 @@ def utilization_unknown(runs: Sequence[Run], eligible: Sequence[bool], window: s
 
 
 def weighted_scores(
-    runs: Sequence[Run], weights: Weights, eligible: Sequence[bool] | None = None, window: str = DEFAULT_WINDOW
+    runs: Sequence[LoggedRun], weights: Weights, eligible: Sequence[bool] | None = None, window: str = DEFAULT_WINDOW
 ) -> list[Score | None]:
     """score_i = w_t T_i + w_c C_i + w_e E_i - w_u U_i over the ``eligible`` runs (default all) that have every
     weighted term in ``window``; None for others.
@@ -227,7 +227,7 @@ class Comparison:
     """Runs of one task against a baseline run, scored with ``weights`` in ``window``; ``notes`` is what a reader
     must know."""
 
-    runs: list[Run]
+    runs: list[LoggedRun]
     baseline: int
     weights_name: str
     weights: Weights
@@ -255,7 +255,7 @@ class Comparison:
         return sorted(scored, key=lambda index: self.scores[index].value)
 
 
-def _unequal_work_note(runs: Sequence[Run]) -> str | None:
+def _unequal_work_note(runs: Sequence[LoggedRun]) -> str | None:
     """A warning when the runs' totals are not comparable: they trained on amounts of data more than 1% apart."""
     amounts = [run.trained for run in runs]
     units = {run.trained_unit for run in runs}
@@ -268,7 +268,7 @@ def _unequal_work_note(runs: Sequence[Run]) -> str | None:
     )
 
 
-def warmup_note(index: int, run: Run) -> str | None:
+def warmup_note(index: int, run: LoggedRun) -> str | None:
     """One line when warm-up took more than `WARMUP_WARNING` of the run's training time."""
     if run.warmup is None or run.warmup.time_s <= WARMUP_WARNING * run.train_time_s:
         return None
@@ -279,7 +279,7 @@ def warmup_note(index: int, run: Run) -> str | None:
     )
 
 
-def schema_note(index: int, run: Run) -> str | None:
+def schema_note(index: int, run: LoggedRun) -> str | None:
     """One line for a run whose log predates the windows (schema 1)."""
     if run.schema >= 2:
         return None
@@ -292,7 +292,7 @@ def schema_note(index: int, run: Run) -> str | None:
 
 
 def _score_notes(
-    runs: Sequence[Run], weights: Weights, window: str, converged: Sequence[bool], scores: Sequence[Score | None]
+    runs: Sequence[LoggedRun], weights: Weights, window: str, converged: Sequence[bool], scores: Sequence[Score | None]
 ) -> list[str]:
     """Why converged runs are not scored, and a term left out of every score."""
     notes = []
@@ -315,7 +315,7 @@ def _score_notes(
 
 
 def compare(
-    runs: Sequence[Run],
+    runs: Sequence[LoggedRun],
     *,
     baseline: int = 0,
     weights_name: str = DEFAULT_PRESET,
@@ -400,11 +400,11 @@ class GroupSpeedup:
     speedup: float
 
 
-def speedups_by_model_and_batch(runs: Sequence[Run], baseline: int) -> list[GroupSpeedup]:
+def speedups_by_model_and_batch(runs: Sequence[LoggedRun], baseline: int) -> list[GroupSpeedup]:
     """Within each (model, batch) group that has runs of the baseline's configuration: mean(t_ref) / mean(t_config)
     for every other configuration, groups ordered by model size then batch size."""
     reference = runs[baseline].configuration
-    groups: dict[tuple, dict[tuple, list[Run]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    groups: dict[tuple, dict[tuple, list[LoggedRun]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for run in runs:
         key = (run.params is None, run.params or 0, run.model, run.batch_unit, run.batch_size, run.grad_accum)
         groups[key][run.configuration].append(run)

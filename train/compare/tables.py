@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from train.compare.runs import Run
+from train.compare.runs import LoggedRun
 from train.compare.scoring import WEIGHT_PRESETS, WINDOW_LABELS, Comparison, recommendation
 
 
@@ -26,7 +26,7 @@ def si_scale(value: float) -> tuple[float, str]:
     return 1.0, ""
 
 
-def format_energy(run: Run) -> str:
+def format_energy(run: LoggedRun) -> str:
     if run.energy_j is None:
         return "n/a"
     factor, prefix = si_scale(run.energy_j)

@@ -253,7 +253,7 @@ def param_count(params: Any) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Prepared:
+class ReadyRun:
     """A run ready to train: its configuration (a resume may add its schedule's transition), the task's setup (the
     learning rate as the run follows it), the state, the batches from where it resumes, and what writes it."""
 
@@ -362,7 +362,7 @@ def _optimizer(
     return tx, make_layout(config, tx, parallel)
 
 
-def _prepare(task: Task, run: Run) -> Prepared | None:
+def _prepare(task: Task, run: Run) -> ReadyRun | None:
     """The task's setup, the optimizer and the state to train from (restored on ``--resume``); None when a resumed
     run finished at or beyond ``--steps`` (it says so, and its run log is left as it is). A run stopped at its
     last step before its final evaluation ended resumes into that evaluation. A run resumed with another --steps
@@ -417,7 +417,7 @@ def _prepare(task: Task, run: Run) -> Prepared | None:
                 file=sys.stderr,
             )
         stream = stream.at(position)
-    return Prepared(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
+    return ReadyRun(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
 
 
 def format_rate(value: float | None) -> str:

@@ -353,7 +353,7 @@ def make_batch(data: Encoded, indices: np.ndarray) -> dict[str, np.ndarray]:
 
 
 @dataclasses.dataclass
-class Prepared:
+class PreparedData:
     """The encoded splits, the vocabulary that encoded them and the facts logged in the run record."""
 
     vocabulary: Vocabulary

@@ -27,7 +27,7 @@ class Evaluator:
     evaluation split.
     """
 
-    def __init__(self, classifier: Classifier, data: imdb_data.Prepared, batch_size: int, parallel: DataParallel):
+    def __init__(self, classifier: Classifier, data: imdb_data.PreparedData, batch_size: int, parallel: DataParallel):
         self.data, self.batch_size, self.parallel = data, batch_size, parallel
         self.splits = [name for name in imdb_data.SPLITS if name != "train" and name in data.splits]
 

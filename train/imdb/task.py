@@ -56,7 +56,7 @@ def _vocabulary(config: ImdbConfig, run_dir: Path, train: imdb_data.Split) -> im
         return imdb_data.train_vocabulary(train.texts, path, vocab_size=config.vocab_size, seed=config.seed)
 
 
-def load_data(config: ImdbConfig, run_dir: Path) -> imdb_data.Prepared:
+def load_data(config: ImdbConfig, run_dir: Path) -> imdb_data.PreparedData:
     splits = imdb_data.read_dataset(
         config.data,
         test_data=config.test_data,
@@ -76,10 +76,10 @@ def load_data(config: ImdbConfig, run_dir: Path) -> imdb_data.Prepared:
             "label_counts": np.bincount(split.labels).tolist(),
             "source": split.source,
         }
-    return imdb_data.Prepared(vocabulary, encoded, stats)
+    return imdb_data.PreparedData(vocabulary, encoded, stats)
 
 
-def check_labels(data: imdb_data.Prepared, num_labels: int, fix: str) -> None:
+def check_labels(data: imdb_data.PreparedData, num_labels: int, fix: str) -> None:
     """Raises DataError naming the source and the label when a label is not in 0 .. num_labels - 1."""
     for name, split in data.splits.items():
         largest = int(split.labels.max())

@@ -337,7 +337,7 @@ def token_counts(data: ParallelData, indices: np.ndarray) -> dict[str, int]:
 
 
 @dataclasses.dataclass
-class Prepared:
+class PreparedData:
     """One run's data, encoded and length-filtered."""
 
     processor: Any  # sentencepiece

@@ -53,7 +53,7 @@ class Evaluator:
         model: nn.Module,
         model_cfg: TransformerConfig,
         criterion: Criterion,
-        data: wmt_data.Prepared,
+        data: wmt_data.PreparedData,
         config: WmtConfig,
         parallel: DataParallel,
     ):

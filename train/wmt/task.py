@@ -80,7 +80,7 @@ def _vocabulary(config: WmtConfig, spm_given: str | None, run_dir: Path, corpus:
             ) from None
 
 
-def load_data(config: WmtConfig, spm_given: str | None, run_dir: Path, max_len: int) -> wmt_data.Prepared:
+def load_data(config: WmtConfig, spm_given: str | None, run_dir: Path, max_len: int) -> wmt_data.PreparedData:
     corpus = wmt_data.read_corpus(
         config.data,
         src_lang=config.src_lang,
@@ -100,7 +100,7 @@ def load_data(config: WmtConfig, spm_given: str | None, run_dir: Path, max_len: 
         references[split] = [tgt[i] for i in keep]
         stats[split] = dataclasses.asdict(kept)
     eval_sets = {split: data for split, data in splits.items() if split != "train"}
-    return wmt_data.Prepared(processor, splits.pop("train"), eval_sets, references, stats)
+    return wmt_data.PreparedData(processor, splits.pop("train"), eval_sets, references, stats)
 
 
 # ------------------------------------------------------------------------------------------------- main

@@ -54,7 +54,9 @@ class LoopConfig:
     profile_dir: Path | None = None
 
 
-class BatchStream(Protocol):
+class StepBatches(Protocol):
+    """What the loop takes each step's batch from: ``next()`` gives (batch, counts); ``position`` resumes it."""
+
     position: Mapping[str, int]
 
     def __next__(self) -> tuple[Batch, dict[str, int]]: ...
@@ -119,7 +121,7 @@ class Loop:
         *,
         compiler: StepCompiler,
         parallel: DataParallel,
-        stream: BatchStream,
+        stream: StepBatches,
         flops_fn: Callable[[Mapping[str, tuple[int, ...]]], float],
         lr_fn: Callable[[int], float],
         evaluate: Callable[[TrainState, bool], list[dict[str, Any]]],

@@ -1,12 +1,12 @@
-"""Data-parallel gradients summed inside the backward: each bucket's all-reduce starts as soon as its gradients exist.
+"""Data-parallel gradients summed inside the backward: each bucket's all-reduce starts once its gradients exist.
 
 Inside ``jax.shard_map`` over a mesh axis of N devices, a data-parallel step needs ``G = sum_d g_d``, the sum of
 every device's gradient. Summed after the backward (one ``psum`` of the whole tree), the communication waits for
 the last gradient and then runs alone. ``GradientSync.grad`` instead groups the parameter leaves into buckets in
-the order the backward finishes them (the reverse of their first use in the forward) and wraps each bucket in an
-identity whose backward rule sums that bucket's gradient over the axis. The collective of the last layer's bucket
-is then issued while the backward of the layers below it still runs, so XLA's asynchronous collectives and its
-scheduler can run the two at once, as DDP's bucketed all-reduce does in PyTorch.
+the order the backward finishes them (the reverse of their first use in the forward) and wraps them in an
+identity whose backward rule sums each bucket's gradient over the axis, the buckets one after another. The
+collective of the last layer's bucket is then issued while the backward of the layers below it still runs, so
+XLA's asynchronous collectives can run the two at once, as DDP's bucketed all-reduce does in PyTorch.
 
 With a ZeRO-1 optimizer (``ls_jax.optim.shard_optimizer``) a bucket is reduce-scattered instead: the step gets
 this device's rows of ``G`` (``ShardedOptimizer.apply_rows_with_grad_norm``). Earlier micro-batches' gradients

@@ -11,7 +11,7 @@ import pytest
 from train.bench import e2e
 from train.bench.steps import transformer_steps
 from train.bench.tracing import kernel_trace
-from train.costs import metrics
+from train.costs import devices as device_table
 
 
 def _linear_memory(base: float, per_token: float, tokens: list[int]) -> dict[int, int]:
@@ -90,10 +90,10 @@ def test_the_wmt_setup_is_written_only_with_a_wmt_record():
 
 
 def test_target_mfu_basis_applies_to_the_h100_and_h200_sxm_only():
-    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H100 80GB HBM3")) == 790.0
-    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H200")) == 790.0
-    assert e2e.target_basis_tflops(metrics.find_device("NVIDIA H100 PCIe")) is None
-    assert e2e.target_basis_tflops(metrics.find_device("TPU v5 lite")) is None
+    assert e2e.target_basis_tflops(device_table.find_device("NVIDIA H100 80GB HBM3")) == 790.0
+    assert e2e.target_basis_tflops(device_table.find_device("NVIDIA H200")) == 790.0
+    assert e2e.target_basis_tflops(device_table.find_device("NVIDIA H100 PCIe")) is None
+    assert e2e.target_basis_tflops(device_table.find_device("TPU v5 lite")) is None
     assert e2e.target_basis_tflops(None) is None
 
 

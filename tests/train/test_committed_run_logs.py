@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train.costs import metrics
+from train.costs import devices as device_table
 from train.records import runlog
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -33,7 +33,7 @@ def test_no_window_draws_more_than_its_devices_can(path):
     records = runlog.read(path)
     run = next(r for r in records if r["type"] == "run")
     summary = next((r for r in records if r["type"] == "summary"), None)
-    spec = metrics.find_device(run["device_kind"])
+    spec = device_table.find_device(run["device_kind"])
     if summary is None or summary.get("energy_source") != "nvml" or spec is None or spec.max_power_w is None:
         pytest.skip("no measured energy against a known board power")
     limit = spec.max_power_w * run["device_count"] * TOLERANCE

@@ -1,4 +1,5 @@
-"""FLOPs, device tables and memory of train.costs.metrics; the energy meters of train.costs.energy."""
+"""FLOPs and memory of train.costs.metrics, the device table of train.costs.devices, the energy meters of
+train.costs.energy."""
 
 import os
 import time
@@ -10,6 +11,7 @@ import pytest
 
 from ls_jax import backend
 from ls_jax.models import Transformer, TransformerConfig
+from train.costs import devices as device_table
 from train.costs import energy, metrics
 from train.costs.hardware import Hardware
 from train.harness.optimizer import inverse_sqrt_schedule, make_optimizer
@@ -138,15 +140,15 @@ def test_xla_flops_reads_dict_or_list_and_rejects_missing():
     ],
 )
 def test_device_table_matches_jax_device_kinds(device_kind, name, bf16_peak):
-    spec = metrics.find_device(device_kind)
+    spec = device_table.find_device(device_kind)
     assert spec is not None and spec.name == name
-    assert metrics.peak_tflops(spec, "bf16") == bf16_peak
+    assert device_table.peak_tflops(spec, "bf16") == bf16_peak
     assert spec.peak_source and spec.price is not None and spec.price.source
 
 
 def test_every_table_entry_has_sources_for_its_numbers():
-    for spec in metrics.DEVICES:
-        assert set(spec.peak_tflops) == set(metrics.PRECISIONS)
+    for spec in device_table.DEVICES:
+        assert set(spec.peak_tflops) == set(device_table.PRECISIONS)
         assert spec.peak_source
         if spec.price is not None:
             assert spec.price.usd_per_hour > 0 and "listed" in spec.price.source
@@ -155,40 +157,40 @@ def test_every_table_entry_has_sources_for_its_numbers():
 
 
 def test_unknown_devices_have_no_numbers_and_unknown_names_are_errors():
-    assert metrics.find_device("Z80 accelerator") is None
-    assert metrics.peak_tflops(None, "fp32") is None
-    assert metrics.resolve_price(None, None) == (None, None)
-    assert metrics.device_power(None) is None
-    assert metrics.find_device("cpu", "t4").name == "T4"  # --device-name, case-insensitive
+    assert device_table.find_device("Z80 accelerator") is None
+    assert device_table.peak_tflops(None, "fp32") is None
+    assert device_table.resolve_price(None, None) == (None, None)
+    assert device_table.device_power(None) is None
+    assert device_table.find_device("cpu", "t4").name == "T4"  # --device-name, case-insensitive
     with pytest.raises(ValueError, match="unknown device name 'Z80'; known: H100-PCIe"):
-        metrics.find_device("cpu", "Z80")
+        device_table.find_device("cpu", "Z80")
     with pytest.raises(ValueError, match="precision"):
-        metrics.peak_tflops(None, "int8")
+        device_table.peak_tflops(None, "int8")
 
 
 def test_price_override_cost_and_mfu():
-    spec = metrics.find_device("Tesla T4")
-    assert metrics.resolve_price(spec, None) == (spec.price.usd_per_hour, f"T4: {spec.price.source}")
-    assert metrics.resolve_price(spec, 1.5) == (1.5, "--price-per-hour")
+    spec = device_table.find_device("Tesla T4")
+    assert device_table.resolve_price(spec, None) == (spec.price.usd_per_hour, f"T4: {spec.price.source}")
+    assert device_table.resolve_price(spec, 1.5) == (1.5, "--price-per-hour")
     with pytest.raises(ValueError, match="price-per-hour"):
-        metrics.resolve_price(spec, -1.0)
-    assert metrics.cost_usd(1800.0, 4, 2.0) == pytest.approx(4.0)
-    assert metrics.cost_usd(1800.0, 4, None) is None
+        device_table.resolve_price(spec, -1.0)
+    assert device_table.cost_usd(1800.0, 4, 2.0) == pytest.approx(4.0)
+    assert device_table.cost_usd(1800.0, 4, None) is None
     assert metrics.mfu(50.0, 100.0, 2) == pytest.approx(0.25)
     assert metrics.mfu(50.0, None, 2) is None
 
 
 def test_cpu_price_and_power_are_per_logical_cpu_with_their_sources():
-    cpu = metrics.find_device("cpu")
-    assert cpu.name == "CPU" and cpu.per_logical_cpu and metrics.peak_tflops(cpu, "fp32") is None
+    cpu = device_table.find_device("cpu")
+    assert cpu.name == "CPU" and cpu.per_logical_cpu and device_table.peak_tflops(cpu, "fp32") is None
     logical = len(os.sched_getaffinity(0))
-    assert metrics.units_per_device(cpu, 2) == logical / 2
-    price, source = metrics.resolve_price(cpu, None, metrics.units_per_device(cpu, 1))
+    assert device_table.units_per_device(cpu, 2) == logical / 2
+    price, source = device_table.resolve_price(cpu, None, device_table.units_per_device(cpu, 1))
     assert price == pytest.approx(0.0432 * logical)
     assert "m6a.large" in source and "0.0864 per hour" in source
     assert f"x {logical:g} logical CPUs per JAX device" in source
-    assert metrics.resolve_price(cpu, 0.5, 8.0) == (0.5, "--price-per-hour")  # the flag's price is per device-hour
-    power = metrics.device_power(cpu, 4.0)
+    assert device_table.resolve_price(cpu, 0.5, 8.0) == (0.5, "--price-per-hour")  # the flag's price is per device-hour
+    power = device_table.device_power(cpu, 4.0)
     assert power.watts == pytest.approx(14.0) and "Cloud Carbon Footprint" in power.source
     # This process's CPU devices: priced and metered per logical CPU, estimated unless RAPL is readable.
     hardware = Hardware.detect("fp32")
@@ -197,9 +199,9 @@ def test_cpu_price_and_power_are_per_logical_cpu_with_their_sources():
 
 
 def test_cpu_energy_without_readable_rapl_counters_is_an_estimate(tmp_path):
-    cpu = metrics.find_device("cpu")
-    devices = [types.SimpleNamespace(platform="cpu")]
-    meter = energy.energy_meter(devices, cpu, powercap=tmp_path / "no-powercap")
+    cpu = device_table.find_device("cpu")
+    cpus = [types.SimpleNamespace(platform="cpu")]
+    meter = energy.energy_meter(cpus, cpu, powercap=tmp_path / "no-powercap")
     logical = len(os.sched_getaffinity(0))
     assert isinstance(meter, energy.EstimatedEnergy) and meter.source == "estimated"
     assert f"{3.5 * logical:g} W per device x 1 devices" in meter.method and "SPECpower" in meter.method
@@ -209,7 +211,7 @@ def test_cpu_energy_without_readable_rapl_counters_is_an_estimate(tmp_path):
     (zone / "energy_uj").mkdir()  # a zone whose counter cannot be read is passed over
     (zone / "max_energy_range_uj").write_text("262143328850\n")
     assert energy.rapl_packages(tmp_path / "powercap") == []
-    assert energy.energy_meter(devices, cpu, powercap=tmp_path / "powercap").source == "estimated"
+    assert energy.energy_meter(cpus, cpu, powercap=tmp_path / "powercap").source == "estimated"
 
 
 def _zone(root, name, kind, counter, counter_range):
@@ -229,7 +231,8 @@ def test_rapl_sums_the_package_counters_and_adds_back_a_wrap(tmp_path):
     _zone(tmp_path, "intel-rapl:0:0", "core", 5, 1_000_000)
     _zone(tmp_path, "intel-rapl:2", "psys", 7, 1_000_000)
     assert energy.rapl_packages(tmp_path) == [package0, package1]
-    meter = energy.energy_meter([types.SimpleNamespace(platform="cpu")], metrics.find_device("cpu"), powercap=tmp_path)
+    cpu = device_table.find_device("cpu")
+    meter = energy.energy_meter([types.SimpleNamespace(platform="cpu")], cpu, powercap=tmp_path)
     assert isinstance(meter, energy.RaplEnergy) and meter.source == "rapl"
     assert "intel-rapl:0, intel-rapl:1" in meter.method
     assert meter.joules() == 0.0
@@ -370,7 +373,7 @@ def test_nvml_failure_means_unknown_energy():
 
 
 def test_tpu_energy_is_power_times_devices_times_time():
-    spec = metrics.find_device("TPU v4")
+    spec = device_table.find_device("TPU v4")
     now = [100.0]
     meter = energy.EstimatedEnergy(spec.power, 4, clock=lambda: now[0])
     now[0] += 10.0
@@ -379,7 +382,7 @@ def test_tpu_energy_is_power_times_devices_times_time():
     assert "170 W per device x 4 devices" in meter.method and "ISCA 2023" in meter.method
     tpu_devices = [types.SimpleNamespace(platform="tpu")] * 2
     assert isinstance(energy.energy_meter(tpu_devices, spec), energy.EstimatedEnergy)
-    assert energy.energy_meter(tpu_devices, metrics.find_device("TPU v5 lite")).source is None  # no power figure
+    assert energy.energy_meter(tpu_devices, device_table.find_device("TPU v5 lite")).source is None  # no power figure
 
 
 def test_peak_memory_max_over_devices_or_none():

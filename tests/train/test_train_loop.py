@@ -261,13 +261,13 @@ def test_warm_up_runs_each_compiled_step_once_and_leaves_the_state_as_it_was():
 
 
 def test_precision_choice_follows_the_device():
-    from train.costs import metrics
+    from train.costs import devices as device_table
 
-    v100, h100 = metrics.find_device("Tesla V100-SXM2-16GB"), metrics.find_device("NVIDIA H100 80GB HBM3")
+    v100, h100 = device_table.find_device("Tesla V100-SXM2-16GB"), device_table.find_device("NVIDIA H100 80GB HBM3")
     assert parse_precision("auto", "cpu", None) == "fp32"
     assert parse_precision("auto", "gpu", h100) == "bf16"
     assert parse_precision("auto", "gpu", v100) == "fp16"
-    assert parse_precision("auto", "tpu", metrics.find_device("TPU v3")) == "bf16"
+    assert parse_precision("auto", "tpu", device_table.find_device("TPU v3")) == "bf16"
     assert parse_precision("fp16", "gpu", h100) == "fp16"
     with pytest.raises(ValueError, match="V100-SXM2 has no bf16 support"):
         parse_precision("bf16", "gpu", v100)

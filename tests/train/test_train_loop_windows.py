@@ -10,9 +10,9 @@ import optax
 import pytest
 from test_train_loop import ToyStream, new_state, run_loop
 
+from train.costs.devices import Power
 from train.costs.energy import EstimatedEnergy
 from train.costs.hardware import Hardware
-from train.costs.metrics import Power
 from train.harness.parallel import DataParallel
 from train.harness.progress import Counters, describe_windows
 from train.records import runlog

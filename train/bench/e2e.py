@@ -41,7 +41,7 @@ from train.bench import common
 from train.bench.steps import workloads, zoo_steps
 from train.bench.steps.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
 from train.bench.tracing import kernel_trace
-from train.costs import metrics
+from train.costs import devices as device_table
 from train.records import runlog
 
 STEPS_PER_SAMPLE = 20
@@ -272,7 +272,7 @@ def measure_one(
     return record
 
 
-def target_basis_tflops(spec: metrics.DeviceSpec | None) -> float | None:
+def target_basis_tflops(spec: device_table.DeviceSpec | None) -> float | None:
     """``TARGET_BASIS_TFLOPS`` on the H100 and H200 SXM the targets were set on, None elsewhere."""
     return TARGET_BASIS_TFLOPS if spec is not None and spec.name in ("H100-SXM", "H200-SXM") else None
 
@@ -280,9 +280,9 @@ def target_basis_tflops(spec: metrics.DeviceSpec | None) -> float | None:
 def header(gemm_size: int = 8192) -> dict[str, Any]:
     """Device ceilings and the benchmark's fixed setup, measured once per run."""
     device = jax.devices()[0]
-    spec = metrics.find_device(device.device_kind)
+    spec = device_table.find_device(device.device_kind)
     return {
-        "peak_tflops": metrics.peak_tflops(spec, "bf16"),
+        "peak_tflops": device_table.peak_tflops(spec, "bf16"),
         "target_basis_tflops": target_basis_tflops(spec),
         "measured_gemm_tflops": measured_gemm_tflops(gemm_size),
         "memory_capacity_bytes": device.memory_stats().get("bytes_limit") if device.platform == "gpu" else None,

@@ -1,6 +1,7 @@
 """What a run costs and how fast it goes.
 
-metrics                 FLOP counts and the device table (peak FLOP/s, price, power)
+metrics                 FLOP counts, MFU and device memory
+devices                 the device table: peak FLOP/s, price, power, with their sources
 energy                  energy meters: NVML, or power x time
 hardware                this run's devices, precision, peak, price and energy meter
 precision               the compute precision and what it changes (master weights, gradient communication)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from train.costs.metrics import DeviceSpec, Power, device_power, units_per_device
+from train.costs.devices import DeviceSpec, Power, device_power, units_per_device
 
 POWERCAP = Path("/sys/class/powercap")
 

@@ -1,4 +1,4 @@
-"""The devices a run uses and what `train.costs.metrics` knows about them: peak FLOP/s at the run's precision, price per
+"""The devices a run uses and what `train.costs.devices` knows about them: peak FLOP/s at the run's precision, price per
 device-hour and the energy meter."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from typing import Any
 import jax
 import numpy as np
 
+from train.costs import devices as device_table
 from train.costs import energy as energy_lib
-from train.costs import metrics as metrics_lib
 from train.costs.precision import parse_precision
 from train.errors import UsageError
 
 
 @dataclasses.dataclass
 class Hardware:
-    """The devices a run uses and what the tables in `train.costs.metrics` know about them."""
+    """The devices a run uses and what the table in `train.costs.devices` knows about them."""
 
     devices: list[Any]  # all devices (every host)
     local_devices: list[Any]
-    spec: metrics_lib.DeviceSpec | None
+    spec: device_table.DeviceSpec | None
     precision: str
     peak_tflops_per_device: float | None
     price_per_device_hour: float | None
@@ -36,17 +36,17 @@ class Hardware:
           ValueError: an unknown ``device_name`` or precision, or bf16 on a device without it.
         """
         devices = jax.devices()
-        spec = metrics_lib.find_device(devices[0].device_kind, device_name)
+        spec = device_table.find_device(devices[0].device_kind, device_name)
         precision = parse_precision(precision, devices[0].platform, spec)
         local = jax.local_devices()
-        units = metrics_lib.units_per_device(spec, len(local))
-        price, price_source = metrics_lib.resolve_price(spec, price_override, units)
+        units = device_table.units_per_device(spec, len(local))
+        price, price_source = device_table.resolve_price(spec, price_override, units)
         return cls(
             devices=devices,
             local_devices=local,
             spec=spec,
             precision=precision,
-            peak_tflops_per_device=metrics_lib.peak_tflops(spec, precision),
+            peak_tflops_per_device=device_table.peak_tflops(spec, precision),
             price_per_device_hour=price,
             price_source=price_source,
             energy=energy_lib.energy_meter(local, spec),

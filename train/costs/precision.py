@@ -8,13 +8,13 @@ from typing import Any
 import jax.numpy as jnp
 
 import ls_jax.optim
-from train.costs import metrics as metrics_lib
+from train.costs import devices as device_table
 from train.errors import UsageError
 
 PRECISION_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
-def parse_precision(value: str, platform: str, spec: metrics_lib.DeviceSpec | None) -> str:
+def parse_precision(value: str, platform: str, spec: device_table.DeviceSpec | None) -> str:
     """The compute precision for ``--precision value`` on ``platform`` / device ``spec``.
 
     ``auto`` is fp32 on CPU (where bf16 matmuls are emulated and slow), else bf16, or fp16 on GPUs without

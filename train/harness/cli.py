@@ -22,8 +22,8 @@ from ls_jax import backend as backend_lib
 from ls_jax.layers.config import REMAT_MODES
 from ls_jax.ops import attention as attention_ops
 from ls_jax.optim import registry
+from train.costs import devices as device_table
 from train.costs import memory_budget
-from train.costs import metrics as metrics_lib
 from train.costs.precision import PRECISION_DTYPES
 from train.errors import (
     EXIT_DATA,
@@ -170,7 +170,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--device-name",
-        choices=metrics_lib.DEVICE_NAMES,
+        choices=device_table.DEVICE_NAMES,
         help="use this entry of the device table (peak FLOP/s, price, power) instead of matching JAX's device_kind",
     )
     group.add_argument(

@@ -10,6 +10,7 @@ import statistics
 from typing import Any, Callable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
+from train.costs import devices as device_table
 from train.costs import metrics as metrics_lib
 from train.costs import windows
 from train.costs.hardware import Hardware
@@ -176,12 +177,12 @@ def interval_record(
         "loss_scale": loss_scale,
         "peak_memory_bytes": metrics_lib.peak_memory_bytes(hardware.local_devices),
         **energy_fields(energy_j, hardware.energy.source),
-        "cost_usd": metrics_lib.cost_usd(elapsed_s, hardware.device_count, hardware.price_per_device_hour),
+        "cost_usd": device_table.cost_usd(elapsed_s, hardware.device_count, hardware.price_per_device_hour),
     }
 
 
 def _cost(seconds: float, hardware: Hardware) -> float | None:
-    return metrics_lib.cost_usd(seconds, hardware.device_count, hardware.price_per_device_hour)
+    return device_table.cost_usd(seconds, hardware.device_count, hardware.price_per_device_hour)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -155,7 +155,7 @@ def detect_device() -> str:
     """This machine's device as a sweep names it: ``cpu``, or its entry in the device table (e.g. H100-SXM),
     else JAX's device_kind. Asked in a child process, so that this one holds no accelerator memory."""
     code = (
-        "import jax; from train.costs import metrics; d = jax.devices()[0]; s = metrics.find_device(d.device_kind); "
+        "import jax; from train.costs import devices; d = jax.devices()[0]; s = devices.find_device(d.device_kind); "
         "print('cpu' if d.platform == 'cpu' else (s.name if s else d.device_kind))"
     )
     result = subprocess.run(

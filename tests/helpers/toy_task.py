@@ -126,13 +126,12 @@ def setup(run, precision: str, parallel) -> TaskSetup:
 TASK = Task(
     name="toy",
     counted=("examples",),
-    quality=Quality("loss", "loss", False, float("inf")),
+    quality=Quality("loss", "loss", False, float("inf"), ".3f"),
     config_type=ToyConfig,
     build_parser=build_parser,
     resolve_config=resolve_config,
     check_config=lambda config: cli.check_ranges(config, at_least_one=("steps",)),
     setup=setup,
-    score=lambda record: f"{record['loss']:.3f}",
 )
 
 

@@ -222,7 +222,7 @@ def test_missing_key_names_file_line_and_key(tmp_path, capsys, record_type, key)
         (lambda records: records[-1].update(train_time_s="fast"), r"train_time_s='fast'.* is not a JSON number"),
         (lambda records: records[-1].update(train_time_s=0), r"train_time_s=0 must be > 0"),
         (lambda records: records[-1].update(energy_source=None), r"energy_j and energy_source must both be null"),
-        (lambda records: records[0].update(schema=3), r"schema 3; this version of ls-jax reads schema 1 and 2"),
+        (lambda records: records[0].update(schema=4), r"schema 4; this version of ls-jax reads schema 1, 2 and 3"),
         (lambda records: records[0].update(batch={"grad_accum": 1}), r"must hold max_tokens or batch_size"),
         (lambda records: records.pop(0), r"the first record is 'interval'"),
         (lambda records: records[-1].pop("tokens_per_s"), r"the 'summary' record has no key 'tokens_per_s'"),

@@ -32,8 +32,7 @@ def _run(template, number, *, time, cost, energy, mfu, accuracy, precision="bf16
         run_id=f"run-{number}",
         source=Path(f"run-{number}", "run.jsonl"),
         task="imdb",
-        bleu=None,
-        accuracy=accuracy,
+        metrics={"accuracy": accuracy},
         train_time_s=time,
         cost_usd=cost,
         energy_j=energy,
@@ -145,7 +144,7 @@ def test_margin_below_the_best_run_fails_the_gate(study, template):
 
 def test_perplexity_gate_is_an_upper_bound(template):
     runs = [
-        dataclasses.replace(template, task="gpt", bleu=None, perplexity=value, run_id=f"g{value}")
+        dataclasses.replace(template, task="gpt", metrics={"perplexity": value}, run_id=f"g{value}")
         for value in (7.0, 7.5, 45.0)
     ]
     verdicts = quality.default_gate("gpt").verdicts(runs)
@@ -154,7 +153,7 @@ def test_perplexity_gate_is_an_upper_bound(template):
 
 
 def test_missing_quality_is_not_converged_and_bad_margin_is_an_error(template):
-    run = dataclasses.replace(template, task="imdb", bleu=None, accuracy=None)
+    run = dataclasses.replace(template, task="imdb", metrics={})
     assert quality.default_gate("imdb").verdicts([run]) == ["no final accuracy in its log"]
     with pytest.raises(ValueError, match="--quality-margin 1.5 must lie in"):
         quality.default_gate("imdb", margin=1.5)
@@ -179,7 +178,7 @@ def test_plots_a_to_d_are_drawn(study, tmp_path):
         height, width, _ = matplotlib.image.imread(tmp_path / name).shape
         assert height > 300 and width > 500
     no_quality = scoring.compare(
-        [dataclasses.replace(run, accuracy=None) for run in study], gate=quality.default_gate("imdb")
+        [dataclasses.replace(run, metrics={}) for run in study], gate=quality.default_gate("imdb")
     )
     assert "no run has a final accuracy" in plots.plot_quality(no_quality, tmp_path / "d.png").reason
 

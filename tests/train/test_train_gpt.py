@@ -121,14 +121,15 @@ def test_default_job_end_to_end(default_run):
     assert data["entropy_floor_perplexity"] == pytest.approx(floor) and 40 < data["unigram_perplexity"] < 55
     assert run["config"]["positions"] == 256 and run["config"]["warmup_steps"] == 1
 
-    assert evaluation["split"] == "valid" and evaluation["bleu"] is None and evaluation["accuracy"] is None
-    assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["nll"]))
+    assert evaluation["split"] == "valid" and set(evaluation["metrics"]) == {"perplexity"}
+    perplexity = evaluation["metrics"]["perplexity"]
+    assert perplexity == pytest.approx(math.exp(evaluation["nll"]))
     # Six steps from a uniform guess over 90 words: already below the unigram model, far above the floor.
-    assert floor < evaluation["perplexity"] < 90
-    assert summary["completed"] and summary["steps"] == 6 and summary["perplexity"] == evaluation["perplexity"]
+    assert floor < perplexity < 90
+    assert summary["completed"] and summary["steps"] == 6 and summary["metrics"] == evaluation["metrics"]
     assert 6 * 32 * 64 - 64 < summary["tokens"] <= 6 * 32 * 64 and summary["tokens_per_s"] > 0
     assert abs(summary["flops_per_step"] / summary["xla_flops_per_step"] - 1) < FLOP_TOLERANCE
-    assert f"perplexity valid {evaluation['perplexity']:.3f}" in printed
+    assert f"perplexity valid {perplexity:.3f}" in printed
     assert f"entropy floor (the best possible) {floor:.3f}" in printed
 
 
@@ -145,22 +146,39 @@ def test_compare_reads_a_gpt_log(default_run, tmp_path, capsys):
     runs, notes = run_logs.load_runs([run_dir])
     summary = runlog.read(run_dir / "run.jsonl")[-1]
     assert notes == [] and len(runs) == 1 and runs[0].task == "gpt" and runs[0].trained_unit == "tokens"
-    assert runs[0].perplexity == summary["perplexity"] and runs[0].accuracy is None
+    assert runs[0].metrics == summary["metrics"] == {"perplexity": summary["metrics"]["perplexity"]}
     assert compare.main([str(run_dir), "--weights", "1,0,0,0", "--out", str(tmp_path / "report")]) == 0
     table = capsys.readouterr().out
-    assert "perplexity" in table and f"{summary['perplexity']:.3f}" in table
+    assert "perplexity" in table and f"{summary['metrics']['perplexity']:.4g}" in table
 
 
-def test_a_log_written_before_perplexity_still_reads(default_run, tmp_path):
+def schema_2_form(records, with_perplexity=True):
+    """The records as schema 2 wrote them: every quality key in every eval and summary record, null where the task
+    had none (perplexity left out, as logs written before it was logged)."""
+    keys = ("bleu", "accuracy", "perplexity") if with_perplexity else ("bleu", "accuracy")
+    old = []
+    for record in records:
+        record = dict(record)
+        if record["type"] == "run":
+            record["schema"] = 2
+        if record["type"] in ("eval", "summary"):
+            metrics = record.pop("metrics")
+            record.update({key: metrics.get(key) for key in keys})
+        old.append(record)
+    return old
+
+
+@pytest.mark.parametrize("with_perplexity", [True, False], ids=["schema-2", "before-perplexity"])
+def test_a_schema_2_log_still_reads(default_run, tmp_path, with_perplexity):
     _, run_dir, _ = default_run
     records = runlog.read(run_dir / "run.jsonl")
-    for record in records:
-        record.pop("perplexity", None)
-    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    old = schema_2_form(records, with_perplexity)
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     runs, _ = run_logs.load_runs([tmp_path])
-    assert runs[0].perplexity is None
-    with pytest.raises(ValueError, match="eval record lacks 'perplexity'"):
-        runlog.validate(records[3], ("tokens",), complete=True)
+    assert runs[0].metrics == (records[-1]["metrics"] if with_perplexity else {})
+    assert runlog.read(tmp_path / "run.jsonl")[-1]["metrics"] == runs[0].metrics
+    with pytest.raises(ValueError, match="eval record lacks 'metrics'"):
+        runlog.validate(old[3], ("tokens",), complete=True)  # as this version writes: a metrics object
 
 
 # ------------------------------------------------------------------------------------ text data and resume
@@ -227,7 +245,7 @@ def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_
     records = runlog.read(run_dir / "run.jsonl")
     assert records[0]["batch"]["seq_len"] == 2048 and records[0]["config"]["positions"] == 2048
     summary = records[-1]
-    assert summary["completed"] and 0 < summary["tokens"] <= 2048 and summary["perplexity"] > 1
+    assert summary["completed"] and 0 < summary["tokens"] <= 2048 and summary["metrics"]["perplexity"] > 1
     assert state_arrays(run_dir, 1)["['params']['embedding']['position_embedding']"].shape == (2048, 128)
 
 
@@ -259,7 +277,10 @@ def test_resume_gives_the_same_run_as_training_straight(tmp_path, text_file, com
     records = {name: runlog.read(path / "run.jsonl") for name, path in (("straight", straight), ("split", split))}
     check_log_schema(records["split"])
     assert [r["step"] for r in records["split"] if r["type"] == "interval"] == [1, 2, 3, 4, 5, 6]
-    evals = {name: [(r["step"], r["perplexity"]) for r in log if r["type"] == "eval"] for name, log in records.items()}
+    evals = {
+        name: [(r["step"], r["metrics"]["perplexity"]) for r in log if r["type"] == "eval"]
+        for name, log in records.items()
+    }
     assert [step for step, _ in evals["split"]] == [3, 6]
     np.testing.assert_allclose(np.array(evals["split"]), np.array(evals["straight"]), rtol=1e-6)
     assert records["split"][-1]["tokens"] == records["straight"][-1]["tokens"]
@@ -335,7 +356,9 @@ def test_init_from_gpt2_scores_the_checkpoint_as_transformers_does(gpt2_dir, tex
     )
     evaluation = next(r for r in records if r["type"] == "eval")
     assert evaluation["tokens"] == data.splits["valid"].num_targets
-    assert evaluation["perplexity"] == pytest.approx(transformers_perplexity(gpt2_dir, data.splits["valid"]), rel=1e-4)
+    assert evaluation["metrics"]["perplexity"] == pytest.approx(
+        transformers_perplexity(gpt2_dir, data.splits["valid"]), rel=1e-4
+    )
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -114,9 +114,11 @@ def test_default_job_end_to_end(default_run):
     assert (data["train"]["examples"], data["valid"]["examples"], data["test"]["examples"]) == (10800, 1200, 1000)
     evals = [r for r in records if r["type"] == "eval"]
     assert [r["split"] for r in evals] == ["valid", "test"]
-    assert all(0.0 <= r["accuracy"] <= 1.0 and r["loss"] > 0 and r["bleu"] is None for r in evals)
+    assert all(
+        0.0 <= r["metrics"]["accuracy"] <= 1.0 and r["loss"] > 0 and set(r["metrics"]) == {"accuracy"} for r in evals
+    )
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in records if r["type"] == "interval")  # training accuracy
-    assert summary["completed"] and summary["steps"] == 6 and summary["accuracy"] == evals[-1]["accuracy"]
+    assert summary["completed"] and summary["steps"] == 6 and summary["metrics"] == evals[-1]["metrics"]
     assert summary["examples"] == 6 * 32 and summary["examples_per_s"] > 0
     assert abs(summary["flops_per_step"] / summary["xla_flops_per_step"] - 1) < FLOP_TOLERANCE
     assert f"accuracy valid {evals[0]['accuracy']:.2%}, test {evals[1]['accuracy']:.2%}" in printed
@@ -129,7 +131,11 @@ def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
     assert notes == [] and len(runs) == 1
     run = runs[0]
     summary = runlog.read(run_dir / "run.jsonl")[-1]
-    assert run.task == "imdb" and run.accuracy == summary["accuracy"] and run.trained_unit == "examples"
+    assert (
+        run.task == "imdb"
+        and run.metrics["accuracy"] == summary["metrics"]["accuracy"]
+        and run.trained_unit == "examples"
+    )
     assert run.batch_label == "32 examples" and run.throughput == summary["examples_per_s"]
     assert compare.main([str(run_dir), "--weights", "1,0,0,0", "--out", str(tmp_path / "report")]) == 0
     table = capsys.readouterr().out
@@ -141,7 +147,7 @@ def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_
     assert run_training(imdb.TASK, ["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
     evals = [r for r in runlog.read(tmp_path / "run" / "run.jsonl") if r["type"] == "eval"]
     # Chance is 0.5 and counting sentiment words scores 0.75; one epoch reaches about 0.90, three about 0.95.
-    assert [r["split"] for r in evals] == ["valid", "test"] and min(r["accuracy"] for r in evals) > 0.85
+    assert [r["split"] for r in evals] == ["valid", "test"] and min(r["metrics"]["accuracy"] for r in evals) > 0.85
 
 
 # ------------------------------------------------------------------------------------ data and resume

@@ -120,7 +120,9 @@ def test_init_from_run_evaluates_the_checkpoint_as_transformers_does(bert_dir, c
     _, logits = transformers_logits(reference, directory, split.texts, 16)
     losses = torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(split.labels), reduction="none")
     assert test_eval["loss"] == pytest.approx(float(losses.mean()), abs=1e-5)
-    assert test_eval["accuracy"] == pytest.approx(float(np.mean(logits.argmax(-1) == split.labels)), abs=1e-12)
+    assert test_eval["metrics"]["accuracy"] == pytest.approx(
+        float(np.mean(logits.argmax(-1) == split.labels)), abs=1e-12
+    )
 
 
 @pytest.mark.slow

@@ -92,9 +92,7 @@ def test_run_log_writes_json_lines_and_tensorboard_events(tmp_path):
             "split": "valid",
             "loss": 2.0,
             "nll": 1.5,
-            "bleu": 10.0,
-            "accuracy": None,
-            "perplexity": None,
+            "metrics": {"bleu": 10.0},
         }
     )
     log.close()
@@ -141,14 +139,19 @@ def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp
     lines = [
         {"type": "run", "run_id": "x", "schema": 1},
         {"type": "interval", "step": 10},
-        {"type": "eval", "step": 10},
+        {"type": "eval", "step": 10, "bleu": 12.5, "accuracy": None},
         {"type": "interval", "step": 20},
         {"type": "summary", "steps": 20},
     ]
     (tmp_path / runlog.LOG_FILENAME).write_text("".join(json.dumps(r) + "\n" for r in lines))
     runlog.truncate_for_resume(tmp_path, 10)
-    # The resumed run writes this version's summary, so its run record says this version's schema.
-    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == [{**lines[0], "schema": runlog.SCHEMA_VERSION}, *lines[1:3]]
+    # The resumed run writes this version's records, so the log takes this version's schema and form: the old eval
+    # record's quality keys move into its metrics.
+    assert runlog.read(tmp_path / runlog.LOG_FILENAME) == [
+        {**lines[0], "schema": runlog.SCHEMA_VERSION},
+        lines[1],
+        {"type": "eval", "step": 10, "metrics": {"bleu": 12.5}},
+    ]
 
 
 def test_identity_fields():
@@ -163,6 +166,7 @@ def valid_summary():
     record = {key: 1.0 for key in runlog.SCHEMA["summary"]}
     record.update(
         type="summary",
+        metrics={"accuracy": 0.75},
         completed=True,
         stop_reason="finished",
         steps=3,

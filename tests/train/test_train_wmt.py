@@ -137,8 +137,8 @@ def test_default_job_end_to_end(tmp_path, compilation_cache, capsys):
     assert run["device_count"] == len(jax.devices()) and run["params"] > 0
     assert run["data"]["train"]["kept"] == 20000
     assert [r["split"] for r in records if r["type"] == "eval"] == ["valid", "test"]
-    assert all(isinstance(r["bleu"], float) for r in records if r["type"] == "eval")
-    assert summary["completed"] and summary["steps"] == 6 and isinstance(summary["bleu"], float)
+    assert all(isinstance(r["metrics"]["bleu"], float) for r in records if r["type"] == "eval")
+    assert summary["completed"] and summary["steps"] == 6 and isinstance(summary["metrics"]["bleu"], float)
     assert (summary["energy_j"] is None) == (summary["energy_source"] is None)
     if on_cpu:  # RAPL's counters where readable, else the per-core estimate, labelled as such
         assert summary["energy_j"] > 0 and summary["energy_source"] in ("rapl", "estimated")

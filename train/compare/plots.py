@@ -204,7 +204,7 @@ def plot_quality(comparison: Comparison, path: Path) -> Plot:
     metric = comparison.gate.metric
     title = f"D: {metric.label} by precision and optimizer"
     runs = comparison.runs
-    values = [getattr(run, metric.key) for run in runs]
+    values = [run.metrics.get(metric.key) for run in runs]
     if all(value is None for value in values):
         return Plot(title, None, f"no run has a final {metric.label}")
     precisions = list(dict.fromkeys(run.precision for run in runs))

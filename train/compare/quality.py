@@ -40,7 +40,7 @@ class Gate:
 
     def verdicts(self, runs: Sequence[LoggedRun]) -> list[str | None]:
         """Per run: None when it passes, else why it did not converge."""
-        values = [getattr(run, self.metric.key) for run in runs]
+        values = [run.metrics.get(self.metric.key) for run in runs]
         known = [value for value in values if value is not None]
         best = (max if self.metric.higher_is_better else min)(known) if known else None
         factor = 1.0 - self.margin if self.metric.higher_is_better else 1.0 + self.margin

@@ -76,9 +76,7 @@ class LoggedRun:
     energy_estimated: bool
     throughput: float | None  # trained / train_time_s, in trained_unit per second
     mfu: float | None
-    bleu: float | None
-    accuracy: float | None
-    perplexity: float | None  # gpt; logs written before it was logged lack it
+    metrics: dict[str, float]  # the last evaluation's quality metrics (bleu, accuracy, perplexity: the task's own)
     memory: dict[str, Any] | None = None  # the summary's memory anatomy (train/costs/memory.py); older logs lack it
     schema: int = runlog.SCHEMA_VERSION
     implementation: str = "ls_jax"  # the model's implementation; logs that do not name one trained ls_jax's
@@ -208,9 +206,9 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
     if schema not in runlog.READABLE_SCHEMAS:
         raise ValueError(
             f"{run_where}: run-log schema {schema}; this version of ls-jax reads schema "
-            f"{' and '.join(map(str, runlog.READABLE_SCHEMAS))}"
+            f"{', '.join(map(str, runlog.READABLE_SCHEMAS[:-1]))} and {runlog.READABLE_SCHEMAS[-1]}"
         )
-    results = _checked(summary, where, schema=schema)
+    results = runlog.upgrade(_checked(summary, where, schema=schema), schema)
     _check_usable(results, config["run_id"], where)
     if (results["energy_j"] is None) != (results["energy_source"] is None):
         raise ValueError(
@@ -244,9 +242,7 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
         energy_estimated=results["energy_source"] == "estimated",
         throughput=throughput,
         mfu=results["mfu"],
-        bleu=results["bleu"],
-        accuracy=results["accuracy"],
-        perplexity=results.get("perplexity"),
+        metrics=dict(results["metrics"]),
         memory=results.get("memory"),
         schema=schema,
         implementation=config.get("implementation", "ls_jax"),

@@ -8,6 +8,9 @@ from collections.abc import Callable, Sequence
 
 from train.compare.runs import LoggedRun
 from train.compare.scoring import WEIGHT_PRESETS, WINDOW_LABELS, Comparison, recommendation
+from train.tasks import TASKS
+
+LABELS = {task.quality.key: task.quality.label for task in TASKS.values()}  # e.g. bleu: BLEU
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -54,11 +57,7 @@ def _optional(value: float | None, formatter: Callable[[float], str]) -> str:
 def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows: each run's configuration and results."""
     runs = comparison.runs
-    quality = [
-        name
-        for name, key in (("BLEU", "bleu"), ("accuracy", "accuracy"), ("perplexity", "perplexity"))
-        if any(getattr(run, key) is not None for run in runs)
-    ]
+    quality = list(dict.fromkeys(key for run in runs for key in run.metrics))  # the metrics any run logged
     header = [
         "#",
         "run",
@@ -76,7 +75,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         "throughput",
         "MFU",
         "wall time",
-        *quality,
+        *(LABELS.get(key, key) for key in quality),
         "quality gate",
     ]
     rows = []
@@ -99,9 +98,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             _optional(run.mfu, lambda mfu: f"{100 * mfu:.1f}%"),
             _optional(run.wall_time_s, format_duration),
         ]
-        row += [_optional(run.bleu, lambda bleu: f"{bleu:.2f}")] if "BLEU" in quality else []
-        row += [_optional(run.accuracy, lambda accuracy: f"{accuracy:.4f}")] if "accuracy" in quality else []
-        row += [_optional(run.perplexity, lambda perplexity: f"{perplexity:.3f}")] if "perplexity" in quality else []
+        row += [_optional(run.metrics.get(key), lambda value: f"{value:.4g}") for key in quality]
         row.append("passed" if comparison.verdicts[index] is None else "NOT CONVERGED")
         rows.append(row)
     return header, rows

@@ -42,7 +42,7 @@ from train.harness.config import Run
 from train.harness.optimizer import linear_warmup_decay
 from train.harness.parallel import DataParallel
 from train.harness.step import TrainState
-from train.harness.training import Quality, Task, TaskSetup, format_value
+from train.harness.training import Quality, Task, TaskSetup
 
 # ------------------------------------------------------------------------------------------------ data
 
@@ -179,13 +179,12 @@ TASK = Task(
     counted=("tokens",),
     # The embedded corpus gives a context-free (unigram) model a perplexity of 47: at 40 or above a run has learned
     # little context.
-    quality=Quality("perplexity", "perplexity", False, 40.0),
+    quality=Quality("perplexity", "perplexity", False, 40.0, ".3f"),
     config_type=GptConfig,
     build_parser=gpt_config.build_parser,
     resolve_config=gpt_config.resolve_config,
     check_config=gpt_config.check_config,
     setup=setup,
-    score=lambda record: format_value(record["perplexity"], ".3f"),
     memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
     "or choose a smaller --preset (on a CPU, e.g. --preset gpt2-tiny --max-seq-len 256)",
     batch_axes=("batch_size", "max_seq_len"),

@@ -229,7 +229,7 @@ class Loop:
         for fields in results:
             record = runlog.eval_record(self.step, fields)
             self.run_log.write(record)
-            self.counters.last_eval = {key: record[key] for key in runlog.QUALITY_KEYS}
+            self.counters.last_eval = dict(record["metrics"])
 
     def _save(self) -> bool:
         """Starts a checkpoint of the state unless it is already saved; False (nothing written) when it is not

@@ -18,7 +18,7 @@ from train.costs.windows import Tally
 from train.harness import compile_cache
 from train.harness.config import Run
 from train.harness.host_phases import PHASES, HostPhases
-from train.records.runlog import QUALITY_KEYS, energy_fields, identity
+from train.records.runlog import energy_fields, identity
 
 _TALLIES = ("startup", "compilation", "evaluation", "checkpoints")
 
@@ -274,7 +274,8 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         **{name: tally_part(getattr(counters, name), hardware) for name in _TALLIES},
         "compile_cache": dataclasses.asdict(compile_cache.use()),
         "final_loss": counters.last_loss,
-        **{key: counters.last_eval.get(key) for key in QUALITY_KEYS},
+        # A checkpoint of schema 2 saved every quality key, null where the task had none.
+        "metrics": {key: value for key, value in counters.last_eval.items() if value is not None},
         "host_phases": host_part(
             counters.host,
             statistics.median(counters.step_times) if counters.step_times else None,

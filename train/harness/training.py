@@ -91,9 +91,21 @@ class Quality:
     label: str
     higher_is_better: bool
     threshold: float
+    spec: str = ".4g"  # how the summary writes a value (format spec)
 
     def better_or_equal(self, value: float, bound: float) -> bool:
         return value >= bound if self.higher_is_better else value <= bound
+
+    def describe(self, metrics: Mapping[str, Any]) -> str:
+        """The metric's value among ``metrics`` (an eval record's)."""
+        return format_value(metrics.get(self.key), self.spec)
+
+    def gathered(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A task's evaluation ``fields`` with its metric (when known) moved into ``metrics``, as eval records hold
+        it (copied, for a metric every eval record holds anyway, such as ``loss``)."""
+        value = fields.get(self.key)
+        rest = {key: field for key, field in fields.items() if key != self.key or key in runlog.EVAL_KEYS}
+        return {**rest, "metrics": {} if value is None else {self.key: value}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +121,6 @@ class Task:
     resolve_config: Callable[[Mapping[str, Any], Mapping[str, Any] | None], TrainingConfig]  # (given, saved)
     check_config: Callable[[Any], None]  # raises UsageError naming a flag out of range
     setup: Callable[[Run, str, DataParallel], TaskSetup]  # (run, precision, parallel)
-    score: Callable[[Mapping[str, Any]], str]  # the metric of one eval record
     loss_name: str = "training loss"  # what the interval records' ``loss`` is, for the summary's final loss
     memory_advice: str = "lower the batch size, or train a smaller model"  # the flags that make a step smaller
     batch_axes: tuple[str, ...] = ("batch_size",)  # the flags that size its batches (sweep axes of this task only)
@@ -434,13 +445,17 @@ def throughput(counted: Sequence[str], summary: Mapping[str, Any]) -> str:
 def reporting(
     task: Task, evaluate: Callable[[TrainState, bool], list[dict[str, Any]]], steps: int
 ) -> Callable[[TrainState, bool], list[dict[str, Any]]]:
-    """``evaluate`` that also prints each evaluation during training as one line, ``step 100/300  evaluation:
-    valid perplexity 12.345`` (the final one is in the summary), on the main host."""
+    """``evaluate`` with the task's metric gathered into each result's ``metrics`` (`Quality.gathered`), which also
+    prints each evaluation during training as one line, ``step 100/300  evaluation: valid perplexity 12.345`` (the
+    final one is in the summary), on the main host."""
 
     def run(state: TrainState, final: bool) -> list[dict[str, Any]]:
-        records = evaluate(state, final)
+        records = [task.quality.gathered(fields) for fields in evaluate(state, final)]
         if not final and jax.process_index() == 0:
-            scores = ", ".join(f"{record['split']} {task.quality.label} {task.score(record)}" for record in records)
+            scores = ", ".join(
+                f"{record['split']} {task.quality.label} {task.quality.describe(record['metrics'])}"
+                for record in records
+            )
             tqdm.write(f"step {int(jax.device_get(state.step))}/{steps}  evaluation: {scores}", file=sys.stderr)
         return records
 
@@ -464,7 +479,7 @@ def _finish(
             if log_path.exists()
             else []
         )
-        scores = ", ".join(f"{r['split']} {task.score(r)}" for r in evals) or "n/a"
+        scores = ", ".join(f"{r['split']} {task.quality.describe(r['metrics'])}" for r in evals) or "n/a"
         source = s["energy_source"]
         energy = {None: "not measured on this device", "estimated": "estimated (power x time)"}.get(
             source, f"measured ({source})"

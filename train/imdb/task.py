@@ -35,7 +35,7 @@ from train.harness import resume
 from train.harness.config import Run
 from train.harness.optimizer import linear_warmup_decay
 from train.harness.parallel import DataParallel
-from train.harness.training import Quality, Task, TaskSetup, format_value
+from train.harness.training import Quality, Task, TaskSetup
 from train.imdb import config as imdb_config
 from train.imdb import data as imdb_data
 from train.imdb.config import ImdbConfig, Schedule
@@ -153,13 +153,12 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
 TASK = Task(
     name="imdb",
     counted=("examples",),
-    quality=Quality("accuracy", "accuracy", True, 0.6),  # two classes: chance is 0.5
+    quality=Quality("accuracy", "accuracy", True, 0.6, ".2%"),  # two classes: chance is 0.5
     config_type=ImdbConfig,
     build_parser=imdb_config.build_parser,
     resolve_config=imdb_config.resolve_config,
     check_config=imdb_config.check_config,
     setup=setup,
-    score=lambda record: format_value(record["accuracy"], ".2%"),
     memory_advice="lower --batch-size (raise --grad-accum to keep the batch) or --max-seq-len, add --remat layer, "
     "or choose a smaller --preset",
     batch_axes=("batch_size", "max_seq_len"),

@@ -30,8 +30,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 LOG_FILENAME = "run.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVE_FILENAME = ".run.jsonl.reserve"
@@ -94,9 +94,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "split": (str,),
         "loss": _OPT_NUM,
         "nll": _OPT_NUM,
-        "bleu": _OPT_NUM,
-        "accuracy": _OPT_NUM,
-        "perplexity": _OPT_NUM,
+        "metrics": (dict,),
     },
     "summary": {
         "completed": (bool,),
@@ -123,9 +121,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "evaluation": (dict,),
         "checkpoints": (dict,),
         "final_loss": _OPT_NUM,
-        "bleu": _OPT_NUM,
-        "accuracy": _OPT_NUM,
-        "perplexity": _OPT_NUM,
+        "metrics": (dict,),
         "host_phases": (dict, type(None)),
         "memory": (dict, type(None)),
         "compile_cache": (dict, type(None)),
@@ -153,17 +149,16 @@ PARTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
         "checkpoints": _ONE_TIME,
     },
 }
-# The quality metrics of the tasks (wmt, imdb, gpt): an eval record holds each, null where the task has none, and
-# the summary repeats the last evaluation's.
-QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
+# The quality metrics logs of schema 1 and 2 held as keys of every eval and summary record (null where the task had
+# none); schema 3 holds a task's own in one ``metrics`` object (`upgrade`).
+LEGACY_QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # Keys schema 1 gained after logs were written without them: a reader takes a missing one as null; the writer
 # always writes them.
 LATER_KEYS: dict[str, frozenset[str]] = {
     "run": frozenset(
         {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
     ),
-    "eval": frozenset({"perplexity"}),
-    "summary": frozenset({"perplexity", "memory", "host_phases", "compile_cache", "startup"}),
+    "summary": frozenset({"memory", "host_phases", "compile_cache", "startup"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {
@@ -242,7 +237,9 @@ def validate(
 ) -> None:
     """Raises RecordError naming the first missing key or wrongly typed value of a run-log record (or of one of
     its `PARTS`) of a log of version ``schema``; a key of `LATER_KEYS` may be missing unless ``complete`` (what a
-    writer checks), one of `SCHEMA_2_KEYS` in a schema-1 log."""
+    writer checks), one of `SCHEMA_2_KEYS` in a schema-1 log. A record of schema 1 or 2 is checked in this version's
+    form (`upgrade`); the values of ``metrics`` must be numbers."""
+    record = upgrade(dict(record), schema)
     record_type = record.get("type")
     if record_type not in SCHEMA:
         raise RecordError(record)
@@ -251,6 +248,9 @@ def validate(
     if schema < 2:
         may_lack |= SCHEMA_2_KEYS.get(record_type, frozenset())
     _check_keys(record, {**SCHEMA[record_type], **throughput_keys(record_type, counted)}, may_lack)
+    for name, value in record.get("metrics", {}).items():
+        if isinstance(value, bool) or not isinstance(value, _NUM):
+            raise RecordError({**record["metrics"], "type": f"{record_type}.metrics"}, name, _NUM)
     for name, keys in PARTS.get(record_type, {}).items():
         if name in record:
             part_type = f"{record_type}.{name}"
@@ -367,8 +367,21 @@ def _append(fd: int, data: bytes) -> None:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
+    """The records of a run log, each in this version's form (`upgrade`) whichever schema wrote it."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    schema = records[0].get("schema", SCHEMA_VERSION) if records and records[0].get("type") == "run" else SCHEMA_VERSION
+    return [upgrade(record, schema) for record in records]
+
+
+def upgrade(record: dict[str, Any], schema: int) -> dict[str, Any]:
+    """``record`` of a log of version ``schema`` in this version's form: an eval or summary record of schema 1 or 2
+    has its quality keys (`LEGACY_QUALITY_KEYS`, those not null) moved into ``metrics``; other records, and records
+    already upgraded, are returned as they are."""
+    if schema >= 3 or record.get("type") not in ("eval", "summary") or "metrics" in record:
+        return record
+    metrics = {key: record[key] for key in LEGACY_QUALITY_KEYS if record.get(key) is not None}
+    return {**{key: value for key, value in record.items() if key not in LEGACY_QUALITY_KEYS}, "metrics": metrics}
 
 
 def truncate_for_resume(run_dir: Path, step: int) -> None:
@@ -376,7 +389,7 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
 
     Drops the summary and every interval/eval record after ``step``, so a resumed run continues one log that
     reads as a single run (the steps after the checkpoint are trained again, identically). The run record takes
-    this version's schema: the summary the resumed run writes is of this version.
+    this version's schema, and the records kept this version's form (`read`): the resumed run writes this version's.
     """
     path = Path(run_dir) / LOG_FILENAME
     kept = [
@@ -459,6 +472,10 @@ def energy_fields(joules: float | None, source: str | None) -> dict[str, Any]:
     return {"energy_j": joules, "energy_source": source if joules is not None else None}
 
 
+EVAL_KEYS = ("split", "loss", "nll")  # what every eval record holds beside its metrics
+
+
 def eval_record(step: int, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """An ``eval`` record: the task's ``fields`` (split and scores); the scores it does not give are null."""
-    return {"type": "eval", "step": step, "loss": None, "nll": None, **dict.fromkeys(QUALITY_KEYS), **fields}
+    """An ``eval`` record of an evaluation's ``fields`` (split, scores, the task's ``metrics``); ``loss`` and ``nll``
+    are null and ``metrics`` empty unless given."""
+    return {"type": "eval", "step": step, "loss": None, "nll": None, "metrics": {}, **fields}

@@ -88,7 +88,8 @@ def _summary(run_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     records, _ = run_logs.read_records(path)
-    summaries = [record for _, record in records if record["type"] == "summary"]
+    schema = records[0][1].get("schema", runlog.SCHEMA_VERSION) if records else runlog.SCHEMA_VERSION
+    summaries = [runlog.upgrade(record, schema) for _, record in records if record["type"] == "summary"]
     return summaries[-1] if summaries else None
 
 
@@ -244,7 +245,7 @@ def _failure(name: str, run_dir: Path, code: int) -> str:
 
 def _quality(run_dir: Path) -> str:
     summary = _summary(run_dir) or {}
-    found = [f"{key} {summary[key]:.4g}" for key in runlog.QUALITY_KEYS if summary.get(key) is not None]
+    found = [f"{key} {value:.4g}" for key, value in summary.get("metrics", {}).items()]
     return f", {', '.join(found)}" if found else ""
 
 

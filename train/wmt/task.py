@@ -34,7 +34,7 @@ from train.errors import UsageError
 from train.harness.config import Run
 from train.harness.optimizer import inverse_sqrt_schedule
 from train.harness.parallel import DataParallel
-from train.harness.training import Quality, Task, TaskSetup, format_value
+from train.harness.training import Quality, Task, TaskSetup
 from train.wmt import config as wmt_config
 from train.wmt import data as wmt_data
 from train.wmt.config import WmtConfig
@@ -156,13 +156,12 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
 TASK = Task(
     name="wmt",
     counted=("tokens", "target_tokens"),
-    quality=Quality("bleu", "BLEU", True, 1.0),  # a model that learned nothing scores near 0
+    quality=Quality("bleu", "BLEU", True, 1.0, ".2f"),  # a model that learned nothing scores near 0
     config_type=WmtConfig,
     build_parser=wmt_config.build_parser,
     resolve_config=wmt_config.resolve_config,
     check_config=wmt_config.check_config,
     setup=setup,
-    score=lambda record: format_value(record["bleu"], ".2f"),
     loss_name="label-smoothed training loss, see --label-smoothing",
     memory_advice="lower --max-tokens (raise --grad-accum to keep the batch), add --remat layer, or choose a "
     "smaller --preset",

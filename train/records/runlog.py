@@ -5,13 +5,15 @@ object per line) with TensorBoard events.
 written and `train.compare` checks every record it reads, so a log it accepts has every key with the right type.
 Throughput keys depend on what a task counts: a task counting ``tokens`` and ``target_tokens`` logs
 ``tokens_per_s`` and ``target_tokens_per_s`` in intervals, and ``tokens``, ``target_tokens`` and both rates in the
-summary and its ``steady`` part. The summary's parts (`PARTS`: ``warmup``, ``steady``, ``compilation``,
-``evaluation``, ``checkpoints``) are objects with a schema of their own, each one window of the run
-(train.costs.windows).
+summary and its ``steady`` part. The summary's parts (`PARTS`: ``warmup``, ``steady``, ``startup``,
+``compilation``, ``evaluation``, ``checkpoints``) are objects with a schema of their own, each one window of the run
+(train.costs.windows). A task's quality metrics (BLEU, accuracy, perplexity: its own) are one ``metrics`` object
+of the eval and summary records.
 
 Schema 2 added the windows: the summary's ``energy_j`` covers the training steps (schema 1: the training loop,
 compilation and evaluations included), beside the wall window and the parts. A reader takes a schema-1 log with
-the schema-2 keys missing (`SCHEMA_2_KEYS`).
+the schema-2 keys missing (`SCHEMA_2_KEYS`). Schema 3 gathered the quality keys of schema 1 and 2 into
+``metrics``; `read` and `validate` take older records in that form (`upgrade`).
 """
 
 from __future__ import annotations

@@ -10,14 +10,3 @@ from train.imdb.task import TASK as IMDB
 from train.wmt.task import TASK as WMT
 
 TASKS: dict[str, Task] = {task.name: task for task in (IMDB, WMT, GPT)}
-
-
-def get(name: str) -> Task:
-    """The task called ``name``.
-
-    Raises:
-      ValueError: no task has that name (the message lists those that do).
-    """
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name]

@@ -63,6 +63,13 @@ def _split(joined: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
     return [joined[..., end - length : end] for end, length in zip(ends, lengths)]
 
 
+def once_exists(value: Any, after: Any) -> Any:
+    """``value``, made available only once ``after`` exists too (one optimization barrier); ``value`` for None."""
+    if after is None:
+        return value
+    return jax.lax.optimization_barrier((value, after))[0]
+
+
 def reduce_scatter(
     grads: Any,
     axis_name: str,
@@ -83,8 +90,7 @@ def reduce_scatter(
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in buckets(dtypes, nbytes, bucket_bytes):
         joined = jnp.concatenate([rows(leaves[i].astype(dtypes[i]), num_shards) for i in bucket], axis=1)
-        if after is not None:
-            joined, after = jax.lax.optimization_barrier((joined, after))[0], None
+        joined, after = once_exists(joined, after), None
         summed = jax.lax.psum_scatter(joined, axis_name, scatter_dimension=0, tiled=True)[0]
         if average:
             summed = summed / num_shards

@@ -209,7 +209,7 @@ class GradientSync:
         comm = self._comm_dtype(param_dtypes)
         if self.sharded is None:  # one flat buffer, so XLA's all-reduce combiner cannot merge it with a later bucket
             flat = jnp.concatenate([t.astype(comm).reshape(-1) for t in totals])
-            flat = _once_exists(flat, after)
+            flat = layout_lib.once_exists(flat, after)
             summed = jax.lax.psum(flat, self.axis_name).astype(jnp.float32)
             ends = np.cumsum([t.size for t in totals])
             return [summed[end - t.size : end].reshape(t.shape) for end, t in zip(ends, totals)]
@@ -258,10 +258,3 @@ class GradientSync:
 
         identity.defvjp(forward, backward)
         return identity
-
-
-def _once_exists(value: Any, after: Any) -> Any:
-    """``value``, made available only once ``after`` exists too (one optimization barrier); ``value`` for None."""
-    if after is None:
-        return value
-    return jax.lax.optimization_barrier((value, after))[0]

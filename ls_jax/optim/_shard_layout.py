@@ -63,26 +63,11 @@ def _split(joined: jax.Array, lengths: Sequence[int]) -> list[jax.Array]:
     return [joined[..., end - length : end] for end, length in zip(ends, lengths)]
 
 
-def once_exists(value: Any, after: Any) -> Any:
-    """``value``, made available only once ``after`` exists too (one optimization barrier); ``value`` for None."""
-    if after is None:
-        return value
-    return jax.lax.optimization_barrier((value, after))[0]
-
-
 def reduce_scatter(
-    grads: Any,
-    axis_name: str,
-    num_shards: int,
-    *,
-    average: bool,
-    reduce_dtype: Any,
-    bucket_bytes: int,
-    after: Any = None,
+    grads: Any, axis_name: str, num_shards: int, *, average: bool, reduce_dtype: Any, bucket_bytes: int
 ) -> Any:
     """Inside shard_map: row r (this device's) of ``sum_d grads_d`` (``/ N`` when ``average``), a tree of ``(c_i,)``
-    in the gradients' dtypes, summed in ``reduce_dtype`` (None: the gradients' dtype). One psum_scatter per bucket;
-    with ``after``, the first starts only once ``after`` exists (one optimization barrier)."""
+    in the gradients' dtypes, summed in ``reduce_dtype`` (None: the gradients' dtype). One psum_scatter per bucket."""
     leaves, treedef = jax.tree.flatten(grads)
     dtypes = [jnp.dtype(reduce_dtype or leaf.dtype) for leaf in leaves]
     lengths = [row_length(leaf.size, num_shards) for leaf in leaves]
@@ -90,7 +75,6 @@ def reduce_scatter(
     out: list[jax.Array | None] = [None] * len(leaves)
     for bucket in buckets(dtypes, nbytes, bucket_bytes):
         joined = jnp.concatenate([rows(leaves[i].astype(dtypes[i]), num_shards) for i in bucket], axis=1)
-        joined, after = once_exists(joined, after), None
         summed = jax.lax.psum_scatter(joined, axis_name, scatter_dimension=0, tiled=True)[0]
         if average:
             summed = summed / num_shards

@@ -49,9 +49,9 @@ def backward_in_layer_order() -> Iterator[None]:
     Left free, XLA's GPU schedulers (the default one and the latency-hiding one alike) put every weight-gradient
     product after the rest of the backward, since nothing but the update reads them: on two H200s the 60 products
     of transformer-big's 12 layers ran after the last LayerNorm backward, so no bucket's all-reduce could start
-    before it. In this order they run inside their layers' backward; XLA still issued the buckets' all-reduces
-    after the backward in that step (docs/results/README.md, scale-out). `GradientSync.grad` traces the loss
-    inside this context.
+    before it. In this order they run inside their layers' backward, and with XLA's option to start collectives as
+    early as possible (`train.harness.parallel.DataParallel.compiler_options`) the buckets' all-reduces run beside
+    them (docs/results/README.md, scale-out). `GradientSync.grad` traces the loss inside this context.
     """
     previous = getattr(_layer_order, "active", False)
     _layer_order.active = True
@@ -203,13 +203,12 @@ class GradientSync:
     def _comm_dtype(self, param_dtypes: Sequence[Any]) -> np.dtype:
         return jnp.dtype(self.comm_dtype) if self.comm_dtype is not None else jnp.result_type(*param_dtypes)
 
-    def _reduce(self, totals: list[jax.Array], param_dtypes: list[Any], after: Any = None) -> list[jax.Array]:
+    def _reduce(self, totals: list[jax.Array], param_dtypes: list[Any]) -> list[jax.Array]:
         """One bucket's collective: float32 ``totals`` summed over the axis in the communication dtype, back in
-        float32; the collective starts only once ``after`` (the previous bucket's result) exists."""
+        float32."""
         comm = self._comm_dtype(param_dtypes)
         if self.sharded is None:  # one flat buffer, so XLA's all-reduce combiner cannot merge it with a later bucket
             flat = jnp.concatenate([t.astype(comm).reshape(-1) for t in totals])
-            flat = layout_lib.once_exists(flat, after)
             summed = jax.lax.psum(flat, self.axis_name).astype(jnp.float32)
             ends = np.cumsum([t.size for t in totals])
             return [summed[end - t.size : end].reshape(t.shape) for end, t in zip(ends, totals)]
@@ -220,7 +219,6 @@ class GradientSync:
             average=False,
             reduce_dtype=comm,
             bucket_bytes=sum(t.size for t in totals) * comm.itemsize,
-            after=after,
         )
         return [r.astype(jnp.float32) for r in rows]
 
@@ -228,11 +226,6 @@ class GradientSync:
         """``f(leaves, carried, receivers) -> leaves``, each a list per bucket, made per-device; its backward sends
         each bucket's summed cotangent (plus ``carried``) to its receivers through ``_reduce`` and zeros to the
         leaves.
-
-        The buckets' collectives run one after another in backward order: each starts once the previous one has
-        finished. Left unordered, XLA's GPU scheduler issued every bucket's all-reduce after the whole backward
-        (two H200s, transformer-big); chained, the last one can start only after the first, which the backward's
-        top layers complete early.
         """
         axis_name = self.axis_name
 
@@ -244,14 +237,13 @@ class GradientSync:
             return identity(leaves, carried, receivers), carried
 
         def backward(carried, cotangents):
-            summed, previous = [], None
+            summed = []
             for bucket_cotangents, bucket_carried in zip(cotangents, carried):
                 totals = [
                     ct.astype(jnp.float32) if c is None else ct.astype(jnp.float32) + c
                     for ct, c in zip(bucket_cotangents, bucket_carried)
                 ]
-                previous = self._reduce(totals, [ct.dtype for ct in bucket_cotangents], after=previous)
-                summed.append(previous)
+                summed.append(self._reduce(totals, [ct.dtype for ct in bucket_cotangents]))
             zeros = [[jnp.zeros(ct.shape, ct.dtype) for ct in bucket] for bucket in cotangents]
             no_carried = [[None if c is None else jnp.zeros_like(c) for c in bucket] for bucket in carried]
             return zeros, no_carried, summed

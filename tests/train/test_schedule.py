@@ -52,3 +52,18 @@ def test_the_command_writes_its_summary_and_refuses_a_file_without_an_entry(tmp_
     dump.write_text("HloModule m\n")
     with pytest.raises(SystemExit, match="no ENTRY computation"):
         schedule.main([str(dump)])
+
+
+def test_a_synchronous_all_reduce_counts_as_one():
+    # The form XLA leaves when an all-reduce has nothing to overlap (seen in a 2-GPU step's dump).
+    line = (
+        "  %all-reduce.4 = f32[16]{0} all-reduce(%input_concatenate_fusion.1), channel_id=1, to_apply=%r, "
+        'metadata={scheduling_name="all-reduce-start"}\n'
+    )
+    text = HLO.replace(
+        "  %gemm_fusion_dot.2",
+        line + "  %gemm_fusion_dot.3 = f32[8]{0} fusion(%p0), kind=kCustom\n  %gemm_fusion_dot.2",
+    )
+    summary = schedule.summarize(text)
+    assert summary["sequence"][3:6] == ["all-reduce-start", "all-reduce", "gemm x2"]
+    assert (summary["all_reduces"], summary["gemms_after_first_all_reduce"]) == (2, 2)

@@ -3,8 +3,9 @@
 Reads the scheduled HLO text XLA writes with ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`` (the
 ``*after_optimizations.txt`` of the step's module, e.g. ``jit_train_step``), whose entry computation lists the
 instructions in the order the device runs them. Each is classed as a matrix product (a cuBLAS call or a GEMM
-fusion), a fused kernel of this library (its FFI target without the ``ls_`` prefix), a concatenation, or an
-all-reduce's start or end; everything else is left out. Prints the sequence with repeats collapsed (``gemm x6``),
+fusion), a fused kernel of this library (its FFI target without the ``ls_`` prefix), a concatenation, an asynchronous
+all-reduce's start or end, or a synchronous all-reduce (``all-reduce``, which XLA makes of an asynchronous one
+with nothing to overlap); everything else is left out. Prints the sequence with repeats collapsed (``gemm x6``),
 from ``--start`` (a class, default the loss's backward kernel) on, and counts how many matrix products run after
 the first all-reduce starts: the compute a gradient all-reduce can overlap with.
 """
@@ -40,6 +41,8 @@ def classify(line: str) -> str | None:
         return "all-reduce-start"
     if (name.startswith("all-reduce") and "async-done" in rest) or " all-reduce-done(" in rest:
         return "all-reduce-done"
+    if name.startswith("all-reduce") and " all-reduce(" in rest:
+        return "all-reduce"
     if "__cublas" in rest or "gemm" in name:
         return "gemm"
     target = _TARGET.search(rest)
@@ -60,7 +63,7 @@ def summarize(text: str, start: str = "cross_entropy_bwd") -> dict[str, Any]:
     classes = [kind for kind in map(classify, entry_lines(text)) if kind is not None]
     if start in classes:
         classes = classes[classes.index(start) :]
-    starts = [i for i, kind in enumerate(classes) if kind == "all-reduce-start"]
+    starts = [i for i, kind in enumerate(classes) if kind in ("all-reduce-start", "all-reduce")]
     gemms = [i for i, kind in enumerate(classes) if kind == "gemm"]
     first = starts[0] if starts else len(classes)
     return {

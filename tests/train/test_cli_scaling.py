@@ -40,13 +40,16 @@ def fake_parallel(count, platform):
     return DataParallel(types.SimpleNamespace(size=count, devices=devices))
 
 
-def test_several_gpus_compile_with_the_latency_hiding_scheduler_unless_the_user_says(monkeypatch):
+def test_several_gpus_compile_with_the_latency_hiding_scheduler_and_early_collectives_unless_the_user_says(
+    monkeypatch,
+):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert fake_parallel(2, "gpu").compiler_options() == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    early = {"xla_gpu_experimental_collective_start_as_early_as_possible": True}
+    assert fake_parallel(2, "gpu").compiler_options() == {"xla_gpu_enable_latency_hiding_scheduler": True, **early}
     assert fake_parallel(1, "gpu").compiler_options() == {}
     assert fake_parallel(4, "cpu").compiler_options() == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
-    assert fake_parallel(2, "gpu").compiler_options() == {}
+    assert fake_parallel(2, "gpu").compiler_options() == early
 
 
 @pytest.mark.slow
@@ -115,6 +118,15 @@ def test_a_batch_per_device_grows_the_batch_with_the_device_count(tmp_path):
     assert code == 0
     kept = {p.name: json.loads((p / "config.json").read_text()) for p in (tmp_path / "logs").iterdir()}
     assert {name: config["batch_size"] for name, config in kept.items()} == {"imdb-xla-1-one": 4, "imdb-xla-2-one": 8}
+
+
+def test_epochs_replace_steps_in_the_training_command_and_are_wmt_only(tmp_path):
+    by_epochs = cli_scaling.run_command("wmt", [], "ffi", 150, tmp_path, None, epochs=2)
+    by_steps = cli_scaling.run_command("wmt", [], "ffi", 150, tmp_path, None)
+    assert by_epochs[by_epochs.index("--epochs") + 1] == "2" and "--steps" not in by_epochs
+    assert by_steps[by_steps.index("--steps") + 1] == "150" and "--epochs" not in by_steps
+    with pytest.raises(SystemExit, match="--epochs: a positive count, for wmt"):
+        cli_scaling.main(["--task", "imdb", "--epochs", "1", "--cpu"])
 
 
 def test_a_batch_per_device_is_refused_for_wmt():

@@ -10,7 +10,7 @@ import pytest
 
 from train.bench import scaling
 from train.bench.scaling import bucket_sizes, device_counts, efficiencies
-from train.bench.steps import overlap
+from train.bench.steps import overlap, scaling_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,3 +161,10 @@ def test_a_tiny_two_device_run_writes_every_table(tmp_path):
     assert layers["encoder layer"]["gradient_bytes"] > 0
     assert [p["devices"] for p in data["allreduce"]] == [2] and data["allreduce"][0]["bus_gb_per_s"] > 0
     assert set(data["method"]["split"]) == {"forward_ms", "backward_ms", "allreduce_ms", "optimizer_ms", "rest_ms"}
+
+
+def test_a_transformer_takes_the_vocabulary_and_sentence_length_a_cli_run_has():
+    rows, length = scaling_models.rows_and_length("tiny-2e2d", 512, 32, 128, sentence_length=16)
+    model = scaling_models.build("tiny-2e2d", rows, length, vocab=300)
+    assert (rows, length) == (32, 16) and model.batch["src"].shape == (1, 32, 16) and model.tokens_per_device == 512
+    assert model.batch["src"].max() < 300 and model.module.config.vocab_size == 300

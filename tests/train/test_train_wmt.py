@@ -171,6 +171,15 @@ def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, corpus_
     assert train_stats["too_long"] >= 3 and sum(train_stats.values()) == 243  # the 3 long lines are dropped
 
 
+def test_epochs_train_whole_passes_over_the_training_pairs(tmp_path, corpus_dir, compilation_cache):
+    run_dir = tmp_path / "run"
+    assert run_training(wmt.TASK, small_job(corpus_dir, run_dir, "--epochs", "2", "--eval-every", "0")) == 0
+    summary = runlog.read(run_dir / "run.jsonl")[-1]
+    progress = json.loads((run_dir / "checkpoints" / str(summary["steps"]) / "progress" / "metadata").read_text())
+    # The stream stops at the end of the second epoch (epoch 1, every one of its steps taken): 2 x an epoch's steps.
+    assert summary["steps"] > 2 and progress["data"] == {"epoch": 1, "index": summary["steps"] // 2}
+
+
 def test_resume_with_another_vocabulary_is_refused(tmp_path, corpus_dir, compilation_cache, capsys):
     run_dir = tmp_path / "run"
     assert run_training(wmt.TASK, small_job(corpus_dir, run_dir, "--steps", "1")) == 0
@@ -279,6 +288,7 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
         (lambda d, c: ["--run-dir", str(d / "file.txt" / "run")], "cannot write the run directory"),
         (lambda d, c: ["--resume", str(d)], "no config.json there"),
         (lambda d, c: ["--steps", "0"], "--steps must be >= 1"),
+        (lambda d, c: ["--steps", "5", "--epochs", "1"], "--epochs and --steps both set the length of the run"),
         (lambda d, c: ["--spm", str(d / "missing.model"), "--run-dir", str(d / "r")], "missing.model"),
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (
@@ -298,6 +308,7 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
         "unwritable-run-dir",
         "resume-not-a-run",
         "steps",
+        "steps-and-epochs",
         "missing-spm",
         "ffi-without-cuda",
         "master-weights-fp32",

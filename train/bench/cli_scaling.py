@@ -44,6 +44,7 @@ from train.records import runlog
 TASKS = ("wmt", "imdb", "gpt")
 LAYOUTS = ("one", "per-device")
 QUIET = ["--no-progress", "--no-tensorboard", "--eval-every", "0", "--checkpoint-every", "1000000000"]
+QUIET_EPOCHS = ["--log-every", "1000000000"]  # one interval: the run's own length is not known here
 
 
 def gpu_names() -> list[str]:
@@ -79,18 +80,22 @@ def run_command(
     run_dir: Path,
     profile: str | None,
     batch_size: int | None = None,
+    epochs: int | None = None,
 ) -> list:
-    """The training command of one run; ``batch_size`` (examples or rows over all devices) is passed when given."""
+    """The training command of one run: ``steps`` steps, or with ``epochs`` that many passes over the data (wmt);
+    ``batch_size`` (examples or rows over all devices) is passed when given."""
+    length = (
+        ["--steps", str(steps), "--log-every", str(steps)]
+        if epochs is None
+        else ["--epochs", str(epochs), *QUIET_EPOCHS]
+    )
     return [
         sys.executable,
         "-m",
         f"train.{task}",
         *flags,
         *QUIET,
-        "--steps",
-        str(steps),
-        "--log-every",
-        str(steps),
+        *length,
         "--backend",
         backend,
         "--run-dir",
@@ -303,6 +308,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "N trains the same batch per device (wmt's --max-tokens already counts per device)",
     )
     parser.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help="wmt: whole passes over the training pairs per run instead of --steps, so every device count trains on "
+        "the same pairs (its length buckets in the same shares)",
+    )
     parser.add_argument("--profile-steps", help="FIRST:LAST steps each run traces (default: none)")
     parser.add_argument(
         "--step-kernel",
@@ -347,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_steps:
         first, _, last = args.profile_steps.partition(":")
         steps = int(last or first) - int(first) + 1
+    if args.epochs is not None and (args.task != "wmt" or args.epochs < 1):
+        raise SystemExit("--epochs: a positive count, for wmt (imdb and gpt batches hold the same examples at any N)")
     if args.batch_per_device is not None and (args.task == "wmt" or args.batch_per_device < 1):
         raise SystemExit("--batch-per-device: a positive count, for imdb and gpt (wmt's --max-tokens is per device)")
     counted = counted_of(args.task)
@@ -373,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             "suite": "cli-scaling",
             "task": args.task,
             "flags": flags,
-            "steps": args.steps,
+            "steps": args.steps if args.epochs is None else None,
+            "epochs": args.epochs,
             "profile_steps": args.profile_steps,
             "counted": counted,
             "concurrent": args.concurrent and not args.cpu,
@@ -393,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"{args.task}-{backend}-{n}-{layout}"
                     run_dir = Path(scratch) / name
                     batch = args.batch_per_device and args.batch_per_device * n
-                    command = run_command(args.task, flags, backend, args.steps, run_dir, args.profile_steps, batch)
+                    command = run_command(
+                        args.task, flags, backend, args.steps, run_dir, args.profile_steps, batch, args.epochs
+                    )
                     jobs.append(Job(name, backend, n, layout, command, run_dir, Path(scratch) / f"{name}.out"))
         run_jobs(jobs, available, args.cpu, args.concurrent and not args.cpu, args.timeout, finished)
     print(report(rows, counted), flush=True)

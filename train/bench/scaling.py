@@ -18,10 +18,10 @@ forward and optimizer).
 step of each model (or of ``--variant-models``) at the largest of ``--devices``; its rows join the results,
 marked with their flags.
 
-Models: ``big-6e6d`` (Transformer-big, 6 + 6 layers, 64-token sentences, ``--tokens-per-device`` target tokens per
-device; ``tiny-2e2d`` the same shape of step for a CPU) and ``bert-base`` (sequence classification, ``--bert-batch``
-rows of ``--bert-length`` tokens; ``bert-tiny`` for a CPU). Compilations run side by side (``--compile-threads``);
-set JAX_COMPILATION_CACHE_DIR to keep them for the next run.
+Models: ``big-6e6d`` (Transformer-big, 6 + 6 layers, ``--tokens-per-device`` target tokens per device in sentences
+of ``--sentence-length``, a ``--vocab`` vocabulary; ``tiny-2e2d`` the same shape of step for a CPU) and
+``bert-base`` (sequence classification, ``--bert-batch`` rows of ``--bert-length`` tokens; ``bert-tiny`` for a CPU).
+Compilations run side by side (``--compile-threads``); set JAX_COMPILATION_CACHE_DIR to keep them for the next run.
 
 One module on purpose: the sweep over device counts, the timed pieces and the tables of one report read the same
 rows; the pieces it times and the overlap model live in `train.bench.steps`.
@@ -194,8 +194,10 @@ def plan(args: argparse.Namespace, devices: list[Any], counts: list[int]) -> tup
     shapes: dict[str, Any] = {}
     buckets = bucket_sizes(args.grad_bucket_mb)
     for name in args.models.split(","):
-        rows, length = scaling_models.rows_and_length(name, args.tokens_per_device, args.bert_batch, args.bert_length)
-        model = scaling_models.build(name, rows, length)
+        rows, length = scaling_models.rows_and_length(
+            name, args.tokens_per_device, args.bert_batch, args.bert_length, args.sentence_length
+        )
+        model = scaling_models.build(name, rows, length, args.vocab)
         with backend.use("xla"):  # the same values whichever implementation trains them
             params = model.init_params()
         for implementation in args.implementations.split(","):
@@ -450,6 +452,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sharded-for", default="all", help="MODEL:IMPLEMENTATION,... that get sharded rows")
     parser.add_argument("--devices", help="comma-separated device counts (default 1, 2, 4, ... up to all)")
     parser.add_argument("--tokens-per-device", type=int, default=8192, help="big-6e6d target tokens per device")
+    parser.add_argument(
+        "--sentence-length", type=int, default=64, help="big-6e6d tokens per sentence, source and target (default 64)"
+    )
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=32768,
+        help="big-6e6d vocabulary (default 32768, a WMT vocabulary; `train.wmt --data synthetic` trains 512 pieces)",
+    )
     parser.add_argument("--bert-batch", type=int, default=32)
     parser.add_argument("--bert-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed sample (5 samples)")

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ls_jax.models import PRESETS
-from train.errors import ArgumentParser
+from train.errors import ArgumentParser, UsageError
 from train.harness import cli
 from train.harness import config as config_lib
 from train.harness.config import TrainingConfig
@@ -43,7 +43,8 @@ class WmtConfig(TrainingConfig):
     length_penalty: float = 0.6
     bleu_sentences: int | None = None  # every sentence
     decode_memory: int | None = None  # MiB; half the device's free memory
-    # training, as the synthetic task needs it
+    # training, as the synthetic task needs it; epochs: whole passes over the training pairs, in place of steps
+    epochs: int | None = None
     steps: int | None = 320
     warmup_steps: int | None = 40
     lr: float = 3e-3
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop pairs longer than this many tokens (EOS included); default and upper bound: the model's max_seq_len",
     )
     group.add_argument("--max-tokens", type=int, help="padded tokens per device per micro-batch")
+    group.add_argument(
+        "--epochs",
+        type=int,
+        help="train this many whole passes over the training pairs instead of --steps: an epoch's steps depend on "
+        "--max-tokens and the device count (pairs are batched by length)",
+    )
 
     group = parser.add_argument_group("model and loss")
     cli.add_implementation_argument(
@@ -138,7 +145,10 @@ def resolve_config(given: Mapping[str, Any], saved: Mapping[str, Any] | None = N
     flags given now."""
     data = given.get("data", (saved or {}).get("data", WmtConfig.data))
     synthetic = data.partition(":")[0] == "synthetic"
-    return config_lib.resolve(WmtConfig, given, saved, {} if synthetic else REAL_DATA_DEFAULTS)
+    if "epochs" in given and "steps" in given:
+        raise UsageError("--epochs and --steps both set the length of the run; give one of them")
+    config = config_lib.resolve(WmtConfig, given, saved, {} if synthetic else REAL_DATA_DEFAULTS)
+    return dataclasses.replace(config, epochs=None) if "steps" in given else config  # a resume's new --steps wins
 
 
 def check_config(config: WmtConfig) -> None:
@@ -146,6 +156,7 @@ def check_config(config: WmtConfig) -> None:
         config,
         at_least_one=(
             "steps",
+            "epochs",
             "max_tokens",
             "grad_accum",
             "log_every",

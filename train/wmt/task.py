@@ -141,7 +141,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         flops_fn=make_flops_fn(model_cfg),
         evaluate=Evaluator(model, model_cfg, criterion, data, config, parallel),
         learning_rate=inverse_sqrt_schedule(config.lr, config.warmup_steps),
-        steps=config.steps,
+        steps=config.steps if config.epochs is None else config.epochs * stream.steps_per_epoch,
         eval_every=config.eval_every,
         checkpoint_every=config.checkpoint_every,
         model_signature=model_signature(config, model_cfg),

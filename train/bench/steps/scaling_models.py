@@ -1,8 +1,9 @@
 """The models `train.bench.scaling` trains, with one device's synthetic batch and the layers whose backward the
 overlap estimate (`train.bench.steps.overlap`) is built from.
 
-``big-6e6d``: Transformer-big, 6 + 6 layers, 64-token sentences (``tiny-2e2d``: the same shape of step, small
-enough for a CPU). ``bert-base``: sequence classification (``bert-tiny``: for a CPU). All bf16 activations.
+``big-6e6d``: Transformer-big, 6 + 6 layers, 64-token sentences over a 32,768-piece vocabulary unless told
+otherwise (``tiny-2e2d``: the same shape of step, small enough for a CPU). ``bert-base``: sequence classification
+(``bert-tiny``: for a CPU). All bf16 activations.
 """
 
 from __future__ import annotations
@@ -56,29 +57,37 @@ class BenchModel:
         return jax.jit(self.module.init)(jax.random.PRNGKey(0), *inputs)["params"]
 
 
-def rows_and_length(name: str, tokens_per_device: int, bert_batch: int, bert_length: int) -> tuple[int, int]:
-    """One device's (rows, tokens per row) of model ``name``."""
+def rows_and_length(
+    name: str,
+    tokens_per_device: int,
+    bert_batch: int,
+    bert_length: int,
+    sentence_length: int = transformer_steps.SEQ_LEN,
+) -> tuple[int, int]:
+    """One device's (rows, tokens per row) of model ``name``: a Transformer's ``tokens_per_device`` in sentences of
+    ``sentence_length``."""
     if name in TRANSFORMER_PRESETS:
-        return tokens_per_device // transformer_steps.SEQ_LEN, transformer_steps.SEQ_LEN
+        return tokens_per_device // sentence_length, sentence_length
     return bert_batch, bert_length
 
 
-def build(name: str, rows: int, length: int) -> BenchModel:
-    """Model ``name`` (a key of MODELS) with random tokens for one device: ``rows`` rows of ``length``."""
+def build(name: str, rows: int, length: int, vocab: int = transformer_steps.VOCAB) -> BenchModel:
+    """Model ``name`` (a key of MODELS) with random tokens for one device: ``rows`` rows of ``length``; a
+    Transformer's vocabulary has ``vocab`` pieces."""
     if name in TRANSFORMER_PRESETS:
-        return _transformer(name, rows, length)
+        return _transformer(name, rows, length, vocab)
     if name in BERT_PRESETS:
         return _bert(name, rows, length)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def _transformer(name: str, rows: int, length: int) -> BenchModel:
+def _transformer(name: str, rows: int, length: int, vocab: int) -> BenchModel:
     rng = np.random.default_rng(0)
     config = wmt_model.model_config(
-        WmtConfig(preset=TRANSFORMER_PRESETS[name], dropout=0.1, remat="none"), transformer_steps.VOCAB, "bf16"
+        WmtConfig(preset=TRANSFORMER_PRESETS[name], dropout=0.1, remat="none"), vocab, "bf16"
     )
     module = Transformer(config)
-    tokens = rng.integers(4, transformer_steps.VOCAB, size=(1, rows, length), dtype=np.int32)
+    tokens = rng.integers(4, vocab, size=(1, rows, length), dtype=np.int32)
     batch = {"src": tokens, "tgt_in": tokens, "labels": np.roll(tokens, -1, axis=-1)}
     layer = config.layer
     x = jnp.zeros((rows, length, layer.hidden_size), jnp.bfloat16)

@@ -207,7 +207,7 @@ class GradientSync:
         """One bucket's collective: float32 ``totals`` summed over the axis in the communication dtype, back in
         float32."""
         comm = self._comm_dtype(param_dtypes)
-        if self.sharded is None:  # one flat buffer, so XLA's all-reduce combiner cannot merge it with a later bucket
+        if self.sharded is None:  # one flat buffer, one all-reduce (XLA's combiner still joins buckets of a few MiB)
             flat = jnp.concatenate([t.astype(comm).reshape(-1) for t in totals])
             summed = jax.lax.psum(flat, self.axis_name).astype(jnp.float32)
             ends = np.cumsum([t.size for t in totals])

@@ -3,6 +3,7 @@ back, efficiencies and speedups; and the data-parallel step's XLA options."""
 
 import json
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,16 @@ def test_the_report_shows_missing_numbers_as_dashes():
     cli_scaling.add_ratios(rows)
     line = cli_scaling.report(rows, "tokens").splitlines()[1]
     assert line.split()[:4] == ["ffi", "2", "one", "-"]
+
+
+def test_a_row_says_what_one_devices_batch_held_per_step():
+    # Committed 4 x H200 runs: the first 150 steps of synthetic:600000 hold fewer tokens per GPU at 2 GPUs than at 1.
+    runs = Path(__file__).resolve().parents[2] / "docs/results/scale-out-h200x4/defaults"
+    one, two = (cli_scaling.run_row(runs / name, "tokens") for name in ("wmt-ffi-1-one", "wmt-ffi-2-one"))
+    assert round(one["steady_count_per_device_step"]) == 12788 and round(two["steady_count_per_device_step"]) == 12513
+    shown = {**two, "devices": 2, "layout": "one", "efficiency": None, "speedup_vs_xla": None, "timeline": None}
+    line = cli_scaling.report([shown], "tokens")
+    assert "12,513" in line.splitlines()[1]
 
 
 def fake_parallel(count, platform):

@@ -195,6 +195,7 @@ def run_row(run_dir: Path, counted: str) -> dict[str, Any]:
     run = next(r for r in records if r["type"] == "run")
     summary = next(r for r in reversed(records) if r["type"] == "summary")
     steady = summary["steady"]
+    rate = steady.get(f"{counted}_per_s")
     return {
         "device_kind": run["device_kind"],
         "device_count": run["device_count"],
@@ -202,7 +203,11 @@ def run_row(run_dir: Path, counted: str) -> dict[str, Any]:
         "steady_steps": steady["steps"],
         "steady_step_ms": None if steady["step_time_s"] is None else 1e3 * steady["step_time_s"],
         "steady_mean_step_ms": 1e3 * steady["time_s"] / steady["steps"] if steady["steps"] else None,
-        "steady_rate": steady.get(f"{counted}_per_s"),
+        "steady_rate": rate,
+        # what one device's batch held per step: a rate's part that is not the step's speed
+        "steady_count_per_device_step": rate * steady["time_s"] / steady["steps"] / run["device_count"]
+        if rate and steady["steps"]
+        else None,
         "steady_mfu": steady["mfu"],
         "whole_rate": summary.get(f"{counted}_per_s"),
         "compilation_s": summary["compilation"]["time_s"],
@@ -227,7 +232,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def report(rows: list[dict[str, Any]], counted: str) -> str:
     lines = [
-        f"{'backend':8}{'N':>3} {'layout':11}{'step ms':>9}{counted + '/s':>16}{'eff':>7}{'vs xla':>8}  host ms/step "
+        f"{'backend':8}{'N':>3} {'layout':11}{'step ms':>9}{counted + '/s':>16}{'/device-step':>13}{'eff':>7}"
+        f"{'vs xla':>8}  host ms/step "
         "(own, waited)  device ms/step (busy, nccl exposed, idle)"
     ]
     for r in rows:
@@ -248,7 +254,8 @@ def report(rows: list[dict[str, Any]], counted: str) -> str:
 
         lines.append(
             f"{r['backend']:8}{r['devices']:>3} {r['layout']:11}{fmt(r['steady_step_ms'], '9.2f')}"
-            f"{fmt(r['steady_rate'], '16,.0f')}{fmt(r['efficiency'], '7.3f')}{fmt(r['speedup_vs_xla'], '8.3f')}  "
+            f"{fmt(r['steady_rate'], '16,.0f')}{fmt(r.get('steady_count_per_device_step'), '13,.0f')}"
+            f"{fmt(r['efficiency'], '7.3f')}{fmt(r['speedup_vs_xla'], '8.3f')}  "
             f"{fmt(own, '.2f')}, {fmt(host and host['wait_ms'], '.2f')}  {device}"
         )
     return "\n".join(lines)

@@ -44,7 +44,6 @@ from train.records import runlog
 TASKS = ("wmt", "imdb", "gpt")
 LAYOUTS = ("one", "per-device")
 QUIET = ["--no-progress", "--no-tensorboard", "--eval-every", "0", "--checkpoint-every", "1000000000"]
-QUIET_EPOCHS = ["--log-every", "1000000000"]  # one interval: the run's own length is not known here
 
 
 def gpu_names() -> list[str]:
@@ -84,11 +83,9 @@ def run_command(
 ) -> list:
     """The training command of one run: ``steps`` steps, or with ``epochs`` that many passes over the data (wmt);
     ``batch_size`` (examples or rows over all devices) is passed when given."""
-    length = (
-        ["--steps", str(steps), "--log-every", str(steps)]
-        if epochs is None
-        else ["--epochs", str(epochs), *QUIET_EPOCHS]
-    )
+    # One logged interval: with epochs the run's length is known only to the run.
+    log_every = str(steps) if epochs is None else "1000000000"
+    length = ["--steps", str(steps)] if epochs is None else ["--epochs", str(epochs)]
     return [
         sys.executable,
         "-m",
@@ -96,6 +93,8 @@ def run_command(
         *flags,
         *QUIET,
         *length,
+        "--log-every",
+        log_every,
         "--backend",
         backend,
         "--run-dir",

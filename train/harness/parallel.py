@@ -124,8 +124,9 @@ class DataParallel:
         asynchronous collective beside independent compute, and starting each collective as soon as its operand
         exists. Without the second, XLA issued every gradient bucket's all-reduce after the whole backward; with it,
         on two H200s (transformer-big), 15 of the backward's 124 matrix products ran after the first all-reduce
-        started and the exposed NCCL time fell from 0.6 to 0.2-0.5 ms a step (`python -m train.bench schedule`,
-        docs/results/README.md). An option already named in ``$XLA_FLAGS`` is left to the user's value.
+        started (`python -m train.bench schedule`). With bf16 gradients the step stayed the same (21.68 against
+        21.72 ms, docs/results/README.md): little NCCL time was exposed either way. An option already named in
+        ``$XLA_FLAGS`` is left to the user's value.
         """
         if self.num_shards == 1 or self.mesh.devices.flat[0].platform != "gpu":
             return {}

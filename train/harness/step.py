@@ -15,7 +15,8 @@ steps in a row. Without loss scaling a non-finite loss or gradient is reported (
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import flax.struct
 import jax
@@ -85,6 +86,24 @@ class TrainState:
             rng=rng,
             loss_scale=DynamicLossScale.create() if fp16 else None,
         )
+
+
+@contextlib.contextmanager
+def threefry_kernel() -> Iterator[None]:
+    """Inside, JAX draws threefry random bits on a GPU with its own CUDA kernel instead of XLA operations; the
+    same bits, and no effect on other platforms.
+
+    Drawing a model's parameters runs threefry once per tensor, and as XLA operations each draw's rounds are
+    inlined into fusions of their own: a BERT-base state (about a hundred tensors) compiled for 20 s (ls_jax) and
+    41 s (plain Flax, XLA's dump on) on an H200, 2.8 s and 3.3 s with the kernel. The training step keeps XLA's
+    threefry, so its dropout draws fuse with their neighbours.
+    """
+    previous = jax.config.jax_threefry_gpu_kernel_lowering
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
 
 
 def _sum_trees(a: Any, b: Any) -> Any:

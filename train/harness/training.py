@@ -45,7 +45,7 @@ from train.harness.parallel import (
 )
 from train.harness.progress import Counters, format_value
 from train.harness.signals import StopSignals
-from train.harness.step import LossFn, TrainState, make_train_step
+from train.harness.step import LossFn, TrainState, make_train_step, threefry_kernel
 from train.harness.step_compiler import StepCompiler
 from train.records import rundir, runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
@@ -397,7 +397,8 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
     create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     abstract = jax.eval_shape(create, setup.pretrained_params)
     check_memory(task, setup, abstract, layout)
-    state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+    with threefry_kernel():
+        state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if config.resume:

@@ -1,0 +1,38 @@
+"""The step-0 state is drawn with JAX's threefry kernel on a GPU (`train.harness.step.threefry_kernel`): the same
+parameters as XLA's threefry draws, from a kernel instead of inlined rounds."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ls_jax.layers import LayerConfig
+from ls_jax.models import BertConfig, BertForSequenceClassification
+from train.harness.step import threefry_kernel
+
+KERNEL_CALL = re.compile(r"custom_call @\S*threefry")  # JAX's kernel, e.g. @cu_threefry2x32_ffi
+
+
+def test_threefry_kernel_restores_the_setting_it_found():
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    with pytest.raises(RuntimeError), threefry_kernel():
+        assert jax.config.jax_threefry_gpu_kernel_lowering
+        raise RuntimeError("leaves the block")
+    assert jax.config.jax_threefry_gpu_kernel_lowering == before
+
+
+@pytest.mark.gpu
+def test_threefry_kernel_draws_the_same_parameters_from_a_kernel():
+    layer = LayerConfig.preset("bert-base", hidden_size=256, intermediate_size=1024, nhead=4)
+    model = BertForSequenceClassification(BertConfig(layer=layer, vocab_size=512, num_layers=2))
+    key = jax.random.PRNGKey(3)
+    plain = jax.jit(lambda key: model.init(key, jnp.ones((1, 16), jnp.int32))["params"])
+    with threefry_kernel():
+        drawn = jax.jit(lambda key: model.init(key, jnp.ones((1, 16), jnp.int32))["params"])
+        assert KERNEL_CALL.search(drawn.lower(key).as_text())
+        from_kernel = drawn(key)
+    assert not KERNEL_CALL.search(plain.lower(key).as_text())
+    for a, b in zip(jax.tree.leaves(plain(key)), jax.tree.leaves(from_kernel), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -139,8 +139,12 @@ class Dense(nn.Module):
 
 
 def dense(config: LayerConfig, features, *, name: str, input_axes: int = 1, use_bias: bool = True) -> Dense:
-    """A GEMM in the compute dtype with f32 parameters."""
-    return Dense(features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, name=name)
+    """A GEMM in the compute dtype with f32 parameters, its kernel drawn as ``config.initializer_range`` says."""
+    std = config.initializer_range
+    kernel_init = nn.initializers.lecun_normal() if std is None else nn.initializers.normal(stddev=std)
+    return Dense(
+        features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, kernel_init=kernel_init, name=name
+    )
 
 
 class CacheIndex(nn.Module):

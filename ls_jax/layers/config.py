@@ -29,6 +29,7 @@ _BERT = dict(
     max_seq_len=512,
     padding_idx=None,
     layer_norm_eps=1e-12,
+    initializer_range=0.02,
 )
 _PRESETS: dict[str, dict[str, Any]] = {
     "transformer-base": dict(_TRANSFORMER, hidden_size=512, intermediate_size=2048, nhead=8),
@@ -46,6 +47,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         activation_fn="gelu_tanh",
         max_seq_len=1024,
         padding_idx=None,
+        initializer_range=0.02,
     ),
 }
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
@@ -83,6 +85,9 @@ class LayerConfig:
       remat: gradient checkpointing of each layer in training: "none" keeps every activation the backward needs;
         "layer" keeps only each layer's input and recomputes the layer in the backward; "gemm-outputs" keeps the
         matmul outputs and recomputes the rest (LayerNorm, softmax, activations, dropout).
+      initializer_range: standard deviation of the normal distribution the matmul kernels are drawn from
+        (BERT's and GPT-2's 0.02, as their published models and Hugging Face's are drawn); None draws them from
+        LeCun's normal, variance 1 / fan-in.
     """
 
     hidden_size: int
@@ -98,6 +103,7 @@ class LayerConfig:
     dtype: Any = jnp.bfloat16
     layer_norm_eps: float = 1e-5
     remat: str = "none"
+    initializer_range: float | None = None
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "nhead", "max_seq_len"):
@@ -114,6 +120,8 @@ class LayerConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
+        if self.initializer_range is not None and not self.initializer_range > 0:
+            raise ValueError(f"initializer_range must be positive or None, got {self.initializer_range}")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps}")
         dtype = jnp.dtype(self.dtype)

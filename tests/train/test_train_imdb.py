@@ -146,8 +146,8 @@ def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
 def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_cache):  # noqa: F811
     assert run_training(imdb.TASK, ["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
     evals = [r for r in runlog.read(tmp_path / "run" / "run.jsonl") if r["type"] == "eval"]
-    # Chance is 0.5 and counting sentiment words scores 0.75; one epoch reaches about 0.90, three about 0.95.
-    assert [r["split"] for r in evals] == ["valid", "test"] and min(r["metrics"]["accuracy"] for r in evals) > 0.85
+    # Chance is 0.5 and counting sentiment words scores 0.83; one epoch reaches about 0.91.
+    assert [r["split"] for r in evals] == ["valid", "test"] and min(r["metrics"]["accuracy"] for r in evals) > 0.87
 
 
 # ------------------------------------------------------------------------------------ data and resume

@@ -150,7 +150,11 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     for value in expected_scores:
         assert f"{value:.4f}" in text
     assert "## Notes" in text and str(DATA / "tpu-v3-8" / "run.jsonl") in text
-    assert "- #2 h100-ffi (run id 20260105T101500Z-f3e9a1): `" in text
+    source = next(
+        line for line in text.splitlines() if line.startswith("- #2 h100-ffi (run id 20260105T101500Z-f3e9a1): [")
+    )
+    link = source.rsplit("(", 1)[1].rstrip(")")
+    assert not Path(link).is_absolute() and (out / link).resolve() == (DATA / "h100-ffi" / "run.jsonl").resolve()
     ratios = next(line for line in text.splitlines() if line.startswith("| #") and "speedup" in line)
     assert all(cell.strip() for cell in ratios.strip("|").split("|"))  # every column has a header
 

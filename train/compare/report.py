@@ -139,7 +139,9 @@ def write_report(comparison: scoring.Comparison, out_dir: Path, command: str, ex
     out_dir.mkdir(parents=True, exist_ok=True)
     figures = plots.write_plots(comparison, out_dir)
     path = out_dir / "report.md"
-    report = tables.markdown_report(comparison, plots=figures, command=command, created=runlog.utc_now())
+    report = tables.markdown_report(
+        comparison, plots=figures, command=command, created=runlog.utc_now(), report_dir=out_dir
+    )
     path.write_text(report + extra)
     return path
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from train.compare.runs import LoggedRun
 from train.compare.scoring import WEIGHT_PRESETS, WINDOW_LABELS, Comparison, recommendation
@@ -314,8 +316,11 @@ class Plot:
     reason: str = ""
 
 
-def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: str, created: str) -> str:
-    """report.md: the tables, the plots, the notes and the source of every run."""
+def markdown_report(
+    comparison: Comparison, *, plots: Sequence[Plot], command: str, created: str, report_dir: Path
+) -> str:
+    """report.md in ``report_dir``: the tables, the plots, the notes and the source of every run, linked by its
+    path relative to the report, so a report kept beside its runs links them wherever the two are copied."""
     baseline = comparison.runs[comparison.baseline]
     sections = [
         "# Training run comparison",
@@ -363,8 +368,9 @@ def markdown_report(comparison: Comparison, *, plots: Sequence[Plot], command: s
     sections += [
         "## Sources",
         "\n".join(
-            f"- #{index + 1} {run.name} (run id {run.run_id}): `{run.source}`"
+            f"- #{index + 1} {run.name} (run id {run.run_id}): [{relative}]({relative})"
             for index, run in enumerate(comparison.runs)
+            for relative in [Path(os.path.relpath(Path(run.source).resolve(), report_dir.resolve())).as_posix()]
         ),
     ]
     return "\n\n".join(sections) + "\n"

@@ -13,7 +13,6 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,22 +46,8 @@ def out_dir(given: Path | None) -> Path:
 
 
 def git_state() -> dict[str, Any]:
-    """The commit the code came from and whether tracked files differ from it (None where unknown, as when
-    ``$LS_JAX_GIT_COMMIT`` names the commit of a copied tree)."""
-    if os.environ.get("LS_JAX_GIT_COMMIT"):
-        return {"commit": runlog.git_commit(), "dirty": None}
-    try:
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        dirty: bool | None = bool(status.strip())
-    except (OSError, subprocess.CalledProcessError):
-        dirty = None
-    return {"commit": runlog.git_commit(), "dirty": dirty}
+    """The commit the code came from and whether tracked files differ from it (`train.records.runlog`)."""
+    return {"commit": runlog.git_commit(), "dirty": runlog.git_dirty()}
 
 
 def environment() -> dict[str, Any]:

@@ -43,6 +43,7 @@ _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
 _OPT_STR = (str, type(None))
 _OPT_INT = (int, type(None))
+_OPT_BOOL = (bool, type(None))
 
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "run": {
@@ -52,6 +53,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "command": (str,),
         "started_at": (str,),
         "git_commit": _OPT_STR,
+        "git_dirty": _OPT_BOOL,
         "versions": (dict,),
         "host": (str,),
         "platform": (str,),
@@ -158,7 +160,13 @@ LEGACY_QUALITY_KEYS = ("bleu", "accuracy", "perplexity")
 # always writes them.
 LATER_KEYS: dict[str, frozenset[str]] = {
     "run": frozenset(
-        {"optimizer_implementation", "optimizer_hyperparameters", "optimizer_kernels_per_step", "implementation"}
+        {
+            "optimizer_implementation",
+            "optimizer_hyperparameters",
+            "optimizer_kernels_per_step",
+            "implementation",
+            "git_dirty",
+        }
     ),
     "summary": frozenset({"memory", "host_phases", "compile_cache", "startup"}),
 }
@@ -451,6 +459,25 @@ def git_commit() -> str | None:
     return result.stdout.strip() or None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files of the checkout differ from its HEAD (the run's code is not `git_commit`'s alone);
+    None where unknown: no git, or ``$LS_JAX_GIT_COMMIT`` naming the commit of a copied tree."""
+    if os.environ.get("LS_JAX_GIT_COMMIT"):
+        return None
+    try:
+        result = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(result.stdout.strip())
+
+
 def identity(task: str, run_id: str, command: str, started_at: str) -> dict[str, Any]:
     """The fields of a run record that say which run, where and when."""
     return {
@@ -461,6 +488,7 @@ def identity(task: str, run_id: str, command: str, started_at: str) -> dict[str,
         "command": command,
         "started_at": started_at,
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         "versions": versions(),
         "host": socket.gethostname(),
     }

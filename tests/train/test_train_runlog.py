@@ -1,13 +1,19 @@
 """The run log: its schema is docs/run-log.md, records are validated, files are written and truncated."""
 
 import errno
+import importlib.util
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from train.records import runlog
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-log.md"
 WMT_COUNTS = ("tokens", "target_tokens")
@@ -159,6 +165,27 @@ def test_identity_fields():
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", record["run_id"])
     assert set(record["versions"]) == {"python", "jax", "jaxlib", "flax", "optax", "ls_jax"}
     assert record["git_commit"] is None or re.fullmatch(r"[0-9a-f]{40}", record["git_commit"])
+    assert record["git_dirty"] in (None, True, False)
+
+
+def test_git_dirty_says_whether_tracked_files_differ_from_the_commit(tmp_path, monkeypatch):
+    """In a copy of the checkout, editing a tracked file marks it dirty; an untracked file does not."""
+    if shutil.which("git") is None or runlog.git_commit() is None:
+        pytest.skip("needs git and a git checkout")
+    copy = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(copy)], check=True, timeout=120)
+    module = copy / "train" / "records" / "runlog.py"
+    spec = importlib.util.spec_from_file_location("copied_runlog", module)
+    copied = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, copied)  # its dataclasses look their module up there
+    spec.loader.exec_module(copied)
+    assert copied.git_dirty() is False
+    (copy / "notes.txt").write_text("untracked\n")
+    assert copied.git_dirty() is False
+    module.write_text(module.read_text() + "\n")
+    assert copied.git_dirty() is True
+    monkeypatch.setenv("LS_JAX_GIT_COMMIT", "0" * 40)
+    assert copied.git_dirty() is None
 
 
 def valid_summary():

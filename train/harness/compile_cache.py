@@ -3,9 +3,9 @@
 A compiled program is written to the cache directory and loaded again by a later process that compiles the same
 program on the same devices and versions: a re-run, a resumed run, a sweep's runs of repeated shapes skip most of
 their compilation. The directory is ``$JAX_COMPILATION_CACHE_DIR`` when set, else
-``${XDG_CACHE_HOME:-~/.cache}/ls_jax/xla``. Every program is written, however fast it compiled: under JAX's
-default threshold (``jax_persistent_cache_min_compile_time_secs``, one second) a 100-step BERT-base re-run on an
-H200 loaded 3 of its 13 programs and still compiled for 3.1 s of the first run's 4.8 s. The cache is left
+``${XDG_CACHE_HOME:-~/.cache}/ls_jax/xla``. Every program is written, however fast it compiled (unless
+``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise): under JAX's default threshold of one second a
+run's dozen small programs (state creation, evaluation, metrics) compile again on every re-run. The cache is left
 unbounded, as JAX leaves it: JAX's size limit (``jax_compilation_cache_max_size``) keeps a second file per entry,
 and a process stopped between writing the two (a Ctrl-C during compilation) leaves every later write to that
 directory failing with a warning. Delete the directory to empty it.
@@ -45,7 +45,8 @@ def enable(on: bool) -> Path | None:
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _use.directory = str(directory)
     return directory
 

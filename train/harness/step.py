@@ -90,13 +90,14 @@ class TrainState:
 
 @contextlib.contextmanager
 def threefry_kernel() -> Iterator[None]:
-    """Inside, JAX draws threefry random bits on a GPU with its own CUDA kernel instead of XLA operations; the
-    same bits, and no effect on other platforms.
+    """Inside, JAX draws threefry random bits on a GPU with its own kernel instead of XLA operations: the same
+    bits, and no effect on other platforms. The setting is process-wide (``jax.config``), not per thread.
 
     Drawing a model's parameters runs threefry once per tensor, and as XLA operations each draw's rounds are
-    inlined into fusions of their own: a BERT-base state (about a hundred tensors) compiled for 20 s (ls_jax) and
-    41 s (plain Flax, XLA's dump on) on an H200, 2.8 s and 3.3 s with the kernel. The training step keeps XLA's
-    threefry, so its dropout draws fuse with their neighbours.
+    inlined into fusions of their own, which XLA compiles slowly on a GPU (BERT-base: docs/results/README.md,
+    "The study's grid on one H200"). The kernel reads its keys and counters broadcast to each tensor's size, a
+    transient cost at creation only. The training step keeps XLA's threefry, so its dropout draws fuse with their
+    neighbours.
     """
     previous = jax.config.jax_threefry_gpu_kernel_lowering
     jax.config.update("jax_threefry_gpu_kernel_lowering", True)

@@ -86,8 +86,9 @@ class LayerConfig:
         "layer" keeps only each layer's input and recomputes the layer in the backward; "gemm-outputs" keeps the
         matmul outputs and recomputes the rest (LayerNorm, softmax, activations, dropout).
       initializer_range: standard deviation of the normal distribution the matmul kernels are drawn from
-        (BERT's and GPT-2's 0.02, as their published models and Hugging Face's are drawn); None draws them from
-        LeCun's normal, variance 1 / fan-in.
+        (the ``initializer_range`` of BERT's and GPT-2's configurations, 0.02; Hugging Face's GPT-2 also scales
+        its residual projections down with depth, which this does not); None draws them from LeCun's normal,
+        variance 1 / fan-in.
     """
 
     hidden_size: int

@@ -232,3 +232,11 @@ def test_bert_and_gpt_input_errors(bert_dir):
         GPTConfig(layer=LayerConfig.preset("gpt2-small", padding_idx=0))
     with pytest.raises(ValueError, match="layer.padding_idx must be None for BERT"):
         BertConfig(layer=LayerConfig.preset("bert-base", padding_idx=0))
+
+
+def test_the_initializer_range_travels_both_ways(tmp_path):
+    tiny_bert(initializer_range=0.05).save_pretrained(tmp_path / "in")
+    config, params = hf.load_pretrained(tmp_path / "in", dtype=jnp.float32)
+    assert config.layer.initializer_range == 0.05
+    hf.save_pretrained(config, params, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["initializer_range"] == 0.05

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from ls_jax.layers import LayerConfig
-from ls_jax.models import BertConfig, BertForSequenceClassification
+from ls_jax.models import BertConfig, BertForSequenceClassification, GPTConfig, GPTLMHeadModel
 
 
 def _encoder_params(**layer_overrides):
@@ -17,8 +17,19 @@ def _encoder_params(**layer_overrides):
 
 def test_bert_layers_draw_their_kernels_at_bert_s_initializer_range():
     layer = _encoder_params()
-    for kernel in (layer["self_attention"]["qkv"]["kernel"], layer["feed_forward"]["fc2"]["kernel"]):
+    attention, feed_forward = layer["self_attention"], layer["feed_forward"]
+    for kernel in (attention["qkv"]["kernel"], attention["out"]["kernel"], feed_forward["fc2"]["kernel"]):
         assert abs(float(jnp.std(kernel)) - 0.02) < 0.001
+
+
+def test_gpt2_layers_draw_their_kernels_at_gpt2_s_initializer_range():
+    layer = LayerConfig.preset("gpt2-small", hidden_size=256, intermediate_size=1024, nhead=4, max_seq_len=16)
+    config = GPTConfig(layer=layer, vocab_size=512, num_layers=1)
+    params = GPTLMHeadModel(config).init(jax.random.PRNGKey(0), jnp.ones((1, 16), jnp.int32))["params"]
+    kernels = [
+        leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if "kernel" in jax.tree_util.keystr(path)
+    ]
+    assert len(kernels) >= 4 and all(abs(float(jnp.std(kernel)) - 0.02) < 0.001 for kernel in kernels)
 
 
 def test_without_a_range_the_kernels_come_from_lecun_s_normal():

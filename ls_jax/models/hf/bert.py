@@ -103,6 +103,7 @@ def _config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
         hidden_dropout_ratio=hf.get("hidden_dropout_prob", 0.1),
         activation_fn=activation_from_hf(hf.get("hidden_act", "gelu")),
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        initializer_range=hf.get("initializer_range", 0.02),
     )
     return BertConfig(
         layer=layer,
@@ -135,7 +136,7 @@ def _config_to_hf(config: BertConfig) -> dict[str, Any]:
         "layer_norm_eps": layer.layer_norm_eps,
         "classifier_dropout": config.classifier_dropout,
         "position_embedding_type": "absolute",
-        "initializer_range": 0.02,
+        "initializer_range": layer.initializer_range or 0.02,
         "pad_token_id": 0,
         "id2label": {str(index): f"LABEL_{index}" for index in range(config.num_labels)},
         "label2id": {f"LABEL_{index}": index for index in range(config.num_labels)},

@@ -88,6 +88,7 @@ def _config_from_hf(hf: Mapping[str, Any]) -> GPTConfig:
         max_seq_len=hf["n_positions"],
         attn_prob_dropout_ratio=hf.get("attn_pdrop", 0.1),
         hidden_dropout_ratio=hf.get("resid_pdrop", 0.1),
+        initializer_range=hf.get("initializer_range", 0.02),
         activation_fn=activation_from_hf(hf.get("activation_function", "gelu_new")),
         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
     )
@@ -115,7 +116,7 @@ def _config_to_hf(config: GPTConfig) -> dict[str, Any]:
         "embd_pdrop": layer.hidden_dropout_ratio if config.embedding_dropout is None else config.embedding_dropout,
         "attn_pdrop": layer.attn_prob_dropout_ratio,
         "layer_norm_epsilon": layer.layer_norm_eps,
-        "initializer_range": 0.02,
+        "initializer_range": layer.initializer_range or 0.02,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
     }

@@ -62,7 +62,7 @@ def keyword_vote(text):
 def test_counting_sentiment_words_does_not_solve_the_task():
     split = imdb_data.synthetic_splits(0, train=3000, test=1)["train"]
     accuracy = np.mean([keyword_vote(text) == label for text, label in zip(split.texts, split.labels)])
-    assert 0.5 < accuracy < 0.87  # 0.85 measured; BERT-base ends an epoch at 0.87-0.91
+    assert 0.5 < accuracy < 0.87  # about 0.84; BERT-base ends an epoch at 0.87-0.91
 
 
 # ------------------------------------------------------------------------------------------------ readers

@@ -15,13 +15,10 @@ import numpy as np
 #   neutral clause   (a neutral adjective, or a remark about the viewing) counts 0.
 # A review has one or two opinion clauses and up to two neutral ones; one whose score is 0 is drawn again.
 # Counting sentiment words cannot solve it: negation flips them, intensifiers and contrast change their weight.
-# One opinion clause in ten is negated (NEGATION_ODDS): counting sentiment words then scores 0.83 (0.75 with one in
-# five negated, 0.63 with one in three), and that share of the signal is what a 12-layer BERT trained from random
-# initialization needs to leave its starting plateau early. BERT-base at batch 32 and lr 1e-4 (H200) left it by
-# step 100-150 of the 338 of an epoch with one in ten negated (11 runs: both implementations, both optimizers,
-# three precisions, two seeds) and ended the epoch at 87-91% accuracy, above counting; with one in five, three of
-# seven one-epoch runs stayed at chance and the others left it at steps 150-300. At batch 16 and 8 with the same
-# lr, BERT-base stayed at chance for an epoch even with one in ten.
+# One opinion clause in ten is negated (NEGATION_ODDS): counting sentiment words then scores about 0.84 (0.75 with
+# one in five negated, 0.63 with one in three), and that share of the signal is what a 12-layer BERT trained from
+# random initialization needs to leave its starting plateau early enough for one-epoch runs to learn the task
+# (BERT-base at batch 32: docs/results/README.md, "The study's grid on one H200").
 SUBJECTS = (
     "the movie",
     "the film",

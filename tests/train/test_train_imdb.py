@@ -140,14 +140,14 @@ def test_compare_reads_an_imdb_log(default_run, tmp_path, capsys):
     assert run.batch_label == "32 examples" and run.throughput == summary["examples_per_s"]
     assert compare.main([str(run_dir), "--weights", "1,0,0,0", "--out", str(tmp_path / "report")]) == 0
     table = capsys.readouterr().out
-    assert "accuracy" in table and f"{summary['metrics']['accuracy']:.4g}" in table
+    assert "accuracy" in table and f"| {summary['metrics']['accuracy']:.4g} " in table
 
 
 @pytest.mark.slow
 def test_one_epoch_of_the_default_job_is_far_above_chance(tmp_path, compilation_cache):  # noqa: F811
     assert run_training(imdb.TASK, ["--epochs", "1", "--run-dir", str(tmp_path / "run"), *QUIET]) == 0
     evals = [r for r in runlog.read(tmp_path / "run" / "run.jsonl") if r["type"] == "eval"]
-    # Chance is 0.5 and counting sentiment words scores 0.83; one epoch reaches about 0.91.
+    # Chance is 0.5 and counting sentiment words scores about 0.84; one epoch reaches about 0.91.
     assert [r["split"] for r in evals] == ["valid", "test"] and min(r["metrics"]["accuracy"] for r in evals) > 0.87
 
 

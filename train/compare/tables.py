@@ -316,6 +316,12 @@ class Plot:
     reason: str = ""
 
 
+def _link(path: str | Path, report_dir: Path) -> str:
+    """A markdown link to ``path`` relative to the report's directory."""
+    relative = Path(os.path.relpath(Path(path).resolve(), report_dir.resolve())).as_posix()
+    return f"[{relative}]({relative})"
+
+
 def markdown_report(
     comparison: Comparison, *, plots: Sequence[Plot], command: str, created: str, report_dir: Path
 ) -> str:
@@ -368,9 +374,8 @@ def markdown_report(
     sections += [
         "## Sources",
         "\n".join(
-            f"- #{index + 1} {run.name} (run id {run.run_id}): [{relative}]({relative})"
+            f"- #{index + 1} {run.name} (run id {run.run_id}): {_link(run.source, report_dir)}"
             for index, run in enumerate(comparison.runs)
-            for relative in [Path(os.path.relpath(Path(run.source).resolve(), report_dir.resolve())).as_posix()]
         ),
     ]
     return "\n\n".join(sections) + "\n"

@@ -149,7 +149,7 @@ def test_cli_writes_report_with_tables_and_plots(tmp_path, capsys):
     expected_scores = hand_scores([H100_FFI, H100_XLA, TPU_V3], 0.3, 0.3, 0.3, 0.1)
     for value in expected_scores:
         assert f"{value:.4f}" in text
-    assert "## Notes" in text and str(DATA / "tpu-v3-8" / "run.jsonl") in text
+    assert "## Notes" in text and "- #4 tpu-v3-8: its log (schema 1) has no warm-up" in text
     source = next(
         line for line in text.splitlines() if line.startswith("- #2 h100-ffi (run id 20260105T101500Z-f3e9a1): [")
     )

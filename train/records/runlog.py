@@ -440,14 +440,11 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def git_commit() -> str | None:
-    """``$LS_JAX_GIT_COMMIT`` where set (a copy of the tree on a remote GPU machine, whose git metadata may be
-    stale or absent), else HEAD of the checkout this code runs from, else None."""
-    if os.environ.get("LS_JAX_GIT_COMMIT"):
-        return os.environ["LS_JAX_GIT_COMMIT"]
+def _git(*args: str) -> str | None:
+    """Standard output of ``git ARGS`` in the checkout this code runs from, or None where git cannot answer."""
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
+            ["git", *args],
             cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
@@ -456,7 +453,16 @@ def git_commit() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    return result.stdout
+
+
+def git_commit() -> str | None:
+    """``$LS_JAX_GIT_COMMIT`` where set (a copy of the tree on a remote GPU machine, whose git metadata may be
+    stale or absent), else HEAD of the checkout this code runs from, else None."""
+    if os.environ.get("LS_JAX_GIT_COMMIT"):
+        return os.environ["LS_JAX_GIT_COMMIT"]
+    head = _git("rev-parse", "HEAD")
+    return (head or "").strip() or None
 
 
 def git_dirty() -> bool | None:
@@ -464,18 +470,8 @@ def git_dirty() -> bool | None:
     None where unknown: no git, or ``$LS_JAX_GIT_COMMIT`` naming the commit of a copied tree."""
     if os.environ.get("LS_JAX_GIT_COMMIT"):
         return None
-    try:
-        result = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(result.stdout.strip())
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status.strip())
 
 
 def identity(task: str, run_id: str, command: str, started_at: str) -> dict[str, Any]:

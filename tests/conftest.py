@@ -1,5 +1,6 @@
 """Shared test setup. GPU tests (``-m gpu``) are skipped, with the reason shown, where JAX sees no CUDA device;
-where one is present they run and a kernel library that fails to build or load fails them."""
+where one is present they run and a kernel library that fails to build or load fails them. Tests marked ``slow``
+run only where the marker expression names them."""
 
 import os
 import shutil
@@ -22,12 +23,24 @@ from ls_jax import backend
 
 
 def pytest_collection_modifyitems(config, items):
+    _keep_slow_tests_to_their_tier(config, items)
     if backend.cuda_visible():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device visible to JAX")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _keep_slow_tests_to_their_tier(config, items):
+    """Deselects the tests marked ``slow`` unless the marker expression names them: ``-m gpu`` is the kernels'
+    tier (minutes on one GPU), ``-m "gpu and slow"`` the whole-model steps, ``-m slow`` the end-to-end jobs."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from train.bench import counters, flops
 from train.bench.steps import hand_count
 from train.bench.tracing import ncu_report, ncu_run
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 BATCH, SEQ_LEN = 4, 128
 
 

@@ -6,7 +6,7 @@ from ls_jax import backend
 from train.bench.steps import zoo_steps
 from train.bench.tracing import kernel_trace
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 STEPS = 2
 
 

@@ -13,7 +13,7 @@ from ls_jax.models.gpt import GPTLMHeadModel
 from train.gpt import data as gpt_data
 from train.gpt import model as gpt_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 VOCAB, SEQ_LEN = 96, 64
 

@@ -21,7 +21,7 @@ from helpers.ops import normal, seed_array
 from ls_jax import backend, ops
 from ls_jax.ops import attention, attention_cudnn
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from ls_jax.models import (
 )
 from ls_jax.models.decoding import beam_search, greedy_decode
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 VOCAB = 96
 # Relative error (max |ffi - xla| / max |xla| per leaf) allowed after a whole forward and backward pass.

@@ -180,6 +180,7 @@ def test_mixed_dtypes_f32_params_with_bf16_grads():
     _assert_agree(ffi, _run("xla", tx, params, bf16_grad, fused=True, steps=4), F32_TOLERANCE)
 
 
+@pytest.mark.slow  # 600 leaves compile for about a minute
 def test_more_leaves_than_one_launch_takes():
     """600 leaves: two launches of the 448-leaf table, with the clipping norm shared across them."""
     keys = jax.random.split(jax.random.PRNGKey(5), 600)

@@ -28,6 +28,7 @@ def test_cudnn_attention_reference_matches_its_xla_attention(name):
     assert np.abs(got - expected).max() <= 0.03 * scale
 
 
+@pytest.mark.slow  # a whole model step per implementation
 @pytest.mark.parametrize("implementation", zoo_steps.IMPLEMENTATIONS)
 def test_each_zoo_step_trains(implementation):
     from ls_jax import backend

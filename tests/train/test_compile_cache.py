@@ -34,5 +34,8 @@ def test_a_second_run_loads_its_programs_from_the_cache(tmp_path):
     second = _run(tmp_path / "second", cache)
     assert second["hits"] == second["requests"] == first["requests"]
     assert f"{second['hits']} of {second['requests']} compiled programs loaded from the cache" in second["output"]
+    # Loading a program costs less than compiling it; both runs trace and lower every program.
+    assert 0 < second["backend_compile_s"] < first["backend_compile_s"]
+    assert first["trace_s"] > 0 and second["trace_s"] > 0 and second["lower_s"] > 0
     off = _run(tmp_path / "off", cache, "--no-compile-cache")
     assert off["directory"] is None and off["hits"] == 0 and "compilation cache off" in off["output"]

@@ -202,6 +202,7 @@ def valid_summary():
         memory=None,
         host_phases=None,
         compile_cache={"directory": None, "requests": 0, "hits": 0},
+        startup_parts={"imports": 1.5, "state": 2.0},
         peak_memory_bytes=None,
         examples=24,
         examples_per_s=8.0,

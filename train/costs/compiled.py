@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import optax
@@ -37,3 +39,13 @@ def optimizer_step_kernels(tx: optax.GradientTransformation, params: Any, opt_st
     step = jax.jit(lambda grads, state, weights: ls_jax.optim.fused_apply(tx, grads, state, weights))
     compiled = step.lower(_abstract(params), _abstract(opt_state), _abstract(params)).compile()
     return entry_kernels(compiled.as_text())
+
+
+def optimizer_step_kernels_later(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> Callable[[], int]:
+    """`optimizer_step_kernels` compiled on a thread of its own, in this thread's context (the kernel backend it
+    selected), so that it overlaps what the caller compiles next; the function returned waits for the count and
+    raises what counting raised. ``params`` and ``opt_state`` may be abstract."""
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-kernels")
+    count = executor.submit(contextvars.copy_context().run, optimizer_step_kernels, tx, params, opt_state)
+    executor.shutdown(wait=False)
+    return count.result

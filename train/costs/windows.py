@@ -77,7 +77,12 @@ class Tally:
     energy_j: float | None = 0.0
 
     def add(self, span: Span) -> None:
+        """Counts one more run of the work, which took ``span``."""
         self.count += 1
+        self.extend(span)
+
+    def extend(self, span: Span) -> None:
+        """Adds ``span`` to a run already counted (the end of work that went on in the background)."""
         self.time_s += span.time_s
         self.energy_j = add_optional(self.energy_j, span.energy_j)
 

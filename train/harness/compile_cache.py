@@ -10,8 +10,10 @@ unbounded, as JAX leaves it: JAX's size limit (``jax_compilation_cache_max_size`
 and a process stopped between writing the two (a Ctrl-C during compilation) leaves every later write to that
 directory failing with a warning. Delete the directory to empty it.
 
-`CacheUse` counts, through ``jax.monitoring``, the compilations that asked the cache and those it answered, so the
-summary can say how much of the compilation came from it.
+`CacheUse` counts, through ``jax.monitoring``, the compilations that asked the cache and those it answered, and sums
+the seconds JAX spent tracing, lowering and compiling (or loading from the cache) every program of the process, so
+the summary can say how much of the compilation came from the cache and what a cached program still costs: JAX
+traces and lowers a program before it can look it up.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import jax
 
 REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# Durations JAX records per program: its trace to a jaxpr, the jaxpr lowered to StableHLO, and XLA's compilation
+# (a cached program: its load from the cache).
+DURATION_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "backend_compile_s",
+}
 
 
 def default_directory() -> Path:
@@ -53,12 +62,15 @@ def enable(on: bool) -> Path | None:
 
 @dataclasses.dataclass
 class CacheUse:
-    """The cache's ``directory`` (None: off) and the compilations of this process that asked it (``requests``) and
-    that it answered (``hits``)."""
+    """The cache's ``directory`` (None: off), the compilations of this process that asked it (``requests``) and
+    that it answered (``hits``), and the seconds of `DURATION_EVENTS` over every program of the process."""
 
     directory: str | None = None
     requests: int = 0
     hits: int = 0
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    backend_compile_s: float = 0.0
 
 
 def use() -> CacheUse:
@@ -67,6 +79,7 @@ def use() -> CacheUse:
     with _listening:
         if not _registered:
             jax.monitoring.register_event_listener(_count)
+            jax.monitoring.register_event_duration_secs_listener(_add_duration)
             _registered = True
     return _use
 
@@ -77,7 +90,15 @@ _registered = False
 
 
 def _count(event: str, **_: object) -> None:
-    if event == REQUEST_EVENT:
-        _use.requests += 1
-    elif event == HIT_EVENT:
-        _use.hits += 1
+    with _listening:  # programs compile on more than one thread (`train.costs.compiled`)
+        if event == REQUEST_EVENT:
+            _use.requests += 1
+        elif event == HIT_EVENT:
+            _use.hits += 1
+
+
+def _add_duration(event: str, duration: float, **_: object) -> None:
+    field = DURATION_EVENTS.get(event)
+    if field is not None:
+        with _listening:
+            setattr(_use, field, getattr(_use, field) + duration)

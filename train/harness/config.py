@@ -19,6 +19,7 @@ from typing import Any, Mapping, TypeVar
 
 from ls_jax import backend as backend_lib
 from train.errors import UsageError
+from train.harness.startup import StartupClock
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,5 +202,5 @@ class Run:
     run_id: str
     run_dir: Path
     command: str  # the command line, for the run record
-    started_at: float  # time.monotonic() at start, for wall_time_s
+    startup: StartupClock  # from the start: wall_time_s, and the start-up's parts
     started_utc: str

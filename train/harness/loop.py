@@ -35,6 +35,7 @@ from train.harness import progress
 from train.harness.parallel import DataParallel
 from train.harness.progress import Counters, Interval
 from train.harness.signals import StopSignals
+from train.harness.startup import StartupClock
 from train.harness.step import Batch, TrainState
 from train.harness.step_compiler import StepCompiler
 from train.records import runlog
@@ -49,7 +50,7 @@ class LoopConfig:
     eval_every: int = 0  # 0: evaluate only at the end
     checkpoint_every: int = 1000
     progress_bar: bool = True
-    started_at: float = dataclasses.field(default_factory=time.monotonic)  # process start, for wall_time_s
+    startup: StartupClock = dataclasses.field(default_factory=StartupClock)  # from the start: wall_time_s
     profile_steps: tuple[int, int] | None = None  # (first, last): trace these steps with jax.profiler
     profile_dir: Path | None = None
 
@@ -151,7 +152,7 @@ class Loop:
         )
         self.interval = Interval()
         self.profiling = False
-        self.wall_start = config.started_at
+        self.wall_start = config.startup.started_at
         self.wall_before = counters.wall_time_s
         self.energy_before = counters.energy_j
         self.wall_energy_before = counters.wall_energy_j
@@ -188,11 +189,16 @@ class Loop:
         return Reading(time.monotonic(), self.hardware.energy_joules())
 
     @contextlib.contextmanager
-    def _window(self, tally: Tally) -> Iterator[None]:
-        """Adds the time and energy of the work inside to ``tally`` (nothing when it raises)."""
+    def _window(self, tally: Tally, *, counted: bool = True) -> Iterator[None]:
+        """Adds the time and energy of the work inside to ``tally`` (nothing when it raises); ``counted=False``:
+        the work finishes one the tally has already counted."""
         before = self._edge_reading()
         yield
-        tally.add(self._edge_reading().since(before))
+        span = self._edge_reading().since(before)
+        if counted:
+            tally.add(span)
+        else:
+            tally.extend(span)
 
     def _close_counters(self) -> None:
         """Brings the counters up to now: wall time, the hosts' step energies and the energy totals."""
@@ -256,13 +262,15 @@ class Loop:
         return True
 
     def _wait_for_checkpoint(self) -> None:
-        """Returns once the checkpoint being written in the background is on disk (`Checkpoints.save`).
+        """Returns once the checkpoint being written in the background is on disk (`Checkpoints.save`); the wait
+        is the checkpoints' time.
 
         Raises:
           CheckpointWriteError: it could not be written.
         """
         if self.checkpoints is not None:
-            self.checkpoints.wait()
+            with self._window(self.counters.checkpoints, counted=False):
+                self.checkpoints.wait()
 
     # -- steps
 
@@ -386,11 +394,16 @@ class Loop:
         """Compiles, trains, writes the last checkpoint and runs the final evaluation, until one of them stops the
         run: (stop reason, first bad step or None, what could not be written or None)."""
         # Start-up: imports, data, model and state, from the process's start; its energy from device detection on.
-        self.counters.startup.add(Span(time.monotonic() - self.wall_start, self.loop_started))
+        startup = self.config.startup
+        self.counters.startup.add(Span(startup.mark("loop") - self.wall_start, self.loop_started))
+        self.counters.add_startup_parts(startup.parts)
         try:
             with self._window(self.counters.compilation), self.signals.deferred("compilation"):
                 self.compiler.precompile(self.state, self.batch_shapes)
-                if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
+                if self.checkpoints is not None:  # the check before every checkpoint compiles here, not in a save
+                    is_finite(self.state)
+            if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step
+                with self._window(self.counters.first_execution), self.signals.deferred("compilation"):
                     self.compiler.warm_up(self.state)
             try:
                 stop_reason, bad_step = self._steps()

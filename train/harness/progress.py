@@ -20,7 +20,7 @@ from train.harness.config import Run
 from train.harness.host_phases import PHASES, HostPhases
 from train.records.runlog import energy_fields, identity
 
-_TALLIES = ("startup", "compilation", "evaluation", "checkpoints")
+_TALLIES = ("startup", "compilation", "first_execution", "evaluation", "checkpoints")
 
 
 @dataclasses.dataclass
@@ -49,7 +49,9 @@ class Counters:
     step_counts: dict[str, list[int | None]] = dataclasses.field(default_factory=dict)
     segment_starts: list[int] = dataclasses.field(default_factory=list)
     startup: Tally = dataclasses.field(default_factory=Tally)  # each segment's, from its process start on
+    startup_parts: dict[str, float] = dataclasses.field(default_factory=dict)  # its seconds by part, summed
     compilation: Tally = dataclasses.field(default_factory=Tally)
+    first_execution: Tally = dataclasses.field(default_factory=Tally)  # the compiled steps' one-time work
     evaluation: Tally = dataclasses.field(default_factory=Tally)
     checkpoints: Tally = dataclasses.field(default_factory=Tally)
     host: HostPhases = dataclasses.field(default_factory=HostPhases)
@@ -74,6 +76,11 @@ class Counters:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def add_startup_parts(self, parts: Mapping[str, float]) -> None:
+        """Adds a segment's start-up parts (`train.harness.startup.PARTS`, seconds each)."""
+        for name, seconds in parts.items():
+            self.startup_parts[name] = self.startup_parts.get(name, 0.0) + seconds
 
     def add_step(self, time_s: float, flops: float, counts: Mapping[str, int]) -> None:
         """Adds a finished training step of ``time_s`` seconds (its energy comes with `add_step_energies`)."""
@@ -272,6 +279,7 @@ def summary_record(counters: Counters, hardware: Hardware, stop_reason: str, ste
         "warmup": warmup_part(counters, [i for i, warm in enumerate(flags) if warm], hardware),
         "steady": steady_part(counters, [i for i, warm in enumerate(flags) if not warm], hardware),
         **{name: tally_part(getattr(counters, name), hardware) for name in _TALLIES},
+        "startup_parts": dict(counters.startup_parts),
         "compile_cache": dataclasses.asdict(compile_cache.use()),
         "final_loss": counters.last_loss,
         # A checkpoint of schema 2 saved every quality key, null where the task had none.
@@ -309,8 +317,14 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
     """The summary's windows for people: the steady state, the warm-up, the whole run (training and wall) and the
     one-time work, one line each; ``throughput`` words a record's ``<count>_per_s`` in the task's units."""
     steady, warmup = summary["steady"], summary["warmup"]
-    one_time = ", ".join(f"{name} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)" for name in _TALLIES)
-    one_time += _describe_cache(summary.get("compile_cache"))
+    tallies = [name for name in _TALLIES if name in summary]  # a log of schema 1 or 2 may lack one
+    one_time = ", ".join(
+        f"{name.replace('_', ' ')} {summary[name]['time_s']:.1f} s ({summary[name]['count']}x)"
+        for name in tallies
+        if summary[name]["count"]
+    )
+    unnamed = summary["wall_time_s"] - summary["train_time_s"] - sum(summary[name]["time_s"] for name in tallies)
+    one_time += f", other {max(unnamed, 0.0):.1f} s" + _describe_cache(summary.get("compile_cache"))
     return [
         f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
         f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "
@@ -323,7 +337,19 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
         f"{_energy_cost(summary)}",
         f"  wall        {summary['wall_time_s']:.1f} s: {_energy_cost(summary, 'wall_energy_j', 'wall_cost_usd')}; "
         f"{one_time}",
+        *_describe_startup(summary.get("startup_parts")),
         *_describe_host(summary.get("host_phases")),
+    ]
+
+
+def _describe_startup(parts: Mapping[str, float] | None) -> list[str]:
+    """The start-up's line of the summary, its parts in seconds (`train.harness.startup.PARTS`)."""
+    if not parts:
+        return []
+    return [
+        "  start-up    "
+        + ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}" for name, seconds in parts.items())
+        + " s"
     ]
 
 
@@ -331,9 +357,15 @@ def _describe_cache(cache: Mapping[str, Any] | None) -> str:
     """How much of this process's compilation came from the persistent cache, for the wall line."""
     if cache is None:
         return ""
+    spent = ""
+    if "backend_compile_s" in cache:  # schema 3 on
+        spent = (
+            f" (every program: XLA {cache['backend_compile_s']:.1f} s, tracing and lowering "
+            f"{cache['trace_s'] + cache['lower_s']:.1f} s)"
+        )
     if cache["directory"] is None:
-        return "; compilation cache off"
-    return f"; {cache['hits']} of {cache['requests']} compiled programs loaded from the cache"
+        return "; compilation cache off" + spent
+    return f"; {cache['hits']} of {cache['requests']} compiled programs loaded from the cache{spent}"
 
 
 def _describe_host(host: Mapping[str, Any] | None) -> list[str]:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ls_jax import backend as backend_lib
 from ls_jax.optim import shard_optimizer
 from train.costs import memory, memory_budget
-from train.costs.compiled import optimizer_step_kernels
+from train.costs.compiled import optimizer_step_kernels_later
 from train.costs.hardware import Hardware, detect_hardware
 from train.costs.precision import gradient_comm_dtype, master_dtype, precision_signature
 from train.data.stream import EpochStream
@@ -45,6 +45,7 @@ from train.harness.parallel import (
 )
 from train.harness.progress import Counters, format_value
 from train.harness.signals import StopSignals
+from train.harness.startup import StartupClock, process_started_at
 from train.harness.step import LossFn, TrainState, make_train_step, threefry_kernel
 from train.harness.step_compiler import StepCompiler
 from train.records import rundir, runlog
@@ -127,17 +128,20 @@ class Task:
 
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
-    """Trains ``task`` as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit code."""
-    return cli.run_command(lambda args: _start(task, args), argv)
+    """Trains ``task`` as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit code. Run as
+    the program (no ``argv``), the run's start-up and wall time count from the process's start."""
+    started_at = process_started_at() if argv is None else time.monotonic()
+    return cli.run_command(lambda args: _start(task, args, StartupClock(started_at)), argv)
 
 
-def _start(task: Task, argv: list[str]) -> int:
+def _start(task: Task, argv: list[str], clock: StartupClock) -> int:
     """Parses and checks the flags, joins the distributed job, prepares the run directory, then trains.
 
     The backend is selected (and, for ``--backend ffi``, the kernels loaded) before anything compiles, so a
     missing kernel library fails at once rather than mid-compilation.
     """
-    started_at, started_utc = time.monotonic(), runlog.utc_now()
+    clock.mark("imports")
+    started_utc = runlog.utc_now()
     given = vars(task.build_parser().parse_args(argv))
     saved, saved_path = None, None
     if given.get("resume"):
@@ -178,8 +182,9 @@ def _start(task: Task, argv: list[str]) -> int:
         with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume_command, config.peer_timeout):
             with backend_lib.use(config.backend):
                 backend_lib.active_backend()
+                clock.mark("run_directory")
                 changed = tuple(resume.changed_flags(saved, config, given)) if saved else ()
-                run = Run(config, frozenset(given), changed, run_id, run_dir, command, started_at, started_utc)
+                run = Run(config, frozenset(given), changed, run_id, run_dir, command, clock, started_utc)
                 return _train(task, run)
 
 
@@ -244,13 +249,9 @@ def make_layout(config: TrainingConfig, tx: optax.GradientTransformation, parall
     )
 
 
-def optimizer_fields(
-    config: TrainingConfig, tx: optax.GradientTransformation, state: TrainState, layout: StateLayout
-) -> dict[str, Any]:
-    """The run record's ``optimizer*`` keys: name, implementation, hyperparameters, kernels per step (counted when
-    the optimizer state is not sharded)."""
+def optimizer_fields(config: TrainingConfig, kernels: int | None) -> dict[str, Any]:
+    """The run record's ``optimizer*`` keys: name, implementation, hyperparameters and ``kernels`` per step."""
     name = config.optimizer
-    kernels = None if layout.sharded_optimizer else optimizer_step_kernels(tx, state.params, state.opt_state)
     return {
         "optimizer": name,
         "optimizer_implementation": optimizer_lib.implementation(name, backend_lib.active_backend()),
@@ -278,6 +279,7 @@ class ReadyRun:
     tx: optax.GradientTransformation
     signature: dict[str, Any]
     layout: StateLayout
+    optimizer_kernels: Callable[[], int | None]  # kernels one optimizer step launches (None: not counted), waited for
 
 
 def _train(task: Task, run: Run) -> int:
@@ -307,7 +309,7 @@ def _train(task: Task, run: Run) -> int:
                     task.name,
                     run,
                     hardware,
-                    optimizer=optimizer_fields(config, prepared.tx, state, layout),
+                    optimizer=optimizer_fields(config, prepared.optimizer_kernels()),
                     implementation=setup.implementation,
                     model=setup.model_name,
                     params=param_count(state.params),
@@ -316,6 +318,7 @@ def _train(task: Task, run: Run) -> int:
                     config=setup.config_record,
                 )
             )
+        run.startup.mark("run_record")
         if jax.process_index() == 0:
             shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
             print(f"compiling the training step{shapes}", file=sys.stderr, flush=True)
@@ -348,7 +351,7 @@ def _train(task: Task, run: Run) -> int:
                 eval_every=setup.eval_every,
                 checkpoint_every=setup.checkpoint_every,
                 progress_bar=config.progress,
-                started_at=run.started_at,
+                startup=run.startup,
                 profile_steps=None if config.profile_steps is None else tuple(config.profile_steps),
                 profile_dir=run_dir / PROFILE_DIR / f"process{jax.process_index()}",
             ),
@@ -382,8 +385,9 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
     hardware = detect_hardware(config.precision, config.device_name, config.price_per_hour)
     precision = hardware.precision
     parallel = DataParallel.over_all_devices()
-
+    run.startup.mark("hardware")
     setup = task.setup(run, precision, parallel)
+    run.startup.mark("data_and_model")
     plan = setup.learning_rate
     setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, config.lr_transition, setup.steps))
     signature = {
@@ -397,6 +401,13 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
     create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     abstract = jax.eval_shape(create, setup.pretrained_params)
     check_memory(task, setup, abstract, layout)
+    # The run record's count compiles one optimizer step, alongside the state's creation (counted for a new run
+    # with the optimizer state whole).
+    optimizer_kernels = (
+        optimizer_step_kernels_later(tx, abstract.params, abstract.opt_state)
+        if not config.resume and layout.sharded_optimizer is None
+        else lambda: None
+    )
     with threefry_kernel():
         state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
@@ -429,7 +440,10 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
                 file=sys.stderr,
             )
         stream = stream.at(position)
-    return ReadyRun(run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout)
+    run.startup.mark("state")
+    return ReadyRun(
+        run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout, optimizer_kernels
+    )
 
 
 def format_rate(value: float | None) -> str:

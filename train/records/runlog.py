@@ -122,6 +122,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "steady": (dict,),
         "startup": (dict,),
         "compilation": (dict,),
+        "first_execution": (dict,),
         "evaluation": (dict,),
         "checkpoints": (dict,),
         "final_loss": _OPT_NUM,
@@ -129,6 +130,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "host_phases": (dict, type(None)),
         "memory": (dict, type(None)),
         "compile_cache": (dict, type(None)),
+        "startup_parts": (dict,),
     },
 }
 _ONE_TIME = {"count": (int,), "time_s": _NUM, "energy_j": _OPT_NUM, "cost_usd": _OPT_NUM}
@@ -149,6 +151,7 @@ PARTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
         },
         "startup": _ONE_TIME,
         "compilation": _ONE_TIME,
+        "first_execution": _ONE_TIME,
         "evaluation": _ONE_TIME,
         "checkpoints": _ONE_TIME,
     },
@@ -168,7 +171,7 @@ LATER_KEYS: dict[str, frozenset[str]] = {
             "git_dirty",
         }
     ),
-    "summary": frozenset({"memory", "host_phases", "compile_cache", "startup"}),
+    "summary": frozenset({"memory", "host_phases", "compile_cache", "startup", "startup_parts", "first_execution"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {

@@ -1,0 +1,61 @@
+"""A run's start-up in named parts, counted from the process's start, and a wall time the summary names."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train.harness import startup
+from train.records import runlog
+
+REPO = Path(__file__).resolve().parents[2]
+ONE_TIME = ("startup", "compilation", "first_execution", "evaluation", "checkpoints")
+
+
+def test_the_process_start_is_before_the_imports():
+    waited = 0.6
+    code = (
+        f"import time; time.sleep({waited}); from train.harness.startup import process_started_at; "
+        "print(time.monotonic() - process_started_at())"
+    )
+    age = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True).stdout)
+    assert waited <= age < waited + 10
+
+
+def test_each_mark_closes_its_part_and_a_part_may_come_twice():
+    clock = startup.StartupClock(started_at=time.monotonic() - 1.0)
+    clock.mark("imports")
+    time.sleep(0.05)
+    clock.mark("state")
+    clock.mark("state")
+    assert clock.parts["imports"] >= 1.0
+    assert 0.05 <= clock.parts["state"] < 1.0
+    with pytest.raises(ValueError, match="unknown start-up part 'data'"):
+        clock.mark("data")
+
+
+def test_a_cli_run_names_its_start_up_and_its_wall_time(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--run-dir", str(run_dir), "--steps", "4", "--no-progress", "--no-tensorboard"]
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers.toy_task", *flags],
+        cwd=REPO,
+        env={"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
+    parts = summary["startup_parts"]
+    assert list(parts) == list(startup.PARTS)
+    assert parts["imports"] > 0.1  # JAX alone takes longer to import
+    assert sum(parts.values()) == pytest.approx(summary["startup"]["time_s"], rel=1e-6)
+    # Every second of the wall time but the last records' writing is in a named window (a checkpoint's write that
+    # finishes in the background included).
+    named = summary["train_time_s"] + sum(summary[name]["time_s"] for name in ONE_TIME)
+    assert named <= summary["wall_time_s"] < named + 0.25
+    assert "  start-up    imports " in done.stdout
+    assert json.loads((run_dir / "config.json").read_text())["task"] == "toy"

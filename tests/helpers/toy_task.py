@@ -117,7 +117,7 @@ def setup(run, precision: str, parallel) -> TaskSetup:
         model_signature={"toy": FEATURES},
         implementation="flax",  # a plain JAX model, no fused op
         model_name="toy",
-        batch_record={"rows": ROWS},
+        batch_record={"batch_size": ROWS, "grad_accum": 1},
         data_record={"source": "toy"},
         config_record=config.to_dict(),
     )

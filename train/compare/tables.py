@@ -12,7 +12,10 @@ from train.compare.runs import LoggedRun
 from train.compare.scoring import WEIGHT_PRESETS, WINDOW_LABELS, Comparison, recommendation
 from train.tasks import TASKS
 
-LABELS = {task.quality.key: task.quality.label for task in TASKS.values()}  # e.g. bleu: BLEU
+
+def _label(key: str) -> str:
+    """How people read a quality metric's key (bleu: BLEU), as the task that reports it says."""
+    return next((task.quality.label for task in TASKS.values() if task.quality.key == key), key)
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -77,7 +80,7 @@ def runs_table(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
         "throughput",
         "MFU",
         "wall time",
-        *(LABELS.get(key, key) for key in quality),
+        *(_label(key) for key in quality),
         "quality gate",
     ]
     rows = []

@@ -45,8 +45,7 @@ from train.harness.optimizer import OPTIMIZERS
 from train.tasks import TASKS
 
 BACKENDS = ("auto", "ffi", "xla")
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "task": tuple(TASKS),
+_CHOICES: dict[str, tuple[str, ...]] = {  # the tasks are read from `TASKS` when a spec is checked
     "implementation": IMPLEMENTATIONS,
     "optimizer": OPTIMIZERS,
     "precision": ("auto", *PRECISION_DTYPES),
@@ -162,8 +161,9 @@ def _as_list(key: str, value: Any, where: str) -> list[Any]:
 
 
 def _check_value(key: str, value: Any, where: str) -> None:
-    if key in _CHOICES and value not in _CHOICES[key]:
-        raise UsageError(f"{where}: {key} = {value!r} is not a known value; choose from {', '.join(_CHOICES[key])}")
+    choices = tuple(TASKS) if key == "task" else _CHOICES.get(key)
+    if choices is not None and value not in choices:
+        raise UsageError(f"{where}: {key} = {value!r} is not a known value; choose from {', '.join(choices)}")
     if key in _COUNTS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise UsageError(f"{where}: {key} = {value!r} must be an integer >= 1")
     if key == "lr" and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf):

@@ -10,8 +10,10 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 from ls_jax import ops
+from ls_jax.layers import fp8
 from ls_jax.layers.config import LayerConfig
 
 
@@ -112,7 +114,8 @@ def dropout_args(module: nn.Module, rate: float, deterministic: bool) -> tuple[f
 
 
 class Dense(nn.Module):
-    """``ops.dense`` with f32 parameters: x (..., *in) -> (..., *features) in ``dtype``.
+    """``ops.dense`` with f32 parameters: x (..., *in) -> (..., *features) in ``dtype``; with ``fp8`` the GEMM
+    runs in FP8 (`ls_jax.layers.fp8`, its scaling state under "fp8" in the SCALING collection).
 
     The parameters are ``nn.DenseGeneral``'s ("kernel" (*in, *features), ``kernel_init`` over the flattened
     (prod(in), prod(features)); "bias" (*features), zeros), so checkpoints of either load into the other.
@@ -123,6 +126,7 @@ class Dense(nn.Module):
     use_bias: bool = True
     dtype: Any = jnp.float32
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -135,7 +139,13 @@ class Dense(nn.Module):
 
         kernel = self.param("kernel", kernel_init, (*in_shape, *features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, features, jnp.float32) if self.use_bias else None
-        return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
+        if not self.fp8:
+            return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
+        rows = x.reshape(-1, math.prod(in_shape)).astype(self.dtype)
+        y = fp8.fp8_dot(Fp8DirectDotGeneralOp(name="fp8"), rows, kernel.reshape(rows.shape[1], -1), contract=0)
+        if bias is not None:
+            y = y + bias.reshape(-1).astype(self.dtype)
+        return y.reshape(*x.shape[: x.ndim - self.input_axes], *features)
 
 
 def dense(config: LayerConfig, features, *, name: str, input_axes: int = 1, use_bias: bool = True) -> Dense:
@@ -143,7 +153,13 @@ def dense(config: LayerConfig, features, *, name: str, input_axes: int = 1, use_
     std = config.initializer_range
     kernel_init = nn.initializers.lecun_normal() if std is None else nn.initializers.normal(stddev=std)
     return Dense(
-        features, input_axes=input_axes, use_bias=use_bias, dtype=config.dtype, kernel_init=kernel_init, name=name
+        features,
+        input_axes=input_axes,
+        use_bias=use_bias,
+        dtype=config.dtype,
+        kernel_init=kernel_init,
+        fp8=config.fp8,
+        name=name,
     )
 
 

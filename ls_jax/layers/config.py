@@ -89,6 +89,8 @@ class LayerConfig:
         (the ``initializer_range`` of BERT's and GPT-2's configurations, 0.02; Hugging Face's GPT-2 also scales
         its residual projections down with depth, which this does not); None draws them from LeCun's normal,
         variance 1 / fan-in.
+      fp8: the Dense GEMMs and the tied logits multiply in FP8 with delayed scaling (`ls_jax.layers.fp8`: e4m3
+        forward, e5m2 gradients); their scaling state is the "_overwrite_with_gradient" collection.
     """
 
     hidden_size: int
@@ -105,6 +107,7 @@ class LayerConfig:
     layer_norm_eps: float = 1e-5
     remat: str = "none"
     initializer_range: float | None = None
+    fp8: bool = False
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "nhead", "max_seq_len"):

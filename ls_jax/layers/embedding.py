@@ -7,8 +7,10 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 from ls_jax import ops
+from ls_jax.layers import fp8
 from ls_jax.layers.common import CacheIndex, dropout_args
 from ls_jax.layers.config import LayerConfig
 
@@ -53,6 +55,8 @@ class TransformerEmbedding(nn.Module):
                 "position_embedding", self.embedding_init, (cfg.max_seq_len, cfg.hidden_size), jnp.float32
             )
         self.cache_index = CacheIndex()
+        if cfg.fp8:
+            self.logits_fp8 = Fp8DirectDotGeneralOp()
 
     def __call__(self, tokens: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
         """Embeds (B, L) integer tokens into (B, L, H) of ``config.dtype``.
@@ -90,4 +94,9 @@ class TransformerEmbedding(nn.Module):
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """Output logits tied to the token table: ``hidden @ table.T``, (..., H) -> (..., V) in ``config.dtype``."""
-        return ops.dense(hidden, self.embedding, transposed_kernel=True, dtype=self.config.dtype)
+        cfg = self.config
+        if not cfg.fp8:
+            return ops.dense(hidden, self.embedding, transposed_kernel=True, dtype=cfg.dtype)
+        rows = hidden.reshape(-1, cfg.hidden_size).astype(cfg.dtype)
+        logits = fp8.fp8_dot(self.logits_fp8, rows, self.embedding, contract=1)
+        return logits.reshape(*hidden.shape[:-1], self.vocab_size)

@@ -12,17 +12,28 @@ from train.harness import startup
 from train.records import runlog
 
 REPO = Path(__file__).resolve().parents[2]
+_ENV = {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
 ONE_TIME = ("startup", "compilation", "first_execution", "evaluation", "checkpoints")
 
 
-def test_the_process_start_is_before_the_imports():
+def test_the_clock_starts_when_the_tools_load_before_their_imports():
     waited = 0.6
     code = (
-        f"import time; time.sleep({waited}); from train.harness.startup import process_started_at; "
-        "print(time.monotonic() - process_started_at())"
+        f"import time, train; time.sleep({waited}); from train.harness.startup import tools_loaded_at; "
+        "print(time.monotonic() - tools_loaded_at())"
     )
     age = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True).stdout)
     assert waited <= age < waited + 10
+
+
+def test_a_wrapper_that_execs_the_cli_is_not_counted(tmp_path):
+    """bash runs the last command of ``-c`` in its own process: the seconds it slept before are not the run's."""
+    run_dir = tmp_path / "run"
+    command = f"sleep 4 && exec {sys.executable} -m helpers.toy_task --run-dir {run_dir} --steps 2 --no-progress"
+    done = subprocess.run(["bash", "-c", command], cwd=REPO, env=_ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    summary = runlog.read(run_dir / runlog.LOG_FILENAME)[-1]
+    assert summary["startup_parts"]["imports"] < 3.9
 
 
 def test_each_mark_closes_its_part_and_a_part_may_come_twice():
@@ -43,7 +54,7 @@ def test_a_cli_run_names_its_start_up_and_its_wall_time(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "helpers.toy_task", *flags],
         cwd=REPO,
-        env={"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+        env=_ENV,
         capture_output=True,
         text=True,
     )

@@ -6,7 +6,7 @@ config          the typed configuration (`TrainingConfig`, which each task's ext
 cli             the flags every task shares and their range checks
 compile_cache   XLA's persistent compilation cache, on by default
 loop            the loop driver: intervals, evaluation, checkpoints, signals, counters
-startup         the start-up's named parts, from the process's start
+startup         the start-up's named parts, from the training tools' load
 progress        the run's totals and the records and summary lines that report them
 host_phases     where the host's time goes in each step
 signals         SIGINT and SIGTERM: where a signal stops the run at once and where it waits

@@ -1,27 +1,22 @@
-"""A run's start-up, from the process's start to compilation, in named parts the summary reports."""
+"""A run's start-up, from the moment the process loads the training tools to compilation, in named parts the
+summary reports."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from pathlib import Path
+
+import train
 
 # The parts in the order a run passes them; `StartupClock.mark` closes each.
 PARTS = ("imports", "run_directory", "hardware", "data_and_model", "state", "run_record", "loop")
 
 
-def process_started_at() -> float:
-    """``time.monotonic()`` at this process's start (Linux: its start time in /proc, in clock ticks since boot, so
-    the interpreter's start and every import count); the time of the call where /proc does not say."""
-    now = time.monotonic()
-    try:
-        # Fields after the command name (which may hold spaces) start at the 3rd; the start time is the 22nd.
-        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(after_name[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return now
-    return now - max(age, 0.0)
+def tools_loaded_at() -> float:
+    """``time.monotonic()`` when this process loaded the ``train`` package: a ``python -m train.<task>`` run's
+    start, before the imports it waits for. (The process's own start time would also count a wrapper that execs
+    Python, such as ``bash -c "... && python -m train.wmt"``, which runs its last command in its own process.)"""
+    return train.LOADED_AT
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ from train.harness.parallel import (
 )
 from train.harness.progress import Counters, format_value
 from train.harness.signals import StopSignals
-from train.harness.startup import StartupClock, process_started_at
+from train.harness.startup import StartupClock, tools_loaded_at
 from train.harness.step import LossFn, TrainState, make_train_step, threefry_kernel
 from train.harness.step_compiler import StepCompiler
 from train.records import rundir, runlog
@@ -129,8 +129,9 @@ class Task:
 
 def run_training(task: Task, argv: Sequence[str] | None = None) -> int:
     """Trains ``task`` as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit code. Run as
-    the program (no ``argv``), the run's start-up and wall time count from the process's start."""
-    started_at = process_started_at() if argv is None else time.monotonic()
+    the program (no ``argv``), the run's start-up and wall time count from its first import
+    (`train.harness.startup.tools_loaded_at`)."""
+    started_at = tools_loaded_at() if argv is None else time.monotonic()
     return cli.run_command(lambda args: _start(task, args, StartupClock(started_at)), argv)
 
 

@@ -14,12 +14,11 @@
 docs/architecture.md has the whole map.
 """
 
+import importlib
 import os
-import time
 
-# When this process loaded the training tools: the first thing `python -m train.<task>` runs, so a run's start-up
-# clock starts here, before the imports it waits for (`train.harness.startup`).
-LOADED_AT = time.monotonic()
+# First, so that a run's start-up clock (`train.harness.startup.LOADED_AT`) starts before the imports it waits for.
+importlib.import_module("train.harness.startup")
 
 # XLA's C++ warnings (the GPU autotuner's "Delay kernel timed out", TensorFlow's start-up lines when tfds imports it)
 # are read against this level once, when jaxlib loads: set here, before any tool imports JAX, they stay out of a

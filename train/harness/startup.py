@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import train
+# When this process loaded the training tools: the ``train`` package imports this module first, and
+# ``python -m train.<task>`` imports that package before anything else.
+LOADED_AT = time.monotonic()
 
 # The parts in the order a run passes them; `StartupClock.mark` closes each.
 PARTS = ("imports", "run_directory", "hardware", "data_and_model", "state", "run_record", "loop")
@@ -16,7 +18,7 @@ def tools_loaded_at() -> float:
     """``time.monotonic()`` when this process loaded the ``train`` package: a ``python -m train.<task>`` run's
     start, before the imports it waits for. (The process's own start time would also count a wrapper that execs
     Python, such as ``bash -c "... && python -m train.wmt"``, which runs its last command in its own process.)"""
-    return train.LOADED_AT
+    return LOADED_AT
 
 
 @dataclasses.dataclass

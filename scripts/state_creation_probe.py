@@ -27,7 +27,7 @@ def compile_creation(implementation: str) -> dict:
     tx = optax.adamw(1e-4)
 
     def create(key):
-        return TrainState.create(classifier.init(key, SEQ_LEN), tx, key, fp16=False, param_dtype=jnp.float32)
+        return TrainState.create(classifier.init(key, SEQ_LEN)["params"], tx, key, fp16=False, param_dtype=jnp.float32)
 
     lowered = jax.jit(create).lower(jax.random.PRNGKey(0))
     start = time.perf_counter()

@@ -47,6 +47,12 @@ def split_scaling(variables: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return rest, variables.get(SCALING, {})
 
 
+def with_scaling(variables: dict[str, Any], scaling: Any) -> dict[str, Any]:
+    """``variables`` (e.g. ``{"params": ...}``) with ``scaling`` as their SCALING collection; unchanged when
+    ``scaling`` is empty (a model without FP8)."""
+    return {**variables, SCALING: scaling} if scaling else dict(variables)
+
+
 def new_scaling(scaling_gradient: Any) -> Any:
     """The scaling state after a step: the gradient of the ``SCALING`` collection is its next value (the updated
     amax histories and the scales they give), not a direction to step in."""
@@ -59,11 +65,11 @@ def combine_scaling(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.maximum, a, b)
 
 
-def overflows(scaling: dict[str, Any]) -> dict[str, jax.Array]:
-    """For each quantized tensor of ``scaling`` (a SCALING collection after a step), whether its newest amax
-    exceeded what its scale let FP8 hold: ``amax > fp8_max * scale``, the values clipped in that step. Keys are the
-    paths of the ops joined by "/" plus ``input``, ``kernel`` or ``output_grad``."""
-    flags = {}
+def amax_ratios(scaling: dict[str, Any]) -> dict[str, jax.Array]:
+    """For each quantized tensor of ``scaling`` (a SCALING collection after a step), its newest amax over the
+    largest value its scale let FP8 hold, ``amax / (fp8_max * scale)``: above 1, that step clipped values. Keys are
+    the paths of the ops joined by "/" plus ``input``, ``kernel`` or ``output_grad``."""
+    ratios = {}
     flat = jax.tree_util.tree_flatten_with_path(scaling)[0]
     by_path = {"/".join(str(getattr(key, "key", key)) for key in path): leaf for path, leaf in flat}
     for path, history in by_path.items():
@@ -73,8 +79,14 @@ def overflows(scaling: dict[str, Any]) -> dict[str, jax.Array]:
         tensor = tensor.removesuffix("_amax_history")
         scale = by_path[f"{prefix}/{tensor}_scale"]
         fp8_max = jnp.finfo(GRADIENT_DTYPE if tensor == "output_grad" else FORWARD_DTYPE).max.astype(jnp.float32)
-        flags[f"{prefix}/{tensor}"] = history[0] > fp8_max * scale[0]
-    return flags
+        ratios[f"{prefix}/{tensor}"] = history[0] / (fp8_max * scale[0])
+    return ratios
+
+
+def overflows(scaling: dict[str, Any]) -> dict[str, jax.Array]:
+    """For each quantized tensor of ``scaling``, whether its newest amax exceeded what its scale let FP8 hold
+    (`amax_ratios` above 1): the values clipped in that step."""
+    return {name: ratio > 1.0 for name, ratio in amax_ratios(scaling).items()}
 
 
 def device_has_fp8(device: Any) -> bool:

@@ -10,7 +10,7 @@ feeds only the newest token; earlier positions' keys and values come from the ca
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ls_jax.layers.transformer import SOURCE_CACHE_NAMES
 from ls_jax.models.tokens import BOS_ID, EOS_ID, PAD_ID, check_tokens
 
-Params = Any
+Variables = Mapping[str, Any]  # Flax variables: "params" and, for an FP8 model, its scaling state
 Cache = Any
 
 
@@ -43,32 +43,33 @@ def _check_max_len(model: Seq2Seq, max_len: int) -> None:
         raise ValueError(f"max_len must be in [1, max_seq_len={limit}], got {max_len}")
 
 
-def _start_decoding(model: Seq2Seq, params: Params, src_tokens: jax.Array, max_len: int, copies: int) -> Cache:
+def _start_decoding(model: Seq2Seq, variables: Variables, src_tokens: jax.Array, max_len: int, copies: int) -> Cache:
     """Encodes the source, repeats each row ``copies`` times (one per beam) and builds the decode cache."""
-    encoded, src_mask = model.apply({"params": params}, src_tokens, method="encode")
+    encoded, src_mask = model.apply(variables, src_tokens, method="encode")
     encoded = jnp.repeat(encoded, copies, axis=0)
     src_mask = jnp.repeat(src_mask, copies, axis=0)
-    _, state = model.apply({"params": params}, encoded, src_mask, max_len, method="init_cache", mutable=["cache"])
+    _, state = model.apply(variables, encoded, src_mask, max_len, method="init_cache", mutable=["cache"])
     return state["cache"]
 
 
-def _next_logits(model: Seq2Seq, params: Params, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+def _next_logits(model: Seq2Seq, variables: Variables, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
     """Feeds tokens (N,) as the next position: -> (logits (N, V) f32, extended cache).
 
     PAD and BOS get -inf: a decoder never emits them (PAD only fills the output after EOS).
     """
-    logits, state = model.apply({"params": params, "cache": cache}, tokens[:, None], method="decode", mutable=["cache"])
+    logits, state = model.apply({**variables, "cache": cache}, tokens[:, None], method="decode", mutable=["cache"])
     logits = logits[:, 0].astype(jnp.float32).at[:, jnp.array([PAD_ID, BOS_ID])].set(-jnp.inf)
     return logits, state["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len"))
-def greedy_decode(model: Seq2Seq, params: Params, src_tokens: jax.Array, *, max_len: int) -> jax.Array:
+def greedy_decode(model: Seq2Seq, variables: Variables, src_tokens: jax.Array, *, max_len: int) -> jax.Array:
     """The most probable next token at every step, until every row has produced EOS or ``max_len`` tokens.
 
     Args:
       model: the Transformer, or another `Seq2Seq` (it fixes the compute dtype and max_target_len).
-      params: its "params" collection.
+      variables: its Flax variables without the cache: ``{"params": params}`` (and an FP8 model's scaling
+        collection, `ls_jax.layers.fp8`).
       src_tokens: (B, S) integer source tokens, PAD-padded.
       max_len: most target tokens to generate, at most ``model.max_target_len``.
 
@@ -78,7 +79,7 @@ def greedy_decode(model: Seq2Seq, params: Params, src_tokens: jax.Array, *, max_
     check_tokens("src_tokens", src_tokens)
     _check_max_len(model, max_len)
     batch = src_tokens.shape[0]
-    cache = _start_decoding(model, params, src_tokens, max_len, copies=1)
+    cache = _start_decoding(model, variables, src_tokens, max_len, copies=1)
 
     def unfinished(state) -> jax.Array:
         step, _, _, _, finished = state
@@ -86,7 +87,7 @@ def greedy_decode(model: Seq2Seq, params: Params, src_tokens: jax.Array, *, max_
 
     def step_once(state):
         step, output, cache, last, finished = state
-        logits, cache = _next_logits(model, params, cache, last)
+        logits, cache = _next_logits(model, variables, cache, last)
         token = jnp.where(finished, PAD_ID, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         output = output.at[:, step].set(token)
         return step + 1, output, cache, token, finished | (token == EOS_ID)
@@ -127,7 +128,7 @@ def _gather_cache(cache: Cache, beam_index: jax.Array) -> Cache:
 @functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty"))
 def beam_search(
     model: Seq2Seq,
-    params: Params,
+    variables: Variables,
     src_tokens: jax.Array,
     *,
     beam_size: int,
@@ -143,7 +144,7 @@ def beam_search(
     finished. With beam_size=1 this is greedy decoding.
 
     Args:
-      model, params, src_tokens, max_len: as in ``greedy_decode``.
+      model, variables, src_tokens, max_len: as in ``greedy_decode``.
       beam_size: K >= 1 hypotheses kept per row.
       length_penalty: alpha >= 0; 0 ranks finished hypotheses by log P alone.
 
@@ -157,7 +158,7 @@ def beam_search(
     if length_penalty < 0:
         raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
     batch, beams = src_tokens.shape[0], beam_size
-    cache = _start_decoding(model, params, src_tokens, max_len, copies=beams)
+    cache = _start_decoding(model, variables, src_tokens, max_len, copies=beams)
 
     def rows_done(finished_scores: jax.Array) -> jax.Array:
         return jnp.isfinite(finished_scores[:, -1])
@@ -168,7 +169,7 @@ def beam_search(
 
     def step_once(state):
         step, alive_seqs, alive_logp, last, finished_seqs, finished_scores, cache = state
-        logits, cache = _next_logits(model, params, cache, last.reshape(-1))
+        logits, cache = _next_logits(model, variables, cache, last.reshape(-1))
         vocab = logits.shape[-1]
         logp = jax.nn.log_softmax(logits).reshape(batch, beams, vocab) + alive_logp[:, :, None]
         top_logp, top_index = jax.lax.top_k(logp.reshape(batch, beams * vocab), 2 * beams)

@@ -150,7 +150,12 @@ class GradientSync:
             )
 
     def grad(
-        self, fun: Callable[..., tuple[jax.Array, Any]], params: Any, *args: Any, carried: Any = None
+        self,
+        fun: Callable[..., tuple[jax.Array, Any]],
+        params: Any,
+        *args: Any,
+        carried: Any = None,
+        local: Any = None,
     ) -> tuple[Any, Any]:
         """``(G, aux)`` for ``fun(params, *args) -> (loss, aux)``, called inside ``shard_map`` over the axis.
 
@@ -158,13 +163,16 @@ class GradientSync:
         the same on every device, or with ``sharded`` this device's rows (``(c_i,)`` per leaf, as
         ``ShardedOptimizer.apply_rows_with_grad_norm`` takes them). ``params`` are the same on every device;
         ``carried`` (the params' structure and shapes, float32, per device) is this device's gradient of earlier
-        micro-batches.
+        micro-batches. With ``local`` (a tree differentiated beside the params but not summed, e.g. FP8 scaling
+        state, whose gradient is its next value), ``fun(params, local, *args)`` and ``((G, local's gradient on
+        this device), aux)``.
         """
+        call = (lambda p, _local, *a: fun(p, *a)) if local is None else fun  # noqa: E731
         leaves, treedef = jax.tree.flatten(params)
         carried_leaves = [None] * len(leaves) if carried is None else treedef.flatten_up_to(carried)
         key = (getattr(fun, "__code__", fun), treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
         if key not in self._orders:
-            self._orders[key] = backward_order(lambda p, *a: fun(p, *a)[0], params, *args)
+            self._orders[key] = backward_order(lambda p, *a: call(p, local, *a)[0], params, *args)
         order = self._orders[key]
         nbytes = [leaf.size * self._comm_dtype([leaf.dtype]).itemsize for leaf in leaves]
         buckets = plan_buckets(nbytes, order, self.bucket_bytes)
@@ -172,7 +180,7 @@ class GradientSync:
 
         identity = self._identity()
 
-        def loss_of_receivers(receivers):
+        def loss_of_receivers(receivers, local):
             by_bucket = identity(
                 [[leaves[i] for i in bucket] for bucket in buckets],
                 [[carried_leaves[i] for i in bucket] for bucket in buckets],
@@ -182,15 +190,16 @@ class GradientSync:
             for bucket, outputs in zip(buckets, by_bucket):
                 for i, out in zip(bucket, outputs):
                     synced[i] = out
-            return fun(jax.tree.unflatten(treedef, synced), *args)
+            return call(jax.tree.unflatten(treedef, synced), local, *args)
 
         with backward_in_layer_order():
-            summed, aux = jax.grad(loss_of_receivers, has_aux=True)(receivers)
+            (summed, local_grad), aux = jax.grad(loss_of_receivers, argnums=(0, 1), has_aux=True)(receivers, local)
         out: list[Any] = [None] * len(leaves)
         for bucket, received in zip(buckets, summed):
             for i, value in zip(bucket, received):
                 out[i] = value
-        return jax.tree.unflatten(treedef, out), aux
+        grads = jax.tree.unflatten(treedef, out)
+        return (grads if local is None else (grads, local_grad)), aux
 
     def _receivers(self, leaves: list[jax.Array]) -> list[jax.Array]:
         """Zeros shaped like what the bucket's collective returns: the leaves, or under ZeRO-1 this device's rows."""

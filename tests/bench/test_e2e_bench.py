@@ -111,7 +111,8 @@ def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     initial_params = jax.tree.map(np.asarray, train_step.state[0])  # the steps donate the state's buffers
     for _ in range(2):
         assert math.isfinite(float(train_step.run(batch)))
-    params, opt_state, _ = train_step.state
+    params, opt_state, _, scaling = train_step.state
+    assert scaling == {}  # no FP8 scaling state without FP8
     assert isinstance(opt_state, optim.MasterWeightsState)
     leaves = jax.tree.leaves(params)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in leaves)
@@ -119,3 +120,30 @@ def test_ls_jax_steps_train_bf16_params_from_split_f32_master_weights():
     for leaf, master_leaf in zip(leaves, jax.tree.leaves(optim.master_params(opt_state, params))):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(optim.master.round_to_bf16(master_leaf)))
     assert any(np.any(np.asarray(a) != b) for a, b in zip(leaves, jax.tree.leaves(initial_params)))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda batch: transformer_steps.build_step("reference_fp8", "tiny-2e2d", batch, layers_each=1),
+        lambda batch: transformer_steps.ls_jax_step("tiny-2e2d", batch, layers_each=1, fp8_gemms=True),
+    ],
+    ids=["reference_fp8", "ls_jax_fp8"],
+)
+def test_fp8_steps_multiply_in_fp8_and_carry_their_scaling_state(build):
+    """Both FP8 rows quantize to e4m3 and e5m2 in the compiled step, and each step's amax histories become the
+    next step's scaling state (the optimizer never sees them)."""
+    batch = transformer_steps.make_batch(4, seed=0)
+    train_step = build(batch)
+    hlo = train_step.lowered.as_text()
+    assert "f8E4M3FN" in hlo and "f8E5M2" in hlo
+    histories = lambda: {  # noqa: E731 - each quantized tensor's newest amax
+        "/".join(str(k.key) for k in path): float(np.asarray(leaf)[0])
+        for path, leaf in jax.tree_util.tree_leaves_with_path(train_step.state[3])
+        if path[-1].key.endswith("amax_history")
+    }
+    assert histories() and all(value == 0.0 for value in histories().values())
+    assert math.isfinite(float(train_step.run(batch)))
+    after_one = histories()
+    assert all(value > 0.0 for value in after_one.values()), after_one  # inputs, kernels and output gradients
+    assert any(path.endswith("output_grad_amax_history") for path in after_one)

@@ -96,9 +96,10 @@ def test_references_compute_the_ls_jax_models_function(name, attention):
     reference = type(zoo_steps.reference_model(name, attention))(
         dataclasses.replace(zoo_steps.reference_config(name, attention), dtype=jnp.float32)
     )
-    params = reference.init(jax.random.PRNGKey(2), **zoo_steps._init_args(reference, batch))["params"]
-    expected = zoo_steps.ls_jax_apply(ls_jax, _ls_jax_params(params, zoo_steps.MODELS[name].kind), batch)
-    got = zoo_steps.reference_apply(reference, params, batch)
+    variables = reference.init(jax.random.PRNGKey(2), **zoo_steps._init_args(reference, batch))
+    ls_jax_variables = {"params": _ls_jax_params(variables["params"], zoo_steps.MODELS[name].kind)}
+    expected = zoo_steps.ls_jax_apply(ls_jax, ls_jax_variables, batch)
+    got = zoo_steps.reference_apply(reference, variables, batch)
     assert got.shape == expected.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-5)
     # the comparison sees the mask: a padded token changes nothing, a real one changes the logits
@@ -107,14 +108,14 @@ def test_references_compute_the_ls_jax_models_function(name, attention):
         row = int(np.argmin(mask.sum(-1)))
         changed = {**batch, "input_ids": batch["input_ids"].at[row, -1].set(7)}
         np.testing.assert_allclose(
-            np.asarray(zoo_steps.reference_apply(reference, params, changed))[row],
+            np.asarray(zoo_steps.reference_apply(reference, variables, changed))[row],
             np.asarray(got)[row],
             rtol=1e-5,
             atol=1e-6,
         )
         real_changed = {**batch, "input_ids": batch["input_ids"].at[row, 1].set(7)}
         assert not np.allclose(
-            np.asarray(zoo_steps.reference_apply(reference, params, real_changed))[row],
+            np.asarray(zoo_steps.reference_apply(reference, variables, real_changed))[row],
             np.asarray(got)[row],
             rtol=1e-5,
             atol=1e-6,

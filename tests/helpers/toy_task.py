@@ -58,7 +58,8 @@ class ToyStream(EpochStream):
         return {"x": x, "y": y, "mask": np.ones((1, ROWS), np.float32)}, {"examples": ROWS}
 
 
-def loss_fn(params, batch, rng):
+def loss_fn(variables, batch, rng):
+    params = variables["params"]
     errors = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2 * batch["mask"]
     return jnp.sum(errors), jnp.sum(batch["mask"]), {"nll": jnp.sum(errors)}
 
@@ -103,7 +104,7 @@ def setup(run, precision: str, parallel) -> TaskSetup:
 
     shapes = {"x": ((1, ROWS, FEATURES), jnp.float32), "y": ((1, ROWS), jnp.float32), "mask": ((1, ROWS), jnp.float32)}
     return TaskSetup(
-        init_params=lambda key: {"w": jnp.zeros((FEATURES,)), "b": jnp.zeros(())},
+        init_variables=lambda key: {"params": {"w": jnp.zeros((FEATURES,)), "b": jnp.zeros(())}},
         init_rng=jax.random.PRNGKey(config.seed),
         loss_fn=loss_fn,
         stream=ToyStream(seed=config.seed),

@@ -48,7 +48,7 @@ def packed_batch():
 
 def loss_and_grads(model, params, batch):
     def loss(params):
-        loss_sum, weight, sums = gpt_model.make_loss_fn(model)(params, batch, jax.random.key(7))
+        loss_sum, weight, sums = gpt_model.make_loss_fn(model)({"params": params}, batch, jax.random.key(7))
         return loss_sum, (weight, sums["nll"])
 
     (loss_sum, (weight, nll)), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -70,7 +70,7 @@ def test_lm_loss_and_gradients_agree_between_backends_f32_with_dropout():
 def test_lm_loss_agrees_between_backends_bf16():
     model, params = model_and_params(jnp.bfloat16)
     batch = packed_batch()
-    loss = lambda params: gpt_model.make_loss_fn(model)(params, batch, jax.random.key(7))[:2]  # noqa: E731
+    loss = lambda params: gpt_model.make_loss_fn(model)({"params": params}, batch, jax.random.key(7))[:2]  # noqa: E731
     (ffi_loss, ffi_weight), (xla_loss, xla_weight) = (on_backend(mode, loss, params) for mode in ("ffi", "xla"))
     assert int(ffi_weight) == int(xla_weight) and relative_error(ffi_loss, xla_loss) < 1e-2
 
@@ -82,7 +82,13 @@ def test_kv_cache_sampling_agrees_between_backends():
 
         def sample(params):
             return gpt_model.generate(
-                model, params, prompt, max_new_tokens=24, rng=jax.random.key(3), temperature=temperature, top_k=20
+                model,
+                {"params": params},
+                prompt,
+                max_new_tokens=24,
+                rng=jax.random.key(3),
+                temperature=temperature,
+                top_k=20,
             )
 
         ffi, xla = (np.asarray(on_backend(mode, sample, params)) for mode in ("ffi", "xla"))

@@ -135,8 +135,8 @@ def test_decoding_produces_the_same_tokens():
         with backend.use(mode):
             jax.clear_caches()
             outputs[mode] = (
-                np.asarray(greedy_decode(model, params, src, max_len=32)),
-                np.asarray(beam_search(model, params, src, beam_size=4, max_len=32)),
+                np.asarray(greedy_decode(model, {"params": params}, src, max_len=32)),
+                np.asarray(beam_search(model, {"params": params}, src, beam_size=4, max_len=32)),
             )
     jax.clear_caches()
     for ffi, xla in zip(outputs["ffi"], outputs["xla"]):

@@ -22,8 +22,8 @@ def test_cudnn_attention_reference_matches_its_xla_attention(name):
     cudnn = type(model)(dataclasses.replace(model.config, num_layers=2))
     xla = type(model)(dataclasses.replace(cudnn.config, attention="xla"))
     params = jax.jit(lambda key: cudnn.init(key, **zoo_steps._init_args(cudnn, batch))["params"])(jax.random.key(0))
-    got = np.asarray(jax.jit(lambda p: zoo_steps.reference_apply(cudnn, p, batch))(params), np.float32)
-    expected = np.asarray(jax.jit(lambda p: zoo_steps.reference_apply(xla, p, batch))(params), np.float32)
+    got = np.asarray(jax.jit(lambda p: zoo_steps.reference_apply(cudnn, {"params": p}, batch))(params), np.float32)
+    expected = np.asarray(jax.jit(lambda p: zoo_steps.reference_apply(xla, {"params": p}, batch))(params), np.float32)
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 0.03 * scale
 

@@ -85,26 +85,26 @@ def trained():
 
 def test_greedy_decoding_reproduces_the_trained_reversal_with_eos_then_pad(trained):
     model, params, src, labels = trained
-    output = greedy_decode(model, params, src, max_len=MAX_LEN)
+    output = greedy_decode(model, {"params": params}, src, max_len=MAX_LEN)
     assert output.dtype == jnp.int32 and output.shape == (src.shape[0], MAX_LEN)
     np.testing.assert_array_equal(output, labels)
 
 
 def test_beam_search_reproduces_the_trained_reversal(trained):
     model, params, src, labels = trained
-    np.testing.assert_array_equal(beam_search(model, params, src, beam_size=3, max_len=MAX_LEN), labels)
+    np.testing.assert_array_equal(beam_search(model, {"params": params}, src, beam_size=3, max_len=MAX_LEN), labels)
 
 
 def test_decoding_stops_at_max_len_without_eos(trained):
     model, params, src, labels = trained
-    np.testing.assert_array_equal(greedy_decode(model, params, src, max_len=3), labels[:, :3])
+    np.testing.assert_array_equal(greedy_decode(model, {"params": params}, src, max_len=3), labels[:, :3])
 
 
 def test_beam_size_one_equals_greedy(trained):
     model, trained_params, src, _ = trained
     for params in (trained_params, random_params(model, src, src, seed=2), random_params(model, src, src, seed=5)):
-        greedy = greedy_decode(model, params, src, max_len=MAX_LEN)
-        np.testing.assert_array_equal(beam_search(model, params, src, beam_size=1, max_len=MAX_LEN), greedy)
+        greedy = greedy_decode(model, {"params": params}, src, max_len=MAX_LEN)
+        np.testing.assert_array_equal(beam_search(model, {"params": params}, src, beam_size=1, max_len=MAX_LEN), greedy)
 
 
 def test_decoders_never_emit_pad_or_bos_before_eos(trained):
@@ -112,8 +112,8 @@ def test_decoders_never_emit_pad_or_bos_before_eos(trained):
     outputs = []
     for seed in (2, 3):
         params = random_params(model, src, src, seed=seed)
-        outputs += [greedy_decode(model, params, src, max_len=MAX_LEN)]
-        outputs += [beam_search(model, params, src, beam_size=4, max_len=MAX_LEN)]
+        outputs += [greedy_decode(model, {"params": params}, src, max_len=MAX_LEN)]
+        outputs += [beam_search(model, {"params": params}, src, beam_size=4, max_len=MAX_LEN)]
     outputs = np.stack(outputs)
     is_eos = outputs == EOS_ID
     before_eos = np.cumsum(is_eos, axis=-1) - is_eos == 0
@@ -192,7 +192,7 @@ def test_default_dtype_is_bfloat16_with_float32_params():
     logits = jax.jit(model.apply)({"params": params}, src, tgt_in)
     assert logits.dtype == jnp.bfloat16 and logits.shape == tgt_in.shape + (VOCAB,)
     assert np.all(np.isfinite(np.asarray(logits, np.float32)))
-    output = greedy_decode(model, params, src, max_len=MAX_LEN)
+    output = greedy_decode(model, {"params": params}, src, max_len=MAX_LEN)
     assert output.dtype == jnp.int32 and output.shape == (src.shape[0], MAX_LEN)
     np.testing.assert_array_equal(output[:, 0], jnp.argmax(logits[:, 0].at[:, :2].set(-jnp.inf), axis=-1))
 
@@ -239,13 +239,13 @@ def test_bad_inputs_name_the_problem(trained):
     with pytest.raises(ValueError, match=f"sequence length {MAX_LEN + 3} exceeds max_seq_len {MAX_LEN + 2}"):
         model.apply({"params": params}, too_long, src[:1])
     with pytest.raises(ValueError, match=rf"max_len must be in \[1, max_seq_len={MAX_LEN + 2}\], got {MAX_LEN + 3}"):
-        greedy_decode(model, params, src, max_len=MAX_LEN + 3)
+        greedy_decode(model, {"params": params}, src, max_len=MAX_LEN + 3)
     with pytest.raises(ValueError, match="max_len must be in"):
-        beam_search(model, params, src, beam_size=2, max_len=MAX_LEN + 3)
+        beam_search(model, {"params": params}, src, beam_size=2, max_len=MAX_LEN + 3)
     with pytest.raises(ValueError, match="beam_size must be at least 1, got 0"):
-        beam_search(model, params, src, beam_size=0, max_len=MAX_LEN)
+        beam_search(model, {"params": params}, src, beam_size=0, max_len=MAX_LEN)
     with pytest.raises(ValueError, match="src_tokens must be an integer array"):
-        greedy_decode(model, params, src.astype(jnp.float32), max_len=MAX_LEN)
+        greedy_decode(model, {"params": params}, src.astype(jnp.float32), max_len=MAX_LEN)
     decode = jax.jit(functools.partial(model.apply, method="decode", mutable=["cache"]))
     with pytest.raises(ValueError, match="tgt_tokens must be an integer array"):
         decode({"params": params}, src.astype(jnp.float32))

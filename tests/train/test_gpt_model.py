@@ -75,7 +75,7 @@ def test_loss_fn_sums_the_nll_of_the_labels_that_count():
     labels[2, 5:] = IGNORE_LABEL
     labels[1, :] = IGNORE_LABEL
     batch = {"input_ids": rng.integers(0, 20, size=(3, 8)).astype(np.int32), "labels": labels}
-    loss_sum, weight, sums = jax.jit(gpt_model.make_loss_fn(model))(params, batch, jax.random.key(1))
+    loss_sum, weight, sums = jax.jit(gpt_model.make_loss_fn(model))({"params": params}, batch, jax.random.key(1))
     log_probs = jax.jit(lambda p, x: jax.nn.log_softmax(model.apply({"params": p}, x)))(params, batch["input_ids"])
     keep = labels != IGNORE_LABEL
     expected = -np.take_along_axis(np.asarray(log_probs), np.maximum(labels, 0)[..., None], axis=-1)[..., 0][keep]
@@ -102,7 +102,7 @@ def test_a_tiny_gpt_learns_the_synthetic_grammar_close_to_its_entropy_floor():
     @jax.jit
     def train_step(params, opt_state, batch, rng):
         def mean_loss(params):
-            loss_sum, weight, _ = loss_fn(params, batch, rng)
+            loss_sum, weight, _ = loss_fn({"params": params}, batch, rng)
             return loss_sum / weight
 
         grads = jax.grad(mean_loss)(params)
@@ -115,7 +115,9 @@ def test_a_tiny_gpt_learns_the_synthetic_grammar_close_to_its_entropy_floor():
         batch, _ = next(stream)
         params, opt_state = train_step(params, opt_state, {k: v[0] for k, v in batch.items()}, jax.random.key(step))
 
-    result = gpt_model.Evaluator(model, data.splits, rows=64)(types.SimpleNamespace(params=params), final=True)
+    result = gpt_model.Evaluator(model, data.splits, rows=64)(
+        types.SimpleNamespace(variables={"params": params}), final=True
+    )
     assert [r["split"] for r in result] == ["valid"]
     valid = result[0]
     assert valid["tokens"] == data.splits["valid"].num_targets
@@ -149,7 +151,7 @@ def test_flop_formula_matches_xla_cost_analysis_of_a_training_step():
     loss_fn = gpt_model.make_loss_fn(model)
 
     def train_step(params, opt_state, batch, rng):
-        grads = jax.grad(lambda p: loss_fn(p, batch, rng)[0])(params)
+        grads = jax.grad(lambda p: loss_fn({"params": p}, batch, rng)[0])(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -179,9 +181,11 @@ def greedy_by_recomputing(model, params, prompt, new_tokens):
 def test_greedy_sampling_with_the_kv_cache_matches_recomputing_the_prefix():
     model, params = tiny_model(vocab_size=30, seq_len=16, hidden=32)
     prompt = np.asarray([[2, 5, 9], [2, 17, 4]], np.int32)
-    got = gpt_model.generate(model, params, prompt, max_new_tokens=10, rng=jax.random.key(0), temperature=0.0)
+    got = gpt_model.generate(
+        model, {"params": params}, prompt, max_new_tokens=10, rng=jax.random.key(0), temperature=0.0
+    )
     np.testing.assert_array_equal(np.asarray(got), greedy_by_recomputing(model, params, prompt, 10))
-    top1 = gpt_model.generate(model, params, prompt, max_new_tokens=10, rng=jax.random.key(3), top_k=1)
+    top1 = gpt_model.generate(model, {"params": params}, prompt, max_new_tokens=10, rng=jax.random.key(3), top_k=1)
     np.testing.assert_array_equal(np.asarray(top1), np.asarray(got))
 
 
@@ -192,7 +196,13 @@ def test_sampling_gives_valid_tokens_deterministic_in_the_seed():
     def draw(seed, **kwargs):
         return np.asarray(
             gpt_model.generate(
-                model, params, prompt, max_new_tokens=12, rng=jax.random.key(seed), temperature=1.0, **kwargs
+                model,
+                {"params": params},
+                prompt,
+                max_new_tokens=12,
+                rng=jax.random.key(seed),
+                temperature=1.0,
+                **kwargs,
             )
         )
 
@@ -212,7 +222,7 @@ def test_sample_texts_decode_until_the_end_of_the_document():
     def sample():
         return gpt_model.sample_texts(
             model,
-            params,
+            {"params": params},
             vocabulary,
             ["the cat", "a dog"],
             max_new_tokens=20,
@@ -231,11 +241,13 @@ def test_sampling_bad_arguments_are_named():
     model, params = tiny_model(vocab_size=30, seq_len=16, hidden=32)
     prompt = np.full((1, 10), 2, np.int32)
     with pytest.raises(ValueError, match="prompt length 10 \\+ max_new_tokens 7 must be within the model's 16"):
-        gpt_model.generate(model, params, prompt, max_new_tokens=7, rng=jax.random.key(0))
+        gpt_model.generate(model, {"params": params}, prompt, max_new_tokens=7, rng=jax.random.key(0))
     with pytest.raises(ValueError, match="length >= 1"):
-        gpt_model.generate(model, params, np.zeros((1, 0), np.int32), max_new_tokens=2, rng=jax.random.key(0))
+        gpt_model.generate(
+            model, {"params": params}, np.zeros((1, 0), np.int32), max_new_tokens=2, rng=jax.random.key(0)
+        )
     with pytest.raises(ValueError, match="top_k must be in \\[1, 30\\]"):
-        gpt_model.generate(model, params, prompt, max_new_tokens=2, rng=jax.random.key(0), top_k=31)
+        gpt_model.generate(model, {"params": params}, prompt, max_new_tokens=2, rng=jax.random.key(0), top_k=31)
 
 
 # ------------------------------------------------------------------------------------------------ GPT-2 import

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax.traverse_util import flatten_dict
 from test_train_imdb import csv_data, csv_job  # noqa: F401 - csv_data is a fixture
 from test_train_wmt import SMALL, compilation_cache, corpus_dir  # noqa: F401 - fixtures
 
+from ls_jax.layers import fp8
 from ls_jax.models import PAD_ID, BertConfig, TransformerConfig
 from ls_jax.models.decoding import beam_search, greedy_decode
 from ls_jax.models.gpt import GPTConfig
@@ -56,16 +58,16 @@ def test_flax_and_ls_jax_bert_give_the_same_logits_for_the_same_weights():
     config = imdb_config.ImdbConfig()
     ls_jax, _ = imdb_model.build_classifier(config, model_cfg, None, pad_id)
     flax, _ = imdb_model.build_classifier(config.replace(implementation="flax"), model_cfg, None, pad_id)
-    params = ls_jax.init(jax.random.PRNGKey(0), 12)
-    reference_params = from_ls_jax.bert_params(params)
+    variables = ls_jax.init(jax.random.PRNGKey(0), 12)
+    reference = {"params": from_ls_jax.bert_params(variables["params"])}
     input_ids = padded_rows(np.random.default_rng(0), 5, 12, 40, pad_id)
-    expected = ls_jax.logits(params, input_ids, deterministic=True)
-    got = flax.logits(reference_params, input_ids, deterministic=True)
+    expected = ls_jax.logits(variables, input_ids, deterministic=True)
+    got = flax.logits(reference, input_ids, deterministic=True)
     assert got.shape == (5, 3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-5)
     changed = input_ids.at[0, 1].set(int(input_ids[0, 1]) % 39 + 1)
     assert not np.allclose(
-        np.asarray(flax.logits(reference_params, changed, deterministic=True))[0],
+        np.asarray(flax.logits(reference, changed, deterministic=True))[0],
         np.asarray(got)[0],
         rtol=1e-5,
         atol=1e-6,
@@ -78,11 +80,31 @@ def test_flax_bert_takes_the_random_init_in_its_own_layout():
     config = imdb_config.ImdbConfig(implementation="flax")
     flax, pretrained = imdb_model.build_classifier(config, model_cfg, None, 0)
     assert pretrained is None
-    params = flax.init(jax.random.PRNGKey(0), 12)
+    params = flax.init(jax.random.PRNGKey(0), 12)["params"]
     ls_jax, _ = imdb_model.build_classifier(imdb_config.ImdbConfig(), model_cfg, None, 0)
-    mapped = from_ls_jax.bert_params(ls_jax.init(jax.random.PRNGKey(0), 12))
+    mapped = from_ls_jax.bert_params(ls_jax.init(jax.random.PRNGKey(0), 12)["params"])
     assert jax.tree.structure(params) == jax.tree.structure(mapped)
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, mapped)
+
+
+def test_both_bert_implementations_multiply_in_fp8_with_the_same_scaling_ops():
+    """--precision fp8 with either implementation: the same GEMMs quantized (the attention projections, fused in
+    ls_jax and three in plain Flax, its output and the two feed-forward ones; not the pooler's and classifier's one
+    row per sequence), the logits within FP8's error of the bf16 ones."""
+    model_cfg = tiny_bert_config(layer=dataclasses.replace(tiny_bert_config().layer, dtype=jnp.bfloat16, fp8=True))
+    plain_cfg = tiny_bert_config(layer=dataclasses.replace(model_cfg.layer, fp8=False))
+    input_ids = padded_rows(np.random.default_rng(0), 5, 12, 40, 0)
+    for implementation, ops_per_layer in (("ls_jax", 4), ("flax", 6)):
+        config = imdb_config.ImdbConfig(implementation=implementation)
+        classifier, _ = imdb_model.build_classifier(config, model_cfg, None, 0)
+        plain, _ = imdb_model.build_classifier(config, plain_cfg, None, 0)
+        variables = classifier.init(jax.random.PRNGKey(0), 12)
+        ops = {path[:-1] for path in flatten_dict(variables[fp8.SCALING])}
+        assert len(ops) == ops_per_layer * plain_cfg.num_layers, (implementation, sorted(ops))
+        got = classifier.logits(variables, input_ids, deterministic=True).astype(jnp.float32)
+        expected = plain.logits({"params": variables["params"]}, input_ids, deterministic=True).astype(jnp.float32)
+        error = float(jnp.linalg.norm(got - expected) / jnp.linalg.norm(expected))
+        assert 1e-3 < error < 0.1, (implementation, error)
 
 
 def test_flax_and_ls_jax_gpt_give_the_same_logits_for_the_same_weights():
@@ -154,7 +176,9 @@ def test_the_plain_gpt_decodes_a_prompt_then_tokens_as_the_full_forward():
         logits, cache = model.apply({"params": params, **cache}, ids[:, start:stop], method="decode", mutable=["cache"])
         pieces.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), np.asarray(full), rtol=1e-4, atol=1e-5)
-    greedy = gpt_model.generate(model, params, ids[:, :3], max_new_tokens=4, rng=jax.random.key(0), temperature=0.0)
+    greedy = gpt_model.generate(
+        model, {"params": params}, ids[:, :3], max_new_tokens=4, rng=jax.random.key(0), temperature=0.0
+    )
     tokens = ids[:, :3]
     for _ in range(4):  # greedy by full forwards
         tokens = jnp.concatenate([tokens, jnp.argmax(model.apply({"params": params}, tokens)[:, -1:], -1)], 1)
@@ -190,7 +214,7 @@ def test_the_plain_transformer_decodes_through_ls_jax_decoding():
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), rtol=1e-4, atol=1e-5)
 
-    decoded = np.asarray(greedy_decode(model, params, src, max_len=6))
+    decoded = np.asarray(greedy_decode(model, {"params": params}, src, max_len=6))
     sequence = jnp.ones((2, 1), jnp.int32)
     for _ in range(6):
         logits = model.apply({"params": params}, src, sequence)[:, -1].at[:, jnp.array([0, 1])].set(-jnp.inf)
@@ -201,9 +225,11 @@ def test_the_plain_transformer_decodes_through_ls_jax_decoding():
         if len(ends):
             expected[row, ends[0] + 1 :] = PAD_ID
     np.testing.assert_array_equal(decoded, expected)
-    np.testing.assert_array_equal(np.asarray(beam_search(model, params, src, beam_size=1, max_len=6)), decoded)
+    np.testing.assert_array_equal(
+        np.asarray(beam_search(model, {"params": params}, src, beam_size=1, max_len=6)), decoded
+    )
     with pytest.raises(ValueError, match="max_len must be in"):
-        greedy_decode(model, params, src, max_len=13)
+        greedy_decode(model, {"params": params}, src, max_len=13)
 
 
 # ------------------------------------------------------------------------------------------------- flags

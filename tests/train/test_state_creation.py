@@ -2,6 +2,7 @@
 parameters as XLA's threefry draws, from a kernel instead of inlined rounds."""
 
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,18 @@ def test_threefry_kernel_restores_the_setting_it_found():
         assert jax.config.jax_threefry_gpu_kernel_lowering
         raise RuntimeError("leaves the block")
     assert jax.config.jax_threefry_gpu_kernel_lowering == before
+
+
+def test_threefry_kernel_holds_for_its_thread_only():
+    """A program compiled on another thread meanwhile (the optimizer's kernel count) keeps XLA's threefry, so its
+    compilation-cache key is the same in every run whatever the threads' timing."""
+    seen = []
+    with threefry_kernel():
+        other = threading.Thread(target=lambda: seen.append(jax.config.jax_threefry_gpu_kernel_lowering))
+        other.start()
+        other.join()
+        seen.append(jax.config.jax_threefry_gpu_kernel_lowering)
+    assert seen == [False, True]
 
 
 @pytest.mark.gpu

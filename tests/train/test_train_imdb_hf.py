@@ -79,7 +79,7 @@ def test_the_flax_implementation_takes_the_checkpoint_and_gives_transformers_log
     assert classifier.implementation == "flax" and "word_embedding" in reference_params
     encoded = imdb_data.encode_split(vocabulary, imdb_data.Split(texts, np.zeros(3, np.int64), "t"), max_len=16)
     _, expected = transformers_logits(reference, directory, texts, 16)
-    logits = classifier.logits(reference_params, jnp.asarray(encoded.input_ids), deterministic=True)
+    logits = classifier.logits({"params": reference_params}, jnp.asarray(encoded.input_ids), deterministic=True)
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
 
 

@@ -25,8 +25,9 @@ TRUE_W = np.arange(1.0, FEATURES + 1, dtype=np.float32)
 
 
 def make_toy_loss(noise):
-    def toy_loss(params, batch, rng):
+    def toy_loss(variables, batch, rng):
         """Summed squared error of a linear model plus rng-drawn noise (so resuming must restore the RNG)."""
+        params = variables["params"]
         prediction = batch["x"] @ params["w"] + params["b"] + noise * jax.random.normal(rng, batch["y"].shape)
         errors = (prediction - batch["y"]) ** 2 * batch["mask"]
         return jnp.sum(errors), jnp.sum(batch["mask"]), {"nll": jnp.sum(errors)}
@@ -118,7 +119,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_the_whole_step():
     whole = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
     single, metrics = step(new_state(tx), whole)
     any_key = jax.random.PRNGKey(9)  # the noise is off
-    manual = jax.grad(lambda p: exact_loss(p, jax.tree.map(lambda v: v[0], whole), any_key)[0] / 24)(
+    manual = jax.grad(lambda p: exact_loss({"params": p}, jax.tree.map(lambda v: v[0], whole), any_key)[0] / 24)(
         new_state(tx).params
     )
     for name in ("w", "b"):
@@ -271,6 +272,17 @@ def test_precision_choice_follows_the_device():
     assert parse_precision("fp16", "gpu", h100) == "fp16"
     with pytest.raises(ValueError, match="V100-SXM2 has no bf16 support"):
         parse_precision("bf16", "gpu", v100)
+    assert parse_precision("fp8", "gpu", h100) == "fp8"
+    with pytest.raises(ValueError, match="V100-SXM2 has no bf16 support"):
+        parse_precision("fp8", "gpu", v100)  # fp8 computes in bf16 outside its GEMMs
+
+
+def test_fp8_peaks_are_the_fp8_tensor_core_rates():
+    from train.costs import devices as device_table
+
+    h200, a100 = device_table.find_device("NVIDIA H200"), device_table.find_device("NVIDIA A100-SXM4-80GB")
+    assert device_table.peak_tflops(h200, "fp8") == pytest.approx(2 * device_table.peak_tflops(h200, "bf16"), rel=1e-3)
+    assert device_table.peak_tflops(a100, "fp8") is None
 
 
 def test_checkpoint_signature_names_the_master_weights_form():
@@ -279,3 +291,5 @@ def test_checkpoint_signature_names_the_master_weights_form():
     assert precision_signature(True, "bf16") == {"fp16_loss_scaling": False, "master_weights": "int16 low halves"}
     assert precision_signature(True, "fp16") == {"fp16_loss_scaling": True, "master_weights": True}
     assert precision_signature(False, "bf16") == {"fp16_loss_scaling": False}
+    # an fp8 checkpoint holds the scaling state: it resumes only as fp8, and older checkpoints keep their signature
+    assert precision_signature(False, "fp8") == {"fp16_loss_scaling": False, "fp8_scaling": True}

@@ -66,7 +66,13 @@ def test_schema_is_the_documented_schema():
 def valid_interval(**changes):
     record = {key: 1.0 for key in runlog.SCHEMA["interval"]}
     record.update(
-        type="interval", step=3, peak_memory_bytes=None, energy_source=None, tokens_per_s=2.0, target_tokens_per_s=1.0
+        type="interval",
+        step=3,
+        peak_memory_bytes=None,
+        energy_source=None,
+        fp8_overflows=None,
+        tokens_per_s=2.0,
+        target_tokens_per_s=1.0,
     )
     record.update(changes)
     return record

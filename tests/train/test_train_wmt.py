@@ -278,6 +278,30 @@ def test_master_weights_train_bf16_params_and_resume_exactly(tmp_path, corpus_di
     assert all(np.isfinite(r["loss"]) for r in intervals) and intervals[-1]["loss"] < intervals[0]["loss"]
 
 
+def test_fp8_trains_and_resumes_its_scaling_state_exactly(tmp_path, corpus_dir, compilation_cache):
+    """--precision fp8 on a CPU (emulated FP8 GEMMs): the scaling state is checkpointed beside the params and a
+    resumed run continues it exactly; the interval records report what the quantization clipped."""
+    flags = ("--precision", "fp8", "--log-every", "1")
+    assert run_training(wmt.TASK, small_job(corpus_dir, tmp_path / "straight", "--steps", "4", *flags)) == 0
+    split = tmp_path / "split"
+    assert run_training(wmt.TASK, small_job(corpus_dir, split, "--steps", "2", *flags)) == 0
+    assert run_training(wmt.TASK, ["--resume", str(split), "--steps", "4"]) == 0
+
+    straight, resumed = state_arrays(tmp_path / "straight", 4), state_arrays(split, 4)
+    assert straight.keys() == resumed.keys()
+    histories = [name for name in straight if name.startswith("['scaling']") and name.endswith("amax_history']")]
+    # input, kernel and output gradient of each FP8 op of transformer-tiny (2 + 2 layers): 4 per encoder layer, 6 per
+    # decoder layer, the decoder's source keys and values (one op for every layer) and the tied logits
+    assert len(histories) == 3 * (2 * 4 + 2 * 6 + 1 + 1)
+    assert all(np.count_nonzero(straight[name]) == 4 for name in histories)  # one amax per step taken
+    for name in straight:
+        np.testing.assert_array_equal(resumed[name], straight[name], err_msg=name)
+    intervals = [r for r in runlog.read(split / "run.jsonl") if r["type"] == "interval"]
+    assert [r["step"] for r in intervals] == [1, 2, 3, 4]
+    assert all(isinstance(r["fp8_overflows"], int) and r["fp8_amax_ratio"] > 0 for r in intervals)
+    assert runlog.read(split / "run.jsonl")[0]["precision"] == "fp8"
+
+
 @pytest.mark.parametrize(
     "make_args, message",
     [

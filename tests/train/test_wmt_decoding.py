@@ -73,9 +73,9 @@ def test_chunked_decoding_gives_the_translations_of_one_batch(evaluator_parts):
     whole, chunked = evaluator(evaluator_parts, 10**6), evaluator(evaluator_parts, 1)
     assert decode_batches(whole) == 1
     assert decode_batches(chunked) == sentences  # 1 MiB holds one sentence's beams: one sentence per batch
-    one_batch = whole.translate(params, "valid", None)
+    one_batch = whole.translate({"params": params}, "valid", None)
     assert len(one_batch) == sentences > 10 and any(one_batch)
-    assert chunked.translate(params, "valid", None) == one_batch
+    assert chunked.translate({"params": params}, "valid", None) == one_batch
 
 
 def test_a_large_eval_set_is_decoded_in_batches_within_the_budget():

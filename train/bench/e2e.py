@@ -9,7 +9,9 @@ One process builds each model several ways and trains each on the same random ba
   BERT-base sequence classification (128 and 512 tokens, 32 rows) and GPT-2 small (1024 tokens, 8 rows)
     (`train.bench.steps.zoo_steps`; sizes are sequence lengths): ``flax`` (einsum attention with dropout, as Flax
     and Hugging Face Flax write it), ``flax_cudnn`` (cuDNN's fused attention, without attention dropout),
-    ``ls_jax_xla`` and ``ls_jax_ffi``.
+    ``ls_jax_xla`` and ``ls_jax_ffi``;
+  named in ``--implementations`` only, the FP8 rows (GPUs with FP8 GEMMs, or a CPU): ``reference_fp8`` (WMT) and
+    ``ls_jax_ffi_fp8``, every Dense and the tied logits through Flax's FP8 op.
 Per (model, size, implementation), a row ``<model>/<size>/<implementation>``, it records the median step time over
 ``--steps`` samples of 20 consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model
 TFLOP/s and MFU (against the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200,
@@ -52,6 +54,12 @@ QUICK_TOKENS = 256  # target tokens of the WMT step in a --quick run
 TARGET_BASIS_TFLOPS = 790.0
 """The bf16 rate the project's end-to-end targets state MFU against: about what a large bf16 GEMM sustains on an
 H100 or H200 SXM (docs/results has the measured rates), where the datasheet's dense peak is 989.4."""
+
+
+FP8_SETUP = (
+    "*_fp8 rows: every Dense, attention projection and the tied logits through Flax's Fp8DirectDotGeneralOp "
+    "(e4m3 forward, e5m2 gradients, delayed scaling over 1024 steps of amax history), bf16 elsewhere"
+)
 
 
 def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> float:
@@ -298,6 +306,7 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
             ),
             "reference_attention_dropout": "Flax default (broadcast over batch and heads)",
             "ls_jax_attention_dropout": "per element (fairseq / LightSeq)",
+            "fp8": FP8_SETUP,
         },
         "zoo_setup": {
             "dropout": zoo_steps.DROPOUT,
@@ -308,6 +317,7 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
             "flax_attention": "flax.linen.dot_product_attention, dropout broadcast over batch and heads",
             "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
             "ls_jax_attention_dropout": "per element",
+            "fp8": FP8_SETUP,
         },
     }
 
@@ -426,8 +436,12 @@ def main(argv: list[str]) -> int:
     implementations_known = workloads.ALL_IMPLEMENTATIONS
     parser.add_argument(
         "--implementations",
-        default=",".join(implementations_known),
-        help="comma-separated; each model runs those it has: " + ", ".join(implementations_known),
+        default=",".join(workloads.DEFAULT_IMPLEMENTATIONS),
+        help="comma-separated; each model runs those it has: "
+        + ", ".join(implementations_known)
+        + " (default: all but the FP8 rows, "
+        + ", ".join(workloads.FP8_IMPLEMENTATIONS)
+        + ", which need a GPU with FP8 GEMMs or a CPU)",
     )
     parser.add_argument(
         "--steps",
@@ -458,6 +472,10 @@ def main(argv: list[str]) -> int:
         workload_list = workloads.workloads(models, token_counts, seq_lens, None if args.quick else args.rows)
     except ValueError as err:
         parser.error(str(err))
+    try:
+        workloads.check_fp8_device(implementations)
+    except ValueError as err:
+        parser.error(str(err))
     if args.quick:
         args.steps = 2
         gpu = jax.default_backend() == "gpu" and backend.cuda_visible()
@@ -468,6 +486,8 @@ def main(argv: list[str]) -> int:
     for title, table in (
         ("over plain Flax", speedups(out.results)),
         ("over Flax with cuDNN attention", speedups(out.results, ("flax_cudnn",))),
+        ("over plain Flax in FP8", speedups(out.results, ("reference_fp8",))),
+        ("over ls_jax ffi in bf16", speedups(out.results, ("ls_jax_ffi",))),
     ):
         if table:
             print(f"speedup {title}")

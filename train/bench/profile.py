@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--implementations",
         default=None,
-        help="comma-separated (default: all of the model's: "
+        help="comma-separated (default: all of the model's but the FP8 rows: "
         + "; ".join(
             f"{family} {','.join(workloads.implementations_of(names[0]))}"
             for family, names in workloads.FAMILIES.items()
@@ -100,12 +100,17 @@ def main(argv: list[str]) -> int:
         )
         return 0
     own = workloads.implementations_of(args.model)
-    implementations = own if args.implementations is None else args.implementations.split(",")
+    default = [i for i in own if i in workloads.DEFAULT_IMPLEMENTATIONS]
+    implementations = default if args.implementations is None else args.implementations.split(",")
     if set(implementations) - set(own):
         parser.error(
             f"{args.model} has no implementation {', '.join(sorted(set(implementations) - set(own)))}; "
             f"its implementations are {', '.join(own)}"
         )
+    try:
+        workloads.check_fp8_device(implementations)
+    except ValueError as err:
+        parser.error(str(err))
     misplaced = shape_flags_of_another_family(args)
     if misplaced:
         parser.error(

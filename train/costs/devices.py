@@ -13,7 +13,7 @@ import dataclasses
 import os
 import re
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,8 @@ class DeviceSpec:
 
 
 # "fp32" means what JAX runs for float32 matmuls at its default precision: TF32 tensor cores on Ampere and
-# newer GPUs, plain FP32 on Volta/Turing, one bfloat16 pass on TPU.
+# newer GPUs, plain FP32 on Volta/Turing, one bfloat16 pass on TPU. "fp8" is the FP8 tensor-core rate (Hopper),
+# which a run in --precision fp8 reaches in its matrix products only.
 _NV = "NVIDIA {} datasheet, dense (without sparsity)"
 _GCP_GPU = "Google Cloud GPU pricing, on-demand us-central1, GPU only (no VM), listed 2024"
 _AWS_CB = "AWS EC2 Capacity Blocks pricing, effective accelerator rate, US East (Ohio), listed 2024-12"
@@ -73,7 +74,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "H100-PCIe",
         r"h100.*pcie",
-        {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0},
+        {"fp32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
         _NV.format("H100 PCIe"),
         Price(4.916, _AWS_CB + " (H100 SXM price)"),
         max_power_w=350,
@@ -81,7 +82,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "H100-NVL",
         r"h100.*nvl",
-        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
         _NV.format("H100 NVL"),
         Price(4.916, _AWS_CB + " (H100 SXM price)"),
         max_power_w=400,
@@ -89,7 +90,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "H100-SXM",
         r"h100",
-        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         _NV.format("H100 SXM"),
         Price(4.916, _AWS_CB),
         max_power_w=700,
@@ -97,7 +98,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "H200-NVL",
         r"h200.*nvl",
-        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5},
+        {"fp32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
         _NV.format("H200 NVL"),
         Price(5.408, _AWS_CB + " (H200 SXM price)"),
         max_power_w=600,
@@ -105,7 +106,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "H200-SXM",
         r"h200",
-        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4},
+        {"fp32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         _NV.format("H200 SXM"),
         Price(5.408, _AWS_CB),
         max_power_w=700,
@@ -113,7 +114,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "A100-80GB",
         r"a100.*80",
-        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
+        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0, "fp8": None},
         _NV.format("A100"),
         Price(3.93, _GCP_GPU),
         max_power_w=400,
@@ -121,7 +122,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "A100-40GB",
         r"a100",
-        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0},
+        {"fp32": 156.0, "bf16": 312.0, "fp16": 312.0, "fp8": None},
         _NV.format("A100"),
         Price(2.934, _GCP_GPU),
         max_power_w=400,
@@ -129,7 +130,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "V100-PCIe",
         r"v100.*pcie",
-        {"fp32": 14.0, "bf16": None, "fp16": 112.0},
+        {"fp32": 14.0, "bf16": None, "fp16": 112.0, "fp8": None},
         _NV.format("V100 PCIe"),
         Price(2.48, _GCP_GPU),
         max_power_w=250,
@@ -137,7 +138,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "V100-SXM2",
         r"v100",
-        {"fp32": 15.7, "bf16": None, "fp16": 125.0},
+        {"fp32": 15.7, "bf16": None, "fp16": 125.0, "fp8": None},
         _NV.format("V100 SXM2"),
         Price(2.48, _GCP_GPU),
         max_power_w=300,
@@ -145,7 +146,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "A10",
         r"\ba10g?\b",
-        {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0},
+        {"fp32": 62.5, "bf16": 125.0, "fp16": 125.0, "fp8": None},
         _NV.format("A10"),
         Price(0.75, "Lambda GPU cloud pricing, 1x A10 on-demand, listed 2024"),
         max_power_w=150,
@@ -153,7 +154,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "T4",
         r"\bt4\b",
-        {"fp32": 8.1, "bf16": None, "fp16": 65.0},
+        {"fp32": 8.1, "bf16": None, "fp16": 65.0, "fp8": None},
         _NV.format("T4"),
         Price(0.35, _GCP_GPU),
         max_power_w=70,
@@ -161,7 +162,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "TPU-v2",
         r"tpu v2",
-        {"fp32": 22.5, "bf16": 22.5, "fp16": None},
+        {"fp32": 22.5, "bf16": 22.5, "fp16": None, "fp8": None},
         _TPU_ARCH + ": 45 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
         Price(0.5625, _GCP_TPU + ": USD 4.50 per v2-8 (8 cores)"),
         Power(140.0, _LESSONS + ": 280 W per chip, 2 cores"),
@@ -169,7 +170,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "TPU-v3",
         r"tpu v3",
-        {"fp32": 61.5, "bf16": 61.5, "fp16": None},
+        {"fp32": 61.5, "bf16": 61.5, "fp16": None, "fp8": None},
         _TPU_ARCH + ": 123 TFLOP/s bf16 per chip, 2 TensorCores (JAX devices) per chip",
         Price(1.00, _GCP_TPU + ": USD 8.00 per v3-8 (8 cores)"),
         Power(110.0, _V4_PAPER + " of TPU v3, 220 W per chip, 2 cores"),
@@ -177,7 +178,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "TPU-v4",
         r"tpu v4",
-        {"fp32": 275.0, "bf16": 275.0, "fp16": None},
+        {"fp32": 275.0, "bf16": 275.0, "fp16": None, "fp8": None},
         _TPU_ARCH + ": 275 TFLOP/s bf16 per chip (one JAX device)",
         Price(3.22, _GCP_TPU + ", per chip"),
         Power(170.0, _V4_PAPER + " of TPU v4, 170 W per chip"),
@@ -185,21 +186,21 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec(
         "TPU-v5e",
         r"tpu v5 ?lite|tpu v5e",
-        {"fp32": 197.0, "bf16": 197.0, "fp16": None},
+        {"fp32": 197.0, "bf16": 197.0, "fp16": None, "fp8": None},
         _TPU_ARCH + ": 197 TFLOP/s bf16 per chip (one JAX device)",
         Price(1.20, _GCP_TPU + ", per chip"),
     ),
     DeviceSpec(
         "TPU-v5p",
         r"tpu v5p?$|tpu v5p",
-        {"fp32": 459.0, "bf16": 459.0, "fp16": None},
+        {"fp32": 459.0, "bf16": 459.0, "fp16": None, "fp8": None},
         _TPU_ARCH + ": 459 TFLOP/s bf16 per chip (one JAX device)",
         Price(4.20, _GCP_TPU + ", per chip"),
     ),
     DeviceSpec(
         "CPU",
         r"^cpu$",
-        {"fp32": None, "bf16": None, "fp16": None},
+        {"fp32": None, "bf16": None, "fp16": None, "fp8": None},
         "no peak: a CPU's peak depends on its model, which JAX does not name",
         Price(0.0432, _CPU_PRICE),
         Power(3.5, _CPU_POWER),

@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from ls_jax.layers import fp8
 from train.costs import devices as device_table
 from train.costs import energy as energy_lib
-from train.costs.precision import parse_precision
+from train.costs.precision import fp8_gemms, parse_precision
 from train.errors import UsageError
 
 
@@ -33,11 +34,13 @@ class Hardware:
         """The devices JAX sees and their table entry; ``precision`` may be ``auto`` (see `parse_precision`).
 
         Raises:
-          ValueError: an unknown ``device_name`` or precision, or bf16 on a device without it.
+          ValueError: an unknown ``device_name`` or precision, or bf16 or fp8 on a device without it.
         """
         devices = jax.devices()
         spec = device_table.find_device(devices[0].device_kind, device_name)
         precision = parse_precision(precision, devices[0].platform, spec)
+        if fp8_gemms(precision):
+            fp8.check_device(devices[0])
         local = jax.local_devices()
         units = device_table.units_per_device(spec, len(local))
         price, price_source = device_table.resolve_price(spec, price_override, units)

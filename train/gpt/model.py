@@ -22,7 +22,7 @@ from ls_jax.layers.config import replace_checked
 from ls_jax.models import hf
 from ls_jax.models.gpt import GPTConfig, GPTLMHeadModel
 from ls_jax.ops import label_smoothed_cross_entropy
-from train.costs.precision import PRECISION_DTYPES
+from train.costs.precision import PRECISION_DTYPES, fp8_gemms
 from train.errors import UsageError
 from train.gpt import data as gpt_data
 from train.gpt.config import GptConfig, check_sequence_fits
@@ -33,6 +33,7 @@ from train.reference.losses import label_smoothed_sums
 from train.reference.zoo import ReferenceGPT
 
 Params = Any
+Variables = Mapping[str, Any]  # Flax variables: "params" and, for an FP8 model, its scaling state
 Batch = Mapping[str, jax.Array]
 
 
@@ -128,12 +129,13 @@ LM_SUMS: dict[str, LMSums] = {"ls_jax": lm_sums, "flax": plain_lm_sums}  # the c
 
 def make_loss_fn(
     model: nn.Module, sums: LMSums = lm_sums
-) -> Callable[[Params, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
-    """The harness' ``loss_fn(params, micro_batch, rng) -> (loss_sum, weight, sums)``: summed next-token NLL over
-    the labels that count (by ``sums``), their number, and ``{"nll": loss_sum}``; dropout is drawn from ``rng``."""
+) -> Callable[[Variables, Batch, jax.Array], tuple[jax.Array, jax.Array, dict]]:
+    """The harness' ``loss_fn(variables, micro_batch, rng) -> (loss_sum, weight, sums)``: summed next-token NLL
+    over the labels that count (by ``sums``), their number, and ``{"nll": loss_sum}``; dropout is drawn from
+    ``rng``."""
 
-    def loss_fn(params, batch, rng):
-        logits = model.apply({"params": params}, batch["input_ids"], deterministic=False, rngs={"dropout": rng})
+    def loss_fn(variables, batch, rng):
+        logits = model.apply(variables, batch["input_ids"], deterministic=False, rngs={"dropout": rng})
         nll_sum, count = sums(logits, batch["labels"])
         return nll_sum, count, {"nll": nll_sum}
 
@@ -210,22 +212,22 @@ class Evaluator:
         self.splits, self.rows, self.put_batch = splits, rows, put_batch
         self.process_index, self.process_count = process_index, process_count
 
-        def batch_sums(params, batch):
-            return sums(model.apply({"params": params}, batch["input_ids"], deterministic=True), batch["labels"])
+        def batch_sums(variables, batch):
+            return sums(model.apply(variables, batch["input_ids"], deterministic=True), batch["labels"])
 
         self._sums = jax.jit(batch_sums)
 
-    def evaluate_split(self, params: Params, name: str) -> dict[str, Any]:
+    def evaluate_split(self, variables: Variables, name: str) -> dict[str, Any]:
         """``{"split", "loss", "nll", "perplexity", "tokens"}``: mean NLL per label over every row of the split."""
         nll, tokens = 0.0, 0
         for batch in gpt_data.eval_batches(self.splits[name], self.rows, self.process_index, self.process_count):
-            batch_nll, batch_tokens = jax.device_get(self._sums(params, self.put_batch(batch)))
+            batch_nll, batch_tokens = jax.device_get(self._sums(variables, self.put_batch(batch)))
             nll, tokens = nll + float(batch_nll), tokens + int(batch_tokens)
         mean = nll / tokens
         return {"split": name, "loss": mean, "nll": mean, "perplexity": perplexity(mean), "tokens": tokens}
 
     def __call__(self, state: Any, final: bool) -> list[dict[str, Any]]:
-        return [self.evaluate_split(state.params, name) for name in self.splits if name != "train"]
+        return [self.evaluate_split(state.variables, name) for name in self.splits if name != "train"]
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -244,17 +246,15 @@ def _next_token(logits: jax.Array, rng: jax.Array, temperature: float, top_k: in
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "temperature", "top_k"))
-def _generate(model, params, prompt, rng, *, max_new_tokens, temperature, top_k):
+def _generate(model, variables, prompt, rng, *, max_new_tokens, temperature, top_k):
     batch, prompt_len = prompt.shape
-    _, cache = model.apply(
-        {"params": params}, batch, prompt_len + max_new_tokens, method="init_cache", mutable=["cache"]
-    )
-    logits, cache = model.apply({"params": params, **cache}, prompt, method="decode", mutable=["cache"])
+    _, cache = model.apply(variables, batch, prompt_len + max_new_tokens, method="init_cache", mutable=["cache"])
+    logits, cache = model.apply({**variables, **cache}, prompt, method="decode", mutable=["cache"])
 
     def step(carry, key):
         cache, logits = carry
         token = _next_token(logits, key, temperature, top_k)
-        logits, cache = model.apply({"params": params, **cache}, token[:, None], method="decode", mutable=["cache"])
+        logits, cache = model.apply({**variables, **cache}, token[:, None], method="decode", mutable=["cache"])
         return (cache, logits[:, 0]), token
 
     _, tokens = jax.lax.scan(step, (cache, logits[:, -1]), jax.random.split(rng, max_new_tokens))
@@ -263,7 +263,7 @@ def _generate(model, params, prompt, rng, *, max_new_tokens, temperature, top_k)
 
 def generate(
     model: nn.Module,
-    params: Params,
+    variables: Variables,
     prompt: jax.Array | np.ndarray,
     *,
     max_new_tokens: int,
@@ -271,7 +271,8 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
 ) -> jax.Array:
-    """``max_new_tokens`` ids continuing each row of ``prompt`` (B, P), (B, max_new_tokens) int32.
+    """``max_new_tokens`` ids continuing each row of ``prompt`` (B, P) by the model of Flax ``variables``,
+    (B, max_new_tokens) int32.
 
     Incremental with the KV cache: the prompt runs once through the model, then each step feeds only the newest
     token. ``temperature`` 0 is greedy; otherwise tokens are drawn at that temperature from the ``top_k`` most
@@ -298,13 +299,13 @@ def generate(
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ValueError(f"top_k must be in [1, {model.config.vocab_size}], got {top_k}")
     return _generate(
-        model, params, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k
+        model, variables, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k
     )
 
 
 def sample_texts(
     model: nn.Module,
-    params: Params,
+    variables: Variables,
     tokenizer: gpt_data.Tokenizer,
     prompts: Sequence[str],
     *,
@@ -321,7 +322,7 @@ def sample_texts(
         new = np.asarray(
             generate(
                 model,
-                params,
+                variables,
                 np.asarray([ids]),
                 max_new_tokens=max_new_tokens,
                 rng=key,
@@ -335,7 +336,11 @@ def sample_texts(
 
 
 def layer_overrides(config: GptConfig, precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    overrides: dict[str, Any] = {
+        "dtype": PRECISION_DTYPES[precision],
+        "fp8": fp8_gemms(precision),
+        "remat": config.remat,
+    }
     if config.dropout is not None:
         overrides.update(hidden_dropout_ratio=config.dropout, attn_prob_dropout_ratio=config.dropout)
     return overrides

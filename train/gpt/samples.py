@@ -67,13 +67,13 @@ class Sampler:
             run_dir / SAMPLES_FILENAME,
         )
 
-    def generate(self, params: Any) -> list[str]:
+    def generate(self, variables: Any) -> list[str]:
         if not self.prompts:
             return []
         rng = jax.random.fold_in(jax.random.PRNGKey(self.seed), SAMPLE_SEED_OFFSET)
         return gpt_model.sample_texts(
             self.model,
-            params,
+            variables,
             self.tokenizer,
             self.prompts,
             max_new_tokens=self.max_new_tokens,
@@ -115,8 +115,8 @@ class FinalReport:
     sampler: Sampler
     baselines: Mapping[str, float]
 
-    def __call__(self, params: Any, records: Sequence[Mapping[str, Any]]) -> None:
-        texts = self.sampler.generate(params)  # every host computes them; process 0 reports
+    def __call__(self, variables: Any, records: Sequence[Mapping[str, Any]]) -> None:
+        texts = self.sampler.generate(variables)  # every host computes them; process 0 reports
         if jax.process_index() != 0:
             return
         print(perplexity_line(records, self.baselines))

@@ -101,7 +101,7 @@ class Evaluation:
     def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         records = self.evaluator(state, final)
         if final:
-            self.final_report(state.params, records)
+            self.final_report(state.variables, records)
         return records
 
 
@@ -149,11 +149,11 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     records = data_record(config, data)
     baselines = {key: records[key] for key in ("unigram_perplexity", "entropy_floor_perplexity") if key in records}
 
-    def init_params(key: jax.Array) -> Any:
-        return model.init(key, jnp.ones((1, config.max_seq_len), jnp.int32))["params"]
+    def init_variables(key: jax.Array) -> Any:
+        return model.init(key, jnp.ones((1, config.max_seq_len), jnp.int32))
 
     return TaskSetup(
-        init_params=init_params,
+        init_variables=init_variables,
         init_rng=jax.random.PRNGKey(config.seed),
         pretrained_params=gpt_model.params_for(config.implementation, pretrained.params) if pretrained else None,
         loss_fn=gpt_model.make_loss_fn(model, sums),

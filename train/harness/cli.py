@@ -93,7 +93,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=("auto", *PRECISION_DTYPES),
         help="compute dtype; auto = fp32 on CPU, bf16 on TPU and GPUs (fp16 on GPUs without bf16); "
-        "fp16 uses dynamic loss scaling",
+        "fp16 uses dynamic loss scaling; fp8 is bf16 with the Dense and logits GEMMs in FP8 (delayed scaling; GPUs "
+        "of compute capability 8.9+, emulated on a CPU)",
     )
     group.add_argument(
         "--master-weights",

@@ -42,6 +42,9 @@ from train.records import runlog
 from train.records.checkpoints import Checkpoints, is_finite
 from train.records.runlog import RunLog
 
+STEP_VALUES = ("grad_norm", "finite", "loss_scale", "fp8_overflows", "fp8_amax_ratio")
+"""A step's metrics that are its own values, not sums an interval record divides by the weight."""
+
 
 @dataclasses.dataclass
 class LoopConfig:
@@ -218,6 +221,7 @@ class Loop:
             lr=float(self.lr_fn(step - 1)),
             grad_norm=metrics["grad_norm"],
             loss_scale=metrics["loss_scale"] if self.fp16 else None,
+            fp8_amax_ratio=metrics.get("fp8_amax_ratio"),
             hardware=self.hardware,
             energy_j=self._energy(),
         )
@@ -325,8 +329,10 @@ class Loop:
         else:
             counters.xla_flops += pending.xla_flops
         # An fp16 step skipped for overflow has no meaningful loss; its time and tokens still count.
-        totals = {key: value for key, value in metrics.items() if key not in ("grad_norm", "finite", "loss_scale")}
+        totals = {key: value for key, value in metrics.items() if key not in STEP_VALUES}
         self.interval.add(span.time_s, pending.flops, totals if metrics["finite"] else {}, pending.counts)
+        if "fp8_overflows" in metrics:
+            self.interval.fp8_overflows += int(metrics["fp8_overflows"])
         self.progress.update(1)
         if pending.step % self.config.log_every == 0:
             self._log_interval(pending.step, metrics)

@@ -165,6 +165,7 @@ class StateLayout:
             rng=replicated,
             opt_state=sharded if self.sharded_optimizer is not None else replicated,
             loss_scale=None if state.loss_scale is None else replicated,
+            scaling=None if state.scaling is None else replicated,
         )
 
     def specs(self, state: TrainState) -> TrainState:

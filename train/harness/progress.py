@@ -111,6 +111,7 @@ class Interval:
     flops: float = 0.0
     totals: dict[str, float] = dataclasses.field(default_factory=dict)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    fp8_overflows: int = 0  # quantized tensors that clipped values, summed over the steps
 
     def add(self, step_time: float, flops: float, totals: Mapping[str, float], counts: Mapping[str, int]) -> None:
         self.steps += 1
@@ -162,9 +163,12 @@ def interval_record(
     loss_scale: float | None,
     hardware: Hardware,
     energy_j: float | None,
+    fp8_amax_ratio: float | None = None,
 ) -> dict[str, Any]:
     """The ``interval`` record of the steps summed in ``interval``, the last of them ``step``; ``elapsed_s`` is the
     run's training time so far. Loss and nll stay null when every step of the interval was skipped (fp16 overflow).
+    ``fp8_amax_ratio`` (the last step's, `train.harness.step.fp8_metrics`) is given in fp8 runs only, which also
+    report the interval's FP8 overflows; both are null otherwise.
     """
     weight = max(interval.totals.get("weight", 0.0), 1.0)
     tflops = interval.flops / interval.time_s / 1e12 if interval.time_s > 0 else None
@@ -182,6 +186,8 @@ def interval_record(
         "lr": lr,
         "grad_norm": grad_norm,
         "loss_scale": loss_scale,
+        "fp8_overflows": None if fp8_amax_ratio is None else interval.fp8_overflows,
+        "fp8_amax_ratio": fp8_amax_ratio,
         "peak_memory_bytes": metrics_lib.peak_memory_bytes(hardware.local_devices),
         **energy_fields(energy_j, hardware.energy.source),
         "cost_usd": device_table.cost_usd(elapsed_s, hardware.device_count, hardware.price_per_device_hour),

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
 
 from ls_jax import backend as backend_lib
+from ls_jax.layers import fp8
 from ls_jax.optim import shard_optimizer
 from train.costs import memory, memory_budget
 from train.costs.compiled import optimizer_step_kernels_later
@@ -61,7 +63,8 @@ PROFILE_DIR = "profile"  # under the run directory: the --profile-steps trace, o
 class TaskSetup:
     """What a task built for one run (data read, model configured): everything the harness needs to train it."""
 
-    init_params: Callable[[jax.Array], Any]  # params from an init key; traced under jit, unless pretrained is given
+    init_variables: Callable[[jax.Array], Any]  # the model's Flax variables from an init key ("params", and an FP8
+    # model's scaling state), traced under jit; with pretrained params only the scaling state is taken
     init_rng: jax.Array  # split into the init key and the base key of the train state's dropout streams
     loss_fn: LossFn
     stream: EpochStream  # the training batches from the start; the harness moves it to a checkpoint's position
@@ -204,15 +207,17 @@ def state_builder(
     setup: TaskSetup, tx: optax.GradientTransformation, *, fp16: bool, param_dtype: Any, layout: StateLayout
 ) -> Callable[[Any], TrainState]:
     """``create(pretrained) -> TrainState``: the step-0 state from the pretrained params or ones drawn from the init
-    key; with a sharded optimizer its state is made shard by shard, so no device ever holds all of it."""
+    key (and an FP8 model's initial scaling state); with a sharded optimizer its state is made shard by shard, so
+    no device ever holds all of it."""
     init_key, train_key = jax.random.split(setup.init_rng)
     sharded = layout.sharded_optimizer
     init_optimizer = None if sharded is None else sharded.init
 
     def create(pretrained):
-        params = setup.init_params(init_key) if pretrained is None else pretrained
+        variables, scaling = fp8.split_scaling(setup.init_variables(init_key))
+        params = variables["params"] if pretrained is None else pretrained  # jit drops the unused draws
         return TrainState.create(
-            params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer
+            params, tx, train_key, fp16=fp16, param_dtype=param_dtype, init_optimizer=init_optimizer, scaling=scaling
         )
 
     return create
@@ -230,8 +235,13 @@ def check_memory(task: Task, setup: TaskSetup, state: TrainState, layout: StateL
         name: jax.ShapeDtypeStruct((shape[1] // shards, *shape[2:]), dtype) for name, (shape, dtype) in largest.items()
     }
     accumulated = next(iter(largest.values()))[0][0] > 1
+    scaling = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), state.scaling)  # a few KiB
+
+    def loss_of_params(params, batch, rng):
+        return setup.loss_fn(fp8.with_scaling({"params": params}, scaling), batch, rng)
+
     need = memory_budget.estimate(
-        setup.loss_fn,
+        loss_of_params,
         state.params,
         state.opt_state,
         micro_batch,

@@ -31,19 +31,19 @@ class Evaluator:
         self.data, self.batch_size, self.parallel = data, batch_size, parallel
         self.splits = [name for name in imdb_data.SPLITS if name != "train" and name in data.splits]
 
-        def sums(params, batch):
-            logits = classifier.logits(params, batch["input_ids"], deterministic=True)
+        def sums(variables, batch):
+            logits = classifier.logits(variables, batch["input_ids"], deterministic=True)
             return jnp.stack(classification_sums(logits, batch["labels"])).astype(jnp.float32)
 
         self._sums = jax.jit(sums, out_shardings=parallel.replicated)
 
-    def evaluate_split(self, params, name: str) -> dict[str, Any]:
+    def evaluate_split(self, variables, name: str) -> dict[str, Any]:
         data = self.data.splits[name]
         totals = None
         for count, indices in enumerate(data_lib.fixed_eval_plan(len(data), self.batch_size), 1):
             local = host_rows(indices, jax.process_index(), jax.process_count())
             batch = self.parallel.put_batch(imdb_data.make_batch(data, local), row_axis=0)
-            sums = self._sums(params, batch)
+            sums = self._sums(variables, batch)
             totals = sums if totals is None else totals + sums
             if count % BATCHES_IN_FLIGHT == 0:
                 jax.block_until_ready(totals)
@@ -52,4 +52,4 @@ class Evaluator:
 
     def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         splits = self.splits if final else self.splits[:1]
-        return [self.evaluate_split(state.params, name) for name in splits]
+        return [self.evaluate_split(state.variables, name) for name in splits]

@@ -14,7 +14,7 @@ import optax
 from ls_jax.layers import LayerConfig
 from ls_jax.models import BertConfig, BertForSequenceClassification, hf
 from train.costs import metrics
-from train.costs.precision import PRECISION_DTYPES
+from train.costs.precision import PRECISION_DTYPES, fp8_gemms
 from train.errors import UsageError
 from train.harness import resume
 from train.imdb.config import PRESETS, ImdbConfig
@@ -23,7 +23,11 @@ from train.reference.zoo import ReferenceBert, ZooConfig
 
 
 def _layer_overrides(config: ImdbConfig, precision: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    overrides: dict[str, Any] = {
+        "dtype": PRECISION_DTYPES[precision],
+        "fp8": fp8_gemms(precision),
+        "remat": config.remat,
+    }
     if config.dropout is not None:
         overrides.update(hidden_dropout_ratio=config.dropout, attn_prob_dropout_ratio=config.dropout)
     return overrides
@@ -68,20 +72,20 @@ class Classifier:
     pad_id: int
 
     def logits(
-        self, params: Any, input_ids: jax.Array, *, deterministic: bool, rng: jax.Array | None = None
+        self, variables: Any, input_ids: jax.Array, *, deterministic: bool, rng: jax.Array | None = None
     ) -> jax.Array:
-        """input_ids (B, T) int, each row's tokens then ``pad_id`` -> logits (B, num_labels); dropout from
-        ``rng`` unless ``deterministic``."""
+        """input_ids (B, T) int, each row's tokens then ``pad_id`` -> logits (B, num_labels) of the model's Flax
+        ``variables``; dropout from ``rng`` unless ``deterministic``."""
         rngs = None if rng is None else {"dropout": rng}
         # Padding as each row's length: cuDNN's attention masks it without a (B, T) bias tensor.
         lengths = jnp.sum(input_ids != self.pad_id, axis=-1, dtype=jnp.int32)
         if self.implementation == "flax":
-            return self.module.apply({"params": params}, input_ids, lengths, deterministic, rngs=rngs)
-        return self.module.apply({"params": params}, input_ids, lengths=lengths, deterministic=deterministic, rngs=rngs)
+            return self.module.apply(variables, input_ids, lengths, deterministic, rngs=rngs)
+        return self.module.apply(variables, input_ids, lengths=lengths, deterministic=deterministic, rngs=rngs)
 
     def init(self, key: jax.Array, seq_len: int) -> Any:
-        """Random parameters for rows of ``seq_len`` tokens."""
-        return self.module.init(key, jnp.ones((1, seq_len), jnp.int32), None)["params"]
+        """Random variables (parameters, and an FP8 model's scaling state) for rows of ``seq_len`` tokens."""
+        return self.module.init(key, jnp.ones((1, seq_len), jnp.int32), None)
 
 
 def build_classifier(config: ImdbConfig, model_cfg: BertConfig, pretrained: Any, pad_id: int) -> tuple[Classifier, Any]:
@@ -137,8 +141,8 @@ def classification_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array
 def make_loss_fn(classifier: Classifier):
     """The loop's loss: summed cross entropy per example, with the training accuracy as a reported sum."""
 
-    def loss_fn(params, batch, rng):
-        logits = classifier.logits(params, batch["input_ids"], deterministic=False, rng=rng)
+    def loss_fn(variables, batch, rng):
+        logits = classifier.logits(variables, batch["input_ids"], deterministic=False, rng=rng)
         loss_sum, examples, correct = classification_sums(logits, batch["labels"])
         return loss_sum, examples, {"nll": loss_sum, "accuracy": correct}
 

@@ -124,7 +124,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     rows, seq_len = config.batch_size, config.max_seq_len
 
     return TaskSetup(
-        init_params=lambda key: classifier.init(key, seq_len),
+        init_variables=lambda key: classifier.init(key, seq_len),
         init_rng=model_key,
         pretrained_params=pretrained,
         loss_fn=make_loss_fn(classifier),

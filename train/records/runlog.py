@@ -88,6 +88,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
         "lr": _NUM,
         "grad_norm": _OPT_NUM,
         "loss_scale": _OPT_NUM,
+        "fp8_overflows": _OPT_INT,
+        "fp8_amax_ratio": _OPT_NUM,
         "peak_memory_bytes": _OPT_INT,
         "energy_j": _OPT_NUM,
         "energy_source": _OPT_STR,
@@ -172,6 +174,7 @@ LATER_KEYS: dict[str, frozenset[str]] = {
         }
     ),
     "summary": frozenset({"memory", "host_phases", "compile_cache", "startup", "startup_parts", "first_execution"}),
+    "interval": frozenset({"fp8_overflows", "fp8_amax_ratio"}),
 }
 # Keys schema 2 added: a schema-1 log lacks them.
 SCHEMA_2_KEYS: dict[str, frozenset[str]] = {

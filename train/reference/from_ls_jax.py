@@ -60,6 +60,7 @@ def zoo_config(layer: Any, *, kind: Literal["bert", "gpt"], vocab_size: int, num
         attention_dropout_rate=layer.attn_prob_dropout_ratio,
         attention="einsum",
         dtype=layer.dtype,
+        fp8=layer.fp8,
     )
 
 
@@ -96,6 +97,7 @@ def transformer_config(model_cfg: Any) -> ReferenceConfig:
         dropout_rate=layer.hidden_dropout_ratio,
         max_len=layer.max_seq_len,
         dtype=layer.dtype,
+        fp8=layer.fp8,
     )
 
 

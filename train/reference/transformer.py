@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,12 @@ class ReferenceConfig:
     dropout_rate: float = 0.1
     max_len: int = 1024
     dtype: jnp.dtype = jnp.bfloat16
+    fp8: bool = False  # every Dense, attention projection and the tied logits through Flax's FP8 dot_general op
+
+    @property
+    def dot_general_cls(self) -> type | None:
+        """What the Dense layers multiply with: Flax's FP8 op with ``fp8``, else XLA's dot."""
+        return Fp8DirectDotGeneralOp if self.fp8 else None
 
 
 def sinusoidal_positions(max_len: int, hidden: int) -> np.ndarray:
@@ -46,9 +53,9 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):
         cfg = self.config
-        h = nn.Dense(cfg.intermediate_size, dtype=cfg.dtype)(x)
+        h = nn.Dense(cfg.intermediate_size, dtype=cfg.dtype, dot_general_cls=cfg.dot_general_cls)(x)
         h = nn.Dropout(cfg.dropout_rate)(nn.relu(h), deterministic=deterministic)
-        h = nn.Dense(cfg.hidden_size, dtype=cfg.dtype)(h)
+        h = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, dot_general_cls=cfg.dot_general_cls)(h)
         return nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
 
 
@@ -57,7 +64,12 @@ def _attention(cfg: ReferenceConfig, decode: bool = False) -> nn.MultiHeadDotPro
     # ls_jax's per-element dropout (the fairseq / LightSeq semantics), which favours this baseline. With
     # ``decode`` it keeps Flax's own cache of keys and values, one position per call.
     return nn.MultiHeadDotProductAttention(
-        num_heads=cfg.num_heads, dtype=cfg.dtype, dropout_rate=cfg.dropout_rate, decode=decode
+        num_heads=cfg.num_heads,
+        dtype=cfg.dtype,
+        dropout_rate=cfg.dropout_rate,
+        decode=decode,
+        qkv_dot_general_cls=cfg.dot_general_cls,
+        out_dot_general_cls=cfg.dot_general_cls,
     )
 
 
@@ -115,6 +127,8 @@ class ReferenceTransformer(nn.Module):
         self.decoder_layers = [DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers)]
         self.decoder_norm = nn.LayerNorm(dtype=cfg.dtype)
         self.embedding_dropout = nn.Dropout(cfg.dropout_rate)
+        if cfg.fp8:
+            self.logits_fp8 = Fp8DirectDotGeneralOp()
 
     @property
     def max_target_len(self) -> int:
@@ -155,7 +169,11 @@ class ReferenceTransformer(nn.Module):
                 y = layer(y, encoded, self_mask, cross_mask, deterministic, decode)
             y = self.decoder_norm(y)
         with jax.named_scope("output_projection"):
-            return self.embed.attend(y.astype(self.config.dtype))
+            y = y.astype(self.config.dtype)
+            if not self.config.fp8:
+                return self.embed.attend(y)
+            table = self.embed.embedding.astype(y.dtype)
+            return self.logits_fp8(y, table, (((y.ndim - 1,), (1,)), ((), ())))
 
     def init_cache(self, encoded: jax.Array, src_valid: jax.Array, max_len: int) -> None:
         """Creates the "cache" collection for decoding up to ``max_len`` target tokens (run with mutable=["cache"]):

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 AttentionCore = Literal["einsum", "cudnn", "xla"]
 ATTENTION_CORES: tuple[str, ...] = ("einsum", "cudnn", "xla")
@@ -46,6 +47,8 @@ class ZooConfig:
       attention_dropout_rate: dropout on attention probabilities; only the "einsum" core has it.
       attention: the attention core (module docstring).
       dtype: compute dtype.
+      fp8: the layers' Dense GEMMs, attention projections and GPT-2's tied logits through Flax's FP8
+        dot_general op.
     """
 
     vocab_size: int
@@ -58,6 +61,12 @@ class ZooConfig:
     attention_dropout_rate: float = 0.1
     attention: AttentionCore = "einsum"
     dtype: Any = jnp.bfloat16
+    fp8: bool = False
+
+    @property
+    def dot_general_cls(self) -> type | None:
+        """What the Dense layers multiply with: Flax's FP8 op with ``fp8``, else XLA's dot."""
+        return Fp8DirectDotGeneralOp if self.fp8 else None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_CORES:
@@ -71,6 +80,13 @@ class ZooConfig:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
 
 
+def _dense(cfg: ZooConfig, features: int, name: str, quantized: bool = True) -> nn.Dense:
+    """A Dense of the model's dtype and initializer, multiplying as ``cfg`` says (XLA's dot or FP8) when
+    ``quantized``."""
+    dot_general_cls = cfg.dot_general_cls if quantized else None
+    return nn.Dense(features, dtype=cfg.dtype, kernel_init=INITIALIZER, dot_general_cls=dot_general_cls, name=name)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with separate Q, K, V projections (as Hugging Face Flax writes it):
     x (B, T, H), lengths (B,) int32 real tokens per row (padding at the end) or None -> (B, T, H)."""
@@ -82,7 +98,9 @@ class SelfAttention(nn.Module):
     def __call__(self, x: jax.Array, lengths: jax.Array | None, deterministic: bool, decode: bool = False) -> jax.Array:
         cfg = self.config
         heads = (cfg.num_heads, cfg.hidden_size // cfg.num_heads)
-        project = lambda name: nn.DenseGeneral(heads, dtype=cfg.dtype, kernel_init=INITIALIZER, name=name)(x)
+        project = lambda name: nn.DenseGeneral(
+            heads, dtype=cfg.dtype, kernel_init=INITIALIZER, dot_general_cls=cfg.dot_general_cls, name=name
+        )(x)
         query, key, value = project("query"), project("key"), project("value")
         if decode:
             context = self._cached_attention(query, key, value)
@@ -97,9 +115,14 @@ class SelfAttention(nn.Module):
                 key_value_seq_lengths=lengths,
                 implementation=cfg.attention,
             )
-        return nn.DenseGeneral(cfg.hidden_size, axis=(-2, -1), dtype=cfg.dtype, kernel_init=INITIALIZER, name="out")(
-            context
-        )
+        return nn.DenseGeneral(
+            cfg.hidden_size,
+            axis=(-2, -1),
+            dtype=cfg.dtype,
+            kernel_init=INITIALIZER,
+            dot_general_cls=cfg.dot_general_cls,
+            name="out",
+        )(context)
 
     def _cached_attention(self, query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
         """Causal attention while decoding (the einsum core, no dropout), with the keys and values of every
@@ -159,9 +182,9 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        h = nn.Dense(cfg.intermediate_size, dtype=cfg.dtype, kernel_init=INITIALIZER, name="fc1")(x)
+        h = _dense(cfg, cfg.intermediate_size, "fc1")(x)
         h = nn.gelu(h, approximate=self.approximate_gelu)
-        return nn.Dense(cfg.hidden_size, dtype=cfg.dtype, kernel_init=INITIALIZER, name="fc2")(h)
+        return _dense(cfg, cfg.hidden_size, "fc2")(h)
 
 
 class BertLayer(nn.Module):
@@ -205,9 +228,10 @@ class ReferenceBert(nn.Module):
             for index in range(cfg.num_layers):
                 x = BertLayer(cfg, name=f"layer_{index}")(x, lengths, deterministic)
         with jax.named_scope("output_projection"):
-            pooler = nn.Dense(cfg.hidden_size, dtype=cfg.dtype, kernel_init=INITIALIZER, name="pooler")
+            # One row per sequence: the pooler and classifier stay in the compute dtype, as ls_jax's BERT keeps them.
+            pooler = _dense(cfg, cfg.hidden_size, "pooler", quantized=False)
             pooled = nn.Dropout(cfg.dropout_rate)(jnp.tanh(pooler(x[:, 0])), deterministic=deterministic)
-            return nn.Dense(self.num_labels, dtype=cfg.dtype, kernel_init=INITIALIZER, name="classifier")(pooled)
+            return _dense(cfg, self.num_labels, "classifier", quantized=False)(pooled)
 
 
 class GPTBlock(nn.Module):
@@ -255,7 +279,10 @@ class ReferenceGPT(nn.Module):
                 x = GPTBlock(cfg, name=f"layer_{index}")(x, deterministic, decode)
             x = nn.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, name="final_layer_norm")(x)
         with jax.named_scope("output_projection"):
-            return tokens.attend(x)
+            if not cfg.fp8:
+                return tokens.attend(x)
+            table = tokens.embedding.astype(cfg.dtype)
+            return Fp8DirectDotGeneralOp(name="logits_fp8")(x, table, (((x.ndim - 1,), (1,)), ((), ())))
 
     def _next_position(self, length: int) -> jax.Array:
         """The position of the first of ``length`` tokens being decoded; advances the cached count by ``length``

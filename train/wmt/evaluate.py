@@ -63,8 +63,8 @@ class Evaluator:
         self.decode_len = model_cfg.layer.max_seq_len
         self._loss = jax.jit(self._loss_sums, out_shardings=parallel.replicated)
 
-    def _loss_sums(self, params, batch):
-        logits = self.model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=True)
+    def _loss_sums(self, variables, batch):
+        logits = self.model.apply(variables, batch["src"], batch["tgt_in"], deterministic=True)
         return self.criterion(logits, batch["labels"])
 
     def _batches(self, data: wmt_data.ParallelData, limit: int | None, decoding: bool = False):
@@ -96,36 +96,37 @@ class Evaluator:
         row_bytes = decode_row_bytes(self.model_cfg, src_len=src_len, decode_len=self.decode_len, beams=beams)
         return decode_rows(self.decode_budget_bytes, row_bytes, num_shards=self.parallel.num_shards)
 
-    def _decode(self, params, src: jax.Array) -> jax.Array:
+    def _decode(self, variables, src: jax.Array) -> jax.Array:
         if self.config.decode == "beam":
             return beam_search(
                 self.model,
-                params,
+                variables,
                 src,
                 beam_size=self.config.beam_size,
                 max_len=self.decode_len,
                 length_penalty=self.config.length_penalty,
             )
-        return greedy_decode(self.model, params, src, max_len=self.decode_len)
+        return greedy_decode(self.model, variables, src, max_len=self.decode_len)
 
-    def evaluate_split(self, params, split: str, bleu_limit: int | None) -> dict[str, Any]:
+    def evaluate_split(self, variables, split: str, bleu_limit: int | None) -> dict[str, Any]:
+        """Loss, NLL and (unless ``bleu_limit`` is 0) BLEU of the model's ``variables`` on ``split``."""
         data = self.data.eval_sets[split]
         loss_sum = nll_sum = tokens = 0.0
         for _, batch in self._batches(data, None):
-            loss, nll, count = jax.device_get(self._loss(params, batch))
+            loss, nll, count = jax.device_get(self._loss(variables, batch))
             loss_sum, nll_sum, tokens = loss_sum + float(loss), nll_sum + float(nll), tokens + float(count)
         result = {"split": split, "loss": loss_sum / tokens, "nll": nll_sum / tokens, "bleu": None}
         if bleu_limit != 0:
-            hypotheses = self.translate(params, split, bleu_limit)
+            hypotheses = self.translate(variables, split, bleu_limit)
             references = self.data.references[split][: len(hypotheses)]
             result["bleu"] = sacrebleu.corpus_bleu(hypotheses, [references]).score
         return result
 
-    def translate(self, params, split: str, limit: int | None) -> list[str]:
+    def translate(self, variables, split: str, limit: int | None) -> list[str]:
         """The decoded translations of the first ``limit`` sentences of ``split`` (all for None), in order."""
         hypotheses: dict[int, str] = {}
         for indices, batch in self._batches(self.data.eval_sets[split], limit, decoding=True):
-            output = _gather_rows(self._decode(params, batch["src"]))
+            output = _gather_rows(self._decode(variables, batch["src"]))
             texts = tokenizer_lib.decode(self.data.processor, output)
             hypotheses.update((int(i), text) for i, text in zip(indices, texts) if i >= 0)
         return [hypotheses[i] for i in sorted(hypotheses)]
@@ -133,4 +134,4 @@ class Evaluator:
     def __call__(self, state: TrainState, final: bool) -> list[dict[str, Any]]:
         """During training the validation split; at the end every evaluation split (valid, test)."""
         splits = list(self.data.eval_sets) if final else ["valid"]
-        return [self.evaluate_split(state.params, split, self.config.bleu_sentences) for split in splits]
+        return [self.evaluate_split(state.variables, split, self.config.bleu_sentences) for split in splits]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 from ls_jax.ops import label_smoothed_cross_entropy
 from train.costs import metrics
-from train.costs.precision import PRECISION_DTYPES
+from train.costs.precision import PRECISION_DTYPES, fp8_gemms
 from train.harness import resume
 from train.reference import from_ls_jax
 from train.reference.losses import label_smoothed_sums
@@ -27,7 +27,11 @@ padding (``PAD_ID``) left out."""
 
 
 def model_config(config: WmtConfig, vocab_size: int, precision: str) -> TransformerConfig:
-    overrides: dict[str, Any] = {"dtype": PRECISION_DTYPES[precision], "remat": config.remat}
+    overrides: dict[str, Any] = {
+        "dtype": PRECISION_DTYPES[precision],
+        "fp8": fp8_gemms(precision),
+        "remat": config.remat,
+    }
     if config.dropout is not None:
         overrides.update(
             hidden_dropout_ratio=config.dropout,
@@ -66,10 +70,8 @@ def model_signature(config: WmtConfig, model_cfg: TransformerConfig) -> dict[str
 
 
 def make_loss_fn(model: nn.Module, criterion: Criterion):
-    def loss_fn(params, batch, rng):
-        logits = model.apply(
-            {"params": params}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": rng}
-        )
+    def loss_fn(variables, batch, rng):
+        logits = model.apply(variables, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": rng})
         loss_sum, nll_sum, num_tokens = criterion(logits, batch["labels"])
         return loss_sum, num_tokens, {"nll": nll_sum}
 

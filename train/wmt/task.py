@@ -128,12 +128,12 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         process_count=jax.process_count(),
     )
 
-    def init_params(key: jax.Array) -> Any:
+    def init_variables(key: jax.Array) -> Any:
         dummy = jnp.ones((1, 8), jnp.int32)
-        return model.init(key, dummy, dummy)["params"]
+        return model.init(key, dummy, dummy)
 
     return TaskSetup(
-        init_params=init_params,
+        init_variables=init_variables,
         init_rng=jax.random.PRNGKey(config.seed),
         loss_fn=make_loss_fn(model, criterion),
         stream=stream,

@@ -70,7 +70,7 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
     """forward, forward_backward and optimizer of ``model`` on one device; ``state`` a 1-device TrainState."""
     batch = jax.tree.map(lambda x: jnp.asarray(x[0]), model.batch)
     rng = jax.random.PRNGKey(2)
-    loss = lambda params, batch, rng: model.loss_fn(params, batch, rng)[0]  # noqa: E731
+    loss = lambda params, batch, rng: model.loss_fn({"params": params}, batch, rng)[0]  # noqa: E731
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)  # the update's time ignores values
 
     def update(grads, opt_state, params):

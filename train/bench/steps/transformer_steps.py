@@ -8,6 +8,10 @@ smoothing 0.1, AdamW, bf16 compute with f32 params:
              are the optimizer's master weights (the bf16 params their high halves, the optimizer state their
              low halves), and its step writes the bf16 params the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
+With FP8 (``reference_fp8``, ``ls_jax_ffi_fp8``, named in ``--implementations`` only) every Dense, attention
+projection and the tied logits multiply in FP8 with delayed scaling through Flax's ``Fp8DirectDotGeneralOp``
+(`ls_jax.layers.fp8`); the step carries each GEMM's scaling state beside the params and takes its gradient as the
+next state.
 The step's loss and optimizer run under the ``criterion`` and ``optimizer`` name scopes, which the kernel
 attribution of `train.bench.tracing.kernel_trace` reads.
 """
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ls_jax.layers import fp8
 from train.costs import metrics
 from train.reference.losses import label_smoothed_sums
 from train.reference.transformer import ReferenceConfig, ReferenceTransformer
@@ -31,7 +36,8 @@ SEQ_LEN = 64
 LABEL_SMOOTHING = 0.1
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
-IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi")
+FP8_IMPLEMENTATIONS = ("reference_fp8", "ls_jax_ffi_fp8")
+IMPLEMENTATIONS = ("reference", "ls_jax_xla", "ls_jax_ffi", *FP8_IMPLEMENTATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,8 @@ class TrainStep:
 
 
 LossFn = Callable[[Any, Any, jax.Array], jax.Array]
-"""``loss_fn(params, batch, dropout_rng) -> scalar loss`` of a benchmarked step."""
+"""``loss_fn(variables, batch, dropout_rng) -> scalar loss`` of a benchmarked step; ``variables`` are Flax's:
+``{"params": ...}`` plus, with FP8, the scaling collection."""
 
 
 def compile_step(step: Callable[..., Any], state: Any, batch) -> TrainStep:
@@ -105,43 +112,53 @@ def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
     return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}
 
 
-def optax_adamw_step(loss_fn: LossFn, params: Any, batch) -> TrainStep:
-    """The plain Flax references' step: f32 params, optax AdamW; ``loss_fn(params, batch, dropout_rng)``."""
+def _value_and_grads(loss_fn: LossFn, params: Any, scaling: Any, batch, dropout_rng) -> tuple:
+    """``(loss, param grads, next scaling state)``: the FP8 scaling collection's gradient is its next value."""
+    loss_of = lambda params, scaling: loss_fn(fp8.with_scaling({"params": params}, scaling), batch, dropout_rng)  # noqa: E731
+    loss, (grads, scaling_grads) = jax.value_and_grad(loss_of, argnums=(0, 1))(params, scaling)
+    return loss, grads, fp8.new_scaling(scaling_grads)
+
+
+def optax_adamw_step(loss_fn: LossFn, variables: Any, batch) -> TrainStep:
+    """The plain Flax references' step: f32 params, optax AdamW; ``variables`` from the model's init."""
     tx = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    rest, scaling = fp8.split_scaling(variables)
 
     def step(state, batch):
-        params, opt_state, rng = state
+        params, opt_state, rng, scaling = state
         rng, dropout_rng = jax.random.split(rng)
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
+        loss, grads, scaling = _value_and_grads(loss_fn, params, scaling, batch, dropout_rng)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-        return (params, opt_state, rng), loss
+        return (params, opt_state, rng, scaling), loss
 
-    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1)), batch)
+    params = rest["params"]
+    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1), scaling), batch)
 
 
-def ls_jax_adamw_step(loss_fn: LossFn, params: Any, batch) -> TrainStep:
+def ls_jax_adamw_step(loss_fn: LossFn, variables: Any, batch) -> TrainStep:
     """ls_jax's step: ls_jax.optim AdamW over f32 master weights split into the bf16 params the model computes
-    with and int16 low halves in the optimizer state; ``loss_fn(params, batch, dropout_rng)``."""
+    with and int16 low halves in the optimizer state; ``variables`` from the model's init."""
     from ls_jax import optim
 
     tx = optim.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, storage_dtype=jnp.bfloat16, master_weights=True)
-    opt_state = tx.init(params)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    rest, scaling = fp8.split_scaling(variables)
+    opt_state = tx.init(rest["params"])
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), rest["params"])
 
     def step(state, batch):
-        params, opt_state, rng = state
+        params, opt_state, rng, scaling = state
         rng, dropout_rng = jax.random.split(rng)
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, dropout_rng)
+        loss, grads, scaling = _value_and_grads(loss_fn, params, scaling, batch, dropout_rng)
         with jax.named_scope("optimizer"):
             params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
-        return (params, opt_state, rng), loss
+        return (params, opt_state, rng, scaling), loss
 
-    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1)), batch)
+    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1), scaling), batch)
 
 
-def reference_step(shape: ModelShape, batch) -> TrainStep:
+def reference_step(shape: ModelShape, batch, fp8_gemms: bool = False) -> TrainStep:
     cfg = ReferenceConfig(
         vocab_size=VOCAB,
         hidden_size=shape.hidden,
@@ -149,31 +166,34 @@ def reference_step(shape: ModelShape, batch) -> TrainStep:
         num_heads=shape.heads,
         num_encoder_layers=shape.encoder_layers,
         num_decoder_layers=shape.decoder_layers,
+        fp8=fp8_gemms,
     )
     model = ReferenceTransformer(cfg)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])
 
-    def loss_fn(params, batch, dropout_rng):
-        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
+    def loss_fn(variables, batch, dropout_rng):
+        logits = model.apply(variables, batch["src"], batch["tgt_in"], False, rngs={"dropout": dropout_rng})
         with jax.named_scope("criterion"):
             loss_sum, _, count = label_smoothed_sums(logits, batch["labels"], epsilon=LABEL_SMOOTHING, ignore_label=0)
         return loss_sum / count
 
-    return optax_adamw_step(loss_fn, params, batch)
+    return optax_adamw_step(loss_fn, variables, batch)
 
 
-def ls_jax_step(name: str, batch, layers_each: int | None = None) -> TrainStep:
+def ls_jax_step(name: str, batch, layers_each: int | None = None, fp8_gemms: bool = False) -> TrainStep:
     from ls_jax import ops
     from ls_jax.models import PAD_ID, Transformer, TransformerConfig
 
     depth = {} if layers_each is None else {"num_encoder_layers": layers_each, "num_decoder_layers": layers_each}
-    config = TransformerConfig.preset(LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16, **depth)
+    config = TransformerConfig.preset(
+        LS_JAX_PRESETS[name], vocab_size=VOCAB, dtype=jnp.bfloat16, fp8=fp8_gemms, **depth
+    )
     model = Transformer(config)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])["params"]
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), batch["src"], batch["tgt_in"])
 
-    def loss_fn(params, batch, dropout_rng):
+    def loss_fn(variables, batch, dropout_rng):
         logits = model.apply(
-            {"params": params}, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
+            variables, batch["src"], batch["tgt_in"], deterministic=False, rngs={"dropout": dropout_rng}
         )
         with jax.named_scope("criterion"):
             loss_sum, _, count = ops.label_smoothed_cross_entropy(
@@ -181,7 +201,7 @@ def ls_jax_step(name: str, batch, layers_each: int | None = None) -> TrainStep:
             )
         return loss_sum / count
 
-    return ls_jax_adamw_step(loss_fn, params, batch)
+    return ls_jax_adamw_step(loss_fn, variables, batch)
 
 
 def train_flops(name: str, sentences: int) -> float:
@@ -202,14 +222,15 @@ def train_flops(name: str, sentences: int) -> float:
 def build_step(implementation: str, name: str, batch, layers_each: int | None = None) -> TrainStep:
     """The compiled step of ``implementation`` for model ``name`` (a key of MODELS) at ``batch``'s shape; with
     ``layers_each``, the model's widths with that many encoder and as many decoder layers."""
-    if implementation == "reference":
+    fp8_gemms = implementation in FP8_IMPLEMENTATIONS
+    if implementation.startswith("reference"):
         shape = MODELS[name]
         if layers_each is not None:
             shape = dataclasses.replace(shape, encoder_layers=layers_each, decoder_layers=layers_each)
-        return reference_step(shape, batch)
-    return ls_jax_step(name, batch, layers_each)
+        return reference_step(shape, batch, fp8_gemms)
+    return ls_jax_step(name, batch, layers_each, fp8_gemms)
 
 
 def kernel_mode(implementation: str) -> str:
     """The ls_jax backend an implementation runs under."""
-    return {"reference": "xla", "ls_jax_xla": "xla", "ls_jax_ffi": "ffi"}[implementation]
+    return "ffi" if implementation.startswith("ls_jax_ffi") else "xla"

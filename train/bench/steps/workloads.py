@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from ls_jax.layers import fp8
 from train.bench.steps import transformer_steps, zoo_steps
 from train.bench.steps.transformer_steps import TrainStep
 
@@ -22,12 +23,21 @@ FAMILIES = {
 """``--models`` may name a family for these models."""
 ZOO = (*FAMILIES["bert"], *FAMILIES["gpt"])
 ALL_IMPLEMENTATIONS = tuple(dict.fromkeys((*transformer_steps.IMPLEMENTATIONS, *zoo_steps.IMPLEMENTATIONS)))
+FP8_IMPLEMENTATIONS = tuple(dict.fromkeys((*transformer_steps.FP8_IMPLEMENTATIONS, *zoo_steps.FP8_IMPLEMENTATIONS)))
+DEFAULT_IMPLEMENTATIONS = tuple(i for i in ALL_IMPLEMENTATIONS if i not in FP8_IMPLEMENTATIONS)
+"""What ``train.bench e2e`` runs unless told: the FP8 rows only when named."""
 QUICK_MODELS = {"wmt": transformer_steps.QUICK_MODEL, **zoo_steps.QUICK_MODELS}
 MODEL_ORDER = (*transformer_steps.MODELS, *zoo_steps.MODELS)
 REFERENCES = ("reference", "flax", "flax_cudnn")
 PRIMARY_REFERENCES = ("reference", zoo_steps.REFERENCE)
 """Each model's first reference: the WMT Transformers' plain Flax "reference", BERT's and GPT-2's "flax"."""
-NEEDS_GPU = ("ls_jax_ffi", "flax_cudnn")
+NEEDS_GPU = ("ls_jax_ffi", "ls_jax_ffi_fp8", "flax_cudnn")
+
+
+def check_fp8_device(implementations: list[str]) -> None:
+    """Raises ValueError naming the device when ``implementations`` hold an FP8 row it cannot multiply."""
+    if any(i in FP8_IMPLEMENTATIONS for i in implementations):
+        fp8.check_device(jax.devices()[0])
 
 
 def is_wmt(model: str) -> bool:

@@ -8,7 +8,9 @@ GPT-2 language modelling (full rows, next-token loss); dropout 0.1, AdamW, bf16 
               attention, which has no dropout: this reference drops no attention probabilities;
   ls_jax_xla  ls_jax.models.BertForSequenceClassification / GPTLMHeadModel with ls_jax.optim over f32 master
               weights, every op on its XLA implementation (attention dropout 0.1);
-  ls_jax_ffi  the same with the CUDA kernels.
+  ls_jax_ffi  the same with the CUDA kernels;
+  ls_jax_ffi_fp8  the same with every Dense and the tied logits in FP8 (`ls_jax.layers.fp8`; named in
+              ``--implementations`` only).
 The loss runs under the ``criterion`` name scope and the optimizer under ``optimizer`` (`kernel_trace` reads them).
 """
 
@@ -25,7 +27,8 @@ import optax
 from train.bench.steps.transformer_steps import TrainStep, ls_jax_adamw_step, optax_adamw_step
 from train.reference.zoo import ReferenceBert, ReferenceGPT, ZooConfig
 
-IMPLEMENTATIONS = ("flax", "flax_cudnn", "ls_jax_xla", "ls_jax_ffi")
+FP8_IMPLEMENTATIONS = ("ls_jax_ffi_fp8",)
+IMPLEMENTATIONS = ("flax", "flax_cudnn", "ls_jax_xla", "ls_jax_ffi", *FP8_IMPLEMENTATIONS)
 REFERENCE = "flax"
 """The implementation the speedups of `train.bench.e2e` are stated against first."""
 DROPOUT = 0.1
@@ -103,8 +106,9 @@ def reference_config(name: str, attention: str) -> ZooConfig:
     )
 
 
-def ls_jax_config(name: str):
-    """The ls_jax BertConfig or GPTConfig of ``name`` (bf16 compute, dropout 0.1 everywhere the preset has it)."""
+def ls_jax_config(name: str, fp8_gemms: bool = False):
+    """The ls_jax BertConfig or GPTConfig of ``name`` (bf16 compute, dropout 0.1 everywhere the preset has it;
+    with ``fp8_gemms`` the Dense GEMMs and tied logits in FP8)."""
     from ls_jax.layers import LayerConfig
     from ls_jax.models.bert import BertConfig
     from ls_jax.models.gpt import GPTConfig
@@ -118,6 +122,7 @@ def ls_jax_config(name: str):
         nhead=model.heads,
         max_seq_len=model.max_positions,
         dtype=jnp.bfloat16,
+        fp8=fp8_gemms,
     )
     if model.kind == "bert":
         return BertConfig(layer=layer, vocab_size=model.vocab, num_layers=model.layers, num_labels=2)
@@ -129,11 +134,11 @@ def reference_model(name: str, attention: str):
     return ReferenceBert(config) if MODELS[name].kind == "bert" else ReferenceGPT(config)
 
 
-def ls_jax_model(name: str):
+def ls_jax_model(name: str, fp8_gemms: bool = False):
     from ls_jax.models.bert import BertForSequenceClassification
     from ls_jax.models.gpt import GPTLMHeadModel
 
-    config = ls_jax_config(name)
+    config = ls_jax_config(name, fp8_gemms)
     return BertForSequenceClassification(config) if MODELS[name].kind == "bert" else GPTLMHeadModel(config)
 
 
@@ -141,36 +146,34 @@ def _classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels))
 
 
-def reference_apply(model, params, batch, deterministic: bool = True, rngs=None) -> jax.Array:
+def reference_apply(model, variables, batch, deterministic: bool = True, rngs=None) -> jax.Array:
     """Logits of a plain Flax model on a `make_batch` batch."""
     if isinstance(model, ReferenceBert):
         lengths = jnp.sum(batch["attention_mask"], axis=-1, dtype=jnp.int32)
-        return model.apply({"params": params}, batch["input_ids"], lengths, deterministic, rngs=rngs)
-    return model.apply({"params": params}, batch["input_ids"], deterministic, rngs=rngs)
+        return model.apply(variables, batch["input_ids"], lengths, deterministic, rngs=rngs)
+    return model.apply(variables, batch["input_ids"], deterministic, rngs=rngs)
 
 
-def ls_jax_apply(model, params, batch, deterministic: bool = True, rngs=None) -> jax.Array:
+def ls_jax_apply(model, variables, batch, deterministic: bool = True, rngs=None) -> jax.Array:
     """Logits of an ls_jax model on a `make_batch` batch: BERT's right padding as each row's length."""
     if "attention_mask" in batch:
         lengths = jnp.sum(batch["attention_mask"], axis=-1, dtype=jnp.int32)
-        return model.apply(
-            {"params": params}, batch["input_ids"], lengths=lengths, deterministic=deterministic, rngs=rngs
-        )
-    return model.apply({"params": params}, batch["input_ids"], deterministic=deterministic, rngs=rngs)
+        return model.apply(variables, batch["input_ids"], lengths=lengths, deterministic=deterministic, rngs=rngs)
+    return model.apply(variables, batch["input_ids"], deterministic=deterministic, rngs=rngs)
 
 
 def reference_step(name: str, attention: str, batch) -> TrainStep:
     model = reference_model(name, attention)
-    params = jax.jit(lambda key: model.init(key, **_init_args(model, batch))["params"])(jax.random.PRNGKey(0))
+    variables = jax.jit(lambda key: model.init(key, **_init_args(model, batch)))(jax.random.PRNGKey(0))
 
-    def loss_fn(params, batch, dropout_rng):
-        logits = reference_apply(model, params, batch, deterministic=False, rngs={"dropout": dropout_rng})
+    def loss_fn(variables, batch, dropout_rng):
+        logits = reference_apply(model, variables, batch, deterministic=False, rngs={"dropout": dropout_rng})
         with jax.named_scope("criterion"):
             if isinstance(model, ReferenceBert):
                 return _classification_loss(logits, batch["labels"])
             return _classification_loss(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
-    return optax_adamw_step(loss_fn, params, batch)
+    return optax_adamw_step(loss_fn, variables, batch)
 
 
 def _init_args(model, batch) -> dict[str, Any]:
@@ -179,23 +182,23 @@ def _init_args(model, batch) -> dict[str, Any]:
     return {"input_ids": batch["input_ids"]}
 
 
-def ls_jax_step(name: str, batch) -> TrainStep:
+def ls_jax_step(name: str, batch, fp8_gemms: bool = False) -> TrainStep:
     from train.gpt.model import lm_sums
 
-    model = ls_jax_model(name)
-    params = jax.jit(lambda key: model.init(key, batch["input_ids"], batch.get("attention_mask"))["params"])(
+    model = ls_jax_model(name, fp8_gemms)
+    variables = jax.jit(lambda key: model.init(key, batch["input_ids"], batch.get("attention_mask")))(
         jax.random.PRNGKey(0)
     )
 
-    def loss_fn(params, batch, dropout_rng):
-        logits = ls_jax_apply(model, params, batch, deterministic=False, rngs={"dropout": dropout_rng})
+    def loss_fn(variables, batch, dropout_rng):
+        logits = ls_jax_apply(model, variables, batch, deterministic=False, rngs={"dropout": dropout_rng})
         with jax.named_scope("criterion"):
             if MODELS[name].kind == "bert":
                 return _classification_loss(logits, batch["labels"])
             nll_sum, count = lm_sums(logits, batch["labels"])
             return nll_sum / count
 
-    return ls_jax_adamw_step(loss_fn, params, batch)
+    return ls_jax_adamw_step(loss_fn, variables, batch)
 
 
 def build_step(implementation: str, name: str, batch) -> TrainStep:
@@ -204,12 +207,12 @@ def build_step(implementation: str, name: str, batch) -> TrainStep:
         return reference_step(name, "einsum", batch)
     if implementation == "flax_cudnn":
         return reference_step(name, "cudnn", batch)
-    return ls_jax_step(name, batch)
+    return ls_jax_step(name, batch, fp8_gemms=implementation in FP8_IMPLEMENTATIONS)
 
 
 def kernel_mode(implementation: str) -> str:
     """The ls_jax backend an implementation runs under."""
-    return "ffi" if implementation == "ls_jax_ffi" else "xla"
+    return "ffi" if implementation.startswith("ls_jax_ffi") else "xla"
 
 
 def train_flops(name: str, rows: int, seq_len: int) -> float:

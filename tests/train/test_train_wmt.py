@@ -26,6 +26,7 @@ from ls_jax.optim import master
 from train.data import tokenizer
 from train.errors import EXIT_DATA, EXIT_USAGE
 from train.harness.config import TrainingConfig
+from train.harness.loop import progress_line
 from train.harness.training import run_training
 from train.records import runlog
 from train.wmt import task as wmt
@@ -300,6 +301,10 @@ def test_fp8_trains_and_resumes_its_scaling_state_exactly(tmp_path, corpus_dir, 
     assert [r["step"] for r in intervals] == [1, 2, 3, 4]
     assert all(isinstance(r["fp8_overflows"], int) and r["fp8_amax_ratio"] > 0 for r in intervals)
     assert runlog.read(split / "run.jsonl")[0]["precision"] == "fp8"
+    last = intervals[-1]
+    assert progress_line(last, 4).endswith(
+        f"fp8 clipped {last['fp8_overflows']}, amax {last['fp8_amax_ratio']:.3g}x range"
+    )
 
 
 @pytest.mark.parametrize(

@@ -96,12 +96,16 @@ def _write_error(err: OSError) -> str:
 
 def progress_line(record: Mapping[str, Any], num_steps: int) -> str:
     """One plain line for an interval record, printed instead of the progress bar when stderr is not a terminal:
-    ``step 40/320  loss 3.214  0.052 s/step  elapsed 2.1 s``."""
+    ``step 40/320  loss 3.214  0.052 s/step  elapsed 2.1 s``, and in an fp8 run what its quantization clipped
+    (``fp8 clipped 12, amax 1.01x range``: the interval's overflows and the last step's largest amax ratio)."""
     loss = "n/a" if record["loss"] is None else f"{record['loss']:.4g}"
-    return (
+    line = (
         f"step {record['step']}/{num_steps}  loss {loss}  {record['step_time_s']:.3g} s/step  "
         f"elapsed {record['elapsed_s']:.1f} s"
     )
+    if record.get("fp8_amax_ratio") is not None:
+        line += f"  fp8 clipped {record['fp8_overflows']}, amax {record['fp8_amax_ratio']:.3g}x range"
+    return line
 
 
 class Loop:

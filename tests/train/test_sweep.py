@@ -85,7 +85,7 @@ lr = 1e-3
 no_tensorboard = true
 [[grid]]
 optimizer = ["optax-adamw", "adan"]
-precision = ["fp32", "bf16", "fp16"]
+precision = ["fp32", "bf16", "fp16", "fp8"]
 backend = ["xla", "ffi"]
 [[grid]]
 optimizer = "adan"
@@ -98,7 +98,7 @@ precision = "fp32"
 backend = "xla"
 """)
     points = sweep_spec.points(spec)
-    assert len(points) == 2 * 3 * 2 + 1  # the third grid's one point is the first grid's: it runs once
+    assert len(points) == 2 * 4 * 2 + 1  # the third grid's one point is the first grid's: it runs once
     names = [point.name for point in points]
     assert len(set(names)) == len(names)
     assert names[0] == "imdb-optax-adamw-lr0.001-fp32-xla-s10"

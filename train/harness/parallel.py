@@ -195,7 +195,8 @@ class StateLayout:
         return saved.replace(opt_state=opt_state)
 
     def saved_abstract(self, state: TrainState) -> TrainState:
-        """Shapes, dtypes and (replicated) shardings of `to_saved` of ``state``, to restore a checkpoint onto."""
+        """Shapes, dtypes and (replicated) shardings of `to_saved` of ``state`` (arrays or their shapes), to restore a
+        checkpoint onto."""
         abstract = jax.eval_shape(self.to_saved, state)
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.parallel.replicated), abstract

@@ -419,13 +419,14 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
         if not config.resume and layout.sharded_optimizer is None
         else lambda: None
     )
-    with threefry_kernel():
-        state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
-    if config.resume:
+    if not config.resume:
+        with threefry_kernel():
+            state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+    else:  # the checkpoint's state, restored onto the shapes of a new one: nothing is drawn
         saved, step, position, counters, rate = resume.restore_latest(
-            checkpoints, layout.saved_abstract(state), signature, run_dir
+            checkpoints, layout.saved_abstract(abstract), signature, run_dir
         )
         state = layout.from_saved(saved)
         if step >= setup.steps and rundir.finished(run_dir):

@@ -49,6 +49,7 @@ def test_a_dense_step_runs_three_fp8_gemms():
     assert hlo.count(FP8_GEMM) == 3  # forward, dx, dW
 
 
+@pytest.mark.slow  # a whole model step, compiled twice
 def test_the_fp8_transformer_step_multiplies_in_fp8():
     """transformer-big at 8192 target tokens, one layer each side. Offered only cuBLAS, XLA makes each FP8 op's
     three products (forward, input and kernel gradients) FP8 GEMMs; with its Triton GEMMs allowed (the default)

@@ -274,7 +274,8 @@ def measure_one(
     if target_basis is not None:
         mfu += f" ({record['mfu_vs_target_basis']:.3f} against {target_basis:.0f} TFLOP/s)"
     print(
-        f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  memory {record['memory_bytes'] / 2**30:.1f} GiB",
+        f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  memory {record['memory_bytes'] / 2**30:.1f} GiB  "
+        f"compile {record['init_compile_and_first_step_s']:.1f} s",
         flush=True,
     )
     return record

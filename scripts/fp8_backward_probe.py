@@ -13,12 +13,12 @@ backward multiplies at ``Precision.HIGHEST``); ``default``, the same quantizatio
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
+
+from train.bench import common
 
 SHAPES = ((8192, 1024, 4096), (8192, 4096, 1024), (16384, 1024, 1024))
 QUICK_SHAPES = ((64, 32, 48),)
@@ -94,13 +94,8 @@ def measure(variant: str, rows: int, k: int, n: int, steps: int) -> dict:
 
     step = jax.jit(forward_and_backward)
     gemms = step.lower(x, w, meta, dy).compile().as_text().count(FP8_GEMM)
-    jax.block_until_ready(step(x, w, meta, dy))
-    times = []
-    for _ in range(steps + 10):
-        start = time.perf_counter()
-        jax.block_until_ready(step(x, w, meta, dy))
-        times.append(time.perf_counter() - start)
-    return {"variant": variant, "shape": [rows, k, n], "ms": statistics.median(times[10:]) * 1e3, "fp8_gemms": gemms}
+    timing = common.time_call(lambda: step(x, w, meta, dy), warmup=10, samples=steps, inner=1)
+    return {"variant": variant, "shape": [rows, k, n], "ms": timing["median_s"] * 1e3, "fp8_gemms": gemms}
 
 
 def main() -> None:

@@ -4,25 +4,11 @@ GEMM shapes: the median of 50 jit-compiled steps after 10, per shape, one line e
     python3 scripts/fp8_dense_probe.py
 """
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
 from ls_jax.layers import Dense
-
-
-def timed(fn, *args, steps=60):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[10:]) * 1e3
-
+from train.bench import common
 
 for rows, k, n in ((8192, 1024, 4096), (8192, 4096, 1024), (16384, 1024, 1024)):
     x = jax.random.normal(jax.random.PRNGKey(0), (rows, k), jnp.bfloat16)
@@ -31,7 +17,7 @@ for rows, k, n in ((8192, 1024, 4096), (8192, 4096, 1024), (16384, 1024, 1024)):
         dense = Dense(n, dtype=jnp.bfloat16, fp8=use_fp8)
         variables = dense.init(jax.random.PRNGKey(1), x)
         step = jax.jit(jax.grad(lambda v, x: jnp.sum(dense.apply(v, x).astype(jnp.float32)), argnums=(0, 1)))
-        result[use_fp8] = timed(step, variables, x)
+        result[use_fp8] = common.time_call(lambda: step(variables, x), warmup=10, samples=50, inner=1)["median_s"] * 1e3
     print(
         f"{rows}x{k}->{n} fwd+bwd: bf16 {result[False]:.3f} ms, fp8 {result[True]:.3f} ms, "
         f"bf16/fp8 {result[False] / result[True]:.2f}x",

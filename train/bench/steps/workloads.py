@@ -75,8 +75,7 @@ class Workload:
         return zoo_steps.build_step(implementation, self.model, batch)
 
     def kernel_mode(self, implementation: str) -> str:
-        module = transformer_steps if is_wmt(self.model) else zoo_steps
-        return module.kernel_mode(implementation)
+        return transformer_steps.kernel_mode(implementation)
 
     def tokens(self) -> int:
         """Tokens a step reads: source plus target for WMT, rows x length otherwise."""

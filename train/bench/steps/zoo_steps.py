@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from train.bench.steps.transformer_steps import TrainStep, ls_jax_adamw_step, optax_adamw_step
+from train.bench.steps.transformer_steps import kernel_mode as kernel_mode  # the same ls_jax_ffi* rule
 from train.reference.zoo import ReferenceBert, ReferenceGPT, ZooConfig
 
 FP8_IMPLEMENTATIONS = ("ls_jax_ffi_fp8",)
@@ -208,11 +209,6 @@ def build_step(implementation: str, name: str, batch) -> TrainStep:
     if implementation == "flax_cudnn":
         return reference_step(name, "cudnn", batch)
     return ls_jax_step(name, batch, fp8_gemms=implementation in FP8_IMPLEMENTATIONS)
-
-
-def kernel_mode(implementation: str) -> str:
-    """The ls_jax backend an implementation runs under."""
-    return "ffi" if implementation.startswith("ls_jax_ffi") else "xla"
 
 
 def train_flops(name: str, rows: int, seq_len: int) -> float:

@@ -19,6 +19,7 @@ The matrix products run as FP8 GEMMs on GPUs of compute capability 8.9 and up (A
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -29,6 +30,12 @@ SCALING = fp8_ops.OVERWRITE_WITH_GRADIENT  # the collection of every GEMM's scal
 FORWARD_DTYPE = jnp.float8_e4m3fn
 GRADIENT_DTYPE = jnp.float8_e5m2
 MIN_COMPUTE_CAPABILITY = 8.9
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+"""XLA options for compiling a step with FP8 GEMMs on a GPU: the GEMMs go to cuBLAS(Lt) alone, without XLA's
+Triton GEMMs among the autotuner's candidates. On one H200 (docs/results/README.md, "Compiling an FP8 step"),
+autotuning Triton's FP8 GEMMs made ``train.wmt``'s transformer-base fp8 step shapes compile for 61-94 s each
+against 10-12 s without them; without them transformer-big's step at 8192 tokens is 8% slower (26.0 against
+23.9 ms)."""
 
 
 def fp8_dot(op: fp8_ops.Fp8DirectDotGeneralOp, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
@@ -108,3 +115,12 @@ def check_device(device: Any) -> None:
             f"{device.device_kind}{has} has no FP8 matrix products: FP8 needs a GPU of compute capability "
             f"{MIN_COMPUTE_CAPABILITY} or higher (Ada, Hopper); train in bf16 on this device"
         )
+
+
+def compiler_options(platform: str) -> dict[str, Any]:
+    """`GPU_COMPILER_OPTIONS` on a GPU (``platform`` "gpu" or "cuda"), less any option ``$XLA_FLAGS`` names (the
+    user's value stands); nothing elsewhere."""
+    if platform not in ("gpu", "cuda"):
+        return {}
+    given = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in GPU_COMPILER_OPTIONS.items() if f"--{name}" not in given}

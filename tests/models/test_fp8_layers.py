@@ -136,6 +136,14 @@ def test_devices_without_fp8_are_refused_by_name():
         fp8.check_device(_device("tpu", "TPU v3"))
 
 
+def test_fp8_steps_compile_without_tritons_gemms_on_a_gpu_unless_xla_flags_say(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    assert fp8.compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert fp8.compiler_options("cpu") == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert fp8.compiler_options("gpu") == {}
+
+
 def test_an_fp8_encoder_layer_trains_like_bf16():
     """Thirty Adam steps fitting a fixed target: FP8 ends within 10% of bf16's loss, far below where both began."""
     x = jax.random.normal(jax.random.PRNGKey(9), (4, 16, 32), jnp.bfloat16)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ls_jax.layers import fp8
 from train.costs import metrics as metrics_lib
 from train.harness.parallel import StateLayout
 from train.harness.step import TrainState
@@ -31,7 +32,8 @@ class StepCompiler:
 
     def __init__(self, step_fn: Callable, layout: StateLayout, state: TrainState):
         """``step_fn`` runs per device inside ``shard_map`` (`DataParallel.shard_step`); ``state`` gives the shape of
-        the state's placement (whether it has a loss scale), ``layout`` where each part lives."""
+        the state's placement (whether it has a loss scale) and whether the step multiplies in FP8 (compiled with
+        `ls_jax.layers.fp8.compiler_options`), ``layout`` where each part lives."""
         parallel = layout.parallel
         shardings = layout.shardings(state)
         self._jitted = jax.jit(
@@ -42,6 +44,8 @@ class StepCompiler:
         )
         self._parallel = parallel
         self._options = parallel.compiler_options()
+        if state.scaling:
+            self._options |= fp8.compiler_options(parallel.mesh.devices.flat[0].platform)
         self._copy_state = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
         self._compiled: dict[tuple, Any] = {}
         self.xla_flops: dict[tuple, float | None] = {}

@@ -73,14 +73,17 @@ class TrainStep:
     compiled: Any
     state: Any
     lowered: Any = None
+    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def run(self, batch) -> jax.Array:
         self.state, loss = self.compiled(self.state, batch)
         return loss
 
     def recompiled(self, compiler_options: dict[str, Any]) -> TrainStep:
-        """The same step compiled again with XLA ``compiler_options``, on this step's state (which it donates)."""
-        return TrainStep(self.lowered.compile(compiler_options=compiler_options), self.state, self.lowered)
+        """The same step compiled again with XLA ``compiler_options`` added to its own, on this step's state (which it
+        donates)."""
+        options = self.compiler_options | compiler_options
+        return TrainStep(self.lowered.compile(compiler_options=options), self.state, self.lowered, options)
 
     def memory_bytes(self) -> int:
         """Device memory the step needs: arguments + outputs - donated aliases + temporaries (XLA's analysis)."""
@@ -98,9 +101,12 @@ LossFn = Callable[[Any, Any, jax.Array], jax.Array]
 ``{"params": ...}`` plus, with FP8, the scaling collection."""
 
 
-def compile_step(step: Callable[..., Any], state: Any, batch) -> TrainStep:
+def compile_step(step: Callable[..., Any], state: Any, batch, fp8_gemms: bool = False) -> TrainStep:
+    """``step(state, batch) -> (state, loss)`` compiled for ``batch``; with ``fp8_gemms``, under the options the
+    training CLIs compile an FP8 step with (`fp8.compiler_options`)."""
     lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
-    return TrainStep(lowered.compile(), state, lowered)
+    options = fp8.compiler_options(jax.devices()[0].platform) if fp8_gemms else {}
+    return TrainStep(lowered.compile(options), state, lowered, options)
 
 
 def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
@@ -134,7 +140,7 @@ def optax_adamw_step(loss_fn: LossFn, variables: Any, batch) -> TrainStep:
         return (params, opt_state, rng, scaling), loss
 
     params = rest["params"]
-    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1), scaling), batch)
+    return compile_step(step, (params, tx.init(params), jax.random.PRNGKey(1), scaling), batch, bool(scaling))
 
 
 def ls_jax_adamw_step(loss_fn: LossFn, variables: Any, batch) -> TrainStep:
@@ -155,7 +161,7 @@ def ls_jax_adamw_step(loss_fn: LossFn, variables: Any, batch) -> TrainStep:
             params, opt_state = optim.fused_apply(tx, grads, opt_state, params)
         return (params, opt_state, rng, scaling), loss
 
-    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1), scaling), batch)
+    return compile_step(step, (params, opt_state, jax.random.PRNGKey(1), scaling), batch, bool(scaling))
 
 
 def reference_step(shape: ModelShape, batch, fp8_gemms: bool = False) -> TrainStep:

@@ -295,8 +295,8 @@ GPU_SPEC = sweep.DEFAULT_SPEC.parent / "bert-gpu.toml"
 
 
 def test_the_gpu_spec_is_the_studys_grid_on_bert_base():
-    """implementation x optimizer on bert-base at 512 tokens in bf16, then fp16 and fp32, ls_jax's XLA path and
-    batch 16 and 8 for the best run of the grids before."""
+    """implementation x optimizer on bert-base at 512 tokens in bf16, then fp16, fp32 and fp8, ls_jax's XLA path
+    and batch 16 and 8 for the best run of the grids before."""
     spec = sweep.load_spec(GPU_SPEC)
     first = sweep_spec.points(spec)  # what runs before any best is known
     assert [(p.values["implementation"], p.values["optimizer"]) for p in first] == [
@@ -323,8 +323,10 @@ def test_the_gpu_spec_is_the_studys_grid_on_bert_base():
     ] == [
         ("ls_jax", "fp16", None, 32),
         ("ls_jax", "fp32", None, 32),
+        ("ls_jax", "fp8", None, 32),
         ("flax", "fp16", None, 32),
         ("flax", "fp32", None, 32),
+        ("flax", "fp8", None, 32),
         ("ls_jax", "bf16", "xla", 32),
         ("ls_jax", "bf16", None, 16),
         ("ls_jax", "bf16", None, 8),

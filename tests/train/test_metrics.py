@@ -4,23 +4,18 @@ train.costs.energy."""
 import os
 import time
 import types
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
+from helpers.flop_step import FLOP_TOLERANCE, tiny_transformer_step
+from helpers.host_devices import run_checks
 
 from ls_jax import backend
-from ls_jax.models import Transformer, TransformerConfig
 from train.costs import devices as device_table
 from train.costs import energy, metrics
 from train.costs.hardware import Hardware
-from train.harness.optimizer import inverse_sqrt_schedule, make_optimizer
-from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
-from train.harness.step import TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
-from train.wmt import model as wmt_model
-
-FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
 
 
 def test_flop_formula_by_hand():
@@ -37,36 +32,6 @@ def test_flop_formula_by_hand():
     assert got == expected
 
 
-def tiny_transformer_step():
-    """(compiler, state, batch, analytic FLOPs) of one transformer-tiny training step, fp32, batch 32 x 24."""
-    model_cfg = TransformerConfig.preset(
-        "transformer-tiny",
-        256,
-        dtype=jnp.float32,
-        hidden_dropout_ratio=0.0,
-        attn_prob_dropout_ratio=0.0,
-        activation_dropout_ratio=0.0,
-    )
-    model = Transformer(model_cfg)
-    tx = make_optimizer("adamw", inverse_sqrt_schedule(1e-3, 10), weight_decay=0.0, clip_norm=None)
-    tokens = jnp.ones((1, 8), jnp.int32)
-    state = TrainState.create(
-        model.init(jax.random.PRNGKey(0), tokens, tokens)["params"], tx, jax.random.PRNGKey(1), fp16=False
-    )
-    parallel = DataParallel.over_all_devices()
-    compiler = StepCompiler(
-        make_train_step(
-            wmt_model.make_loss_fn(model, wmt_model.make_criterion("ls_jax", 0.1)), tx, axis_name=DATA_AXIS
-        ),
-        StateLayout(parallel),
-        state,
-    )
-    shape = (1, 32, 24)
-    batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}
-    analytic = wmt_model.make_flops_fn(model_cfg)({name: shape for name in batch})
-    return compiler, state, batch, analytic
-
-
 def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):  # fused CUDA kernels are custom calls that XLA counts as 0 FLOPs
@@ -76,6 +41,10 @@ def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
     print(f"analytic {analytic:.4g} vs XLA {xla:.4g} FLOPs: {analytic / xla - 1:+.2%}")
     # The analytic count is matmuls only: an XLA count missing the matmuls would be a few % of it, far outside.
     assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)
+
+
+def test_xla_flops_of_a_step_on_two_devices_count_the_whole_step():
+    run_checks(Path(__file__).with_name("flop_count_checks.py"), devices=2)
 
 
 def test_xla_flops_are_counted_before_optimization_and_by_the_host_where_the_device_has_no_analysis():

@@ -122,4 +122,6 @@ class StepCompiler:
         self._compiled[key] = compiled
         # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
         single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
-        self.xla_flops[key] = metrics_lib.xla_flops(lowered) if single_micro_batch else None
+        flops = metrics_lib.xla_flops(lowered) if single_micro_batch else None
+        # Inside shard_map the lowered module is one device's program: its count is one device's share of the step.
+        self.xla_flops[key] = None if flops is None else flops * self._parallel.num_shards

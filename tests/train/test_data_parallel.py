@@ -97,20 +97,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_processes_match_one_process(one_device, tmp_path):
-    """Without --run-dir: both processes must agree on one new runs/<run id> and check it at the same time."""
+def _two_processes(cwd: Path, *args: str, pythonpath: str = str(ROOT)) -> None:
+    """`train.imdb` with ``args`` as two processes of one CPU device each, joined over localhost."""
     port = _free_port()
-    command = [sys.executable, "-m", "train.imdb", *COMMON, "--steps", "6", "--distributed"]
+    command = [sys.executable, "-m", "train.imdb", *COMMON, *args, "--distributed"]
     processes = [
         subprocess.Popen(
             command,
-            cwd=tmp_path,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=_env(
                 1,
-                PYTHONPATH=str(ROOT),
+                PYTHONPATH=pythonpath,
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                 JAX_NUM_PROCESSES="2",
                 JAX_PROCESS_ID=str(rank),
@@ -121,9 +121,55 @@ def test_two_processes_match_one_process(one_device, tmp_path):
     outputs = [process.communicate(timeout=600) for process in processes]
     for process, (_, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr[-3000:]
+
+
+def test_two_processes_match_one_process(one_device, tmp_path):
+    """Without --run-dir: both processes must agree on one new runs/<run id> and check it at the same time."""
+    _two_processes(tmp_path, "--steps", "6")
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert _device_count(run_dir) == 2
     np.testing.assert_allclose(_losses(run_dir), _losses(one_device), rtol=1e-5)
+
+
+SLOW_PROFILER = """
+import os, time
+import jax.profiler
+
+_start = jax.profiler.start_trace
+
+
+def _slow_start(*args, **kwargs):
+    time.sleep(float(os.environ["SLOW_PROFILER_START_S"]))
+    return _start(*args, **kwargs)
+
+
+if os.environ.get("JAX_PROCESS_ID") == "1":
+    jax.profiler.start_trace = _slow_start
+"""
+
+
+def test_a_slow_profiler_start_in_one_process_is_in_no_step_time(tmp_path, monkeypatch):
+    """Process 1's profiler takes 6 s to start: process 0, whose log times the steps, waits for it outside every
+    step, not inside the traced step's all-reduce."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_PROFILER)
+    monkeypatch.setenv("SLOW_PROFILER_START_S", "6")
+    run_dir = tmp_path / "run"
+    _two_processes(
+        tmp_path,
+        "--steps",
+        "5",
+        "--profile-steps",
+        "3:3",
+        "--run-dir",
+        str(run_dir),
+        pythonpath=f"{hooks}{os.pathsep}{ROOT}",
+    )
+    times = [r["step_time_s"] for r in _records(run_dir) if r["type"] == "interval"]
+    assert len(times) == 5
+    assert max(times) < 3, times
+    assert (run_dir / "profile").is_dir()
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from train.costs.hardware import Hardware
 from train.costs.windows import Reading, Span, Tally, add_optional
 from train.errors import Interrupted
 from train.harness import progress
-from train.harness.parallel import DataParallel
+from train.harness.parallel import DataParallel, wait_for_processes
 from train.harness.progress import Counters, Interval
 from train.harness.signals import StopSignals
 from train.harness.startup import StartupClock
@@ -314,6 +314,9 @@ class Loop:
         else:
             jax.profiler.start_trace(str(self.config.profile_dir), create_perfetto_trace=True)
             self.profiling = True
+        # The next step's collectives would otherwise wait for the slowest process's profiler and put that wait in
+        # the other processes' step times.
+        wait_for_processes(f"profiler-{self.step}")
 
     def _stop_profile(self) -> None:
         if self.profiling:

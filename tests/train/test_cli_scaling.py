@@ -46,6 +46,40 @@ def test_a_row_says_what_one_devices_batch_held_per_step():
     assert "12,513" in line.splitlines()[1]
 
 
+def committed_rows(directory: str, names: list[str]) -> list[dict]:
+    runs = Path(__file__).resolve().parents[2] / "docs/results" / directory
+    rows = []
+    for name in names:
+        _, backend, devices, layout = name.split("-", 3)
+        rows.append(
+            {
+                **cli_scaling.run_row(runs / name, "tokens"),
+                "backend": backend,
+                "devices": int(devices),
+                "layout": layout,
+                "timeline": json.loads((runs / name / "timeline.json").read_text()),
+                "error": None,
+            }
+        )
+    return rows
+
+
+def test_caveats_name_batches_of_other_sizes_short_windows_and_untraced_runs():
+    # 150 steps at 1 and 2 GPUs held 2.2% fewer tokens per GPU-step at 2; five epochs each held the same pairs.
+    steps_150 = committed_rows("scale-out-h200x4/defaults", ["wmt-ffi-1-one", "wmt-ffi-2-one"])
+    (note,) = cli_scaling.caveats(steps_150, "tokens", profiled=True)
+    assert "12,513 to 12,788 tokens per device-step (2.2% apart)" in note and "--epochs" in note
+    epochs_5 = committed_rows("scale-out-h200x2", ["wmt-ffi-1-one", "wmt-ffi-2-one", "wmt-ffi-2-per-device"])
+    assert cli_scaling.caveats(epochs_5, "tokens", profiled=True) == []
+    short = {**epochs_5[1], "steady_steps": 14, "timeline": None}
+    notes = cli_scaling.caveats([epochs_5[0], short], "tokens", profiled=True)
+    assert notes == [
+        "ffi at 2 (one): its steady window holds 14 steps; its rates are noisy (more steps)",
+        "ffi at 2 (one): traced no whole step (--profile-steps past its end, or a step too few)",
+    ]
+    assert cli_scaling.caveats([epochs_5[0], short], "tokens", profiled=False) == notes[:1]
+
+
 def fake_parallel(count, platform):
     devices = np.asarray([types.SimpleNamespace(platform=platform)] * count)
     return DataParallel(types.SimpleNamespace(size=count, devices=devices))
@@ -99,6 +133,9 @@ def test_the_suite_runs_the_training_command_at_one_and_two_devices(tmp_path):
     for r in result["rows"]:
         assert r["error"] is None and r["device_count"] == r["devices"] and r["steady_rate"] > 0
         assert r["host_phases"]["steps"] == 6 and r["efficiency"] > 0
+    assert (
+        "xla at 2 (per-device): its steady window holds 5 steps; its rates are noisy (more steps)" in result["caveats"]
+    )
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "wmt-xla-1-one.tar.gz",
         "wmt-xla-2-one.tar.gz",

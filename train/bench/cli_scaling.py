@@ -10,7 +10,9 @@ Per run: the steady state's median step time and rates, the whole run's rates, t
 (`train.harness.host_phases`) and, with ``--profile-steps``, where each device's time went in those steps
 (`train.bench.timeline`: busy, NCCL, exposed NCCL, idle). Efficiency is the steady rate of the task's first count
 (tokens, examples) at N over N times the one-device rate of the same backend: what a user gets out of N devices.
-``speedup_vs_xla`` divides an ffi run's steady rate by the xla run's at the same N and layout.
+``speedup_vs_xla`` divides an ffi run's steady rate by the xla run's at the same N and layout. What makes those
+ratios less than they seem is printed after the table and kept in the JSON (``caveats``): a short steady window, a
+run that traced no step, batches that held different counts per device-step at different N.
 
 The parent process never starts JAX on a device, so every child has its GPUs to itself; runs go one after another,
 or with ``--concurrent`` side by side on disjoint GPUs (sharing the host's CPUs). Writes
@@ -43,6 +45,8 @@ from train.records import runlog
 
 TASKS = ("wmt", "imdb", "gpt")
 LAYOUTS = ("one", "per-device")
+MIN_STEADY_STEPS = 50  # below this a steady window's median and rate are noisy
+MATCHED_BATCHES = 1.01  # device-step counts further apart than this make efficiencies compare different data
 QUIET = ["--no-progress", "--no-tensorboard", "--eval-every", "0", "--checkpoint-every", "1000000000"]
 
 
@@ -229,6 +233,29 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["speedup_vs_xla"] = r["steady_rate"] / other if r["backend"] != "xla" and other and r["steady_rate"] else None
 
 
+def caveats(rows: list[dict[str, Any]], counted: str, profiled: bool) -> list[str]:
+    """What makes the rows' ratios less than they seem, one line each: a steady window of fewer than
+    `MIN_STEADY_STEPS` steps (its median and rate are noisy), a run that traced no step though ``profiled``
+    (--profile-steps beyond its length), and batches that held different counts per device-step at different N
+    (part of an efficiency is then which examples a run saw, not its speed)."""
+    notes = []
+    finished = [r for r in rows if r.get("error") is None and r.get("steady_rate")]
+    for r in finished:
+        name = f"{r['backend']} at {r['devices']} ({r['layout']})"
+        if r["steady_steps"] < MIN_STEADY_STEPS:
+            notes.append(f"{name}: its steady window holds {r['steady_steps']} steps; its rates are noisy (more steps)")
+        if profiled and r.get("timeline") is None:
+            notes.append(f"{name}: traced no whole step (--profile-steps past its end, or a step too few)")
+    held = [r["steady_count_per_device_step"] for r in finished if r.get("steady_count_per_device_step")]
+    if held and max(held) > MATCHED_BATCHES * min(held):
+        notes.append(
+            f"the runs' batches held {min(held):,.0f} to {max(held):,.0f} {counted} per device-step "
+            f"({max(held) / min(held) - 1:.1%} apart): their efficiencies include which examples each saw; for wmt, "
+            "--epochs trains every run on the same pairs"
+        )
+    return notes
+
+
 def report(rows: list[dict[str, Any]], counted: str) -> str:
     lines = [
         f"{'backend':8}{'N':>3} {'layout':11}{'step ms':>9}{counted + '/s':>16}{'/device-step':>13}{'eff':>7}"
@@ -401,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             "git_commit": runlog.git_commit(),
             "wall_s": time.perf_counter() - started,
             "rows": rows,
+            "caveats": caveats(rows, counted, steps is not None),
         }
         path.write_text(json.dumps(payload, indent=1) + "\n")
         print(report([row], counted).splitlines()[1], flush=True)
@@ -419,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                     jobs.append(Job(name, backend, n, layout, command, run_dir, Path(scratch) / f"{name}.out"))
         run_jobs(jobs, available, args.cpu, args.concurrent and not args.cpu, args.timeout, finished)
     print(report(rows, counted), flush=True)
+    for note in caveats(rows, counted, steps is not None):
+        print(f"note: {note}")
     print(f"wrote {path}")
     return 1 if any(row["error"] for row in rows) else 0
 

@@ -137,6 +137,15 @@ def cases(dtype: Any) -> dict[str, Case]:
             lambda logits: ops.label_smoothed_cross_entropy(logits, labels, epsilon=0.1, pad_id=0),
             normal(11, (2, 3, 1003), dtype),
         ),
+        # no gradient: the quantization alone, over ragged tiles (scalar paths) and whole ones (vector paths)
+        "fp8_quantize[ragged]": (
+            jax.jit(lambda x: ops.fp8_quantize(x, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
+            (normal(25, (77, hidden), dtype),),
+        ),
+        "fp8_quantize[whole tiles]": (
+            jax.jit(lambda x: ops.fp8_quantize(x, jnp.ones((1,), jnp.float32), jnp.float8_e5m2)),
+            (normal(26, (128, 192), dtype),),
+        ),
     }
 
 

@@ -2,15 +2,15 @@
 
 ``python -m train.bench ops [--out DIR] [--quick] [--ops NAME,...] [--backends ffi,xla]``
 
-Every case is one op at a Transformer-big shape (bf16 activations, f32 parameters, dropout 0.1 where the op
-drops). It times one forward plus one backward pass (``jax.vjp`` applied to a fixed cotangent, jitted) per
-backend and reports milliseconds, the ffi/xla speedup, the bytes the pass has to move at least (every input read
-once, every output written once; counted per op below) and the achieved bandwidth against the measured copy
-bandwidth. On a GPU it also traces ten calls with jax.profiler and reports the device time: the sum of the GPU
-kernels' durations per call (``device_ms``, per kernel in ``kernel_ms``), which leaves out the per-call launch
-overhead of an isolated jitted function that a training step, one executable, does not pay per op. A result
-records the kernels the ffi run actually called (the ls_* custom calls in its HLO), so a silent fallback to XLA
-shows. Results go to docs/results/ops-<device>.json.
+Every case is one op at a Transformer-big shape (bf16 activations, f32 parameters, dropout 0.1 where the op drops).
+It times one forward plus one backward pass (``jax.vjp`` applied to a fixed cotangent, jitted; the forward alone for
+``fp8_quantize``, which has no gradient) per backend and reports milliseconds, the ffi/xla speedup, the bytes the
+pass has to move at least (every input read once, every output written once; counted per op below) and the achieved
+bandwidth against the measured copy bandwidth. On a GPU it also traces ten calls with jax.profiler and reports the
+device time: the sum of the GPU kernels' durations per call (``device_ms``, per kernel in ``kernel_ms``), which
+leaves out the per-call launch overhead of an isolated jitted function that a training step, one executable, does
+not pay per op. A result records the kernels the ffi run actually called (the ls_* custom calls in its HLO), so a
+silent fallback to XLA shows. Results go to docs/results/ops-<device>.json.
 
 ``--quick`` divides the row counts by 64 and takes few samples: a smoke test that also runs on CPU, where only
 the xla backend exists.
@@ -53,6 +53,7 @@ class Workload:
     primals: tuple[Any, ...]
     shape: str
     bytes_moved: int
+    forward_only: bool = False  # an op without gradient: its forward alone is timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +222,14 @@ def cross_attention_workload(batch: int, queries: int, keys: int) -> Workload:
     return Workload(op, primals, f"B{batch} Q{queries} K{keys} {ATTENTION_HEADS}x{head_dim}", moved)
 
 
+def fp8_quantize_workload(rows: int, cols: int) -> Workload:
+    """The FFN's hidden activations quantized to e4m3 (no gradient): reads x, writes q and q_t (one byte each)."""
+    scale = jnp.full((1,), 0.5, jnp.float32)
+    op = lambda x: ops.fp8_quantize(x, scale, jnp.float8_e4m3fn)
+    moved = rows * cols * (_itemsize(ACTIVATION) + 2) + 4
+    return Workload(op, (_normal(0, (rows, cols), ACTIVATION),), f"{rows}x{cols}", moved, forward_only=True)
+
+
 def cross_entropy_workload(rows: int, vocab: int) -> Workload:
     """Logits (rows, V) with about 5% pad labels, label smoothing 0.1. Forward reads the real rows' logits and
     every label and writes loss, nll and lse (f32) per row; backward reads the real rows' logits, the labels and
@@ -254,6 +263,7 @@ CASES: list[Case] = [
     Case("cross_attention[L=64]", lambda d: cross_attention_workload(ATTENTION_BATCH // d, 64, 64)),
     Case("cross_attention[L=128]", lambda d: cross_attention_workload(ATTENTION_BATCH // d, 128, 128)),
     Case("cross_entropy", lambda d: cross_entropy_workload(TOKENS // d, VOCAB)),
+    Case("fp8_quantize", lambda d: fp8_quantize_workload(TOKENS // d, FFN_HIDDEN)),
 ]
 
 
@@ -261,8 +271,12 @@ CASES: list[Case] = [
 
 
 def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float, quick: bool) -> dict[str, Any]:
-    """Times one forward + backward of ``workload`` compiled in kernel mode ``mode``."""
-    fn, cotangent = common.forward_backward(workload.op, workload.primals)
+    """Times one forward + backward of ``workload`` (its forward alone if ``forward_only``) compiled in kernel
+    mode ``mode``."""
+    if workload.forward_only:
+        fn, cotangent = jax.jit(lambda primals, _: workload.op(*primals)), None
+    else:
+        fn, cotangent = common.forward_backward(workload.op, workload.primals)
     sampling = dict(warmup=2, samples=5, inner=2) if quick else dict(warmup=5, samples=30, inner=5)
     with backend.use(mode):  # the mode is read when the function is traced, i.e. at its first call
         hlo = fn.lower(workload.primals, cotangent).as_text()

@@ -1,4 +1,5 @@
-"""GPU: the fp8_quantize kernel against the NumPy reference, bit for bit, and against the XLA implementation."""
+"""GPU: the fp8_quantize kernel against the NumPy reference, bit for bit, and against the XLA implementation (within
+one FP8 step: XLA's GPU division is not correctly rounded)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,22 @@ def test_kernel_matches_the_reference_bit_for_bit(shape, dtype, fp8):
     np.testing.assert_array_equal(bits(q), bits(want_q))
     np.testing.assert_array_equal(bits(q_t), bits(want_t))
     assert float(amax[0]) == want_amax
-    xla = on_backend("xla", run, *args)
-    np.testing.assert_array_equal(bits(q), bits(xla[0]))
+    # XLA's float32 division on a GPU is not correctly rounded: a quotient on an FP8 rounding boundary can round to
+    # the neighbouring value (codes of one sign are ordered by value).
+    xla_q, xla_t, xla_amax = on_backend("xla", run, *args)
+    assert np.abs(bits(q).astype(np.int16) - bits(xla_q).astype(np.int16)).max() <= 1
+    np.testing.assert_array_equal(bits(xla_t), bits(xla_q).T)
+    assert float(xla_amax[0]) == want_amax
+
+
+def test_infinities_saturate_to_the_largest_value():
+    x = np.array([[np.inf, -np.inf, 1e30, -1e30, 2.0] * 4], np.float32)
+    for fp8, largest in ((jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)):
+        q, q_t, amax = on_backend("ffi", lambda x: ops.fp8_quantize(x, jnp.ones((1,), jnp.float32), fp8), x)
+        values = np.asarray(q).astype(np.float32)[0, :5]
+        np.testing.assert_array_equal(values, [largest, -largest, largest, -largest, 2.0])
+        np.testing.assert_array_equal(bits(q_t), bits(q).T)
+        assert float(amax[0]) == np.inf
 
 
 def test_nan_reaches_amax_and_q_from_any_tile():

@@ -4,16 +4,15 @@
     q_t   = q transposed                           (cols, rows)
     amax  = max |x|                                float32[1]
 
-as ``flax.linen.fp8_ops.quantize`` computes ``q`` (``s`` the tensor's scale, rounded to x's dtype; fp8_max 448
-for float8_e4m3fn and 57344 for float8_e5m2; NaN stays NaN, values beyond fp8_max saturate) and its amax update
-takes ``amax``. Flax rounds x / s to x's dtype, which XLA may skip inside a fusion (it allows excess precision:
-jitted and eager results then differ); here the division is float32 on both backends. The kernel's division is
-correctly rounded; XLA's on a GPU may be an ulp off, so a quotient on an FP8 rounding boundary can round to the
-neighbouring FP8 value there. An FP8
-GEMM on Hopper takes both operands with the contracted axis innermost, so the product that contracts the rows
-(a weight gradient, ``q_t @ ...``) needs ``q_t``; the kernel writes both layouts and the amax from one read of x,
-where XLA's fusions read x again for the amax. Quantization is a step inside an FP8 product's forward and
-backward, not a function to differentiate: the op has no gradient.
+as ``flax.linen.fp8_ops.quantize`` computes ``q`` (``s`` the tensor's scale, rounded to x's dtype; fp8_max 448 for
+float8_e4m3fn and 57344 for float8_e5m2; NaN stays NaN, values beyond fp8_max saturate) and its amax update takes
+``amax``. Flax rounds x / s to x's dtype, which XLA may skip inside a fusion (it allows excess precision: jitted and
+eager results then differ); here the division is float32 on both backends. The kernel's division is correctly
+rounded; XLA's on a GPU may be an ulp off, so a quotient on an FP8 rounding boundary can round to the neighbouring
+FP8 value there. An FP8 GEMM on Hopper takes both operands with the contracted axis innermost, so the product that
+contracts the rows (a weight gradient, ``q_t @ ...``) needs ``q_t``; the kernel writes both layouts and the amax
+from one read of x, where XLA's fusions read x again for the amax. Quantization is a step inside an FP8 product's
+forward and backward, not a function to differentiate: the op has no gradient.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 from ls_jax import ops
 from ls_jax.layers import fp8
@@ -142,7 +141,7 @@ class Dense(nn.Module):
         if not self.fp8:
             return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
         rows = x.reshape(-1, math.prod(in_shape)).astype(self.dtype)
-        y = fp8.fp8_dot(Fp8DirectDotGeneralOp(name="fp8"), rows, kernel.reshape(rows.shape[1], -1), contract=0)
+        y = fp8.fp8_dot(fp8.Fp8Dot(name="fp8"), rows, kernel.reshape(rows.shape[1], -1), contract=0)
         if bias is not None:
             y = y + bias.reshape(-1).astype(self.dtype)
         return y.reshape(*x.shape[: x.ndim - self.input_axes], *features)

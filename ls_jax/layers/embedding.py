@@ -7,7 +7,6 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.fp8_ops import Fp8DirectDotGeneralOp
 
 from ls_jax import ops
 from ls_jax.layers import fp8
@@ -56,7 +55,7 @@ class TransformerEmbedding(nn.Module):
             )
         self.cache_index = CacheIndex()
         if cfg.fp8:
-            self.logits_fp8 = Fp8DirectDotGeneralOp()
+            self.logits_fp8 = fp8.Fp8Dot()
 
     def __call__(self, tokens: jax.Array, *, decode: bool = False, deterministic: bool = True) -> jax.Array:
         """Embeds (B, L) integer tokens into (B, L, H) of ``config.dtype``.

@@ -1,11 +1,15 @@
-"""FP8 matrix products with delayed scaling, through Flax's FP8 ops (``flax.linen.fp8_ops``).
+"""FP8 matrix products with delayed scaling: Flax's FP8 scaling (``flax.linen.fp8_ops``), quantized by
+`ls_jax.ops.fp8_quantize`.
 
 With ``LayerConfig.fp8`` every ``Dense`` GEMM and the tied logits (``TransformerEmbedding.attend``) quantize their
-inputs before multiplying:
+inputs before multiplying (`Fp8Dot`, `fp8_product`):
 
-    forward   y  = dq(q_e4m3(x / s_x) q_e4m3(W / s_W)) s_x s_W       (Flax's ``Fp8DirectDotGeneralOp``)
+    forward   y  = dq(q_e4m3(x / s_x) q_e4m3(W / s_W)) s_x s_W       (as Flax's ``Fp8DirectDotGeneralOp``)
     backward  dy is quantized to e5m2 by s_dy before both products of the backward
     scale     s = amax / fp8_max, amax the largest |value| over the last ``amax_history_length`` steps
+
+Each quantization writes the FP8 tensor in both layouts with its amax in one pass, so every product contracts
+axes that lie innermost, as cuBLASLt's FP8 GEMMs need, and XLA adds no transposing or reducing pass of its own.
 
 (e4m3's largest value is 448, e5m2's 57344.) Each GEMM's scales and amax histories are variables of the
 ``_overwrite_with_gradient`` collection (`SCALING`): its "gradient" is its next value, which a training step
@@ -19,12 +23,15 @@ The matrix products run as FP8 GEMMs on GPUs of compute capability 8.9 and up (A
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
+
+from ls_jax import ops
 
 SCALING = fp8_ops.OVERWRITE_WITH_GRADIENT  # the collection of every GEMM's scales and amax histories
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -38,13 +45,91 @@ against 10-12 s without them; without them transformer-big's step at 8192 tokens
 23.9 ms)."""
 
 
-def fp8_dot(op: fp8_ops.Fp8DirectDotGeneralOp, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
+class Fp8Dot(fp8_ops.Fp8DotGeneralBase):
+    """One FP8 product's scaling state, Flax's variables under Flax's names (checkpoints of either load in the
+    other), and the product itself through `fp8_product`."""
+
+    def __call__(self, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
+        return fp8_product(
+            x,
+            kernel.astype(x.dtype),
+            contract,
+            (self.input_scale.value, self.kernel_scale.value, self.output_grad_scale.value),
+            (self.input_amax_history.value, self.kernel_amax_history.value, self.output_grad_amax_history.value),
+        )
+
+
+def fp8_dot(op: Fp8Dot, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
     """``x (rows, K)`` times the 2-D ``kernel``, contracted over the kernel's axis ``contract`` (0: (K, N); 1: a
     transposed (N, K) table), as FP8 by ``op`` (which holds this GEMM's scaling state); in x's dtype.
 
-    The kernel is cast to x's dtype first: Flax's op quantizes from the compute dtype.
+    The kernel is cast to x's dtype first: it is quantized from the compute dtype, as Flax's ops do.
     """
-    return op(x, kernel.astype(x.dtype), (((1,), (contract,)), ((), ())))
+    return op(x, kernel, contract)
+
+
+def _delayed_scale(history: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """This step's scale from the amax history of the steps before (Flax's ``compute_scale``)."""
+    fp8_max = jnp.finfo(dtype).max.astype(jnp.float32)
+    return fp8_ops.compute_scale(jnp.max(history, axis=0), scale, fp8_max)
+
+
+def _with_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history with this step's amax in front, the oldest dropped (Flax's ``compute_amax_history``)."""
+    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax[0])
+
+
+def _nt(a: jax.Array, b: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``(a @ b.T) * scale`` in ``dtype``: both FP8 operands with the contracted axis innermost, the one layout
+    cuBLASLt's FP8 GEMMs take, so XLA inserts no transpose."""
+    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
+    return fp8_ops.dequantize(product, dtype, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_product(x, kernel, contract, scales, histories):
+    """``x (rows, K)`` times ``kernel`` ((K, N), contract 0; (N, K), contract 1) in FP8 with delayed scaling.
+
+    Forward: x and the kernel quantized to e4m3 (`ls_jax.ops.fp8_quantize`, each in both layouts with its amax
+    from one pass), their product an FP8 GEMM. Backward: dy quantized to e5m2 the same way; dx and the kernel's
+    gradient FP8 GEMMs on the layouts saved, each operand with the contracted axis innermost. ``scales`` and
+    ``histories`` (input, kernel, output gradient) get their next values as their "gradients", as Flax's FP8 ops
+    give them (``flax.linen.fp8_ops``: the scale from the history before this step, the history with this step's
+    amax added).
+    """
+    return _fp8_product_forward(x, kernel, contract, scales, histories)[0]
+
+
+def _fp8_product_forward(x, kernel, contract, scales, histories):
+    (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = scales, histories
+    x_scale = _delayed_scale(x_history, x_scale, FORWARD_DTYPE)
+    kernel_scale = _delayed_scale(kernel_history, kernel_scale, FORWARD_DTYPE)
+    q_x, q_x_t, x_amax = ops.fp8_quantize(x, x_scale, FORWARD_DTYPE)
+    q_kernel, q_kernel_t, kernel_amax = ops.fp8_quantize(kernel, kernel_scale, FORWARD_DTYPE)
+    forward_kernel, backward_kernel = (q_kernel_t, q_kernel) if contract == 0 else (q_kernel, q_kernel_t)
+    y = _nt(q_x, forward_kernel, x_scale * kernel_scale, x.dtype)
+    saved = (
+        q_x_t,
+        backward_kernel,
+        (x_scale, kernel_scale, grad_scale),
+        (_with_amax(x_history, x_amax), _with_amax(kernel_history, kernel_amax), grad_history),
+    )
+    return y, saved
+
+
+def _fp8_product_backward(contract, saved, dy):
+    q_x_t, backward_kernel, (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = saved
+    grad_scale = _delayed_scale(grad_history, grad_scale, GRADIENT_DTYPE)
+    q_dy, q_dy_t, dy_amax = ops.fp8_quantize(dy, grad_scale, GRADIENT_DTYPE)
+    dx = _nt(q_dy, backward_kernel, kernel_scale * grad_scale, dy.dtype)
+    operands = (q_x_t, q_dy_t) if contract == 0 else (q_dy_t, q_x_t)
+    dkernel = _nt(*operands, x_scale * grad_scale, dy.dtype)
+    scales = (x_scale, kernel_scale, grad_scale)
+    histories = (x_history, kernel_history, _with_amax(grad_history, dy_amax))
+    return dx, dkernel, scales, histories
+
+
+fp8_product.defvjp(_fp8_product_forward, _fp8_product_backward)
 
 
 def split_scaling(variables: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.linen import fp8_ops as flax_fp8_ops
 
 from ls_jax.layers import Dense, LayerConfig, TransformerEmbedding, TransformerEncoderLayer, fp8
 
@@ -189,3 +190,42 @@ def test_an_fp8_encoder_layer_trains_like_bf16():
     assert abs(fp8_losses[-1] - bf16_losses[-1]) < 0.1 * bf16_losses[-1]
     amax = scaling["feed_forward"]["fc1"]["fp8"]["input_amax_history"]
     assert int(jnp.sum(amax > 0)) == 30  # one entry per step
+
+
+@pytest.mark.parametrize("contract", [0, 1], ids=["kernel (K, N)", "table (N, K)"])
+def test_the_product_is_as_close_as_flaxs_with_the_same_next_scaling_state(contract):
+    """`fp8.Fp8Dot` against Flax's Fp8DirectDotGeneralOp from the same variables, with a history of earlier
+    amaxes: the next scales and histories are equal; y, dx and the kernel's gradient are as close to the exact
+    products as Flax's (the two differ where Flax's rounding of x / s to bf16 first moves an FP8 rounding)."""
+    rows, k, n = 64, 96, 80
+    key = jax.random.PRNGKey(3)
+    x = jax.random.normal(key, (rows, k), jnp.bfloat16) * 3
+    kernel = jax.random.normal(jax.random.PRNGKey(4), (k, n) if contract == 0 else (n, k), jnp.float32) * 0.1
+    dy = jax.random.normal(jax.random.PRNGKey(5), (rows, n), jnp.bfloat16)
+    ours, flax_op = fp8.Fp8Dot(), flax_fp8_ops.Fp8DirectDotGeneralOp()
+    scaling = ours.init(key, x, kernel, contract)
+    scaling = jax.tree.map(lambda v: v.at[:3].set(jnp.asarray([12.0, 1.0, 3.0])[: v.shape[0]]), scaling)
+    dims = (((1,), (contract,)), ((), ()))
+
+    def product_and_grads(apply):
+        def loss(x, kernel, scaling):
+            y = apply(scaling, x, kernel)
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(x, kernel, scaling)
+
+    (ours_dx, ours_dw, ours_next), ours_y = product_and_grads(lambda v, x, w: ours.apply(v, x, w, contract))
+    (flax_dx, flax_dw, flax_next), flax_y = product_and_grads(
+        lambda v, x, w: flax_op.apply(v, x, w.astype(x.dtype), dims)
+    )
+    jax.tree.map(np.testing.assert_array_equal, ours_next, flax_next)
+    exact_y, exact_vjp = jax.vjp(lambda x, w: jax.lax.dot_general(x, w, dims), x.astype(jnp.float32), kernel)
+    exact_dx, exact_dw = exact_vjp(dy.astype(jnp.float32))
+    for got, flax_value, exact in (
+        (ours_y, flax_y, exact_y),
+        (ours_dx, flax_dx, exact_dx),
+        (ours_dw, flax_dw, exact_dw),
+    ):
+        assert got.shape == exact.shape
+        assert _relative_error(got, exact) < 1.1 * _relative_error(flax_value, exact)
+        assert _relative_error(got, flax_value) < 0.05

@@ -39,6 +39,14 @@ ROOT %input_reduce_fusion = f32[] fusion(%c), kind=kInput, metadata={op_name="ji
         ("loop_transpose_fusion_70", "jit(step)/encoder/reshape", "copies/transposes"),
         ("loop_add_fusion_49", "jit(step)/decoder/LayerNorm_0/add", "LayerNorm"),
         ("loop_add_fusion_50", "jit(step)/decoder/mlp/add", "other"),
+        ("void ls::(anonymous namespace)::quantize_kernel<__nv_bfloat16, 1>(__nv_bfloat16 const*)", "", "fp8 scaling"),
+        ("input_reduce_fusion_206", "jit(step)/transpose(jvp(Transformer))/encoder/qkv/fp8/reduce_max", "fp8 scaling"),
+        (
+            "loop_convert_fusion",
+            "jit(step)/transpose(jvp(Transformer))/source_embedding.attend/logits_fp8/convert_element_type",
+            "fp8 scaling",
+        ),
+        ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_TNT", "jit(step)/encoder/qkv/fp8/dot_general", "GEMM"),
     ],
 )
 def test_categorize(kernel, op_name, category):

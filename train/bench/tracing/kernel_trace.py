@@ -5,8 +5,9 @@ derives from the fusion's, else by the trace event's ``hlo_op``), whose ``op_nam
 carries the JAX name scopes: Flax module names, the ls_jax op names that ``ls_jax.ops._common.dispatch`` adds,
 and the ``criterion``/``optimizer`` scopes of the benchmarked step. An ls_jax CUDA kernel is attributed by its
 function name (``ls::..._kernel``). The categories are GEMM, attention (fused attention kernels), LayerNorm,
-softmax, dropout/elementwise, embedding, criterion, optimizer, copies/transposes, other, and idle (the step's wall
-time on the device not covered by any kernel).
+softmax, dropout/elementwise, embedding, criterion, optimizer, fp8 scaling (an FP8 product's quantization, amax
+reductions and history updates), copies/transposes, other, and idle (the step's wall time on the device not covered
+by any kernel).
 
 Kernels are also attributed to the stages of a training step (`stage`), from the name scopes of their
 ``op_name``: ``encoder`` / ``decoder`` scopes (and the embeddings they own), ``output_projection`` and
@@ -37,6 +38,7 @@ CATEGORIES = (
     "embedding",
     "criterion",
     "optimizer",
+    "fp8 scaling",
     "copies/transposes",
     "other",
     "idle",
@@ -70,6 +72,7 @@ _TRANSFORM_WRAPPER = re.compile(r"^(?:\w+\()+|\)+$")  # "transpose(jvp(criterion
 _GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|gmma|matmul", re.IGNORECASE)
 _ATTENTION_KERNEL = re.compile(r"fmha|flash|fprop_attn|bprop_attn", re.IGNORECASE)
 _SCOPE_RULES = (
+    ("fp8 scaling", re.compile(r"fp8", re.IGNORECASE)),  # the scope of an FP8 product's op (ls_jax's or Flax's)
     ("criterion", re.compile(r"criterion|cross_entropy")),
     ("optimizer", re.compile(r"optimizer")),
     ("LayerNorm", re.compile(r"LayerNorm|layer_norm")),
@@ -91,6 +94,7 @@ _LS_KERNEL_PREFIXES = (
     ("norm_partials", "optimizer"),
     ("dropout", "dropout/elementwise"),
     ("bias", "dropout/elementwise"),
+    ("quantize", "fp8 scaling"),
 )
 
 

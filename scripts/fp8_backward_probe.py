@@ -5,7 +5,7 @@ products XLA made cuBLASLt FP8 GEMMs (one JSON line each).
     python3 scripts/fp8_backward_probe.py                   # on a GPU; --quick: small shapes, a CPU smoke run
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python3 scripts/fp8_backward_probe.py
 
-Variants: ``bf16``; ``flax``, the layers' FP8 path (``LayerConfig.fp8``: Flax's ``fp8_scaled_dot_general``, whose
+Variants: ``bf16``; ``flax``, Flax's FP8 op (``fp8_scaled_dot_general``, the plain Flax references' FP8 path, whose
 backward multiplies at ``Precision.HIGHEST``); ``default``, the same quantization with both backward products at
 ``Precision.DEFAULT``, to see whether XLA then rewrites them to FP8 GEMMs.
 """

@@ -41,8 +41,7 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 """XLA options for compiling a step with FP8 GEMMs on a GPU: the GEMMs go to cuBLAS(Lt) alone, without XLA's
 Triton GEMMs among the autotuner's candidates. On one H200 (docs/results/README.md, "Compiling an FP8 step"),
 autotuning Triton's FP8 GEMMs made ``train.wmt``'s transformer-base fp8 step shapes compile for 61-94 s each
-against 10-12 s without them; without them transformer-big's step at 8192 tokens is 8% slower (26.0 against
-23.9 ms)."""
+against 10-12 s without them. Allowed, the autotuner may also pick a Triton GEMM for a backward product."""
 
 
 class Fp8Dot(fp8_ops.Fp8DotGeneralBase):

@@ -57,8 +57,9 @@ H100 or H200 SXM (docs/results has the measured rates), where the datasheet's de
 
 
 FP8_SETUP = (
-    "*_fp8 rows: every Dense, attention projection and the tied logits through Flax's Fp8DirectDotGeneralOp "
-    "(e4m3 forward, e5m2 gradients, delayed scaling over 1024 steps of amax history), bf16 elsewhere"
+    "*_fp8 rows: every Dense, attention projection and the tied logits in FP8 (e4m3 forward, e5m2 gradients, "
+    "delayed scaling over 1024 steps of amax history; plain Flax through Flax's Fp8DirectDotGeneralOp, ls_jax "
+    "through ls_jax.layers.fp8 on Flax's scaling), bf16 elsewhere"
 )
 
 

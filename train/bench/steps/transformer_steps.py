@@ -9,9 +9,9 @@ smoothing 0.1, AdamW, bf16 compute with f32 params:
              low halves), and its step writes the bf16 params the model computes with;
   ls_jax_ffi the same with the CUDA kernels.
 With FP8 (``reference_fp8``, ``ls_jax_ffi_fp8``, named in ``--implementations`` only) every Dense, attention
-projection and the tied logits multiply in FP8 with delayed scaling through Flax's ``Fp8DirectDotGeneralOp``
-(`ls_jax.layers.fp8`); the step carries each GEMM's scaling state beside the params and takes its gradient as the
-next state.
+projection and the tied logits multiply in FP8 with delayed scaling (plain Flax through Flax's
+``Fp8DirectDotGeneralOp``, ls_jax through `ls_jax.layers.fp8`, which keeps Flax's scaling); the step carries
+each GEMM's scaling state beside the params and takes its gradient as the next state.
 The step's loss and optimizer run under the ``criterion`` and ``optimizer`` name scopes, which the kernel
 attribution of `train.bench.tracing.kernel_trace` reads.
 """

@@ -96,6 +96,10 @@ def test_the_timeline_splits_a_devices_time_into_compute_communication_and_idle(
     (gap,) = device["largest_gaps"]
     assert gap["length_us"] == 30 and gap["after_kernel"] == "ncclDevKernel_AllReduce"
     assert gap["before_kernel"] == "layer_norm"
+    assert device["kernels_per_step"] == 2
+    gemm = device["largest_kernels"][0]
+    assert gemm["name"] == "gemm" and gemm["ms_per_step"] == pytest.approx(0.0975) and gemm["count_per_step"] == 1
+    assert [entry["name"] for entry in device["largest_kernels"]] == ["gemm", "ncclDevKernel_AllReduce", "layer_norm"]
     (host,) = summary["host"]
     assert host == {"thread": "python", "name": "PjitFunction(train_step)", "ms_per_step": 0.05, "count_per_step": 1}
     assert "/device:GPU:0" in timeline.table(summary)

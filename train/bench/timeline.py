@@ -9,6 +9,7 @@ other trace directory, and reports per GPU over the traced window (first kernel 
   exposed    NCCL time not under any other kernel: communication the step waits for
   idle       window - busy: the device ran nothing, e.g. waiting for the host to launch the next work
   gaps       idle stretches of at least ``--gap-us``: how many, their sum, and the largest with the kernels around
+  kernels    how many ran, and the kernels that took the most time, by name
 
 per step (the window divided by the traced steps), and the host threads' longest events by total time (what the
 host did meanwhile: launching executables, updating CUDA graphs, copying batches). With ``--out`` the numbers go to
@@ -27,6 +28,7 @@ from train.records import rundir
 
 DEFAULT_GAP_US = 20.0
 LARGEST_GAPS = 5
+LARGEST_KERNELS = 10
 HOST_EVENTS = 15
 
 
@@ -108,9 +110,20 @@ def device_timeline(
         }
 
     per_step = 1e-3 / steps
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name in spans:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += stop - start
+        entry[1] += 1
+    largest = sorted(by_name.items(), key=lambda item: -item[1][0])[:LARGEST_KERNELS]
     return {
         "steps": steps,
         "kernels": len(spans),
+        "kernels_per_step": len(spans) / steps,
+        "largest_kernels": [
+            {"name": name, "ms_per_step": total * per_step, "count_per_step": count / steps}
+            for name, (total, count) in largest
+        ],
         "window_ms": (last - first) * per_step,
         "busy_ms": length(busy) * per_step,
         "compute_ms": length(compute) * per_step,
@@ -182,6 +195,12 @@ def table(summary: Mapping[str, Any]) -> str:
     lines.append(f"{'device':<22}{'steps':>6}" + "".join(f"{name:>12}" for name in names))
     for name, device in summary["devices"].items():
         lines.append(f"{name[:21]:<22}{device['steps']:>6}" + "".join(f"{device[c]:>12.3f}" for c in columns))
+    for name, device in summary["devices"].items():
+        lines.append(
+            f"  {name[:20]} kernels per step {device['kernels_per_step']:.0f}; the largest (ms, count per step):"
+        )
+        for entry in device["largest_kernels"]:
+            lines.append(f"    {entry['ms_per_step']:8.3f} {entry['count_per_step']:8.1f}  {entry['name'][:90]}")
     for name, device in summary["devices"].items():
         for gap in device["largest_gaps"]:
             lines.append(

@@ -141,7 +141,7 @@ class Dense(nn.Module):
         if not self.fp8:
             return ops.dense(x, kernel, bias, input_axes=self.input_axes, dtype=self.dtype)
         rows = x.reshape(-1, math.prod(in_shape)).astype(self.dtype)
-        y = fp8.fp8_dot(fp8.Fp8Dot(name="fp8"), rows, kernel.reshape(rows.shape[1], -1), contract=0)
+        y = fp8.Fp8Dot(name="fp8")(rows, kernel.reshape(rows.shape[1], -1), contract=0)
         if bias is not None:
             y = y + bias.reshape(-1).astype(self.dtype)
         return y.reshape(*x.shape[: x.ndim - self.input_axes], *features)

@@ -97,5 +97,5 @@ class TransformerEmbedding(nn.Module):
         if not cfg.fp8:
             return ops.dense(hidden, self.embedding, transposed_kernel=True, dtype=cfg.dtype)
         rows = hidden.reshape(-1, cfg.hidden_size).astype(cfg.dtype)
-        logits = fp8.fp8_dot(self.logits_fp8, rows, self.embedding, contract=1)
+        logits = self.logits_fp8(rows, self.embedding, contract=1)
         return logits.reshape(*hidden.shape[:-1], self.vocab_size)

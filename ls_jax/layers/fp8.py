@@ -49,6 +49,9 @@ class Fp8Dot(fp8_ops.Fp8DotGeneralBase):
     other), and the product itself through `fp8_product`."""
 
     def __call__(self, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
+        """``x (rows, K)`` times the 2-D ``kernel``, contracted over the kernel's axis ``contract`` (0: (K, N); 1: a
+        transposed (N, K) table), in FP8; in x's dtype. The kernel is cast to x's dtype first: it is quantized from
+        the compute dtype, as Flax's ops do."""
         return fp8_product(
             x,
             kernel.astype(x.dtype),
@@ -56,15 +59,6 @@ class Fp8Dot(fp8_ops.Fp8DotGeneralBase):
             (self.input_scale.value, self.kernel_scale.value, self.output_grad_scale.value),
             (self.input_amax_history.value, self.kernel_amax_history.value, self.output_grad_amax_history.value),
         )
-
-
-def fp8_dot(op: Fp8Dot, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
-    """``x (rows, K)`` times the 2-D ``kernel``, contracted over the kernel's axis ``contract`` (0: (K, N); 1: a
-    transposed (N, K) table), as FP8 by ``op`` (which holds this GEMM's scaling state); in x's dtype.
-
-    The kernel is cast to x's dtype first: it is quantized from the compute dtype, as Flax's ops do.
-    """
-    return op(x, kernel, contract)
 
 
 def _delayed_scale(history: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

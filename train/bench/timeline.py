@@ -75,6 +75,17 @@ def length(intervals: Iterable[tuple[float, float]]) -> float:
     return sum(stop - start for start, stop in intervals)
 
 
+def largest(durations: Iterable[tuple[Any, float]], limit: int) -> list[tuple[Any, float, int]]:
+    """``(key, total duration, count)`` of the ``limit`` keys with the longest total, longest first."""
+    totals: dict[Any, list[float]] = {}
+    for key, duration in durations:
+        entry = totals.setdefault(key, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:limit]
+    return [(key, total, int(count)) for key, (total, count) in ranked]
+
+
 def is_nccl(name: str) -> bool:
     return "nccl" in name.lower()
 
@@ -110,19 +121,13 @@ def device_timeline(
         }
 
     per_step = 1e-3 / steps
-    by_name: dict[str, list[float]] = {}
-    for start, stop, name in spans:
-        entry = by_name.setdefault(name, [0.0, 0])
-        entry[0] += stop - start
-        entry[1] += 1
-    largest = sorted(by_name.items(), key=lambda item: -item[1][0])[:LARGEST_KERNELS]
     return {
         "steps": steps,
         "kernels": len(spans),
         "kernels_per_step": len(spans) / steps,
         "largest_kernels": [
             {"name": name, "ms_per_step": total * per_step, "count_per_step": count / steps}
-            for name, (total, count) in largest
+            for name, total, count in largest(((name, stop - start) for start, stop, name in spans), LARGEST_KERNELS)
         ],
         "window_ms": (last - first) * per_step,
         "busy_ms": length(busy) * per_step,
@@ -139,18 +144,17 @@ def device_timeline(
 def host_events(events: Sequence[Mapping[str, Any]], gpu_pids: set[Any], steps: int) -> list[dict[str, Any]]:
     """The host's complete events grouped by (thread, name), longest total first, in milliseconds per step."""
     threads = _names(events, "thread_name")
-    totals: dict[tuple[str, str], list[float]] = {}
-    for event in events:
-        if event.get("ph") != "X" or event.get("pid") in gpu_pids or "dur" not in event:
-            continue
-        key = (threads.get((event["pid"], event.get("tid")), str(event.get("tid"))), str(event["name"]))
-        entry = totals.setdefault(key, [0.0, 0])
-        entry[0] += float(event["dur"])
-        entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:HOST_EVENTS]
+    durations = (
+        (
+            (threads.get((event["pid"], event.get("tid")), str(event.get("tid"))), str(event["name"])),
+            float(event["dur"]),
+        )
+        for event in events
+        if event.get("ph") == "X" and event.get("pid") not in gpu_pids and "dur" in event
+    )
     return [
         {"thread": thread, "name": name, "ms_per_step": total / 1e3 / steps, "count_per_step": count / steps}
-        for (thread, name), (total, count) in ranked
+        for (thread, name), total, count in largest(durations, HOST_EVENTS)
     ]
 
 

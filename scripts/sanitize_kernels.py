@@ -47,6 +47,7 @@ def forward_backward(op: Callable[..., Any], *primals: jax.Array) -> Case:
 def cases(dtype: Any) -> dict[str, Case]:
     seed = jnp.array([7, 11], jnp.uint32)
     hidden = 1001  # odd: the vector loop and the scalar tail both run
+    history = jnp.linspace(0.0, 2.0, 1000, dtype=jnp.float32)  # an FP8 amax history, not a multiple of the block
     x, r = normal(1, (5, hidden), dtype), normal(2, (5, hidden), dtype)
     gamma, beta, bias = normal(3, (hidden,), dtype), normal(4, (hidden,), dtype), normal(5, (hidden,), dtype)
     mask = jnp.arange(37)[None, None, None, :] < jnp.array([37, 0])[:, None, None, None]  # batch 1 fully masked
@@ -139,12 +140,16 @@ def cases(dtype: Any) -> dict[str, Case]:
         ),
         # no gradient: the quantization alone, over ragged tiles (scalar paths) and whole ones (vector paths)
         "fp8_quantize[ragged]": (
-            jax.jit(lambda x: ops.fp8_quantize(x, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
+            jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
             (normal(25, (77, hidden), dtype),),
         ),
         "fp8_quantize[whole tiles]": (
-            jax.jit(lambda x: ops.fp8_quantize(x, jnp.ones((1,), jnp.float32), jnp.float8_e5m2)),
+            jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e5m2)),
             (normal(26, (128, 192), dtype),),
+        ),
+        "fp8_quantize[more tiles than blocks]": (  # 33 x 34 tiles: blocks loop over several (132 SMs x 8 blocks)
+            jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
+            (normal(27, (2112, 2176), dtype),),
         ),
     }
 

@@ -1,15 +1,21 @@
-// FP8 quantization for FP8 matrix products: one pass over x writes its FP8 values in both layouts and its amax.
+// FP8 quantization with delayed scaling for FP8 matrix products: one pass over x writes its FP8 values in both
+// layouts and the next amax history.
 //
-//   q     = fp8(clip(x / round_T(scale), -fp8_max, fp8_max))   (rows, cols), in f32, round to nearest even
-//   q_t   = q transposed                                       (cols, rows)
-//   amax  = max |x|                                            f32[1], NaN if any x is NaN
+//   s             = 1 / (fp8_max / max(history))   (1 / (1 / scale) when that maximum is 0, inf or NaN)
+//   q             = fp8(clip(x * (1 / round_T(s)), -fp8_max, fp8_max))   (rows, cols), in f32, round to nearest even
+//   q_t           = q transposed                                   (cols, rows)
+//   next_history  = history rolled left by one, max |x| in front   f32[H], NaN in front if any x is NaN
 //
-// T is x's dtype, to which the scale is rounded first, as Flax's FP8 ops do (ls_jax/ops/quantize.py).
+// as Flax's FP8 ops compute them (ls_jax/ops/quantize.py); T is x's dtype, to which s is rounded first.
 // cuBLASLt's FP8 GEMMs on Hopper take both operands with the contracted axis innermost, so a weight gradient
 // (contracting the rows) needs the transposed copy; writing it from the same tile saves a second pass over x.
+// The blocks loop over the tiles (enough of them to fill the SMs); each computes s from the history first (4 KB at
+// Flax's 1,024 steps, read from L2) rather than waiting for another kernel to, and the last block to finish writes
+// the next history once every block's amax is in.
 //
-// Target ls_fp8_quantize(x, scale: f32[1]) -> (q, q_t, amax: f32[1]); q's dtype (float8_e4m3fn or float8_e5m2)
-// picks the format.
+// Target ls_fp8_quantize(x, history: f32[H], scale: f32[1]) -> (q, q_t, s: f32[1], next_history: f32[H],
+// scratch: u32[2]); q's dtype (float8_e4m3fn or float8_e5m2) picks the format. The scratch holds the amax's bits and
+// the count of finished blocks; the handler zeroes it before the launch.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -22,30 +28,55 @@ constexpr int kChunk = 16;                // elements per thread per pass: one 1
 constexpr int kThreads = kTile * kTile / kChunk;
 constexpr int kChunksPerRow = kTile / kChunk;
 constexpr int kPitch = kTile + 4;         // shared-memory row pitch in bytes, off the 32-bank period
+constexpr int kBlocksPerSm = 8;           // resident blocks of kThreads per SM in the grid-stride loop
 
 template <__nv_fp8_interpretation_t Format>
 __device__ __forceinline__ uint8_t to_fp8(float v) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, Format);  // saturates like the clip, keeps NaN
 }
 
-// The larger of a running |x| maximum and |v|, NaN once any v is NaN (fmaxf would drop it).
-__device__ __forceinline__ float amax_with(float amax, float v) {
-  const float magnitude = fabsf(v);
-  return (magnitude > amax || isnan(magnitude)) ? magnitude : amax;
+// The larger of a running maximum and v, NaN once any v is NaN (fmaxf would drop it), as jnp.max gives.
+__device__ __forceinline__ float max_with(float running, float v) { return (v > running || isnan(v)) ? v : running; }
+
+// The larger of a running |x| maximum and |v|, NaN once any v is NaN.
+__device__ __forceinline__ float amax_with(float amax, float v) { return max_with(amax, fabsf(v)); }
+
+// max_with over the block's threads; every thread gets the result. `partials` holds a value per warp.
+__device__ float block_max(float value, float* partials) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = max_with(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if (threadIdx.x % 32 == 0) partials[threadIdx.x / 32] = value;
+  __syncthreads();
+  value = partials[0];
+  for (int w = 1; w < kThreads / 32; ++w) value = max_with(value, partials[w]);
+  __syncthreads();  // partials may be reused
+  return value;
 }
 
-template <typename T, __nv_fp8_interpretation_t Format>
-__global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const T* __restrict__ x, const float* __restrict__ scale, uint8_t* __restrict__ q,
-                    uint8_t* __restrict__ q_t, unsigned int* __restrict__ amax_bits, int64_t rows, int64_t cols,
-                    bool vector_rows, bool vector_cols) {
-  __shared__ uint8_t tile[kTile][kPitch];
-  __shared__ float warp_amax[kThreads / 32];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const float divisor = round_to<T>(*scale);
-  float amax = 0.0f;
+// This step's scale from the history of the steps before, as Flax's compute_scale (margin 0), division for
+// division: IEEE-rounded divisions give its bits.
+__device__ float delayed_scale(const float* __restrict__ history, int64_t length, float previous, float fp8_max,
+                               float* partials) {
+  float amax = -INFINITY;
+  for (int64_t i = threadIdx.x; i < length; i += kThreads) amax = max_with(amax, history[i]);
+  amax = block_max(amax, partials);
+  float factor = fp8_max / amax;
+  if (!(amax > 0.0f) || !isfinite(amax)) factor = 1.0f / previous;
+  return 1.0f / factor;
+}
 
+struct History {
+  const float* in;
+  float* out;
+  int64_t length;
+};
+
+// One kTile x kTile tile at (row0, col0): q from the rows of x, q_t from the tile staged in shared memory; the
+// running |x| maximum of this thread in `amax`. Every thread of the block calls it (it holds a barrier).
+template <typename T, __nv_fp8_interpretation_t Format>
+__device__ void quantize_tile(const T* __restrict__ x, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
+                              uint8_t (*tile)[kPitch], int64_t row0, int64_t col0, int64_t rows, int64_t cols,
+                              float inverse, bool vector_rows, bool vector_cols, float& amax) {
   // Rows of the tile: each thread quantizes kChunk consecutive elements of one row of x.
   {
     const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * kChunk;
@@ -57,7 +88,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) {
         amax = amax_with(amax, v[i]);
-        out[i] = to_fp8<Format>(v[i] / divisor);
+        out[i] = to_fp8<Format>(v[i] * inverse);
       }
       uint4 packed;
       memcpy(&packed, out, kChunk);
@@ -69,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
         if (row < rows && col + i < cols) {
           const float v = to_float(x[row * cols + col + i]);
           amax = amax_with(amax, v);
-          out[i] = to_fp8<Format>(v / divisor);
+          out[i] = to_fp8<Format>(v * inverse);
           q[row * cols + col + i] = out[i];
         }
       }
@@ -80,61 +111,97 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // Columns of the tile: each thread writes kChunk consecutive elements of one row of q_t (a column of x).
-  {
-    const int c = threadIdx.x / kChunksPerRow, r = (threadIdx.x % kChunksPerRow) * kChunk;
-    const int64_t col = col0 + c, row = row0 + r;
-    if (col < cols) {
-      uint8_t out[kChunk];
+  const int c = threadIdx.x / kChunksPerRow, r = (threadIdx.x % kChunksPerRow) * kChunk;
+  const int64_t col = col0 + c, row = row0 + r;
+  if (col < cols) {
+    uint8_t out[kChunk];
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) out[i] = tile[r + i][c];
-      if (row + kChunk <= rows && vector_rows) {
-        uint4 packed;
-        memcpy(&packed, out, kChunk);
-        *reinterpret_cast<uint4*>(q_t + col * rows + row) = packed;
-      } else {
-        for (int i = 0; i < kChunk && row + i < rows; ++i) q_t[col * rows + row + i] = out[i];
-      }
+    for (int i = 0; i < kChunk; ++i) out[i] = tile[r + i][c];
+    if (row + kChunk <= rows && vector_rows) {
+      uint4 packed;
+      memcpy(&packed, out, kChunk);
+      *reinterpret_cast<uint4*>(q_t + col * rows + row) = packed;
+    } else {
+      for (int i = 0; i < kChunk && row + i < rows; ++i) q_t[col * rows + row + i] = out[i];
     }
-  }
-
-  // The block's amax, then the largest over blocks: a non-negative float (NaN included) orders as its bits.
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = amax_with(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) amax = amax_with(amax, warp_amax[w]);
-    atomicMax(amax_bits, __float_as_uint(amax));
   }
 }
 
-ffi::Error zero_amax(cudaStream_t stream, float* amax) {
-  const cudaError_t status = cudaMemsetAsync(amax, 0, sizeof(float), stream);
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("zeroing amax failed: ") + cudaGetErrorString(status));
+// A grid-stride loop over the tiles: each block computes the scale once, however many tiles it quantizes.
+template <typename T, __nv_fp8_interpretation_t Format>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    quantize_kernel(const T* __restrict__ x, History history, const float* __restrict__ previous_scale,
+                    float* __restrict__ scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
+                    unsigned int* __restrict__ scratch, int64_t rows, int64_t cols, bool vector_rows,
+                    bool vector_cols) {
+  __shared__ uint8_t tile[kTile][kPitch];
+  __shared__ float partials[kThreads / 32];
+  __shared__ bool last_block;
+  __shared__ float grid_amax;
+  const float fp8_max = Format == __NV_E4M3 ? 448.0f : 57344.0f;
+  const float scale = delayed_scale(history.in, history.length, *previous_scale, fp8_max, partials);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  const float inverse = 1.0f / round_to<T>(scale);
+  float amax = 0.0f;
+  const int64_t col_tiles = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * col_tiles;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    quantize_tile<T, Format>(x, q, q_t, tile, t / col_tiles * kTile, t % col_tiles * kTile, rows, cols, inverse,
+                             vector_rows, vector_cols, amax);
+    __syncthreads();  // this tile's shared bytes are read before the next tile's are written
+  }
+
+  // The block's amax into the grid's (a non-negative float, NaN included, orders as its bits); the last block to
+  // finish writes the next history with it.
+  amax = block_max(amax, partials);
+  if (threadIdx.x == 0) {
+    atomicMax(&scratch[0], __float_as_uint(amax));
+    __threadfence();  // this block's amax is visible before it counts as finished
+    last_block = atomicAdd(&scratch[1], 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    grid_amax = __uint_as_float(atomicOr(&scratch[0], 0u));  // every block's amax is in
+  }
+  __syncthreads();
+  // jnp.roll(history, -1) with [0] = amax. Reads history.in while writing history.out: the two never alias (the op
+  // returns a new history; an in-place update would need the history staged in shared memory first).
+  for (int64_t i = threadIdx.x; i < history.length; i += kThreads)
+    history.out[i] = i == 0 ? grid_amax : history.in[i + 1 < history.length ? i + 1 : 0];
 }
 
 template <typename T, __nv_fp8_interpretation_t Format>
-ffi::Error launch(cudaStream_t stream, const T* x, const float* scale, uint8_t* q, uint8_t* q_t, float* amax,
-                  int64_t rows, int64_t cols) {
-  LS_RETURN_IF_ERROR(zero_amax(stream, amax));
-  const dim3 grid(static_cast<unsigned>(ceil_div(rows, kTile)), static_cast<unsigned>(ceil_div(cols, kTile)));
+ffi::Error launch(cudaStream_t stream, const T* x, History history, const float* scale, float* scale_out, uint8_t* q,
+                  uint8_t* q_t, unsigned int* scratch, int64_t rows, int64_t cols) {
+  const cudaError_t zeroed = cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned int), stream);
+  if (zeroed != cudaSuccess)
+    return ffi::Error::Internal(std::string("zeroing the scratch failed: ") + cudaGetErrorString(zeroed));
+  // Enough blocks to fill every SM (at least one: an empty x still gets its scale and next history).
+  int64_t blocks = 0;
+  LS_RETURN_IF_ERROR(stride_grid(ceil_div(rows, kTile) * ceil_div(cols, kTile), 1, kBlocksPerSm, blocks));
   // 16-byte accesses: a row chunk of x (kChunk elements), of q and of q_t start at multiples of 16 bytes.
   const bool vector_cols = cols % kChunk == 0 && is_aligned(x, 16) && is_aligned(q, 16);
   const bool vector_rows = rows % kChunk == 0 && is_aligned(q_t, 16);
-  quantize_kernel<T, Format><<<grid, kThreads, 0, stream>>>(x, scale, q, q_t, reinterpret_cast<unsigned int*>(amax),
-                                                             rows, cols, vector_rows, vector_cols);
+  quantize_kernel<T, Format><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      x, history, scale, scale_out, q, q_t, scratch, rows, cols, vector_rows, vector_cols);
   return launch_error("quantize_kernel");
 }
 
-ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
-                        ffi::Result<ffi::Buffer<ffi::F32>> amax) {
+ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> history,
+                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
+                        ffi::Result<ffi::Buffer<ffi::F32>> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> next_history,
+                        ffi::Result<ffi::Buffer<ffi::U32>> scratch) {
   const auto dims = x.dimensions();
   LS_RETURN_IF_ERROR(require(dims.size() == 2, "x must be 2-D (rows, cols), got shape " + shape_string(dims)));
   const int64_t rows = dims[0], cols = dims[1];
+  const int64_t length = history.element_count();
+  LS_RETURN_IF_ERROR(require(history.dimensions().size() == 1 && length >= 1, "history must be float32[H], H >= 1"));
+  LS_RETURN_IF_ERROR(require(next_history->dimensions().size() == 1 && next_history->element_count() == length,
+                             "next_history must have history's shape"));
   LS_RETURN_IF_ERROR(require(scale.element_count() == 1, "scale must hold one float32"));
-  LS_RETURN_IF_ERROR(require(amax->element_count() == 1, "amax must hold one float32"));
+  LS_RETURN_IF_ERROR(require(scale_out->element_count() == 1, "the scale result must hold one float32"));
+  LS_RETURN_IF_ERROR(require(scratch->element_count() == 2, "scratch must hold two uint32"));
   LS_RETURN_IF_ERROR(require_same_shape("q", *q, "x", x));
   const auto t_dims = q_t->dimensions();
   LS_RETURN_IF_ERROR(require(t_dims.size() == 2 && t_dims[0] == cols && t_dims[1] == rows,
@@ -144,16 +211,18 @@ ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   LS_RETURN_IF_ERROR(require(format == ffi::DataType::F8E4M3FN || format == ffi::DataType::F8E5M2,
                              "q must be float8_e4m3fn or float8_e5m2"));
   LS_RETURN_IF_ERROR(require(q_t->element_type() == format, "q_t must have q's dtype"));
-  LS_RETURN_IF_ERROR(require(ceil_div(cols, kTile) <= 65535, "x has more than 65535 * 64 columns"));
-  if (rows == 0 || cols == 0) return zero_amax(stream, amax->typed_data());
   auto* out = static_cast<uint8_t*>(q->untyped_data());
   auto* out_t = static_cast<uint8_t*>(q_t->untyped_data());
+  const History state{history.typed_data(), next_history->typed_data(), length};
   return dispatch_float(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(x.untyped_data());
-    if (format == ffi::DataType::F8E4M3FN)
-      return launch<T, __NV_E4M3>(stream, in, scale.typed_data(), out, out_t, amax->typed_data(), rows, cols);
-    return launch<T, __NV_E5M2>(stream, in, scale.typed_data(), out, out_t, amax->typed_data(), rows, cols);
+    auto run = [&](auto launcher) {
+      return launcher(stream, in, state, scale.typed_data(), scale_out->typed_data(), out, out_t,
+                      scratch->typed_data(), rows, cols);
+    };
+    if (format == ffi::DataType::F8E4M3FN) return run(launch<T, __NV_E4M3>);
+    return run(launch<T, __NV_E5M2>);
   });
 }
 
@@ -162,10 +231,13 @@ ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 LS_FFI_TARGET(ls_fp8_quantize, fp8_quantize,
               ffi::Ffi::Bind()
                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                  .Arg<ffi::AnyBuffer>()
-                  .Arg<ffi::Buffer<ffi::F32>>()
-                  .Ret<ffi::AnyBuffer>()
-                  .Ret<ffi::AnyBuffer>()
-                  .Ret<ffi::Buffer<ffi::F32>>());
+                  .Arg<ffi::AnyBuffer>()    // x
+                  .Arg<ffi::Buffer<ffi::F32>>()  // history
+                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (the previous step's)
+                  .Ret<ffi::AnyBuffer>()    // q
+                  .Ret<ffi::AnyBuffer>()    // q_t
+                  .Ret<ffi::Buffer<ffi::F32>>()  // s, this step's scale
+                  .Ret<ffi::Buffer<ffi::F32>>()  // next_history
+                  .Ret<ffi::Buffer<ffi::U32>>());  // scratch
 
 }  // namespace ls

@@ -61,17 +61,6 @@ class Fp8Dot(fp8_ops.Fp8DotGeneralBase):
         )
 
 
-def _delayed_scale(history: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """This step's scale from the amax history of the steps before (Flax's ``compute_scale``)."""
-    fp8_max = jnp.finfo(dtype).max.astype(jnp.float32)
-    return fp8_ops.compute_scale(jnp.max(history, axis=0), scale, fp8_max)
-
-
-def _with_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """The history with this step's amax in front, the oldest dropped (Flax's ``compute_amax_history``)."""
-    return jnp.roll(history, shift=-1, axis=0).at[0].set(amax[0])
-
-
 def _nt(a: jax.Array, b: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """``(a @ b.T) * scale`` in ``dtype``: both FP8 operands with the contracted axis innermost, the one layout
     cuBLASLt's FP8 GEMMs take, so XLA inserts no transpose."""
@@ -83,42 +72,41 @@ def _nt(a: jax.Array, b: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 def fp8_product(x, kernel, contract, scales, histories):
     """``x (rows, K)`` times ``kernel`` ((K, N), contract 0; (N, K), contract 1) in FP8 with delayed scaling.
 
-    Forward: x and the kernel quantized to e4m3 (`ls_jax.ops.fp8_quantize`, each in both layouts with its amax
-    from one pass), their product an FP8 GEMM. Backward: dy quantized to e5m2 the same way; dx and the kernel's
-    gradient FP8 GEMMs on the layouts saved, each operand with the contracted axis innermost. ``scales`` and
-    ``histories`` (input, kernel, output gradient) get their next values as their "gradients", as Flax's FP8 ops
-    give them (``flax.linen.fp8_ops``: the scale from the history before this step, the history with this step's
-    amax added).
+    Forward: x and the kernel quantized to e4m3 (`ls_jax.ops.fp8_quantize`: each in both layouts, its scale and
+    next history from one pass), their product an FP8 GEMM. Backward: dy quantized to e5m2 the same way; dx and
+    the kernel's gradient FP8 GEMMs on the layouts saved, each operand with the contracted axis innermost.
+    ``scales`` and ``histories`` (input, kernel, output gradient) get their next values as their "gradients", as
+    Flax's FP8 ops give them (``flax.linen.fp8_ops``: the scale from the history before this step, the history
+    with this step's amax added).
     """
     return _fp8_product_forward(x, kernel, contract, scales, histories)[0]
 
 
 def _fp8_product_forward(x, kernel, contract, scales, histories):
     (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = scales, histories
-    x_scale = _delayed_scale(x_history, x_scale, FORWARD_DTYPE)
-    kernel_scale = _delayed_scale(kernel_history, kernel_scale, FORWARD_DTYPE)
-    q_x, q_x_t, x_amax = ops.fp8_quantize(x, x_scale, FORWARD_DTYPE)
-    q_kernel, q_kernel_t, kernel_amax = ops.fp8_quantize(kernel, kernel_scale, FORWARD_DTYPE)
+    q_x, q_x_t, x_scale, x_history = ops.fp8_quantize(x, x_history, x_scale, FORWARD_DTYPE)
+    q_kernel, q_kernel_t, kernel_scale, kernel_history = ops.fp8_quantize(
+        kernel, kernel_history, kernel_scale, FORWARD_DTYPE
+    )
     forward_kernel, backward_kernel = (q_kernel_t, q_kernel) if contract == 0 else (q_kernel, q_kernel_t)
     y = _nt(q_x, forward_kernel, x_scale * kernel_scale, x.dtype)
     saved = (
         q_x_t,
         backward_kernel,
         (x_scale, kernel_scale, grad_scale),
-        (_with_amax(x_history, x_amax), _with_amax(kernel_history, kernel_amax), grad_history),
+        (x_history, kernel_history, grad_history),
     )
     return y, saved
 
 
 def _fp8_product_backward(contract, saved, dy):
     q_x_t, backward_kernel, (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = saved
-    grad_scale = _delayed_scale(grad_history, grad_scale, GRADIENT_DTYPE)
-    q_dy, q_dy_t, dy_amax = ops.fp8_quantize(dy, grad_scale, GRADIENT_DTYPE)
+    q_dy, q_dy_t, grad_scale, grad_history = ops.fp8_quantize(dy, grad_history, grad_scale, GRADIENT_DTYPE)
     dx = _nt(q_dy, backward_kernel, kernel_scale * grad_scale, dy.dtype)
     operands = (q_x_t, q_dy_t) if contract == 0 else (q_dy_t, q_x_t)
     dkernel = _nt(*operands, x_scale * grad_scale, dy.dtype)
     scales = (x_scale, kernel_scale, grad_scale)
-    histories = (x_history, kernel_history, _with_amax(grad_history, dy_amax))
+    histories = (x_history, kernel_history, grad_history)
     return dx, dkernel, scales, histories
 
 

@@ -72,6 +72,7 @@ def test_slow_first_steps_are_the_warm_up_and_every_window_draws_the_meters_powe
     assert summary["energy_j"] + summary["compilation"]["energy_j"] < loop_energy < summary["wall_energy_j"]
     lines = describe_windows(summary, lambda record: f"{record['examples_per_s']:.1f} examples/s")
     assert lines[0].startswith(f"  steady      {steady['steps']} steps, ") and "at 10 W" in lines[0]
+    assert f"/step (median; mean {steady['time_s'] / steady['steps']:.4g} s)" in lines[0]
     assert lines[1].startswith(f"  warm-up     {warmup['steps']} steps until the step time settled")
     assert "compilation" in lines[3] and "(1x)" in lines[3]
 

@@ -331,10 +331,13 @@ def describe_windows(summary: Mapping[str, Any], throughput: Callable[[Mapping[s
     )
     unnamed = summary["wall_time_s"] - summary["train_time_s"] - sum(summary[name]["time_s"] for name in tallies)
     one_time += f", other {max(unnamed, 0.0):.1f} s" + _describe_cache(summary.get("compile_cache"))
+    # Batches of several shapes step in different times: the mean, not the median, matches the rates.
+    mean_step = steady["time_s"] / steady["steps"] if steady["steps"] else None
     return [
-        f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median): "
-        f"{throughput(steady)}, {format_value(steady['tflops_per_s'])} TFLOP/s, "
-        f"MFU {format_value(steady['mfu'], '.1%')}, {format_value(steady['energy_per_step_j'], '.4g', ' J')}/step "
+        f"  steady      {steady['steps']} steps, {format_value(steady['step_time_s'], '.4g', ' s')}/step (median; "
+        f"mean {format_value(mean_step, '.4g', ' s')}): {throughput(steady)}, "
+        f"{format_value(steady['tflops_per_s'])} TFLOP/s, MFU {format_value(steady['mfu'], '.1%')}, "
+        f"{format_value(steady['energy_per_step_j'], '.4g', ' J')}/step "
         f"at {format_value(steady['power_w'], '.4g', ' W')}",
         f"  warm-up     {warmup['steps']} steps until the step time settled: {warmup['time_s']:.2f} s, "
         f"{_energy_cost(warmup)}",

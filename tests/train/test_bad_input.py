@@ -10,8 +10,10 @@ from train.gpt import task as gpt
 from train.gpt.config import GptConfig
 from train.harness.training import run_training
 from train.imdb import task as imdb
+from train.imdb.config import ImdbConfig
 from train.records.rundir import save_config
 from train.wmt import task as wmt
+from train.wmt.config import WmtConfig
 
 TASKS = {"gpt": gpt.TASK, "imdb": imdb.TASK, "wmt": wmt.TASK}
 NOT_UTF8 = "caf\xe9 au lait".encode("latin-1")  # a Latin-1 text: byte 0xe9 is no UTF-8 sequence
@@ -151,15 +153,21 @@ def test_a_failed_start_keeps_a_directory_the_user_made(tmp_path, capsys):
     assert (given / "notes.txt").read_text() == "my notes\n"
 
 
-def test_resuming_the_run_of_another_task_names_it(tmp_path, capsys):
-    run_dir = tmp_path / "gpt-run"
+@pytest.mark.parametrize(
+    "saved_task, saved_config, task, article",
+    [("gpt", GptConfig, "imdb", "a"), ("wmt", WmtConfig, "imdb", "a"), ("imdb", ImdbConfig, "wmt", "an")],
+)
+def test_resuming_the_run_of_another_task_names_it(saved_task, saved_config, task, article, tmp_path, capsys):
+    """Named before any of the saved fields is checked: they are the other task's."""
+    run_dir = tmp_path / f"{saved_task}-run"
     run_dir.mkdir()
-    save_config(run_dir, {"task": "gpt", "run_id": "20261128T000000Z-000000", **GptConfig().to_dict()})
+    save_config(run_dir, {"task": saved_task, "run_id": "20261128T000000Z-000000", **saved_config().to_dict()})
     before = sorted(run_dir.iterdir())
-    code, err = run("imdb", ["--resume", str(run_dir)], capsys)
+    code, err = run(task, ["--resume", str(run_dir)], capsys)
     assert code == 2
     assert err == (
-        f"error: --resume {run_dir}: that is a gpt run; resume it with python -m train.gpt --resume {run_dir}\n"
+        f"error: --resume {run_dir}: that is {article} {saved_task} run; resume it with python -m "
+        f"train.{saved_task} --resume {run_dir}\n"
     )
     assert sorted(run_dir.iterdir()) == before
 

@@ -186,9 +186,11 @@ def _type_name(hint: Any) -> str:
 def check_task(saved: Mapping[str, Any] | None, task: str, resume: str | None) -> None:
     """Raises UsageError when ``--resume`` names the run directory of another task."""
     if saved is not None and saved.get("task", task) != task:
+        other = saved["task"]
+        article = "an" if other[0] in "aeiou" else "a"
         raise UsageError(
-            f"--resume {resume}: that is a {saved['task']} run; resume it with "
-            f"python -m train.{saved['task']} --resume {resume}"
+            f"--resume {resume}: that is {article} {other} run; resume it with "
+            f"python -m train.{other} --resume {resume}"
         )
 
 

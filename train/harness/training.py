@@ -152,8 +152,8 @@ def _start(task: Task, argv: list[str], clock: StartupClock) -> int:
         check_resume_directory(given)
         saved = load_saved_config(given["resume"])
         saved_path = rundir.config_path(given["resume"])
+        config_lib.check_task(saved, task.name, given["resume"])  # before its fields, which are another task's
         config_lib.check_saved(task.config_type, saved, saved_path, given)
-    config_lib.check_task(saved, task.name, given.get("resume"))
     config = task.resolve_config(given, saved)
     cli.check_environment()
     cli.quiet_libraries(config.verbose)

@@ -40,6 +40,42 @@ def test_resume_of_a_finished_run_is_a_no_op_then_extends(tmp_path, capsys):
     assert [r["step"] for r in records if r["type"] == "interval"] == list(range(1, 10))
 
 
+def test_a_run_log_whose_last_line_a_kill_cut_short_resumes(tmp_path, capsys):
+    """A process killed while writing leaves a partial last line: the resume drops it and goes on."""
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "4"]) == 0
+    path = run_dir / runlog.LOG_FILENAME
+    text = path.read_text()
+    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])  # half of the summary record
+    capsys.readouterr()
+    assert toy_task.main(["--resume", str(run_dir), "--steps", "6"]) == 0
+    records = runlog.read(path)
+    assert [r["step"] for r in records if r["type"] == "interval"] == list(range(1, 7))
+    assert records[-1]["type"] == "summary" and records[-1]["completed"] and records[-1]["steps"] == 6
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(runlog.LOG_FILENAME)) == [runlog.LOG_FILENAME]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda data: data.replace(b'"type": "interval"', b'"type": \x99"interval"', 1), "not a UTF-8 text file"),
+        (lambda data: data.replace(b'"type": "interval"', b'"type": #"interval"', 1), ":2: not valid JSON"),
+    ],
+    ids=["flipped bytes", "a broken line"],
+)
+def test_a_damaged_run_log_stops_a_resume_with_one_line(damage, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "4"]) == 0
+    path = run_dir / runlog.LOG_FILENAME
+    path.write_bytes(damage(path.read_bytes()))
+    damaged = path.read_bytes()
+    capsys.readouterr()
+    assert toy_task.main(["--resume", str(run_dir), "--steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}") and message in err and err.count("\n") == 1, err
+    assert path.read_bytes() == damaged
+
+
 def test_a_resume_names_the_flags_it_changes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2"]) == 0

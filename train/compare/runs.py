@@ -254,31 +254,6 @@ def _run(source: Path, run_record: dict[str, Any], run_where: str, summary: dict
     )
 
 
-def read_records(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
-    """(line number, record) pairs of a JSONL file, and whether its last line was cut short.
-
-    A process killed while writing leaves a partial last line; that line is dropped (its run then lacks a
-    summary and is skipped). Unparsable lines elsewhere are an error.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a UTF-8 text file, so not a run log") from None
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
-    records = []
-    for position, (number, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            if position == len(lines) - 1:
-                return records, True
-            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-            raise ValueError(f"{path}:{number}: a run-log record must be a JSON object with a string 'type'")
-        records.append((number, record))
-    return records, False
-
-
 def is_run_log(path: Path) -> bool:
     """Whether a JSONL file starts with a run-log ``run`` record."""
     with path.open(encoding="utf-8", errors="replace") as file:
@@ -295,7 +270,7 @@ def read_run_log(path: Path) -> tuple[list[LoggedRun], list[str]]:
 
     A log normally holds one run; every ``run`` record starts a new one (e.g. logs concatenated with ``cat``).
     """
-    records, truncated = read_records(path)
+    records, truncated = runlog.read_numbered(path)
     if not records:
         raise ValueError(f"{path}: holds no complete run-log record")
     number, first = records[0]

@@ -32,6 +32,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from train.errors import UsageError
+
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)
 LOG_FILENAME = "run.jsonl"
@@ -382,10 +384,42 @@ def _append(fd: int, data: bytes) -> None:
         raise
 
 
+class DamagedRunLog(UsageError, ValueError):
+    """A run log that cannot be read back: not UTF-8 text, or a line before its last that is not a record."""
+
+
+def read_numbered(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+    """(line number, record) pairs of a run log as written, and whether its last line was cut short.
+
+    A process killed while writing leaves a partial last line; that line is dropped. Anything else that is not a
+    record raises `DamagedRunLog`, naming the line.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DamagedRunLog(f"{path}: not a UTF-8 text file, so not a run log (damaged?)") from None
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    records = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if position == len(lines) - 1:
+                return records, True
+            raise DamagedRunLog(
+                f"{path}:{number}: not valid JSON ({err.msg}); the run log is damaged there: repair or delete that "
+                "line"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+            raise DamagedRunLog(f"{path}:{number}: a run-log record must be a JSON object with a string 'type'")
+        records.append((number, record))
+    return records, False
+
+
 def read(path: Path) -> list[dict[str, Any]]:
-    """The records of a run log, each in this version's form (`upgrade`) whichever schema wrote it."""
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    """The records of a run log (a cut-short last line dropped, `read_numbered`), each in this version's form
+    (`upgrade`) whichever schema wrote it."""
+    records = [record for _, record in read_numbered(path)[0]]
     schema = records[0].get("schema", SCHEMA_VERSION) if records and records[0].get("type") == "run" else SCHEMA_VERSION
     return [upgrade(record, schema) for record in records]
 
@@ -413,7 +447,10 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
         for r in read(path)
         if r["type"] == "run" or (r["type"] in ("interval", "eval") and r["step"] <= step)
     ]
-    path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+    # Written beside the log, then renamed over it: a kill or a full disk leaves the old log or the new, whole.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+    os.replace(partial, path)
 
 
 # --------------------------------------------------------------------------------------- run identity

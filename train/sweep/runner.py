@@ -87,7 +87,7 @@ def _summary(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / runlog.LOG_FILENAME
     if not path.exists():
         return None
-    records, _ = run_logs.read_records(path)
+    records, _ = runlog.read_numbered(path)
     schema = records[0][1].get("schema", runlog.SCHEMA_VERSION) if records else runlog.SCHEMA_VERSION
     summaries = [runlog.upgrade(record, schema) for _, record in records if record["type"] == "summary"]
     return summaries[-1] if summaries else None

@@ -59,7 +59,9 @@ class StopSignals:
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """A phase a signal ends at once; one that came before it ends it on entry."""
+        """A phase a signal ends at once; one that came before it ends it on entry. Where code inside swallowed the
+        `Interrupted` (a garbage-collection callback, JAX's read of its compilation cache), the phase ends when that
+        code returns."""
         if self.received is not None:
             raise Interrupted(self.received)
         self._interruptible = True
@@ -67,6 +69,8 @@ class StopSignals:
             yield
         finally:
             self._interruptible = False
+        if self.received is not None:
+            raise Interrupted(self.received)
 
     def __enter__(self) -> StopSignals:
         for signum in self.SIGNALS:

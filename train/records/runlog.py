@@ -407,8 +407,7 @@ def read_numbered(path: Path) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
             if position == len(lines) - 1:
                 return records, True
             raise DamagedRunLog(
-                f"{path}:{number}: not valid JSON ({err.msg}); the run log is damaged there: repair or delete that "
-                "line"
+                f"{path}:{number}: not valid JSON ({err.msg}); the run log is damaged there: repair or delete that line"
             ) from None
         if not isinstance(record, dict) or not isinstance(record.get("type"), str):
             raise DamagedRunLog(f"{path}:{number}: a run-log record must be a JSON object with a string 'type'")

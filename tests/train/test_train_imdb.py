@@ -245,6 +245,7 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         (lambda d, c: ["--resume", str(d)], "no config.json there"),
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (lambda d, c: ["--preset", "bert-huge"], "--preset bert-huge: unknown; choose from bert-tiny"),
+        (lambda d, c: csv_job(c, d / "r", "--vocab-size", "5"), "--vocab-size 5: a vocabulary of 5 pieces cannot"),
     ],
     ids=[
         "missing-file",
@@ -260,6 +261,7 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         "resume-not-a-run",
         "ffi-without-cuda",
         "unknown-preset",
+        "vocab-too-small",
     ],
 )
 def test_bad_input_is_one_message_and_the_exit_code_of_its_class(

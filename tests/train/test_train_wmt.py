@@ -328,6 +328,10 @@ def test_fp8_trains_and_resumes_its_scaling_state_exactly(tmp_path, corpus_dir, 
             lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "5"),
             "--spm-vocab-size 5: a vocabulary of 5 pieces cannot hold this corpus: sentencepiece needs at least",
         ),
+        (
+            lambda d, c: small_job(c, d / "r", "--spm-vocab-size", "3"),
+            "--spm-vocab-size 3: a vocabulary of 3 pieces cannot hold this corpus: sentencepiece needs at least",
+        ),
     ],
     ids=[
         "missing-dir",
@@ -342,6 +346,7 @@ def test_fp8_trains_and_resumes_its_scaling_state_exactly(tmp_path, corpus_dir, 
         "ffi-without-cuda",
         "master-weights-fp32",
         "spm-vocab-too-small",
+        "spm-vocab-below-the-special-pieces",
     ],
 )
 def test_bad_input_is_one_message_and_the_exit_code_of_its_class(

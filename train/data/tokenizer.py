@@ -15,6 +15,8 @@ from typing import Any, Iterable, Sequence
 
 import sentencepiece as spm
 
+from train.errors import UsageError
+
 SPECIAL_IDS = {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
 MODEL_FILENAME = "spm.model"
 # sentencepiece's check that the vocabulary holds every character of the text plus the special pieces
@@ -29,7 +31,12 @@ class VocabularyTooSmall(ValueError):
             f"a vocabulary of {vocab_size} pieces cannot hold this corpus: sentencepiece needs at "
             f"least {minimum} (every character of the text plus the {len(SPECIAL_IDS)} special pieces)"
         )
+        self.vocab_size = vocab_size
         self.minimum = minimum
+
+    def for_flag(self, flag: str) -> UsageError:
+        """This error as the one line of the flag that asked for the vocabulary size."""
+        return UsageError(f"{flag} {self.vocab_size}: {self}; pass {flag} {self.minimum} or more")
 
 
 def _check_special_ids(processor: spm.SentencePieceProcessor, path: Path) -> None:
@@ -87,11 +94,15 @@ def train(
     """
     path = Path(path)
     spm.set_random_generator_seed(seed)
+    # Below one piece beyond the special ones sentencepiece fails without naming the size it needs; trained at
+    # that size, it names it (or the corpus fits, and that size is the minimum).
+    smallest = len(SPECIAL_IDS) + 1
     with open(path, "wb") as model_file:
         _train_into(
             model_file,
+            vocab_size,
             sentence_iterator=iter(sentences),
-            vocab_size=vocab_size,
+            vocab_size=max(vocab_size, smallest),
             model_type=model_type,
             character_coverage=character_coverage,
             input_sentence_size=max_sentences,
@@ -103,18 +114,21 @@ def train(
             unk_id=SPECIAL_IDS["unk"],
             minloglevel=2,
         )
+    if vocab_size < smallest:
+        raise VocabularyTooSmall(vocab_size, smallest)
     return load(path)
 
 
-def _train_into(model_file: Any, **options: Any) -> None:
-    """``SentencePieceTrainer.Train`` writing to ``model_file``, its too-small-vocabulary check as an exception."""
+def _train_into(model_file: Any, asked: int, **options: Any) -> None:
+    """``SentencePieceTrainer.Train`` writing to ``model_file``, its too-small-vocabulary check as an exception
+    about the ``asked`` size."""
     try:
         spm.SentencePieceTrainer.Train(model_writer=model_file, **options)
     except RuntimeError as err:
         match = _TOO_SMALL.search(str(err))
         if match is None:
             raise
-        raise VocabularyTooSmall(int(match.group(1)), int(match.group(2))) from None
+        raise VocabularyTooSmall(asked, int(match.group(2))) from None
 
 
 def copy_into(source: str | os.PathLike, run_dir: Path) -> Path:

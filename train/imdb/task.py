@@ -53,7 +53,10 @@ def _vocabulary(config: ImdbConfig, run_dir: Path, train: imdb_data.Split) -> im
     # Every host trains the same (deterministic) vocabulary; only process 0 keeps its file.
     with tempfile.TemporaryDirectory() as scratch:
         path = own_copy if jax.process_index() == 0 else Path(scratch) / tokenizer_lib.MODEL_FILENAME
-        return imdb_data.train_vocabulary(train.texts, path, vocab_size=config.vocab_size, seed=config.seed)
+        try:
+            return imdb_data.train_vocabulary(train.texts, path, vocab_size=config.vocab_size, seed=config.seed)
+        except tokenizer_lib.VocabularyTooSmall as err:
+            raise err.for_flag("--vocab-size") from None
 
 
 def load_data(config: ImdbConfig, run_dir: Path) -> imdb_data.PreparedData:

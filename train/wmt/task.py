@@ -75,9 +75,7 @@ def _vocabulary(config: WmtConfig, spm_given: str | None, run_dir: Path, corpus:
                 seed=config.seed,
             )
         except tokenizer_lib.VocabularyTooSmall as err:
-            raise UsageError(
-                f"--spm-vocab-size {config.spm_vocab_size}: {err}; pass --spm-vocab-size {err.minimum} or more"
-            ) from None
+            raise err.for_flag("--spm-vocab-size") from None
 
 
 def load_data(config: WmtConfig, spm_given: str | None, run_dir: Path, max_len: int) -> wmt_data.PreparedData:

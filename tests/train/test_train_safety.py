@@ -76,6 +76,16 @@ def test_a_damaged_run_log_stops_a_resume_with_one_line(damage, message, tmp_pat
     assert path.read_bytes() == damaged
 
 
+def test_the_last_step_closes_an_interval_so_the_final_loss_is_the_last_steps(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "5", "--log-every", "2"]) == 0
+    records = runlog.read(run_dir / runlog.LOG_FILENAME)
+    intervals = [r for r in records if r["type"] == "interval"]
+    assert [r["step"] for r in intervals] == [2, 4, 5]
+    assert records[-1]["final_loss"] == intervals[-1]["loss"]
+    assert f"final loss  {intervals[-1]['loss']:.4f}" in capsys.readouterr().out
+
+
 def test_a_resume_names_the_flags_it_changes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2"]) == 0

@@ -126,7 +126,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the run in RUN_DIR from its latest checkpoint, exactly; flags given now "
         "override its saved configuration (e.g. --steps to train longer)",
     )
-    group.add_argument("--log-every", type=int, help="steps per interval record")
+    group.add_argument("--log-every", type=int, help="steps per interval record (the last step closes one too)")
     group.add_argument("--eval-every", type=int, help="steps between evaluations (0: only at the end)")
     group.add_argument(
         "--checkpoint-every", type=int, help="steps between checkpoints (one is always written at the end)"

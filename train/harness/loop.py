@@ -341,7 +341,8 @@ class Loop:
         if "fp8_overflows" in metrics:
             self.interval.fp8_overflows += int(metrics["fp8_overflows"])
         self.progress.update(1)
-        if pending.step % self.config.log_every == 0:
+        # The last step closes an interval too, so the summary's final loss is the end of training.
+        if pending.step % self.config.log_every == 0 or pending.step == self.config.num_steps:
             self._log_interval(pending.step, metrics)
         return True
 

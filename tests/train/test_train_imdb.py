@@ -246,6 +246,7 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         (lambda d, c: ["--backend", "ffi", "--run-dir", str(d / "r")], "requires the CUDA kernels"),
         (lambda d, c: ["--preset", "bert-huge"], "--preset bert-huge: unknown; choose from bert-tiny"),
         (lambda d, c: csv_job(c, d / "r", "--vocab-size", "5"), "--vocab-size 5: a vocabulary of 5 pieces cannot"),
+        (lambda d, c: csv_job(c, d / "r", "--max-seq-len", "2"), "--max-seq-len must be >= 3 ([CLS], [SEP] and a"),
     ],
     ids=[
         "missing-file",
@@ -262,6 +263,7 @@ def test_jsonl_data_trains(tmp_path, compilation_cache):  # noqa: F811
         "ffi-without-cuda",
         "unknown-preset",
         "vocab-too-small",
+        "no-room-for-text",
     ],
 )
 def test_bad_input_is_one_message_and_the_exit_code_of_its_class(

@@ -171,8 +171,8 @@ def check_config(config: ImdbConfig) -> None:
     )
     cli.check_choice(config, "preset", PRESETS)
     cli.check_implementation(config.implementation, config.remat)
-    if config.max_seq_len < 2:
-        raise UsageError(f"--max-seq-len must be >= 2 ([CLS] and [SEP]), got {config.max_seq_len}")
+    if config.max_seq_len < 3:
+        raise UsageError(f"--max-seq-len must be >= 3 ([CLS], [SEP] and a token of the text), got {config.max_seq_len}")
     if config.init_from and config.num_labels is not None:
         raise UsageError("--num-labels cannot be combined with --init-from: the checkpoint's config.json sets it")
 

@@ -86,6 +86,15 @@ def test_the_last_step_closes_an_interval_so_the_final_loss_is_the_last_steps(tm
     assert f"final loss  {intervals[-1]['loss']:.4f}" in capsys.readouterr().out
 
 
+def test_profile_steps_past_the_last_step_are_named(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "4", "--profile-steps", "6:9"]) == 0
+    assert (
+        "warning: --profile-steps 6:9 ends after the run's last step, 4: nothing is traced" in capsys.readouterr().err
+    )
+    assert not (run_dir / "profile").exists()
+
+
 def test_a_resume_names_the_flags_it_changes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "2"]) == 0

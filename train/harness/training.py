@@ -192,6 +192,16 @@ def _start(task: Task, argv: list[str], clock: StartupClock) -> int:
                 return _train(task, run)
 
 
+def _warn_profile_past_the_end(profile_steps: Sequence[int] | None, steps: int) -> None:
+    """One ``warning:`` line when ``--profile-steps`` reaches past the run's last step (with --epochs the step
+    count is known only once the data is)."""
+    if profile_steps is None or profile_steps[1] <= steps:
+        return
+    first, last = profile_steps
+    traced = "nothing is traced" if first > steps else f"steps {first}-{steps} are traced"
+    print(f"warning: --profile-steps {first}:{last} ends after the run's last step, {steps}: {traced}", file=sys.stderr)
+
+
 def check_resume_directory(given: Mapping[str, Any]) -> None:
     """Raises UsageError for ``--run-dir`` beside ``--resume`` naming another directory: a resumed run goes on in
     its own."""
@@ -331,6 +341,7 @@ def _train(task: Task, run: Run) -> int:
             )
         run.startup.mark("run_record")
         if jax.process_index() == 0:
+            _warn_profile_past_the_end(config.profile_steps, setup.steps)
             shapes = f" for {len(setup.batch_shapes)} batch shapes" if len(setup.batch_shapes) > 1 else ""
             print(f"compiling the training step{shapes}", file=sys.stderr, flush=True)
         result = Loop(

@@ -35,7 +35,12 @@ class Interrupted(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line (``prog: error: ...; see --help``), without the usage block."""
+    """argparse's parser whose errors are one line (``prog: error: ...; see --help``), without the usage block, and
+    whose flags are spelled out (``--step`` is not taken for ``--steps``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see --help\n")

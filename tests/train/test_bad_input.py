@@ -179,6 +179,7 @@ def test_resuming_the_run_of_another_task_names_it(saved_task, saved_config, tas
         (["--grad-comm-dtype", "fp16"], "argument --grad-comm-dtype: invalid choice: 'fp16' (choose from"),
         (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--step", "5"], "unrecognized arguments: --step 5"),  # not taken for --steps
     ],
 )
 def test_a_flag_argparse_refuses_is_one_line(capsys, task, flags, message):
@@ -186,3 +187,12 @@ def test_a_flag_argparse_refuses_is_one_line(capsys, task, flags, message):
         run(task, flags, capsys)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and message in err and err.endswith("; see --help\n"), err
+
+
+def test_a_run_directory_that_is_a_file_is_named_as_one(tmp_path, capsys):
+    path = tmp_path / "a.csv"
+    path.write_text("text,label\n")
+    code, err = run("wmt", ["--run-dir", str(path)], capsys)
+    assert code == 2
+    assert err == f"error: the run directory {path} is a file; name a directory (new or a run's) instead\n"
+    assert path.read_text() == "text,label\n"

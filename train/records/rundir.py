@@ -76,6 +76,8 @@ class Claim:
 def _make(path: Path) -> Path | None:
     """Creates ``path`` and its missing parents; returns the topmost directory it created (None: it existed)."""
     missing = [parent for parent in (path, *path.parents) if not parent.exists()]
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"the run directory {path} is a file; name a directory (new or a run's) instead")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

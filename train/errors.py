@@ -43,4 +43,6 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # also what a value like -1,0 (not a number) gets
+            message += " (a value that starts with '-' is given as --flag=VALUE)"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see --help\n")

@@ -180,6 +180,7 @@ def test_resuming_the_run_of_another_task_names_it(saved_task, saved_config, tas
         (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--step", "5"], "unrecognized arguments: --step 5"),  # not taken for --steps
+        (["--lr", "-1e-3,2"], "expected one argument (a value that starts with '-' is given as --flag=VALUE)"),
     ],
 )
 def test_a_flag_argparse_refuses_is_one_line(capsys, task, flags, message):

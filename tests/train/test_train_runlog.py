@@ -166,6 +166,19 @@ def test_truncate_for_resume_keeps_the_run_record_and_records_up_to_the_step(tmp
     ]
 
 
+def test_truncate_for_resume_on_a_full_disk_leaves_the_log_as_it_was(small_disk):
+    lines = [{"type": "run", "run_id": "x", "schema": 3, "note": "a" * 300}]
+    lines += [{"type": "interval", "step": step, "note": "b" * 300} for step in range(1, 20)]
+    path = small_disk / runlog.LOG_FILENAME
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    before = path.read_bytes()
+    fill(small_disk)
+    with pytest.raises(OSError, match="No space left"):
+        runlog.truncate_for_resume(small_disk, 10)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", runlog.LOG_FILENAME]
+
+
 def test_identity_fields():
     record = runlog.identity("wmt", runlog.new_run_id(), "python -m train.wmt", runlog.utc_now())
     assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", record["run_id"])

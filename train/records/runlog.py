@@ -448,8 +448,12 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
     ]
     # Written beside the log, then renamed over it: a kill or a full disk leaves the old log or the new, whole.
     partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
-    os.replace(partial, path)
+    try:
+        partial.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------------------- run identity

@@ -27,26 +27,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 from ls_jax.ops import _common
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
-def delayed_scale(history: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``s`` of the module docstring, float32[1]: Flax's ``compute_scale`` of the history's maximum, step for step
-    (two reciprocals included), so both give the same bits."""
-    fp8_max = jnp.finfo(dtype).max.astype(jnp.float32)
-    amax = jnp.max(history)
-    previous = 1.0 / scale
-    factor = jnp.where(amax > 0.0, fp8_max / amax, previous)
-    factor = jnp.where(jnp.isfinite(amax), factor, previous)
-    return 1.0 / factor
-
-
 def _quantize_xla(x, history, scale, *, dtype):
     fp8_max = jnp.finfo(dtype).max.astype(jnp.float32)
-    scale = delayed_scale(history, scale, dtype)
+    scale = fp8_ops.compute_scale(jnp.max(history), scale, fp8_max)
     inverse = 1.0 / scale.astype(x.dtype).astype(jnp.float32)
     scaled = x.astype(jnp.float32) * inverse
     q = jnp.clip(scaled, -fp8_max, fp8_max).astype(dtype)

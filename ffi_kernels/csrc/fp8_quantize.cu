@@ -11,11 +11,12 @@
 // (contracting the rows) needs the transposed copy; writing it from the same tile saves a second pass over x.
 // The blocks loop over the tiles (enough of them to fill the SMs); each computes s from the history first (4 KB at
 // Flax's 1,024 steps, read from L2) rather than waiting for another kernel to, and the last block to finish writes
-// the next history once every block's amax is in.
+// s and the next history over the previous ones once every block's amax is in.
 //
 // Target ls_fp8_quantize(x, history: f32[H], scale: f32[1]) -> (q, q_t, s: f32[1], next_history: f32[H],
-// scratch: u32[2]); q's dtype (float8_e4m3fn or float8_e5m2) picks the format. The scratch holds the amax's bits and
-// the count of finished blocks; the handler zeroes it before the launch.
+// scratch: u32[2]), s aliased to scale and next_history to history (updated in place, so a step that donates its
+// scaling state copies none of it); q's dtype (float8_e4m3fn or float8_e5m2) picks the format. The scratch holds
+// the amax's bits and the count of finished blocks; the handler zeroes it before the launch.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -55,7 +56,7 @@ __device__ float block_max(float value, float* partials) {
 
 // This step's scale from the history of the steps before, as Flax's compute_scale (margin 0), division for
 // division: IEEE-rounded divisions give its bits.
-__device__ float delayed_scale(const float* __restrict__ history, int64_t length, float previous, float fp8_max,
+__device__ float delayed_scale(const float* history, int64_t length, float previous, float fp8_max,
                                float* partials) {
   float amax = -INFINITY;
   for (int64_t i = threadIdx.x; i < length; i += kThreads) amax = max_with(amax, history[i]);
@@ -65,11 +66,24 @@ __device__ float delayed_scale(const float* __restrict__ history, int64_t length
   return 1.0f / factor;
 }
 
-struct History {
-  const float* in;
-  float* out;
+// The amax history and the scale, read by every block and overwritten by the last one to finish.
+struct ScalingState {
+  float* history;
   int64_t length;
+  float* scale;
 };
+
+// jnp.roll(history, -1) with [0] = amax, in place, by the block's threads: each pass reads the kThreads values its
+// threads will write next (one past each, the first element kept for the end) before any is overwritten.
+__device__ void roll_in_amax(float* history, int64_t length, float amax) {
+  const float first = history[0];
+  for (int64_t base = 0; base < length; base += kThreads) {
+    const int64_t i = base + threadIdx.x;
+    const float next = i + 1 < length ? history[i + 1] : first;
+    __syncthreads();  // every thread of this pass has read before any writes
+    if (i < length) history[i] = i == 0 ? amax : next;
+  }
+}
 
 // One kTile x kTile tile at (row0, col0): q from the rows of x, q_t from the tile staged in shared memory; the
 // running |x| maximum of this thread in `amax`. Every thread of the block calls it (it holds a barrier).
@@ -130,18 +144,18 @@ __device__ void quantize_tile(const T* __restrict__ x, uint8_t* __restrict__ q, 
 // A grid-stride loop over the tiles: each block computes the scale once, however many tiles it quantizes.
 template <typename T, __nv_fp8_interpretation_t Format>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    quantize_kernel(const T* __restrict__ x, History history, const float* __restrict__ previous_scale,
-                    float* __restrict__ scale_out, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
+    quantize_kernel(const T* __restrict__ x, ScalingState state, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
                     unsigned int* __restrict__ scratch, int64_t rows, int64_t cols, bool vector_rows,
                     bool vector_cols) {
   __shared__ uint8_t tile[kTile][kPitch];
   __shared__ float partials[kThreads / 32];
   __shared__ bool last_block;
   __shared__ float grid_amax;
+  __shared__ float scale;  // kept for the last block's write, out of the loop's registers
   const float fp8_max = Format == __NV_E4M3 ? 448.0f : 57344.0f;
-  const float scale = delayed_scale(history.in, history.length, *previous_scale, fp8_max, partials);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
-  const float inverse = 1.0f / round_to<T>(scale);
+  const float s = delayed_scale(state.history, state.length, *state.scale, fp8_max, partials);
+  if (threadIdx.x == 0) scale = s;
+  const float inverse = 1.0f / round_to<T>(s);
   float amax = 0.0f;
   const int64_t col_tiles = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * col_tiles;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -151,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 
   // The block's amax into the grid's (a non-negative float, NaN included, orders as its bits); the last block to
-  // finish writes the next history with it.
+  // finish, when every block has read the history and the previous scale, writes s and the next history.
   amax = block_max(amax, partials);
   if (threadIdx.x == 0) {
     atomicMax(&scratch[0], __float_as_uint(amax));
@@ -165,15 +179,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     grid_amax = __uint_as_float(atomicOr(&scratch[0], 0u));  // every block's amax is in
   }
   __syncthreads();
-  // jnp.roll(history, -1) with [0] = amax. Reads history.in while writing history.out: the two never alias (the op
-  // returns a new history; an in-place update would need the history staged in shared memory first).
-  for (int64_t i = threadIdx.x; i < history.length; i += kThreads)
-    history.out[i] = i == 0 ? grid_amax : history.in[i + 1 < history.length ? i + 1 : 0];
+  if (threadIdx.x == 0) *state.scale = scale;
+  roll_in_amax(state.history, state.length, grid_amax);
 }
 
 template <typename T, __nv_fp8_interpretation_t Format>
-ffi::Error launch(cudaStream_t stream, const T* x, History history, const float* scale, float* scale_out, uint8_t* q,
-                  uint8_t* q_t, unsigned int* scratch, int64_t rows, int64_t cols) {
+ffi::Error launch(cudaStream_t stream, const T* x, ScalingState state, uint8_t* q, uint8_t* q_t,
+                  unsigned int* scratch, int64_t rows, int64_t cols) {
   const cudaError_t zeroed = cudaMemsetAsync(scratch, 0, 2 * sizeof(unsigned int), stream);
   if (zeroed != cudaSuccess)
     return ffi::Error::Internal(std::string("zeroing the scratch failed: ") + cudaGetErrorString(zeroed));
@@ -184,7 +196,7 @@ ffi::Error launch(cudaStream_t stream, const T* x, History history, const float*
   const bool vector_cols = cols % kChunk == 0 && is_aligned(x, 16) && is_aligned(q, 16);
   const bool vector_rows = rows % kChunk == 0 && is_aligned(q_t, 16);
   quantize_kernel<T, Format><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, history, scale, scale_out, q, q_t, scratch, rows, cols, vector_rows, vector_cols);
+      x, state, q, q_t, scratch, rows, cols, vector_rows, vector_cols);
   return launch_error("quantize_kernel");
 }
 
@@ -202,6 +214,10 @@ ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   LS_RETURN_IF_ERROR(require(scale.element_count() == 1, "scale must hold one float32"));
   LS_RETURN_IF_ERROR(require(scale_out->element_count() == 1, "the scale result must hold one float32"));
   LS_RETURN_IF_ERROR(require(scratch->element_count() == 2, "scratch must hold two uint32"));
+  LS_RETURN_IF_ERROR(require(next_history->typed_data() == history.typed_data() &&
+                                 scale_out->typed_data() == scale.typed_data(),
+                             "next_history and s must alias history and scale (input_output_aliases {1: 3, 2: 2}): "
+                             "the kernel updates them in place"));
   LS_RETURN_IF_ERROR(require_same_shape("q", *q, "x", x));
   const auto t_dims = q_t->dimensions();
   LS_RETURN_IF_ERROR(require(t_dims.size() == 2 && t_dims[0] == cols && t_dims[1] == rows,
@@ -213,13 +229,12 @@ ffi::Error fp8_quantize(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   LS_RETURN_IF_ERROR(require(q_t->element_type() == format, "q_t must have q's dtype"));
   auto* out = static_cast<uint8_t*>(q->untyped_data());
   auto* out_t = static_cast<uint8_t*>(q_t->untyped_data());
-  const History state{history.typed_data(), next_history->typed_data(), length};
+  const ScalingState state{next_history->typed_data(), length, scale_out->typed_data()};
   return dispatch_float(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(x.untyped_data());
     auto run = [&](auto launcher) {
-      return launcher(stream, in, state, scale.typed_data(), scale_out->typed_data(), out, out_t,
-                      scratch->typed_data(), rows, cols);
+      return launcher(stream, in, state, out, out_t, scratch->typed_data(), rows, cols);
     };
     if (format == ffi::DataType::F8E4M3FN) return run(launch<T, __NV_E4M3>);
     return run(launch<T, __NV_E5M2>);
@@ -232,8 +247,8 @@ LS_FFI_TARGET(ls_fp8_quantize, fp8_quantize,
               ffi::Ffi::Bind()
                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                   .Arg<ffi::AnyBuffer>()    // x
-                  .Arg<ffi::Buffer<ffi::F32>>()  // history
-                  .Arg<ffi::Buffer<ffi::F32>>()  // scale (the previous step's)
+                  .Arg<ffi::Buffer<ffi::F32>>()  // history (aliased to next_history)
+                  .Arg<ffi::Buffer<ffi::F32>>()  // scale, the previous step's (aliased to s)
                   .Ret<ffi::AnyBuffer>()    // q
                   .Ret<ffi::AnyBuffer>()    // q_t
                   .Ret<ffi::Buffer<ffi::F32>>()  // s, this step's scale

@@ -16,8 +16,9 @@ boundary can round to the neighbouring FP8 value there.
 An FP8 GEMM on Hopper takes both operands with the contracted axis innermost, so the product that contracts the
 rows (a weight gradient, ``q_t @ ...``) needs ``q_t``. The kernel computes ``s``, writes both layouts and the next
 history in one pass over x, where XLA runs a reduction of the history, the cast and transpose, a reduction of x and
-an update of the history. Quantization is a step inside an FP8 product's forward and backward, not a function to
-differentiate: the op has no gradient.
+an update of the history; it writes ``s`` and the next history over the buffers of ``scale`` and ``history``, so a
+jitted step that donates them updates them in place. Quantization is a step inside an FP8 product's forward and
+backward, not a function to differentiate: the op has no gradient.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def _quantize_ffi(x, history, scale, *, dtype):
         jax.ShapeDtypeStruct(history.shape, jnp.float32),
         jax.ShapeDtypeStruct((2,), jnp.uint32),  # the kernel's amax and finished-block count
     )
-    q, q_t, scale, next_history, _ = jax.ffi.ffi_call("ls_fp8_quantize", results, vmap_method="sequential")(
-        x, history, scale
-    )
+    # The kernel overwrites the history and the scale: a step that donates them copies neither.
+    quantize = jax.ffi.ffi_call("ls_fp8_quantize", results, vmap_method="sequential", input_output_aliases={1: 3, 2: 2})
+    q, q_t, scale, next_history, _ = quantize(x, history, scale)
     return q, q_t, scale, next_history
 
 

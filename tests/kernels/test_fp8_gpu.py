@@ -2,6 +2,8 @@
 products of a step; at small sizes and with its Triton GEMMs allowed, XLA may pick Triton for the backward's) and
 agree with bf16 as closely as on a CPU."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,26 @@ def test_a_dense_step_runs_three_fp8_gemms():
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, x)
     hlo = lowered.compile(fp8.compiler_options("gpu")).as_text()  # as the CLIs compile: cuBLAS only
     assert hlo.count(FP8_GEMM) == 3  # forward, dx, dW
+
+
+def test_a_step_that_donates_the_scaling_state_updates_it_in_place():
+    """fp8_quantize writes each scale and history over its input: compiled with the state donated, as the training
+    CLIs compile their steps, the step copies none of the three scales and histories (it did copy each when the
+    kernel wrote them to buffers of their own)."""
+    dense, variables, x = _dense_and_input()
+    rest, scaling = fp8.split_scaling(variables)
+
+    def step(scaling, rest, x):
+        def loss(scaling):
+            y = dense.apply(fp8.with_scaling(rest, scaling), x)
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        return fp8.new_scaling(jax.grad(loss)(scaling))
+
+    lowered = jax.jit(step, donate_argnums=0).lower(scaling, rest, x)
+    hlo = lowered.compile(fp8.compiler_options("gpu")).as_text()
+    assert hlo.count('custom_call_target="ls_fp8_quantize"') == 3
+    assert re.findall(r"= f32\[\d*\]\{0\} copy\(", hlo) == []
 
 
 @pytest.mark.slow  # a whole model step

@@ -1,13 +1,14 @@
 """GPU: the fp8_quantize kernel against the NumPy reference, bit for bit, and against the XLA implementation (within
 one FP8 step: XLA's GPU division is not correctly rounded)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.fp8_reference import bits, history_for, reference, sample
 from helpers.kernels import kernel_targets, on_backend
 
-from ls_jax import ops
+from ls_jax import backend, ops
 
 pytestmark = pytest.mark.gpu
 
@@ -42,6 +43,32 @@ def test_kernel_matches_the_reference_bit_for_bit(shape, dtype, fp8):
     np.testing.assert_array_equal(bits(xla_t), bits(xla_q).T)
     assert float(xla_scale[0]) == pytest.approx(float(want_scale), rel=3e-7)  # two ulps
     np.testing.assert_array_equal(np.asarray(xla_history), want_history)
+
+
+@pytest.mark.parametrize("length", [255, 257, 600])
+def test_the_history_rolls_in_place_across_the_blocks_passes(length):
+    """The last block rolls the history over itself kThreads (256) values a pass: lengths off that multiple."""
+    x = sample((130, 70), jnp.bfloat16, seed=length)
+    history = history_for(0.75, jnp.float8_e4m3fn, length=length, seed=length)
+    args = (jnp.asarray(x), jnp.asarray(history), jnp.asarray([7.0], jnp.float32))
+    _, _, scale, next_history = on_backend("ffi", _quantize(jnp.float8_e4m3fn), *args)
+    _, _, want_scale, want_history = reference(x, history, 7.0, jnp.float8_e4m3fn)
+    assert scale[0] == want_scale
+    np.testing.assert_array_equal(np.asarray(next_history), want_history)
+
+
+def test_donated_state_advances_step_by_step():
+    """As a training step runs it: the history and scale donated, each call's results the next call's inputs."""
+    with backend.use("ffi"):
+        run = jax.jit(lambda x, h, s: ops.fp8_quantize(x, h, s, jnp.float8_e5m2)[2:], donate_argnums=(1, 2))
+        history, scale = jnp.zeros(300, jnp.float32), ONES * 7
+        want_history, want_scale = np.zeros(300, np.float32), np.float32(7.0)
+        for step in range(4):
+            x = sample((96, 200), jnp.bfloat16, seed=step) * (step + 1)
+            scale, history = run(jnp.asarray(x), history, scale)
+            _, _, want_scale, want_history = reference(x, want_history, want_scale, jnp.float8_e5m2)
+            assert scale[0] == want_scale
+            np.testing.assert_array_equal(np.asarray(history), want_history)
 
 
 def test_infinities_saturate_to_the_largest_value():

@@ -1,6 +1,8 @@
 """ls_jax.ops.fp8_quantize against a NumPy reference of the quantization and delayed scaling Flax's FP8 ops define
 (the XLA implementation; tests/kernels/test_kernels_quantize.py holds the CUDA kernel to the same reference)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +103,17 @@ def test_bad_input_is_one_line(args, message):
 def test_a_dtype_that_is_not_fp8_is_one_line():
     with pytest.raises(ValueError, match="dtype must be float8_e4m3fn"):
         fp8_quantize(jnp.zeros((2, 3)), jnp.zeros(4), jnp.ones(1), jnp.bfloat16)
+
+
+def test_the_cuda_kernel_updates_the_history_and_scale_in_place(monkeypatch):
+    """Lowered for CUDA with kernels enabled, the call aliases history to next_history and scale to s (operands 1
+    and 2 to results 3 and 2): a step that donates its scaling state then copies none of it."""
+    from ls_jax import backend
+
+    monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
+    step = jax.jit(lambda x, history, scale: fp8_quantize(x, history, scale, jnp.float8_e4m3fn), donate_argnums=(1, 2))
+    args = (jnp.zeros((64, 32), jnp.bfloat16), jnp.zeros(16, jnp.float32), jnp.ones(1, jnp.float32))
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "custom_call @ls_fp8_quantize" in line)
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call)
+    assert sorted(aliases) == [("2", "2"), ("3", "1")]

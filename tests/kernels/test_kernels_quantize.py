@@ -45,7 +45,7 @@ def test_kernel_matches_the_reference_bit_for_bit(shape, dtype, fp8):
     np.testing.assert_array_equal(np.asarray(xla_history), want_history)
 
 
-@pytest.mark.parametrize("length", [255, 257, 600])
+@pytest.mark.parametrize("length", [1, 255, 256, 257, 512, 600])
 def test_the_history_rolls_in_place_across_the_blocks_passes(length):
     """The last block rolls the history over itself kThreads (256) values a pass: lengths off that multiple."""
     x = sample((130, 70), jnp.bfloat16, seed=length)

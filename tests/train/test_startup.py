@@ -70,3 +70,40 @@ def test_a_cli_run_names_its_start_up_and_its_wall_time(tmp_path):
     assert named <= summary["wall_time_s"] < named + 0.25
     assert "  start-up    imports " in done.stdout
     assert json.loads((run_dir / "config.json").read_text())["task"] == "toy"
+
+
+def test_a_resumed_run_keeps_the_wall_time_after_its_last_checkpoint(tmp_path):
+    """The final evaluation and the final checkpoint's wait come after the checkpoint saves the counters; a run
+    resumed from it still counts them, from the summary the earlier segment wrote."""
+    from helpers import toy_task
+    from helpers.toy_runs import QUIET
+
+    run_dir = tmp_path / "run"
+    log = run_dir / runlog.LOG_FILENAME
+    assert toy_task.main(["--run-dir", str(run_dir), *QUIET, "--steps", "4", "--eval-seconds", "0.5"]) == 0
+    first = runlog.read(log)[-1]
+    assert first["evaluation"]["count"] == 1 and first["evaluation"]["time_s"] >= 0.5
+    assert toy_task.main(["--resume", str(run_dir), "--steps", "8"]) == 0
+    second = runlog.read(log)[-1]
+    assert [r["type"] for r in runlog.read(log)].count("summary") == 1
+    assert second["evaluation"]["count"] == 2
+    assert second["evaluation"]["time_s"] >= first["evaluation"]["time_s"] + 0.5
+    assert second["checkpoints"]["count"] > first["checkpoints"]["count"]
+    assert (
+        second["wall_time_s"] >= first["wall_time_s"] + second["evaluation"]["time_s"] - first["evaluation"]["time_s"]
+    )
+    named = second["train_time_s"] + sum(second[name]["time_s"] for name in ONE_TIME)
+    assert named <= second["wall_time_s"] < named + 0.5
+
+
+def test_work_after_a_checkpoint_missing_from_an_older_summary_is_left_as_saved():
+    from train.costs.windows import Tally
+    from train.harness.progress import Counters
+
+    counters = Counters(wall_time_s=10.0, evaluation=Tally(1, 2.0, 3.0))
+    counters.add_work_after_checkpoint(
+        {"wall_time_s": 14.0, "wall_energy_j": 50.0, "checkpoints": {"count": 2, "time_s": 1.5, "energy_j": None}}
+    )
+    assert counters.evaluation == Tally(1, 2.0, 3.0)
+    assert counters.checkpoints == Tally(2, 1.5, None)
+    assert (counters.wall_time_s, counters.wall_energy_j) == (14.0, 50.0)

@@ -77,6 +77,19 @@ class Counters:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def add_work_after_checkpoint(self, summary: Mapping[str, Any]) -> None:
+        """Takes the one-time work and wall time from ``summary``, the summary record of the segment that ended
+        at the checkpoint these counters came from: its final checkpoint's wait, final evaluation and the rest of
+        its wall time came after the checkpoint saved the counters. A tally the summary does not hold (a log of
+        an earlier version) stays as the checkpoint saved it."""
+        for name in _TALLIES:
+            part = summary.get(name)
+            if isinstance(part, Mapping) and part.get("count", -1) >= getattr(self, name).count:
+                setattr(self, name, Tally(part["count"], part["time_s"], part.get("energy_j")))
+        if summary.get("wall_time_s", -1.0) >= self.wall_time_s:
+            self.wall_time_s = summary["wall_time_s"]
+            self.wall_energy_j = summary.get("wall_energy_j")
+
     def add_startup_parts(self, parts: Mapping[str, float]) -> None:
         """Adds a segment's start-up parts (`train.harness.startup.PARTS`, seconds each)."""
         for name, seconds in parts.items():

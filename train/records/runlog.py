@@ -433,6 +433,13 @@ def upgrade(record: dict[str, Any], schema: int) -> dict[str, Any]:
     return {**{key: value for key, value in record.items() if key not in LEGACY_QUALITY_KEYS}, "metrics": metrics}
 
 
+def summary_at(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The run log's summary record if the run it closes stopped at ``step`` (a resumed run's checkpoint), else
+    None (no summary: the process was killed; another step: the steps after the checkpoint are trained again)."""
+    summaries = [r for r in read(Path(run_dir) / LOG_FILENAME) if r["type"] == "summary"]
+    return summaries[-1] if summaries and summaries[-1].get("steps") == step else None
+
+
 def truncate_for_resume(run_dir: Path, step: int) -> None:
     """Rewrites a run log as it was when the checkpoint at ``step`` was written.
 

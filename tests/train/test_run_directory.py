@@ -100,3 +100,41 @@ def test_a_start_that_fails_before_training_leaves_no_new_directory(tmp_path):
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done.stderr
     assert not (tmp_path / "runs").exists()  # made by the start, parents included: removed
     assert given.is_dir() and list(given.iterdir()) == [given / LOCK_FILENAME]  # the user's: kept
+
+
+def test_a_new_run_refuses_a_directory_of_other_files_and_leaves_it_as_it_was(tmp_path):
+    given = tmp_path / "notes"
+    given.mkdir()
+    for name in ("todo.txt", "data.csv", "plots", "b.txt"):
+        (given / name).write_text(name)
+    (given / ".hidden").write_text("")
+    before = snapshot(given)
+    done = subprocess.run(
+        [sys.executable, "-m", "helpers.toy_task", "--run-dir", str(given), *QUIET],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"error: --run-dir {given} holds files that are not a run's (b.txt, data.csv, plots and 1 more); a new run "
+        "needs a new or empty directory: pass another --run-dir\n"
+    )
+    assert snapshot(given) == before  # nothing written there, no lock file either
+
+
+def test_the_run_directory_names_every_file_the_tools_write_there():
+    from train.data import tokenizer
+    from train.gpt import samples
+    from train.harness import training
+    from train.records import rundir
+    from train.sweep import runner
+
+    assert {
+        tokenizer.MODEL_FILENAME,
+        samples.SAMPLES_FILENAME,
+        training.PROFILE_DIR,
+        runner.MARKER,
+    } <= rundir.RUN_ENTRIES

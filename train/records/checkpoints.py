@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "damaged-checkpoints"  # beside CHECKPOINT_DIR: the checkpoints a resume could not read
 
 
 class CheckpointMismatchError(ValueError):
@@ -271,10 +272,9 @@ class Checkpoints:
         self._manager.reload()
 
     def set_aside(self, step: int) -> Path:
-        """Moves a damaged checkpoint out of the way (to ``damaged-checkpoints/<step>`` beside the checkpoints),
-        keeping its files
-        for inspection, so the run can write that step again."""
-        target = self.directory.parent / "damaged-checkpoints" / str(step)
+        """Moves a damaged checkpoint out of the way (to `DAMAGED_DIR`/<step> beside the checkpoints), keeping its
+        files for inspection, so the run can write that step again."""
+        target = self.directory.parent / DAMAGED_DIR / str(step)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(target, ignore_errors=True)
         (self.directory / str(step)).rename(target)

@@ -21,10 +21,27 @@ import jax
 
 from train.errors import UsageError
 from train.records import runlog
-from train.records.checkpoints import CHECKPOINT_DIR, complete_steps
-from train.records.lock import DirectoryInUse, RunDirectoryLock
+from train.records.checkpoints import CHECKPOINT_DIR, DAMAGED_DIR, complete_steps
+from train.records.lock import LOCK_FILENAME, DirectoryInUse, RunDirectoryLock
 
 CONFIG_FILENAME = "config.json"
+# What a run, or a start of one that failed, leaves in its directory, and the marker a sweep writes into it first
+# (the tokenizer's model, GPT's samples, the profiler's traces and the sweep's marker are named by the modules that
+# write them: `train.data.tokenizer`, `train.gpt.samples`, `train.harness.training`, `train.sweep.runner`).
+RUN_ENTRIES = frozenset(
+    {
+        CONFIG_FILENAME,
+        runlog.LOG_FILENAME,
+        runlog.TENSORBOARD_DIR,
+        CHECKPOINT_DIR,
+        DAMAGED_DIR,
+        LOCK_FILENAME,
+        "spm.model",
+        "samples.txt",
+        "profile",
+        "sweep.json",
+    }
+)
 
 
 def config_path(run_dir: str | Path) -> Path:
@@ -119,6 +136,18 @@ def _check_start(path: Path, resume: bool) -> bool:
     return True
 
 
+def _check_holds_no_other_files(path: Path) -> None:
+    """Raises UsageError when a new run's directory holds files no run wrote (hidden ones aside): a run writes its
+    checkpoints and logs only into a directory of its own, never among a user's files."""
+    others = sorted(entry.name for entry in path.iterdir() if entry.name not in RUN_ENTRIES and entry.name[0] != ".")
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UsageError(
+            f"--run-dir {path} holds files that are not a run's ({shown}); a new run needs a new or empty "
+            "directory: pass another --run-dir"
+        )
+
+
 @contextlib.contextmanager
 def claim(resume: str | None, run_dir: str | None, run_id: str, *, command: str, owner: bool) -> Iterator[Claim]:
     """The run directory (``--resume``, ``--run-dir`` or runs/<run_id>), created, proven writable and, with
@@ -129,11 +158,13 @@ def claim(resume: str | None, run_dir: str | None, run_id: str, *, command: str,
     before the run log was begun, the owner removes the directories this start made.
 
     Raises:
-      UsageError: another run holds the directory, a new run would overwrite an existing one, or the directory
-        cannot be written.
+      UsageError: another run holds the directory, a new run would overwrite an existing one or go among files
+        no run wrote, or the directory cannot be written.
     """
     path = Path(resume) if resume else Path(run_dir or Path("runs") / run_id)
     made = _make(path)
+    if owner and not resume:  # before the lock, whose file would stay among them
+        _check_holds_no_other_files(path)
     lock = _lock(path, command) if owner else None
     try:
         restart = _check_start(path, bool(resume)) if owner else False

@@ -101,7 +101,13 @@ def test_the_timeline_splits_a_devices_time_into_compute_communication_and_idle(
     assert gemm["name"] == "gemm" and gemm["ms_per_step"] == pytest.approx(0.0975) and gemm["count_per_step"] == 1
     assert [entry["name"] for entry in device["largest_kernels"]] == ["gemm", "ncclDevKernel_AllReduce", "layer_norm"]
     (host,) = summary["host"]
-    assert host == {"thread": "python", "name": "PjitFunction(train_step)", "ms_per_step": 0.05, "count_per_step": 1}
+    assert host == {
+        "thread": "python",
+        "name": "PjitFunction(train_step)",
+        "ms_per_step": 0.05,
+        "count_per_step": 1,
+        "longest_ms": 0.06,
+    }
     assert "/device:GPU:0" in timeline.table(summary)
 
 

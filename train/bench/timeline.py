@@ -12,8 +12,8 @@ other trace directory, and reports per GPU over the traced window (first kernel 
   kernels    how many ran, and the kernels that took the most time, by name
 
 per step (the window divided by the traced steps), and the host threads' longest events by total time (what the
-host did meanwhile: launching executables, updating CUDA graphs, copying batches). With ``--out`` the numbers go to
-a JSON file.
+host did meanwhile: launching executables, updating CUDA graphs, copying batches) with each one's longest call.
+With ``--out`` the numbers go to a JSON file.
 """
 
 from __future__ import annotations
@@ -142,18 +142,28 @@ def device_timeline(
 
 
 def host_events(events: Sequence[Mapping[str, Any]], gpu_pids: set[Any], steps: int) -> list[dict[str, Any]]:
-    """The host's complete events grouped by (thread, name), longest total first, in milliseconds per step."""
+    """The host's complete events grouped by (thread, name), longest total first, in milliseconds per step, with
+    the longest single call (``longest_ms``: a few slow launches among fast ones leave the device idle)."""
     threads = _names(events, "thread_name")
-    durations = (
+    durations = [
         (
             (threads.get((event["pid"], event.get("tid")), str(event.get("tid"))), str(event["name"])),
             float(event["dur"]),
         )
         for event in events
         if event.get("ph") == "X" and event.get("pid") not in gpu_pids and "dur" in event
-    )
+    ]
+    longest: dict[tuple[str, str], float] = {}
+    for key, duration in durations:
+        longest[key] = max(longest.get(key, 0.0), duration)
     return [
-        {"thread": thread, "name": name, "ms_per_step": total / 1e3 / steps, "count_per_step": count / steps}
+        {
+            "thread": thread,
+            "name": name,
+            "ms_per_step": total / 1e3 / steps,
+            "count_per_step": count / steps,
+            "longest_ms": longest[thread, name] / 1e3,
+        }
         for (thread, name), total, count in largest(durations, HOST_EVENTS)
     ]
 
@@ -211,11 +221,11 @@ def table(summary: Mapping[str, Any]) -> str:
                 f"  {name[:20]} gap {gap['length_us']:.0f} us at {gap['at_ms']:.2f} ms: after "
                 f"{str(gap['after_kernel'])[:50]}, before {str(gap['before_kernel'])[:50]}"
             )
-    lines.append("host (ms per step, calls per step):")
+    lines.append("host (ms per step, calls per step, the longest call in ms):")
     for event in summary["host"]:
         lines.append(
-            f"  {event['ms_per_step']:8.3f} {event['count_per_step']:8.1f}  {event['thread'][:24]:<24} "
-            f"{event['name'][:80]}"
+            f"  {event['ms_per_step']:8.3f} {event['count_per_step']:8.1f} {event['longest_ms']:8.3f}  "
+            f"{event['thread'][:24]:<24} {event['name'][:80]}"
         )
     return "\n".join(lines)
 

@@ -37,7 +37,14 @@ class Seq2Seq(Protocol):
     def max_target_len(self) -> int: ...
 
 
-def _check_max_len(model: Seq2Seq, max_len: int) -> None:
+def _check_arguments(model: Seq2Seq, variables: Variables, max_len: int) -> None:
+    """Raises ValueError for variables that are not a Flax variables dict (bare params) or a ``max_len`` out of
+    range."""
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        keys = ", ".join(map(str, list(variables)[:3])) if isinstance(variables, Mapping) else type(variables).__name__
+        raise ValueError(
+            f"variables must be Flax variables with a 'params' collection ({{'params': params}}), got {keys}"
+        )
     limit = model.max_target_len
     if not 1 <= max_len <= limit:
         raise ValueError(f"max_len must be in [1, max_seq_len={limit}], got {max_len}")
@@ -77,7 +84,7 @@ def greedy_decode(model: Seq2Seq, variables: Variables, src_tokens: jax.Array, *
       (B, max_len) int32.
     """
     check_tokens("src_tokens", src_tokens)
-    _check_max_len(model, max_len)
+    _check_arguments(model, variables, max_len)
     batch = src_tokens.shape[0]
     cache = _start_decoding(model, variables, src_tokens, max_len, copies=1)
 
@@ -152,7 +159,7 @@ def beam_search(
       (B, max_len) int32.
     """
     check_tokens("src_tokens", src_tokens)
-    _check_max_len(model, max_len)
+    _check_arguments(model, variables, max_len)
     if beam_size < 1:
         raise ValueError(f"beam_size must be at least 1, got {beam_size}")
     if length_penalty < 0:

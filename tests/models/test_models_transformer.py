@@ -242,6 +242,11 @@ def test_bad_inputs_name_the_problem(trained):
         greedy_decode(model, {"params": params}, src, max_len=MAX_LEN + 3)
     with pytest.raises(ValueError, match="max_len must be in"):
         beam_search(model, {"params": params}, src, beam_size=2, max_len=MAX_LEN + 3)
+    bare = r"variables must be Flax variables with a 'params' collection .*, got decoder, encoder, source_embedding"
+    with pytest.raises(ValueError, match=bare):
+        greedy_decode(model, params, src, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match=bare):
+        beam_search(model, params, src, beam_size=2, max_len=MAX_LEN)
     with pytest.raises(ValueError, match="beam_size must be at least 1, got 0"):
         beam_search(model, {"params": params}, src, beam_size=0, max_len=MAX_LEN)
     with pytest.raises(ValueError, match="src_tokens must be an integer array"):

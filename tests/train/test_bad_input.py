@@ -196,3 +196,28 @@ def test_a_run_directory_that_is_a_file_is_named_as_one(tmp_path, capsys):
     assert code == 2
     assert err == f"error: the run directory {path} is a file; name a directory (new or a run's) instead\n"
     assert path.read_text() == "text,label\n"
+
+
+BOM = b"\xef\xbb\xbf"  # what spreadsheet programs write in front of UTF-8
+
+
+def test_a_byte_order_mark_in_front_of_a_data_file_is_dropped(tmp_path):
+    from train.gpt import data as gpt_data
+    from train.imdb import data as imdb_data
+
+    (tmp_path / "r.csv").write_bytes(BOM + b'text,label\n"a good film",1\n')
+    (tmp_path / "r.jsonl").write_bytes(BOM + b'{"text": "a good film", "label": 1}\n')
+    (tmp_path / "g.txt").write_bytes(BOM + b"first line\nsecond line\n")
+    assert imdb_data.read_csv(tmp_path / "r.csv", "text", "label").texts == ["a good film"]
+    assert imdb_data.read_jsonl(tmp_path / "r.jsonl", "text", "label").texts == ["a good film"]
+    assert gpt_data.read_text(tmp_path / "g.txt") == ["first line", "second line"]
+
+
+def test_training_texts_that_are_all_empty_are_one_line(tmp_path, capsys):
+    data = tmp_path / "empty-texts.csv"
+    data.write_text("text,label\n" + '"",1\n"",0\n' * 10)
+    code, err = run("imdb", ["--data", f"csv:{data}", "--run-dir", str(tmp_path / "r"), "--steps", "1"], capsys)
+    assert code == 3
+    assert_one_line(err)
+    assert "holds no text to learn a vocabulary from" in err
+    assert not (tmp_path / "r").exists()

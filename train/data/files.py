@@ -27,12 +27,13 @@ def not_utf8(path: Path) -> DataError:
 
 
 def utf8_lines(path: str | Path, newline: str | None = None) -> Iterator[str]:
-    """The lines of a UTF-8 text file, read as they are consumed (``newline`` as `open` takes it: "" for csv).
+    """The lines of a UTF-8 text file, read as they are consumed (``newline`` as `open` takes it: "" for csv);
+    a byte-order mark in front (what spreadsheet programs write) is dropped.
 
     Raises:
       DataError: the file is not UTF-8 text.
     """
-    with open(path, encoding="utf-8", newline=newline) as file:
+    with open(path, encoding="utf-8-sig", newline=newline) as file:
         try:
             yield from file
         except UnicodeDecodeError:

@@ -15,12 +15,13 @@ from typing import Any, Iterable, Sequence
 
 import sentencepiece as spm
 
-from train.errors import UsageError
+from train.errors import DataError, UsageError
 
 SPECIAL_IDS = {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
 MODEL_FILENAME = "spm.model"
 # sentencepiece's check that the vocabulary holds every character of the text plus the special pieces
 _TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+_NO_TEXT = "!sentences_.empty()"  # sentencepiece's failed check when every training sentence is empty
 
 
 class VocabularyTooSmall(ValueError):
@@ -91,6 +92,7 @@ def train(
 
     Raises:
       VocabularyTooSmall: ``vocab_size`` is below the corpus's characters plus the special pieces.
+      DataError: every sentence is empty.
     """
     path = Path(path)
     spm.set_random_generator_seed(seed)
@@ -120,11 +122,13 @@ def train(
 
 
 def _train_into(model_file: Any, asked: int, **options: Any) -> None:
-    """``SentencePieceTrainer.Train`` writing to ``model_file``, its too-small-vocabulary check as an exception
-    about the ``asked`` size."""
+    """``SentencePieceTrainer.Train`` writing to ``model_file``; its too-small-vocabulary check as an exception
+    about the ``asked`` size, its check for a corpus of empty sentences as a DataError."""
     try:
         spm.SentencePieceTrainer.Train(model_writer=model_file, **options)
     except RuntimeError as err:
+        if _NO_TEXT in str(err):
+            raise DataError("the training data holds no text to learn a vocabulary from: every text is empty") from None
         match = _TOO_SMALL.search(str(err))
         if match is None:
             raise

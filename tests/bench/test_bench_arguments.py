@@ -58,3 +58,15 @@ def test_counters_refuses_a_layer_count_the_workload_cannot_run(workload, layers
 def test_profile_refuses_the_shape_flags_of_another_family(model, flags, named, tmp_path, capsys):
     line = _refused(profile.main, ["--model", model, *flags, "--out", str(tmp_path)], capsys)
     assert f"error: {named} does not apply to {model}" in line
+
+
+@pytest.mark.parametrize("suite", ["ops", "optim", "gemm", "e2e"])
+def test_an_out_that_is_a_file_is_refused_before_anything_is_measured(suite, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"train.bench.{suite}")
+    in_the_way = tmp_path / "results.txt"
+    in_the_way.write_text("")
+    monkeypatch.setattr(module.common, "environment", lambda: pytest.fail("measured before checking --out"))
+    line = _refused(module.main, ["--quick", "--out", str(in_the_way)], capsys)
+    assert f"--out {in_the_way}: a file is in the way; name a folder for the results" in line

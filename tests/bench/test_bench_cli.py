@@ -1,5 +1,7 @@
 """The ``python -m train.bench`` front end: a suite's own ``--help``."""
 
+import argparse
+
 import pytest
 
 from train.bench import suites as bench
@@ -24,8 +26,9 @@ def test_top_level_help_names_the_suites(capsys):
 def test_results_go_to_runs_bench_without_a_gpu(capsys, tmp_path):
     from train.bench import common
 
-    assert common.out_dir(None) == common.REPO_ROOT / "runs" / "bench"  # the CPU test machine
-    assert common.out_dir(tmp_path) == tmp_path
+    parser = argparse.ArgumentParser()
+    assert common.out_dir(None, parser) == common.REPO_ROOT / "runs" / "bench"  # the CPU test machine
+    assert common.out_dir(tmp_path / "new", parser) == tmp_path / "new" and (tmp_path / "new").is_dir()
     with pytest.raises(SystemExit):
         bench.main(["ops", "--help"])
     assert "runs/bench otherwise" in " ".join(capsys.readouterr().out.split())

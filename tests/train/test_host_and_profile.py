@@ -126,3 +126,13 @@ def test_a_step_kernel_bounds_the_window_to_whole_steps():
     assert device["steps"] == 2 and device["window_ms"] == pytest.approx(0.1)  # 200 us over 2 steps
     assert device["busy_ms"] == pytest.approx(0.08)  # 60 + 20 + 60 + 20
     assert device["gaps"] == 2 and device["gaps_ms"] == pytest.approx(0.02)  # 10 + 10 + 10 + 10 us
+
+
+@pytest.mark.parametrize("flags", [[], ["--steps", "3"]])
+def test_the_timeline_of_a_folder_without_a_trace_is_one_line(flags, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        timeline.main([str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert f"error: no jax.profiler trace (*.trace.json.gz, perfetto_trace.json.gz) under {tmp_path}" in (
+        capsys.readouterr().err
+    )

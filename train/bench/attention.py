@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.samples < 1 or any(length < 1 for length in args.lengths):
         parser.error("--samples and --lengths take positive integers")
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
     on_gpu = backend.cuda_visible()
     print(f"attention forward + backward, {jnp.dtype(DTYPE).name}; forms: {', '.join(args.forms)}")
     runs: list[Callable[[], dict[str, Any]]] = []

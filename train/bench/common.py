@@ -38,11 +38,17 @@ def add_out_argument(parser: argparse.ArgumentParser, suite: str) -> None:
     )
 
 
-def out_dir(given: Path | None) -> Path:
-    """``given``, else docs/results when JAX's default backend is a GPU, else runs/bench."""
-    if given is not None:
-        return given
-    return RESULTS_DIR if jax.default_backend() == "gpu" else SCRATCH_DIR
+def out_dir(given: Path | None, parser: argparse.ArgumentParser) -> Path:
+    """``given``, else docs/results when JAX's default backend is a GPU, else runs/bench; made before anything is
+    measured, so a ``--out`` that cannot hold the results is refused by ``parser`` at once, not after the suite."""
+    directory = given if given is not None else RESULTS_DIR if jax.default_backend() == "gpu" else SCRATCH_DIR
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        parser.error(f"--out {directory}: a file is in the way; name a folder for the results")
+    except OSError as err:
+        parser.error(f"--out {directory}: cannot make the folder ({err.strerror or err})")
+    return directory
 
 
 def git_state() -> dict[str, Any]:

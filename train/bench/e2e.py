@@ -462,7 +462,7 @@ def main(argv: list[str]) -> int:
         "without a GPU, no ls_jax_ffi or flax_cudnn",
     )
     args = parser.parse_args(argv)
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
     implementations = args.implementations.split(",")
     unknown = [i for i in implementations if i not in implementations_known]
     if unknown:

@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--tokens takes comma-separated integers, got {args.tokens}")
     if any(count < 1 for count in token_counts):
         parser.error(f"--tokens must be positive, got {args.tokens}")
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
 
     modes = ("ffi", "xla") if backend.cuda_visible() else ("xla",)
     peak = peak_tflops(PEAK_SIZE // QUICK_WIDTH if args.quick else PEAK_SIZE, args.quick)

@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ops", help=f"comma-separated subset of: {', '.join(c.op for c in CASES)}")
     parser.add_argument("--backends", help="comma-separated subset of ffi,xla (default: ffi,xla on CUDA, else xla)")
     args = parser.parse_args(argv)
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
 
     cases = CASES
     if args.ops:

@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models and few samples (smoke test, runs on CPU)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of: {', '.join(MODELS)}")
     args = parser.parse_args(argv)
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
     models = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = sorted(set(models) - set(MODELS))
     if unknown:

@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
         help="no GPU work: recompute the breakdowns of RESULT_JSON from the traces in --trace-dir",
     )
     args = parser.parse_args(argv)
-    args.out = common.out_dir(args.out)
+    args.out = common.out_dir(args.out, parser)
     if args.reanalyze:
         if args.trace_dir is None:
             parser.error("--reanalyze needs --trace-dir, the directory the profiled run kept its traces in")

@@ -478,7 +478,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tag", help="name the file scaling-<device>x<N>-<TAG>.json (N: devices of this host)")
     parser.add_argument("--no-plot", dest="plot", action="store_false")
     common.add_out_argument(parser, "scaling")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.out = common.out_dir(args.out, parser)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     variant_rows = run_variant(args) if args.variant_xla_flags else []
     if args.implementations is None:  # the ffi implementation needs the CUDA kernels; asked once run_variant is done
         args.implementations = ",".join(IMPLEMENTATIONS) if backend.cuda_visible() else "ls_jax_xla"
-    args.out = common.out_dir(args.out)
     devices = jax.devices()
     counts = device_counts(len(devices), args.devices)
     started = time.perf_counter()

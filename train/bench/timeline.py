@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.trace_dir.is_dir():
         parser.error(f"trace folder not found: {args.trace_dir}")
+    try:
+        files = trace_files(args.trace_dir)
+    except FileNotFoundError as err:
+        parser.error(str(err))
     steps = args.steps or traced_steps(args.trace_dir)
     if (steps is None or steps < 1) and args.step_kernel is None:
         parser.error(
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             "--profile-steps folder)"
         )
     results = {}
-    for path in trace_files(args.trace_dir):
+    for path in files:
         summary = summarize(read_events(path), steps, args.gap_us, args.step_kernel)
         results[str(path.relative_to(args.trace_dir))] = summary
         print(f"{path}\n{table(summary)}\n")

@@ -187,6 +187,13 @@ backend = ["ffi", "xla"]
         shutil.copy(COMPARE_DATA / fixture / "run.jsonl", tmp_path / name / "run.jsonl")
     # The fixtures' balance ranking: the H100 with the fused kernels first (tests/train/test_compare.py).
     assert sweep.best_point(spec, list(points.values()), "balance") == points["wmt-H100-SXM-ffi"].values
+    # When best_point finds none: whether running the sweep again can change that.
+    assert sweep._no_best(spec, list(points.values()), "balance").startswith(
+        "none of the 3 finished runs of the grids before it passed the quality gate"
+    )
+    assert sweep._no_best(spec, [points["wmt-TPU-v3-ffi"]], "balance").startswith(
+        "no run of the grids before it has finished here yet"
+    )
 
 
 @pytest.mark.parametrize(
@@ -345,7 +352,7 @@ def test_the_gpu_spec_dry_run_lists_its_runs(tmp_path, capsys):
     assert len(runs) == 4 and runs[0].startswith("[1/4] imdb-bert-base-ls_jax-optax-adamw-")
     assert all("--preset bert-base" in line and "--max-seq-len 512" in line for line in runs)
     assert {line.split("--implementation ")[1].split()[0] for line in runs} == {"flax", "ls_jax"}
-    assert out.count("no converged run of the grids before it has finished here yet") == 3
+    assert out.count("no run of the grids before it has finished here yet") == 3
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

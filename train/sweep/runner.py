@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,21 @@ def best_point(
     return finished[str(runs[ranked[0]].source)].values if ranked else None
 
 
+def _no_best(spec: Spec, candidates: Iterable[Point], preset: str) -> str:
+    """Why a ``from_best`` grid has no best run to start from: none of the grids before it finished here yet, or
+    none that finished converged (running again would not change that)."""
+    finished = sum(1 for point in candidates if _summary(spec.out / point.name))
+    if not finished:
+        return (
+            f"no run of the grids before it has finished here yet, so its best under {preset} is unknown; run the "
+            "sweep again once they have"
+        )
+    return (
+        f"none of the {finished} finished runs of the grids before it passed the quality gate, so none is best "
+        f"under {preset} and this grid is skipped; the report says why each missed it"
+    )
+
+
 def report(spec: Spec, names: Sequence[str], window: str = scoring.DEFAULT_WINDOW) -> int:
     """`train.compare` over the finished runs ``names`` in OUT, scored in ``window``, one report per task; 0 when
     there was nothing to compare."""
@@ -321,11 +336,7 @@ def run_sweep(
         if grid.from_best:
             chosen = best_point(spec, list(done.values()), grid.from_best, window)
             if chosen is None:
-                print(
-                    f"grid #{index + 1}: no converged run of the grids before it has finished here yet, so its "
-                    f"best under {grid.from_best} is unknown; run the sweep again once they have",
-                    flush=True,
-                )
+                print(f"grid #{index + 1}: {_no_best(spec, done.values(), grid.from_best)}", flush=True)
                 best.append(None)
                 continue
             chosen = {key: value for key, value in chosen.items() if key not in grid.axes}

@@ -196,6 +196,12 @@ backend = ["ffi", "xla"]
     )
 
 
+def test_a_list_in_flags_repeats_a_flag_the_task_takes_more_than_once():
+    spec = sweep_spec.parse('name = "x"\n[axes]\ntask = "gpt"\n[flags]\nprompt = ["Once upon", "The end"]')
+    (point,) = sweep_spec.points(spec)
+    assert point.flags(spec.flags)[-4:] == ["--prompt", "Once upon", "--prompt", "The end"]
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -212,6 +218,15 @@ backend = ["ffi", "xla"]
         ('name = "x"\n[axes]\ntask = "imdb"\n[[grid]]\nfrom_best = "balance"', "needs a grid before it"),
         ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nsteps = 3', "[flags] sets 'steps'"),
         ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nlr = 1e-3', "[flags] sets 'lr', which the sweep sets itself"),
+        ('name = "x"\n[axes]\ntask = "imdb"\n[flags]\nrun_dir = "a"', "gives every run a directory of its own"),
+        (
+            'name = "x"\n[axes]\ntask = "imdb"\n[flags]\nvocab_size = [100, 200]',
+            "train.imdb takes --vocab-size once; [flags] gives it a list, [100, 200]",
+        ),
+        (
+            'name = "x"\n[axes]\ntask = "gpt"\n[flags]\nprompt = {a = 1}',
+            "[flags]: prompt = {'a': 1}; a flag takes a string, number or true/false, or a list",
+        ),
         ('name = "x"\n[axes]\ntask = "imdb"\nlr = 0', "lr = 0 must be a number > 0"),
         ('name = "x"\n[axes]\ntask = "imdb"\nlr = "fast"', "lr = 'fast' must be a number > 0"),
         ('name = "x"\n[axes\n', "not valid TOML"),

@@ -6,7 +6,8 @@
     [axes]                       # values common to every grid: a value or a list of values
     task = "imdb"
     steps = 300
-    [flags]                      # further flags of every run: --key value (true: a bare --key)
+    [flags]                      # further flags of every run: --key value (true: a bare --key; a list:
+                                 # the flag once per item, for a flag the task takes more than once)
     lr = 1e-3
     [[grid]]                     # the runs: the product of the listed values
     optimizer = ["optax-adamw", "adan"]
@@ -27,6 +28,7 @@ it, when the spec is read: a flag the task does not know, or a value out of rang
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import math
@@ -115,6 +117,9 @@ class Point:
             flag = "--" + key.replace("_", "-")
             if value is True:
                 words.append(flag)
+            elif isinstance(value, list):  # a flag given once per item ([flags] of a repeatable flag)
+                for item in value:
+                    words += [flag, str(item)]
             elif value is not False:
                 words += [flag, str(value)]
         return words
@@ -209,6 +214,29 @@ def _grid(table: Mapping[str, Any], common: Mapping[str, list[Any]], number: int
     return Grid(axes, from_best)
 
 
+def _flags(table: Any, where: str) -> dict[str, Any]:
+    """The ``[flags]`` table: further flags of every run, each a string, number or true/false, or a list of them
+    for a flag the task takes more than once (``prompt = ["a", "b"]``: ``--prompt a --prompt b``).
+
+    Raises:
+      UsageError: a flag the sweep sets itself, or a value of another kind.
+    """
+    if not isinstance(table, dict):
+        raise UsageError(f"{where} must be a table of flag = value")
+    for key, value in table.items():
+        if key in AXES:
+            raise UsageError(f"{where} sets {key!r}, which the sweep sets itself: set it in [axes] or a [[grid]]")
+        if key in ("run_dir", "resume"):
+            raise UsageError(f"{where} sets {key!r}: the sweep gives every run a directory of its own, in its out")
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(item, (str, int, float, bool)) for item in items):
+            raise UsageError(
+                f"{where}: {key} = {value!r}; a flag takes a string, number or true/false, or a list of them for a "
+                "flag given more than once"
+            )
+    return dict(table)
+
+
 def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
     """Parses ``point``'s flags with its task's own parser and checks the configuration they make, as the run
     would.
@@ -223,6 +251,10 @@ def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
         raise UsageError(f"{where}: train.{point.task} {message}")
 
     parser.error = refuse  # argparse would print its usage and exit; one line instead
+    repeatable = {action.dest for action in parser._actions if isinstance(action, argparse._AppendAction)}
+    for key, value in flags.items():
+        if isinstance(value, list) and key not in repeatable:
+            refuse(f"takes --{key.replace('_', '-')} once; [flags] gives it a list, {value!r}")
     given = vars(parser.parse_args(point.flags(flags)))
     try:
         task.check_config(task.resolve_config(given, None))
@@ -280,13 +312,7 @@ def parse(text: str, source: Path | None = None) -> Spec:
     if not isinstance(tables, list):
         raise UsageError(f"{where}: grid must be an array of tables, [[grid]]")
     grids = [_grid(table, common, number, number - 1) for number, table in enumerate(tables, 1)]
-    flags = document.get("flags", {})
-    clashing = [key for key in flags if key in AXES or key in ("run_dir", "resume")]
-    if clashing:
-        raise UsageError(
-            f"{where}: [flags] sets {clashing[0]!r}, which the sweep sets itself: set it in [axes] "
-            "or a [[grid]] instead"
-        )
+    flags = _flags(document.get("flags", {}), f"{where} [flags]")
     out = document.get("out", f"runs/{name}")
     if not isinstance(out, str) or not out:
         raise UsageError(f"{where}: out = {out!r} must be a directory path")

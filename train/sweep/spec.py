@@ -6,9 +6,10 @@
     [axes]                       # values common to every grid: a value or a list of values
     task = "imdb"
     steps = 300
+    lr = 1e-3
     [flags]                      # further flags of every run: --key value (true: a bare --key; a list:
                                  # the flag once per item, for a flag the task takes more than once)
-    lr = 1e-3
+    no_tensorboard = true
     [[grid]]                     # the runs: the product of the listed values
     optimizer = ["optax-adamw", "adan"]
     precision = ["fp32", "bf16"]
@@ -18,8 +19,7 @@
 
 Axes (`AXES`): task, device, preset, implementation, optimizer, lr, precision, backend, remat, batch_size,
 max_tokens, max_seq_len, steps, epochs, seed. The learning rate is an axis because optimizers differ in the one they
-train
-at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
+train at: a grid per optimizer, each with its own lr, compares each at its own. A run's point is its value on each axis
 that is set; its name joins them.
 
 Every run's command line is parsed by its task's own parser and its configuration checked as the run would check

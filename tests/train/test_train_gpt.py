@@ -407,7 +407,10 @@ def weights_without_tokenizer(directory):
             ],
             "no tokenizer there",
         ),
-        (lambda d, t: ["--init-from", str(d / "absent"), "--run-dir", str(d / "r")], "config.json not found"),
+        (
+            lambda d, t: ["--init-from", str(d / "absent"), "--run-dir", str(d / "r")],
+            "absent: no such directory; give a local Hugging Face GPT-2 directory",
+        ),
         (lambda d, t: ["--init-from", str(d), "--preset", "gpt2-small"], "--preset and --init-from exclude"),
         (
             lambda d, t: text_job(t, d / "r", "--prompt", "the cat " * 10, "--sample-tokens", "250"),

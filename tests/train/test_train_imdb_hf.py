@@ -154,12 +154,31 @@ def test_init_from_an_encoder_without_classifier_trains(tmp_path, csv_data):  # 
     assert runlog.read(tmp_path / "r" / "run.jsonl")[-1]["completed"]
 
 
+def test_an_encoder_without_classifier_takes_any_number_of_labels(tmp_path):
+    from ls_jax.models import hf
+
+    directory = tmp_path / "encoder"
+    save_tiny_bert(directory, with_classifier=False)
+    config, params = hf.load_pretrained(directory, rng=jax.random.key(0), num_labels=5)
+    assert config.num_labels == 5 and params["classifier"]["kernel"].shape == (32, 5)
+    config, _ = hf.load_pretrained(directory, rng=jax.random.key(0))
+    assert config.num_labels == 2  # config.json's, without num_labels
+
+
+def test_init_from_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+    assert run_training(imdb.TASK, ["--init-from", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --init-from {tmp_path / 'nope'}: no such directory; give a local Hugging Face BERT directory "
+        "(config.json, the weights, the tokenizer)\n"
+    )
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--max-seq-len", "25"], "--max-seq-len 25 exceeds the model's 24 positions"),
         (["--preset", "bert-base"], "--preset and --init-from exclude each other"),
-        (["--num-labels", "3"], "--num-labels cannot be combined with --init-from"),
+        (["--num-labels", "3"], "its classifier has 2 labels, not 3: fine-tune it with as many, or start from"),
     ],
     ids=["max-seq-len", "preset", "num-labels"],
 )

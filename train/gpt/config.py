@@ -203,6 +203,7 @@ def check_config(config: GptConfig) -> None:
         fractions=("valid_fraction", "dropout"),
     )
     cli.check_implementation(config.implementation, config.remat)
+    cli.check_init_from(config.init_from, "GPT-2")
     if config.warmup_steps >= config.steps:
         raise UsageError(
             f"--warmup-steps {config.warmup_steps} leaves no step of the {config.steps} to train at the peak rate"

@@ -97,13 +97,10 @@ def init_from(directory: str | Path, **layer_overrides: Any) -> Pretrained:
     """
     config, params = hf.load_pretrained(directory, **layer_overrides)
     if not isinstance(config, GPTConfig):
-        raise ValueError(f"--init-from {directory} holds a {type(config).__name__}, not a GPT-2 model")
+        raise ValueError(f"a {type(config).__name__} checkpoint, not a GPT-2 model")
     tokenizer = HuggingFaceTokenizer.load(directory)
     if tokenizer.size > config.vocab_size:
-        raise ValueError(
-            f"--init-from {directory}: the tokenizer has {tokenizer.size} tokens but the model only "
-            f"{config.vocab_size} embeddings"
-        )
+        raise ValueError(f"the tokenizer has {tokenizer.size} tokens but the model only {config.vocab_size} embeddings")
     return Pretrained(config, params, tokenizer)
 
 

@@ -16,6 +16,7 @@ import logging
 import math
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ls_jax import backend as backend_lib
@@ -275,6 +276,15 @@ def check_choice(config: TrainingConfig, name: str, choices: Iterable[str]) -> N
     value = getattr(config, name)
     if value is not None and value not in choices:
         raise UsageError(f"{flag(name)} {value}: unknown; choose from {', '.join(choices)}")
+
+
+def check_init_from(directory: str | None, model: str) -> None:
+    """Raises UsageError when ``--init-from`` names no directory: a local Hugging Face ``model`` directory."""
+    if directory is not None and not Path(directory).is_dir():
+        raise UsageError(
+            f"--init-from {directory}: no such directory; give a local Hugging Face {model} directory "
+            "(config.json, the weights, the tokenizer)"
+        )
 
 
 def hyperparameters(config: TrainingConfig) -> dict[str, float | None]:

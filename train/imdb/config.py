@@ -133,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "pytorch_model.bin, vocab.txt or tokenizer.json): its weights (a classifier is "
         "initialized when it has none) and its tokenizer; needs transformers",
     )
-    group.add_argument("--num-labels", type=int, help="classes (default 2; with --init-from the checkpoint's)")
+    group.add_argument(
+        "--num-labels",
+        type=int,
+        help="classes (default 2; with --init-from the checkpoint's; one without a classifier takes any number)",
+    )
     group.add_argument("--dropout", type=float, help="override every dropout ratio of the model")
     cli.add_training_arguments(parser)
     return parser
@@ -173,8 +177,7 @@ def check_config(config: ImdbConfig) -> None:
     cli.check_implementation(config.implementation, config.remat)
     if config.max_seq_len < 3:
         raise UsageError(f"--max-seq-len must be >= 3 ([CLS], [SEP] and a token of the text), got {config.max_seq_len}")
-    if config.init_from and config.num_labels is not None:
-        raise UsageError("--num-labels cannot be combined with --init-from: the checkpoint's config.json sets it")
+    cli.check_init_from(config.init_from, "BERT")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def build_model(
     if not config.init_from:
         return preset_config(config.preset, vocab_size=vocab_size, num_labels=config.num_labels or 2, **overrides), None
     try:
-        model_cfg, params = hf.load_pretrained(config.init_from, rng=rng, **overrides)
+        model_cfg, params = hf.load_pretrained(config.init_from, rng=rng, num_labels=config.num_labels, **overrides)
     except ValueError as err:
         raise UsageError(f"--init-from {config.init_from}: {err}") from err
     if not isinstance(model_cfg, BertConfig):

@@ -112,7 +112,11 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     model_cfg, pretrained = build_model(config, data.vocabulary.size, precision, head_key)
     _check_shapes(config, model_cfg, parallel)
     check_labels(
-        data, model_cfg.num_labels, "the checkpoint's config.json sets them" if config.init_from else "set --num-labels"
+        data,
+        model_cfg.num_labels,
+        "the checkpoint's config.json sets them (one without a classifier takes --num-labels)"
+        if config.init_from
+        else "set --num-labels",
     )
     classifier, pretrained = build_classifier(config, model_cfg, pretrained, data.vocabulary.pad_id)
     stream = imdb_data.BatchStream(

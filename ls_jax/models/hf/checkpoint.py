@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -70,13 +70,19 @@ def read_state_dict(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_pretrained(
-    directory: str | os.PathLike, *, rng: jax.Array | None = None, **layer_overrides: Any
+    directory: str | os.PathLike,
+    *,
+    rng: jax.Array | None = None,
+    num_labels: int | None = None,
+    **layer_overrides: Any,
 ) -> tuple[ModelConfig, Params]:
     """Loads a local Hugging Face BERT or GPT-2 directory into (BertConfig | GPTConfig, params).
 
     Args:
       directory: holds config.json and model.safetensors or pytorch_model.bin (or their sharded index).
       rng: initializes a BERT classifier the checkpoint lacks (fine-tuning from a pre-trained encoder).
+      num_labels: the classes of a BERT whose checkpoint has no classifier (default: config.json's); a checkpoint
+        with one must have this many.
       layer_overrides: LayerConfig fields to replace, e.g. ``dtype=jnp.bfloat16`` or dropout ratios.
 
     Raises:
@@ -89,7 +95,24 @@ def load_pretrained(
         raise FileNotFoundError(f"{config_file} not found: a Hugging Face model directory needs config.json")
     config = config_from_hf(json.loads(config_file.read_text()))
     config = dataclasses.replace(config, layer=replace_checked(config.layer, layer_overrides))
-    return config, params_from_hf(config, read_state_dict(directory), rng=rng)
+    state_dict = read_state_dict(directory)
+    if num_labels is not None:
+        config = _with_labels(config, num_labels, state_dict)
+    return config, params_from_hf(config, state_dict, rng=rng)
+
+
+def _with_labels(config: ModelConfig, num_labels: int, state_dict: Mapping[str, Any]) -> ModelConfig:
+    """``config`` with ``num_labels`` classes; ValueError for a model without classes or a checkpoint whose
+    classifier has another number."""
+    if not hasattr(config, "num_labels"):
+        raise ValueError(f"num_labels applies to a BERT classifier, not a {type(config).__name__}")
+    head = next((value for key, value in state_dict.items() if key.endswith("classifier.weight")), None)
+    if head is not None and np.shape(head)[0] != num_labels:
+        raise ValueError(
+            f"its classifier has {np.shape(head)[0]} labels, not {num_labels}: fine-tune it with as many, or start "
+            "from the encoder alone (a checkpoint without a classifier)"
+        )
+    return dataclasses.replace(config, num_labels=num_labels)
 
 
 def save_pretrained(config: ModelConfig, params: Params, directory: str | os.PathLike) -> Path:

@@ -204,6 +204,11 @@ def check_config(config: GptConfig) -> None:
     )
     cli.check_implementation(config.implementation, config.remat)
     cli.check_init_from(config.init_from, "GPT-2")
+    if config.valid_fraction == 0:
+        raise UsageError(
+            "--valid-fraction must be above 0: the run evaluates on held-out tokens (at least two, cut at a "
+            "document boundary), which data with a validation split of its own provides instead"
+        )
     if config.warmup_steps >= config.steps:
         raise UsageError(
             f"--warmup-steps {config.warmup_steps} leaves no step of the {config.steps} to train at the peak rate"

@@ -164,3 +164,8 @@ def test_cli_scores_the_steady_state_of_a_real_cpu_log(tmp_path, capsys):
         compare.main([str(CPU_LOG), "--score-window", "best", "--out", str(out)])
     assert exited.value.code == 2
     assert "argument --score-window: invalid choice: 'best' (choose from 'whole', 'steady')" in capsys.readouterr().err
+    for flag, value in (("--quality-threshold", "nan"), ("--quality-threshold", "-5"), ("--quality-margin", "inf")):
+        with pytest.raises(SystemExit) as exited:
+            compare.main([str(CPU_LOG), flag, value, "--out", str(out)])
+        assert exited.value.code == 2
+        assert f"{flag} {float(value):g}: give a finite" in capsys.readouterr().err

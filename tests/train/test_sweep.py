@@ -3,6 +3,7 @@ best run of earlier grids, and a clear error for every bad input. Training runs 
 on a tiny model for a few steps."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -291,6 +292,26 @@ def test_spec_weights_score_the_report(tmp_path):
         "Weights `custom` (time 0.5, cost 0.5, energy 0, utilization 0)"
         in (spec.out / "report" / "report.md").read_text()
     )
+
+
+def test_spec_quality_threshold_gates_the_best_run_and_the_report(tmp_path):
+    text = f'name = "q"\nout = "{tmp_path}"\nquality_threshold = 1000\n[axes]\ntask = "wmt"\n'
+    text += '[[grid]]\nbackend = ["ffi", "xla"]'
+    spec = sweep_spec.parse(text)
+    assert spec.quality_threshold == 1000.0
+    points = sweep_spec.points(spec)
+    for point, fixture in zip(points, ("h100-ffi", "h100-xla")):
+        (tmp_path / point.name).mkdir()
+        shutil.copy(COMPARE_DATA / fixture / "run.jsonl", tmp_path / point.name / "run.jsonl")
+    assert sweep.best_point(spec, points, "balance") is None  # no BLEU reaches 1000
+    lenient = dataclasses.replace(spec, quality_threshold=None)
+    assert sweep.best_point(lenient, points, "balance") == points[0].values
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        sweep.report(spec, [point.name for point in points])
+    assert "1000" in (tmp_path / "report" / "report.md").read_text()
+    for bad in ("-1", "nan", '"high"'):
+        with pytest.raises(UsageError, match="quality_threshold = .* must be a number >= 0"):
+            sweep_spec.parse(text.replace("quality_threshold = 1000", f"quality_threshold = {bad}"))
 
 
 def test_a_failed_run_without_a_log_is_named_as_such(tmp_path, capsys):

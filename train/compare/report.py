@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -169,8 +170,20 @@ def print_summary(comparison: scoring.Comparison) -> None:
         print(f"note: {note}", file=sys.stderr)
 
 
+def _check_gate_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a quality threshold or margin that is not a finite number >= 0 (NaN, for one, would leave every run
+    unranked)."""
+    threshold, margin = args.quality_threshold, args.quality_margin
+    if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+        parser.error(f"--quality-threshold {threshold:g}: give a finite number >= 0 (the task's quality metric)")
+    if margin is not None and not (math.isfinite(margin) and margin >= 0):
+        parser.error(f"--quality-margin {margin:g}: give a finite fraction >= 0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_gate_flags(parser, args)
     try:
         comparison = _load(args)
         measured = measured_utilization.load(args.counters) if args.counters else None

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from train.compare import quality, scoring
 from train.compare import report as compare
 from train.compare import runs as run_logs
-from train.compare import scoring
 from train.errors import EXIT_SIGNAL_BASE, EXIT_USAGE, ArgumentParser, Interrupted, UsageError
 from train.records import runlog
 from train.records.checkpoints import CHECKPOINT_DIR, complete_steps
@@ -259,7 +259,8 @@ def best_point(
     if not finished:
         return None
     runs, _ = run_logs.load_runs(list(finished))
-    ranked = scoring.compare(runs, window=window).ranked_under(preset)
+    gate = quality.default_gate(runs[0].task, spec.quality_threshold)
+    ranked = scoring.compare(runs, window=window, gate=gate).ranked_under(preset)
     return finished[str(runs[ranked[0]].source)].values if ranked else None
 
 
@@ -303,6 +304,7 @@ def report(spec: Spec, names: Sequence[str], window: str = scoring.DEFAULT_WINDO
                     str(out),
                     "--score-window",
                     window,
+                    *([] if spec.quality_threshold is None else ["--quality-threshold", str(spec.quality_threshold)]),
                 ]
             ),
         )

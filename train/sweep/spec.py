@@ -3,6 +3,7 @@
     name = "bert-study"          # the sweep's name: every run directory it makes carries it
     out = "runs/bert-study"      # where the run directories go (relative: to the current directory)
     weights = "balance"          # the report's score weights: a preset or "t,c,e,u" (default balance)
+    quality_threshold = 0.8      # the final quality a ranked run reaches (default: the task's, train.compare)
     [axes]                       # values common to every grid: a value or a list of values
     task = "imdb"
     steps = 300
@@ -81,7 +82,7 @@ _SHORT = {
     "seed": "seed",
     "remat": "remat-",
 }
-_KEYS = ("name", "out", "weights", "axes", "flags", "grid")
+_KEYS = ("name", "out", "weights", "quality_threshold", "axes", "flags", "grid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Spec:
     flags: dict[str, Any]
     source: str  # the TOML text, copied into the output directory
     weights: str = DEFAULT_PRESET  # the report's score weights, as train.compare --weights takes them
+    quality_threshold: float | None = None  # the quality gate's threshold (None: the task's own)
 
 
 def _as_list(key: str, value: Any, where: str) -> list[Any]:
@@ -262,6 +264,16 @@ def check_command(point: Point, flags: Mapping[str, Any], where: str) -> None:
         refuse(str(err))
 
 
+def _quality_threshold(value: Any, where: str) -> float | None:
+    """The ``quality_threshold`` key: the final quality a run must reach to be ranked (the metric of its task, e.g.
+    a perplexity of at most this), None for the task's own."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{where}: quality_threshold = {value!r} must be a number >= 0 (the task's quality metric)")
+    return float(value)
+
+
 def _weights(value: Any, where: str) -> str:
     """The ``weights`` key as train.compare's --weights takes it: a preset name or four numbers t,c,e,u."""
     text = ",".join(map(str, value)) if isinstance(value, list) else value
@@ -304,7 +316,8 @@ def parse(text: str, source: Path | None = None) -> Spec:
     unknown = [key for key in document if key not in _KEYS]
     if unknown:
         raise UsageError(
-            f"{where}: unknown key {unknown[0]!r}; a spec has name, out, weights, [axes], [flags], [[grid]]"
+            f"{where}: unknown key {unknown[0]!r}; a spec has name, out, weights, quality_threshold, [axes], [flags], "
+            "[[grid]]"
         )
     name = _name(document, where)
     common = _axes(document.get("axes", {}), f"{where} [axes]")
@@ -326,6 +339,7 @@ def parse(text: str, source: Path | None = None) -> Spec:
         flags=dict(flags),
         source=text,
         weights=_weights(document.get("weights", DEFAULT_PRESET), where),
+        quality_threshold=_quality_threshold(document.get("quality_threshold"), where),
     )
 
 

@@ -70,3 +70,11 @@ def test_an_out_that_is_a_file_is_refused_before_anything_is_measured(suite, tmp
     monkeypatch.setattr(module.common, "environment", lambda: pytest.fail("measured before checking --out"))
     line = _refused(module.main, ["--quick", "--out", str(in_the_way)], capsys)
     assert f"--out {in_the_way}: a file is in the way; name a folder for the results" in line
+
+
+def test_ops_refuses_an_empty_list_of_ops(tmp_path, capsys):
+    from train.bench import ops
+
+    assert "--ops names no op; give a comma-separated subset of: layer_norm" in _refused(
+        ops.main, ["--quick", "--ops", "", "--out", str(tmp_path)], capsys
+    )

@@ -121,6 +121,11 @@ def test_a_number_out_of_range_is_one_line_and_no_directory(tmp_path, capsys, ta
     assert not run_dir.exists()
 
 
+def test_one_label_is_refused(tmp_path, capsys):
+    code, err = run("imdb", ["--num-labels", "1", "--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 2 and err == "error: --num-labels must be >= 2: a classifier of one class has nothing to learn\n"
+
+
 def test_max_len_0_is_refused_like_its_neighbours(tmp_path, capsys):
     for value in ("0", "-3"):
         code, err = run("wmt", ["--max-len", value, "--run-dir", str(tmp_path / "run")], capsys)

@@ -304,8 +304,8 @@ def test_unusable_times_and_unreadable_logs_are_notes_and_the_rest_compare(tmp_p
         assert f"| {name} " not in out
     assert f"left out run 20260106T080000Z-e5d6f7 ({nan_log}:" in err and "train_time_s=nan is not a finite" in err
     assert "it stopped before its first step" in err
-    assert f"left out {binary}: {binary}: not a UTF-8 text file" in err
-    assert f"left out {broken}: {broken}:2: not valid JSON" in err
+    assert f"left out {binary}: not a UTF-8 text file" in err
+    assert f"left out {broken}:2: not valid JSON" in err
     assert "Traceback" not in err
 
 
@@ -456,3 +456,11 @@ def test_points_at_one_place_share_one_label():
     places = plots._labels_by_place([0, 1, 2, 3], xs, ys, 1.0, 1.0)
     assert sorted(places.values()) == [[0, 1], [2], [3]]
     assert plots._labels_by_place([0, 2], xs, ys, 1.0, 1.0) == {(10.0, 3.0): [0], (50.0, 1.0): [2]}
+
+
+def test_a_file_that_is_not_a_run_log_is_left_out_named_once(tmp_path):
+    notes_file = tmp_path / "notes.txt"
+    notes_file.write_text("some notes, not JSON\n")
+    runs, notes = run_logs.load_runs([DATA / "h100-ffi" / "run.jsonl", notes_file])
+    assert len(runs) == 1
+    assert f"left out {notes_file}: holds no complete run-log record (one JSON object per line)" in notes

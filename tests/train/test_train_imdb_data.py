@@ -141,6 +141,10 @@ def test_bad_csv_names_the_problem(tmp_path):
         imdb_data.read_csv(other_columns, "text", "label")
     with pytest.raises(DataError, match="data file not found"):
         imdb_data.read_csv(tmp_path / "absent.csv", "text", "label")
+    short_row = tmp_path / "short.csv"
+    short_row.write_text('text,label\n"a good film",1\n"no label here"\n')
+    with pytest.raises(DataError, match=r"line 3: no value for 'label' \(a row with fewer columns than the header"):
+        imdb_data.read_csv(short_row, "text", "label")
 
 
 def test_unknown_source_is_named():

@@ -362,8 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = common.out_dir(args.out, parser)
 
     cases = CASES
-    if args.ops:
-        wanted = args.ops.split(",")
+    if args.ops is not None:
+        wanted = [op for op in args.ops.split(",") if op]
+        if not wanted:
+            parser.error(f"--ops names no op; give a comma-separated subset of: {', '.join(c.op for c in CASES)}")
         unknown = sorted(set(wanted) - {c.op for c in CASES})
         if unknown:
             parser.error(f"unknown ops: {', '.join(unknown)}")

@@ -272,7 +272,7 @@ def read_run_log(path: Path) -> tuple[list[LoggedRun], list[str]]:
     """
     records, truncated = runlog.read_numbered(path)
     if not records:
-        raise ValueError(f"{path}: holds no complete run-log record")
+        raise ValueError("holds no complete run-log record (one JSON object per line)")
     number, first = records[0]
     if first["type"] != "run":
         raise ValueError(
@@ -347,6 +347,9 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[LoggedRun], list[str]]:
     for log in logs:
         try:
             log_runs, log_notes = read_run_log(log)
+        except runlog.DamagedRunLog as err:  # its message names the file and line
+            notes.append(f"left out {err}")
+            continue
         except (ValueError, OSError) as err:
             notes.append(f"left out {log}: {getattr(err, 'strerror', None) or err}")
             continue

@@ -178,6 +178,8 @@ def check_config(config: ImdbConfig) -> None:
     if config.max_seq_len < 3:
         raise UsageError(f"--max-seq-len must be >= 3 ([CLS], [SEP] and a token of the text), got {config.max_seq_len}")
     cli.check_init_from(config.init_from, "BERT")
+    if config.num_labels == 1:
+        raise UsageError("--num-labels must be >= 2: a classifier of one class has nothing to learn")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,9 @@ def _split_from_rows(
                 f"{where}: no field {missing[0]!r} (fields: {', '.join(map(str, record))}); "
                 f"choose them with --text-field / --label-field"
             )
+        empty = [field for field in (text_field, label_field) if record[field] is None]
+        if empty:  # a CSV row shorter than its header, or a JSON null
+            raise DataError(f"{where}: no value for {empty[0]!r} (a row with fewer columns than the header, or null)")
         if not isinstance(record[text_field], str):
             raise DataError(f"{where}: {text_field!r} is {type(record[text_field]).__name__}, not text")
         texts.append(record[text_field])

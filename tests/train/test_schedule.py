@@ -50,8 +50,13 @@ def test_the_command_writes_its_summary_and_refuses_a_file_without_an_entry(tmp_
     assert "1 of 3 matrix products run after the first all-reduce starts" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text())["all_reduces"] == 1
     dump.write_text("HloModule m\n")
-    with pytest.raises(SystemExit, match="no ENTRY computation"):
+    with pytest.raises(SystemExit) as exited:
         schedule.main([str(dump)])
+    assert exited.value.code == 2 and "no ENTRY computation" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        schedule.main([str(tmp_path / "absent.txt")])
+    assert exited.value.code == 2
+    assert f"error: no such file: {tmp_path / 'absent.txt'}" in capsys.readouterr().err
 
 
 def test_a_synchronous_all_reduce_counts_as_one():

@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the summary to this JSON file")
     args = parser.parse_args(argv)
     if not args.hlo.is_file():
-        raise SystemExit(f"no such file: {args.hlo}")
+        parser.error(f"no such file: {args.hlo}")
     try:
         summary = summarize(args.hlo.read_text(), args.start)
-    except ValueError as err:
-        raise SystemExit(f"{args.hlo}: {err}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        parser.error(f"{args.hlo}: {err}")
     print(" ".join(summary["sequence"]))
     print(
         f"{summary['all_reduces']} all-reduces; {summary['gemms_after_first_all_reduce']} of {summary['gemms']} "

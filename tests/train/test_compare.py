@@ -463,4 +463,4 @@ def test_a_file_that_is_not_a_run_log_is_left_out_named_once(tmp_path):
     notes_file.write_text("some notes, not JSON\n")
     runs, notes = run_logs.load_runs([DATA / "h100-ffi" / "run.jsonl", notes_file])
     assert len(runs) == 1
-    assert f"left out {notes_file}: holds no complete run-log record (one JSON object per line)" in notes
+    assert notes == [f"left out {notes_file}: holds no complete run-log record (one JSON object per line)"]

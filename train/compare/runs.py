@@ -272,7 +272,7 @@ def read_run_log(path: Path) -> tuple[list[LoggedRun], list[str]]:
     """
     records, truncated = runlog.read_numbered(path)
     if not records:
-        raise ValueError("holds no complete run-log record (one JSON object per line)")
+        raise ValueError(f"{path}: holds no complete run-log record (one JSON object per line)")
     number, first = records[0]
     if first["type"] != "run":
         raise ValueError(
@@ -347,11 +347,11 @@ def load_runs(paths: Iterable[str | Path]) -> tuple[list[LoggedRun], list[str]]:
     for log in logs:
         try:
             log_runs, log_notes = read_run_log(log)
-        except runlog.DamagedRunLog as err:  # its message names the file and line
+        except ValueError as err:  # its message names the file (and line)
             notes.append(f"left out {err}")
             continue
-        except (ValueError, OSError) as err:
-            notes.append(f"left out {log}: {getattr(err, 'strerror', None) or err}")
+        except OSError as err:
+            notes.append(f"left out {log}: {err.strerror or err}")
             continue
         runs += log_runs
         notes += log_notes

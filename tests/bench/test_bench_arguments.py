@@ -78,3 +78,11 @@ def test_ops_refuses_an_empty_list_of_ops(tmp_path, capsys):
     assert "--ops names no op; give a comma-separated subset of: layer_norm" in _refused(
         ops.main, ["--quick", "--ops", "", "--out", str(tmp_path)], capsys
     )
+
+
+@pytest.mark.parametrize("flags", [["--tokens", "512"], ["--seq-lens", "64"], ["--rows", "4"]])
+def test_e2e_quick_refuses_the_shapes_it_would_ignore(flags, tmp_path, capsys):
+    from train.bench import e2e
+
+    line = _refused(e2e.main, ["--quick", *flags, "--out", str(tmp_path)], capsys)
+    assert f"--quick runs its own small shapes; drop {flags[0]}" in line

@@ -51,6 +51,7 @@ STEPS_PER_SAMPLE = 20
 dispatch of its first step (`host_dispatch_seconds`, recorded with every measurement), which a training loop hides
 by running steps ahead: 20 steps spread that cost thinly over the sample."""
 QUICK_TOKENS = 256  # target tokens of the WMT step in a --quick run
+DEFAULT_TOKENS = "1024,4096,8192,16384"  # target tokens of the WMT steps otherwise
 TARGET_BASIS_TFLOPS = 790.0
 """The bf16 rate the project's end-to-end targets state MFU against: about what a large bf16 GEMM sustains on an
 H100 or H200 SXM (docs/results has the measured rates), where the datasheet's dense peak is 989.4."""
@@ -418,7 +419,7 @@ def main(argv: list[str]) -> int:
         + ", ".join(workloads.MODEL_ORDER),
     )
     parser.add_argument(
-        "--tokens", default="1024,4096,8192,16384", help="WMT models: target tokens per step, comma-separated"
+        "--tokens", help=f"WMT models: target tokens per step, comma-separated (default: {DEFAULT_TOKENS})"
     )
     parser.add_argument(
         "--seq-lens",
@@ -462,6 +463,15 @@ def main(argv: list[str]) -> int:
         "without a GPU, no ls_jax_ffi or flax_cudnn",
     )
     args = parser.parse_args(argv)
+    if args.quick:
+        given = [
+            flag
+            for flag, value in (("--tokens", args.tokens), ("--seq-lens", args.seq_lens), ("--rows", args.rows))
+            if value is not None
+        ]
+        if given:
+            parser.error(f"--quick runs its own small shapes; drop {', '.join(given)}")
+    args.tokens = args.tokens or DEFAULT_TOKENS
     args.out = common.out_dir(args.out, parser)
     implementations = args.implementations.split(",")
     unknown = [i for i in implementations if i not in implementations_known]

@@ -317,3 +317,12 @@ def test_compact_presets_have_their_published_shapes(name, layers):
         8,
     )
     assert cfg.layer.hidden_size // cfg.layer.nhead == 64
+
+
+def test_a_batch_beyond_the_training_examples_is_a_warning(tmp_path, csv_data, capsys):  # noqa: F811
+    assert run_training(imdb.TASK, csv_job(csv_data, tmp_path / "r", "--batch-size", "128", "--steps", "1")) == 0
+    err = capsys.readouterr().err
+    assert (
+        "warning: a step holds 128 rows (--batch-size x --grad-accum) but there are 108 training examples: 20 " in err
+    )
+    assert "--batch-size 108 also takes every example in each step, in less time" in err

@@ -20,6 +20,7 @@ SIGINT/SIGTERM (a checkpoint is written first).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,19 @@ def _check_shapes(config: ImdbConfig, model_cfg: BertConfig, parallel: DataParal
         raise UsageError(f"--batch-size {config.batch_size} is not a multiple of the {parallel.num_shards} devices")
 
 
+def _warn_batch_beyond_the_data(config: ImdbConfig, examples: int) -> None:
+    """One ``warning:`` line when a step holds more rows than there are training examples: the rest are padding,
+    left out of the loss, and every step still costs the whole batch."""
+    rows = config.batch_size * config.grad_accum
+    if rows > examples and jax.process_index() == 0:
+        print(
+            f"warning: a step holds {rows} rows (--batch-size x --grad-accum) but there are {examples} training "
+            f"examples: {rows - examples} rows of every step are padding; --batch-size {examples} also takes every "
+            "example in each step, in less time",
+            file=sys.stderr,
+        )
+
+
 def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     """The vocabulary, data, model (random or pretrained) and epoch-based schedule of one run."""
     config = run.config
@@ -129,6 +143,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
     )
     schedule = Schedule.resolve(config, stream.steps_per_epoch)
     rows, seq_len = config.batch_size, config.max_seq_len
+    _warn_batch_beyond_the_data(config, len(data.splits["train"]))
 
     return TaskSetup(
         init_variables=lambda key: classifier.init(key, seq_len),

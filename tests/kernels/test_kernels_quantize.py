@@ -12,9 +12,10 @@ from ls_jax import backend, ops
 
 pytestmark = pytest.mark.gpu
 
-# Tiles of 64 x 64 with 16-byte rows: whole tiles, ragged edges (scalar paths), one row, one column, and the
+# Tiles of 64 x 64 with 16-byte rows: whole tiles, ragged edges (scalar paths), one row, one column, rows a multiple
+# of 8 but not of 16 (q_t stored 8 bytes at a time; a translation batch of 341 sentences of 24 tokens), and the
 # transformer-big FFN's hidden activations.
-SHAPES = [(64, 64), (37, 70), (1, 33), (33, 1), (128, 48), (100, 4096), (8192, 4096)]
+SHAPES = [(64, 64), (37, 70), (1, 33), (33, 1), (128, 48), (40, 64), (8184, 1024), (100, 4096), (8192, 4096)]
 ONES = jnp.ones((1,), jnp.float32)
 
 

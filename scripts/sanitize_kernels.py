@@ -147,6 +147,10 @@ def cases(dtype: Any) -> dict[str, Case]:
             jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e5m2)),
             (normal(26, (128, 192), dtype),),
         ),
+        "fp8_quantize[rows a multiple of 8, not 16]": (  # q_t's rows 8-byte aligned
+            jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
+            (normal(28, (72, 192), dtype),),
+        ),
         "fp8_quantize[more tiles than blocks]": (  # 33 x 34 tiles: blocks loop over several (132 SMs x 8 blocks)
             jax.jit(lambda x: ops.fp8_quantize(x, history, jnp.ones((1,), jnp.float32), jnp.float8_e4m3fn)),
             (normal(27, (2112, 2176), dtype),),

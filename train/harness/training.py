@@ -455,10 +455,9 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
             setup = dataclasses.replace(setup, learning_rate=optimizer_lib.continued(plan, transition, setup.steps))
             tx, layout = _optimizer(config, setup.learning_rate, param_dtype, parallel)
         if jax.process_index() == 0:
-            ended_here = runlog.summary_at(run_dir, step)
+            ended_here = runlog.truncate_for_resume(run_dir, step)
             if ended_here is not None:
                 counters.add_work_after_checkpoint(ended_here)
-            runlog.truncate_for_resume(run_dir, step)
             moved = f"; its learning rate goes on from {rate:.3g} into the schedule of --steps {setup.steps}"
             print(
                 f"resuming {run_dir} at step {step}{' with ' + ', '.join(run.changed) if run.changed else ''}"

@@ -433,24 +433,20 @@ def upgrade(record: dict[str, Any], schema: int) -> dict[str, Any]:
     return {**{key: value for key, value in record.items() if key not in LEGACY_QUALITY_KEYS}, "metrics": metrics}
 
 
-def summary_at(run_dir: Path, step: int) -> dict[str, Any] | None:
-    """The run log's summary record if the run it closes stopped at ``step`` (a resumed run's checkpoint), else
-    None (no summary: the process was killed; another step: the steps after the checkpoint are trained again)."""
-    summaries = [r for r in read(Path(run_dir) / LOG_FILENAME) if r["type"] == "summary"]
-    return summaries[-1] if summaries and summaries[-1].get("steps") == step else None
-
-
-def truncate_for_resume(run_dir: Path, step: int) -> None:
-    """Rewrites a run log as it was when the checkpoint at ``step`` was written.
+def truncate_for_resume(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """Rewrites a run log as it was when the checkpoint at ``step`` was written; returns the summary it dropped when
+    the run it closed stopped at ``step`` (its work after that checkpoint, which the checkpoint does not hold), else
+    None (no summary: the process was killed; another step: the steps after the checkpoint are trained again).
 
     Drops the summary and every interval/eval record after ``step``, so a resumed run continues one log that
     reads as a single run (the steps after the checkpoint are trained again, identically). The run record takes
     this version's schema, and the records kept this version's form (`read`): the resumed run writes this version's.
     """
     path = Path(run_dir) / LOG_FILENAME
+    records = read(path)
     kept = [
         {**r, "schema": SCHEMA_VERSION} if r["type"] == "run" else r
-        for r in read(path)
+        for r in records
         if r["type"] == "run" or (r["type"] in ("interval", "eval") and r["step"] <= step)
     ]
     # Written beside the log, then renamed over it: a kill or a full disk leaves the old log or the new, whole.
@@ -461,6 +457,8 @@ def truncate_for_resume(run_dir: Path, step: int) -> None:
     except OSError:
         partial.unlink(missing_ok=True)
         raise
+    summaries = [r for r in records if r["type"] == "summary"]
+    return summaries[-1] if summaries and summaries[-1].get("steps") == step else None
 
 
 # --------------------------------------------------------------------------------------- run identity

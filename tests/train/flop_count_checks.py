@@ -12,6 +12,6 @@ def test_xla_flops_are_the_whole_steps_not_one_devices_share():
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):
         compiler.compiled(state, batch)
-    xla = compiler.xla_flops[StepCompiler.key(batch)]
+    xla = compiler.xla_flops(StepCompiler.key(batch))
     # One device's share would be half the analytic count.
     assert abs(analytic - xla) / xla < FLOP_TOLERANCE, (analytic, xla)

@@ -36,7 +36,7 @@ def test_flop_formula_matches_xla_cost_analysis_of_the_training_step():
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):  # fused CUDA kernels are custom calls that XLA counts as 0 FLOPs
         compiler.compiled(state, batch)
-    xla = compiler.xla_flops[StepCompiler.key(batch)]
+    xla = compiler.xla_flops(StepCompiler.key(batch))
     assert xla is not None
     print(f"analytic {analytic:.4g} vs XLA {xla:.4g} FLOPs: {analytic / xla - 1:+.2%}")
     # The analytic count is matmuls only: an XLA count missing the matmuls would be a few % of it, far outside.
@@ -53,7 +53,7 @@ def test_xla_flops_are_counted_before_optimization_and_by_the_host_where_the_dev
         lowered = compiler.lower(state, batch)
         compiler.compiled(state, batch)
     before = lowered.cost_analysis()["flops"]
-    assert compiler.xla_flops[StepCompiler.key(batch)] == before
+    assert compiler.xla_flops(StepCompiler.key(batch)) == before
     # The route a CUDA plugin takes (its lowered computation has no analysis): the same module, the CPU's analysis.
     assert metrics.host_cost_analysis(lowered)["flops"] == before
 
@@ -65,7 +65,7 @@ def test_xla_flops_of_a_gpu_step_count_its_matmuls():
     compiler, state, batch, analytic = tiny_transformer_step()
     with backend.use("xla"):
         compiled = compiler.compiled(state, batch)
-    xla = compiler.xla_flops[StepCompiler.key(batch)]
+    xla = compiler.xla_flops(StepCompiler.key(batch))
     optimized = metrics.xla_flops(compiled)
     print(f"analytic {analytic:.4g}, before optimization {xla}, compiled {optimized}")
     assert xla is not None

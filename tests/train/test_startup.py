@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,3 +108,21 @@ def test_work_after_a_checkpoint_missing_from_an_older_summary_is_left_as_saved(
     assert counters.evaluation == Tally(1, 2.0, 3.0)
     assert counters.checkpoints == Tally(2, 1.5, None)
     assert (counters.wall_time_s, counters.wall_energy_j) == (14.0, 50.0)
+
+
+def test_the_devices_warm_up_on_a_thread_of_their_own():
+    """The first program runs on every local device from the warm-up's thread, not the caller's."""
+    import jax
+
+    compiled_on = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: (
+            compiled_on.append(threading.current_thread().name)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    thread = startup.warm_up_devices()
+    assert thread is not threading.current_thread()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and "warm-up-devices" in compiled_on

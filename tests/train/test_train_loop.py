@@ -234,8 +234,8 @@ def test_xla_flops_are_known_only_without_accumulation():
     single, accumulated = toy_batch(0, 0, grad_accum=1), toy_batch(0, 0, grad_accum=2)
     compiler.compiled(state, single)
     compiler.compiled(state, accumulated)
-    assert compiler.xla_flops[StepCompiler.key(single)] > 0
-    assert compiler.xla_flops[StepCompiler.key(accumulated)] is None  # XLA counts a loop body once
+    assert compiler.xla_flops(StepCompiler.key(single)) > 0
+    assert compiler.xla_flops(StepCompiler.key(accumulated)) is None  # XLA counts a loop body once
 
 
 def test_warm_up_runs_each_compiled_step_once_and_leaves_the_state_as_it_was():

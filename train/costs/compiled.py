@@ -41,11 +41,11 @@ def optimizer_step_kernels(tx: optax.GradientTransformation, params: Any, opt_st
     return entry_kernels(compiled.as_text())
 
 
-def optimizer_step_kernels_later(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> Callable[[], int]:
-    """`optimizer_step_kernels` compiled on a thread of its own, in this thread's context (the kernel backend it
-    selected), so that it overlaps what the caller compiles next; the function returned waits for the count and
-    raises what counting raised. ``params`` and ``opt_state`` may be abstract."""
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-kernels")
+def optimizer_step_kernels_later(
+    tx: optax.GradientTransformation, params: Any, opt_state: Any, executor: concurrent.futures.Executor
+) -> Callable[[], int]:
+    """`optimizer_step_kernels` compiled by ``executor`` (a thread), in this thread's context (the kernel backend it
+    selected), so that it overlaps what the caller does next; the function returned waits for the count and raises
+    what counting raised. ``params`` and ``opt_state`` may be abstract."""
     count = executor.submit(contextvars.copy_context().run, optimizer_step_kernels, tx, params, opt_state)
-    executor.shutdown(wait=False)
     return count.result

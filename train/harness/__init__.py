@@ -13,6 +13,7 @@ signals         SIGINT and SIGTERM: where a signal stops the run at once and whe
 resume          --resume: what a checkpoint must agree on with the run restoring it
 step            the train state, fp16 loss scaling, the gradient-accumulating step
 step_compiler   the step compiled ahead of training, per batch shape
+creation        a new run's state, compiled on a thread while the step compiles
 parallel        the device mesh and how batches and state are placed on it
 peers           the watch over the other processes of a distributed run
 optimizer       the optimizer of a run (`ls_jax.optim.registry`) and learning-rate schedules

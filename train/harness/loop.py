@@ -32,6 +32,7 @@ from train.costs.hardware import Hardware
 from train.costs.windows import Reading, Span, Tally, add_optional
 from train.errors import Interrupted
 from train.harness import progress
+from train.harness.creation import StateCreation
 from train.harness.parallel import DataParallel, wait_for_processes
 from train.harness.progress import Counters, Interval
 from train.harness.signals import StopSignals
@@ -84,7 +85,7 @@ class _Pending:
     metrics: dict[str, jax.Array]
     counts: dict[str, int]
     flops: float
-    xla_flops: float | None
+    shape_key: tuple  # the batch's `StepCompiler.key`: which compiled step ran it
 
 
 def _write_error(err: OSError) -> str:
@@ -113,7 +114,8 @@ class Loop:
 
     Trains until ``config.num_steps``, a signal, or a non-finite loss, then writes the summary record.
 
-    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}).
+    First compiles the step for every global batch shape in ``batch_shapes`` ({name: (shape, dtype)}); a new run
+    passes its state's shapes as ``state`` and its ``creation``, which runs once the step has compiled.
     Finished: writes a final checkpoint and evaluates with ``final=True``. Signal (SIGINT/SIGTERM, ``signals``
     when the caller already handles them): in the step loop it finishes the step in flight; during compilation it
     stops once the compilation returns, during an evaluation at once; either way it writes a checkpoint if a step
@@ -141,16 +143,17 @@ class Loop:
         counters: Counters | None = None,
         signals: StopSignals | None = None,
         batch_shapes: Sequence[Mapping[str, tuple[tuple[int, ...], Any]]] = (),
+        creation: StateCreation | None = None,
     ):
         counters = counters or Counters()
-        self.state = state
+        self.state, self.creation = state, creation
         self.signals, self.batch_shapes = signals, list(batch_shapes)
         self.compiler, self.parallel, self.stream = compiler, parallel, stream
         self.flops_fn, self.lr_fn, self.evaluate = flops_fn, lr_fn, evaluate
         self.hardware, self.run_log, self.checkpoints = hardware, run_log, checkpoints
         self.model_signature, self.config = model_signature, config
         self.counters = counters
-        self.step = int(jax.device_get(state.step))
+        self.step = 0 if creation is not None else int(jax.device_get(state.step))
         # A fresh run has nothing to save at step 0; a resumed one already has its checkpoint.
         self.saved_step: int | None = (
             self.step
@@ -298,7 +301,7 @@ class Loop:
             step_metrics,
             counts,
             self.flops_fn({name: value.shape for name, value in batch.items()}),
-            self.compiler.xla_flops[StepCompiler.key(batch)],
+            StepCompiler.key(batch),
         )
 
     def _profile_due(self, next_step: int) -> bool:
@@ -331,10 +334,11 @@ class Loop:
         counters = self.counters
         counters.add_step(span.time_s, pending.flops, pending.counts)
         self.step_energies.append(span.energy_j)
-        if pending.xla_flops is None:
+        xla_flops = self.compiler.xla_flops(pending.shape_key)
+        if xla_flops is None:
             counters.xla_flops_known = False
         else:
-            counters.xla_flops += pending.xla_flops
+            counters.xla_flops += xla_flops
         # An fp16 step skipped for overflow has no meaningful loss; its time and tokens still count.
         totals = {key: value for key, value in metrics.items() if key not in STEP_VALUES}
         self.interval.add(span.time_s, pending.flops, totals if metrics["finite"] else {}, pending.counts)
@@ -414,6 +418,8 @@ class Loop:
         try:
             with self._window(self.counters.compilation), self.signals.deferred("compilation"):
                 self.compiler.precompile(self.state, self.batch_shapes)
+                if self.creation is not None:
+                    self.state = self.creation.result()
                 if self.checkpoints is not None:  # the check before every checkpoint compiles here, not in a save
                     is_finite(self.state)
             if jax.default_backend() != "cpu":  # a CPU's first execution holds no one-time work worth a step

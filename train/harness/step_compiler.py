@@ -3,6 +3,8 @@
 The FLOP count is XLA's cost analysis of the step as lowered, before optimization: there every matmul is still a
 ``dot``. After optimization a GPU's matmuls are cuBLAS library calls that the cost analysis counts as 0 FLOPs (on
 the H100 the compiled step's count was 38-40% of the analytic one), so the compiled module's count is not the step's.
+It is counted on a thread of its own once the step has compiled (a second or so for BERT-base on the host), so
+compilation, and a run whose steps all come from the compilation cache, does not wait for it.
 
 Every distinct batch shape is compiled before training (`StepCompiler.precompile`), so training time holds no
 compilation; on a GPU each compiled step then runs once on a copy of the state (`StepCompiler.warm_up`), so neither
@@ -48,7 +50,8 @@ class StepCompiler:
             self._options |= fp8.compiler_options(parallel.mesh.devices.flat[0].platform)
         self._copy_state = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)
         self._compiled: dict[tuple, Any] = {}
-        self.xla_flops: dict[tuple, float | None] = {}
+        self._flop_counts: dict[tuple, concurrent.futures.Future | None] = {}
+        self._counting = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flop-count")
 
     @staticmethod
     def key(batch: Mapping[str, Any]) -> tuple:
@@ -104,6 +107,12 @@ class StepCompiler:
             scratch, _ = compiled(scratch, batch)
         jax.block_until_ready(scratch)
 
+    def xla_flops(self, key: tuple) -> float | None:
+        """XLA's FLOP count of the whole step compiled for ``key`` (`key`) over every device, waited for; None where
+        XLA has no count (or the step accumulates micro-batches)."""
+        count = self._flop_counts[key]
+        return None if count is None else count.result()
+
     def memory_analysis(self) -> Any | None:
         """XLA's memory analysis of the compiled step with the most temporaries, or None before any compiled."""
         analyses = [compiled.memory_analysis() for compiled in self._compiled.values()]
@@ -122,6 +131,9 @@ class StepCompiler:
         self._compiled[key] = compiled
         # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
         single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
-        flops = metrics_lib.xla_flops(lowered) if single_micro_batch else None
+        self._flop_counts[key] = self._counting.submit(self._count_flops, lowered) if single_micro_batch else None
+
+    def _count_flops(self, lowered: Any) -> float | None:
+        flops = metrics_lib.xla_flops(lowered)
         # Inside shard_map the lowered module is one device's program: its count is one device's share of the step.
-        self.xla_flops[key] = None if flops is None else flops * self._parallel.num_shards
+        return None if flops is None else flops * self._parallel.num_shards

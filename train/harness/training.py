@@ -10,6 +10,7 @@ optimizer, compilation, checkpoints, signals, the run log, the summary and the e
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import shlex
 import sys
@@ -36,6 +37,7 @@ from train.harness import cli, compile_cache, peers, progress, resume
 from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
+from train.harness.creation import StateCreation
 from train.harness.loop import Loop, LoopConfig, TrainResult
 from train.harness.parallel import (
     DATA_AXIS,
@@ -47,8 +49,8 @@ from train.harness.parallel import (
 )
 from train.harness.progress import Counters, format_value
 from train.harness.signals import StopSignals
-from train.harness.startup import StartupClock, tools_loaded_at
-from train.harness.step import LossFn, TrainState, make_train_step, threefry_kernel
+from train.harness.startup import StartupClock, tools_loaded_at, warm_up_devices
+from train.harness.step import LossFn, TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
 from train.records import rundir, runlog
 from train.records.checkpoints import CHECKPOINT_DIR, Checkpoints
@@ -186,6 +188,7 @@ def _start(task: Task, argv: list[str], clock: StartupClock) -> int:
         with peers.watching(config.distributed, run_dir / CHECKPOINT_DIR, resume_command, config.peer_timeout):
             with backend_lib.use(config.backend):
                 backend_lib.active_backend()
+                warm_up_devices()
                 clock.mark("run_directory")
                 changed = tuple(resume.changed_flags(saved, config, given)) if saved else ()
                 run = Run(config, frozenset(given), changed, run_id, run_dir, command, clock, started_utc)
@@ -288,11 +291,13 @@ def param_count(params: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class ReadyRun:
     """A run ready to train: its configuration (a resume may add its schedule's transition), the task's setup (the
-    learning rate as the run follows it), the state, the batches from where it resumes, and what writes it."""
+    learning rate as the run follows it), the state (a new run's: its shapes, and its ``creation``, which runs once
+    the training step has compiled), the batches from where it resumes, and what writes it."""
 
     run: Run
     setup: TaskSetup
     state: TrainState
+    creation: StateCreation | None
     stream: EpochStream
     counters: Counters | None
     hardware: Hardware
@@ -380,6 +385,7 @@ def _train(task: Task, run: Run) -> int:
             counters=prepared.counters,
             signals=signals,
             batch_shapes=setup.batch_shapes,
+            creation=prepared.creation,
         ).run()
     return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
 
@@ -423,18 +429,25 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
     create = state_builder(setup, tx, fp16=precision == "fp16", param_dtype=param_dtype, layout=layout)
     abstract = jax.eval_shape(create, setup.pretrained_params)
     check_memory(task, setup, abstract, layout)
-    # The run record's count compiles one optimizer step, alongside the state's creation (counted for a new run
-    # with the optimizer state whole).
+    # One thread compiles, in this order, what comes later: the run record's count of one optimizer step's kernels
+    # (for a new run with the optimizer state whole), which the run record waits for, then a new run's state, which
+    # runs once the training step has compiled (`StateCreation`).
+    compiles = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="setup-compiles")
     optimizer_kernels = (
-        optimizer_step_kernels_later(tx, abstract.params, abstract.opt_state)
+        optimizer_step_kernels_later(tx, abstract.params, abstract.opt_state, compiles)
         if not config.resume and layout.sharded_optimizer is None
         else lambda: None
     )
+    creation = (
+        None
+        if config.resume
+        else StateCreation(create, setup.pretrained_params, abstract, layout.shardings(abstract), compiles)
+    )
+    compiles.shutdown(wait=False)
     checkpoints = Checkpoints(run_dir / CHECKPOINT_DIR, keep=config.keep_checkpoints, saved_form=layout.to_saved)
     stream, counters = setup.stream, None
     if not config.resume:
-        with threefry_kernel():
-            state = jax.jit(create, out_shardings=layout.shardings(abstract))(setup.pretrained_params)
+        state = abstract
     else:  # the checkpoint's state, restored onto the shapes of a new one: nothing is drawn
         saved, step, position, counters, rate = resume.restore_latest(
             checkpoints, layout.saved_abstract(abstract), signature, run_dir
@@ -467,7 +480,7 @@ def _prepare(task: Task, run: Run) -> ReadyRun | None:
         stream = stream.at(position)
     run.startup.mark("state")
     return ReadyRun(
-        run, setup, state, stream, counters, hardware, checkpoints, tx, signature, layout, optimizer_kernels
+        run, setup, state, creation, stream, counters, hardware, checkpoints, tx, signature, layout, optimizer_kernels
     )
 
 

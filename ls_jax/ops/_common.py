@@ -119,8 +119,8 @@ def log_fallback_once(op: str, reason: str, instead: str = "the XLA implementati
     logger.warning("ls_jax.ops.%s: running %s on CUDA: %s", op, instead, reason)
 
 
-def _stored_in_dtype(xla_impl: Callable[..., Any]) -> Callable[..., Any]:
-    """``xla_impl`` with its 16-bit outputs passed through an optimization barrier, so XLA stores them in their
+def _stored_in_dtype(outputs: Any) -> Any:
+    """``outputs`` with their 16-bit leaves passed through an optimization barrier, so XLA stores them in their
     dtype.
 
     XLA on GPU allows excess precision: it drops a round trip f32 -> bf16 -> f32 between an op's arithmetic and
@@ -128,15 +128,11 @@ def _stored_in_dtype(xla_impl: Callable[..., Any]) -> Callable[..., Any]:
     the FFN's hidden layer) take twice their bytes and skip the rounding the CUDA kernels do. The barrier makes a
     Transformer step both faster and smaller in memory (docs/results).
     """
-
-    def impl(*args):
-        leaves, tree = jax.tree.flatten(xla_impl(*args))
-        low = [i for i, x in enumerate(leaves) if jnp.dtype(x.dtype) in LOW_PRECISION_DTYPES]
-        for i, x in zip(low, jax.lax.optimization_barrier([leaves[i] for i in low])):
-            leaves[i] = x
-        return jax.tree.unflatten(tree, leaves)
-
-    return impl
+    leaves, tree = jax.tree.flatten(outputs)
+    low = [i for i, x in enumerate(leaves) if jnp.dtype(x.dtype) in LOW_PRECISION_DTYPES]
+    for i, x in zip(low, jax.lax.optimization_barrier([leaves[i] for i in low])):
+        leaves[i] = x
+    return jax.tree.unflatten(tree, leaves)
 
 
 def dispatch(
@@ -151,16 +147,17 @@ def dispatch(
     Both implementations take the same arguments and return the same pytree of shapes and dtypes, so one
     ``jax.custom_vjp`` serves both. ``unsupported`` is a reason the kernels cannot take these shapes; the
     op then runs XLA everywhere and logs the reason once. On CUDA the XLA implementation's 16-bit outputs are
-    stored in their dtype (``_stored_in_dtype``). The op's name becomes a named scope, so profiles and HLO
-    metadata attribute the work to it.
+    stored in their dtype (``_stored_in_dtype``). Without the kernels the XLA implementation is traced once, for
+    every platform. The op's name becomes a named scope, so profiles and HLO metadata attribute the work to it.
     """
     with jax.named_scope(op):
         kernels = backend.kernels_enabled() and ffi_impl is not None
         if kernels and unsupported is not None:
             log_fallback_once(op, unsupported)
             kernels = False
-        cuda = ffi_impl if kernels else _stored_in_dtype(xla_impl)
-        return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(cuda), default=_vary_like_inputs(xla_impl))
+        if not kernels:
+            return jax.lax.platform_dependent(xla_impl(*args), cuda=_stored_in_dtype, default=lambda outputs: outputs)
+        return jax.lax.platform_dependent(*args, cuda=_vary_like_inputs(ffi_impl), default=_vary_like_inputs(xla_impl))
 
 
 def _varying_axes(x: Any) -> frozenset:

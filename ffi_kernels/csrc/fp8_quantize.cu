@@ -90,7 +90,7 @@ __device__ void roll_in_amax(float* history, int64_t length, float amax) {
 template <typename T, __nv_fp8_interpretation_t Format>
 __device__ void quantize_tile(const T* __restrict__ x, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
                               uint8_t (*tile)[kPitch], int64_t row0, int64_t col0, int64_t rows, int64_t cols,
-                              float inverse, bool vector_rows, bool vector_cols, float& amax) {
+                              float inverse, int t_store, bool vector_cols, float& amax) {
   // Rows of the tile: each thread quantizes kChunk consecutive elements of one row of x.
   {
     const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * kChunk;
@@ -131,12 +131,24 @@ __device__ void quantize_tile(const T* __restrict__ x, uint8_t* __restrict__ q, 
     uint8_t out[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) out[i] = tile[r + i][c];
-    if (row + kChunk <= rows && vector_rows) {
-      uint4 packed;
-      memcpy(&packed, out, kChunk);
-      *reinterpret_cast<uint4*>(q_t + col * rows + row) = packed;
+    uint8_t* dst = q_t + col * rows + row;
+    if (t_store == 16) {  // rows % 16 == 0: a chunk is either whole or past the end
+      if (row < rows) {
+        uint4 packed;
+        memcpy(&packed, out, 16);
+        *reinterpret_cast<uint4*>(dst) = packed;
+      }
+    } else if (t_store == 8) {  // rows % 8 == 0: each half of a chunk is either whole or past the end
+#pragma unroll
+      for (int half = 0; half < kChunk; half += 8) {
+        if (row + half < rows) {
+          uint2 packed;
+          memcpy(&packed, out + half, 8);
+          *reinterpret_cast<uint2*>(dst + half) = packed;
+        }
+      }
     } else {
-      for (int i = 0; i < kChunk && row + i < rows; ++i) q_t[col * rows + row + i] = out[i];
+      for (int i = 0; i < kChunk && row + i < rows; ++i) dst[i] = out[i];
     }
   }
 }
@@ -145,7 +157,7 @@ __device__ void quantize_tile(const T* __restrict__ x, uint8_t* __restrict__ q, 
 template <typename T, __nv_fp8_interpretation_t Format>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     quantize_kernel(const T* __restrict__ x, ScalingState state, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t,
-                    unsigned int* __restrict__ scratch, int64_t rows, int64_t cols, bool vector_rows,
+                    unsigned int* __restrict__ scratch, int64_t rows, int64_t cols, int t_store,
                     bool vector_cols) {
   __shared__ uint8_t tile[kTile][kPitch];
   __shared__ float partials[kThreads / 32];
@@ -160,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const int64_t col_tiles = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * col_tiles;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     quantize_tile<T, Format>(x, q, q_t, tile, t / col_tiles * kTile, t % col_tiles * kTile, rows, cols, inverse,
-                             vector_rows, vector_cols, amax);
+                             t_store, vector_cols, amax);
     __syncthreads();  // this tile's shared bytes are read before the next tile's are written
   }
 
@@ -192,11 +204,12 @@ ffi::Error launch(cudaStream_t stream, const T* x, ScalingState state, uint8_t* 
   // Enough blocks to fill every SM (at least one: an empty x still gets its scale and next history).
   int64_t blocks = 0;
   LS_RETURN_IF_ERROR(stride_grid(ceil_div(rows, kTile) * ceil_div(cols, kTile), 1, kBlocksPerSm, blocks));
-  // 16-byte accesses: a row chunk of x (kChunk elements), of q and of q_t start at multiples of 16 bytes.
+  // 16-byte accesses: a row chunk of x (kChunk elements), of q and of q_t start at multiples of 16 bytes. A q_t
+  // row whose length is a multiple of 8, not 16 (8,184 tokens), is stored 8 bytes at a time, else byte by byte.
   const bool vector_cols = cols % kChunk == 0 && is_aligned(x, 16) && is_aligned(q, 16);
-  const bool vector_rows = rows % kChunk == 0 && is_aligned(q_t, 16);
+  const int t_store = rows % 16 == 0 && is_aligned(q_t, 16) ? 16 : rows % 8 == 0 && is_aligned(q_t, 8) ? 8 : 1;
   quantize_kernel<T, Format><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, state, q, q_t, scratch, rows, cols, vector_rows, vector_cols);
+      x, state, q, q_t, scratch, rows, cols, t_store, vector_cols);
   return launch_error("quantize_kernel");
 }
 

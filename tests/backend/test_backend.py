@@ -209,3 +209,17 @@ def test_dispatch_with_kernels_disabled_never_traces_ffi():
     with backend.use("xla"):
         cuda = _lowered_text(platform="cuda")
     assert XLA_MARK in cuda and FFI_MARK not in cuda
+
+
+def test_dispatch_without_kernels_traces_the_xla_implementation_once_and_stores_16_bits_on_cuda():
+    traced = []
+
+    def xla_impl(x, unused):
+        traced.append(x)
+        return jnp.cos(x)
+
+    fn = jax.jit(lambda x: _common.dispatch("fake_op", xla_impl, _ffi_impl, (x, None)))
+    with backend.use("xla"):
+        lowered = fn.trace(jnp.ones(3, jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(traced) == 1
+    assert XLA_MARK in lowered and "optimization_barrier" in lowered

@@ -251,3 +251,14 @@ def test_summary_parts_are_validated_and_a_schema_1_log_may_lack_them():
     runlog.validate(schema_1, ("examples",), schema=1)
     with pytest.raises(runlog.RecordError, match="summary record lacks 'wall_energy_j'"):
         runlog.validate(schema_1, ("examples",))
+
+
+def test_tensorboard_that_cannot_write_is_one_warning_and_the_run_log_keeps_every_record(tmp_path, capsys):
+    (tmp_path / runlog.TENSORBOARD_DIR).write_text("a file where the events' directory goes")
+    log = runlog.RunLog(tmp_path, WMT_COUNTS)
+    log.write(valid_interval())
+    log.write(valid_interval())
+    log.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "TensorBoard" in line]
+    assert len(warnings) == 1 and str(tmp_path / runlog.LOG_FILENAME) in warnings[0]
+    assert [r["type"] for r in runlog.read(tmp_path / runlog.LOG_FILENAME)] == ["interval", "interval"]

@@ -18,6 +18,7 @@ the schema-2 keys missing (`SCHEMA_2_KEYS`). Schema 3 gathered the quality keys 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import errno
@@ -28,6 +29,7 @@ import platform
 import secrets
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -309,6 +311,10 @@ class RunLog:
     A run stopped by a full disk must still record why: the log holds ``RESERVE_BYTES`` of disk in a reserve file
     beside it while the run trains and gives that space back to write the summary record when the disk is full.
     A record that cannot be written leaves no partial line behind.
+
+    TensorBoard's events are written on a thread of its own, in the records' order: its writer imports PyTorch
+    where that is installed (seconds), which the run's start-up would otherwise wait for. The JSON lines are the
+    log of record; events that could not be written are one warning line at `close`.
     """
 
     def __init__(self, run_dir: Path, counted: Iterable[str], *, enabled: bool = True, tensorboard: bool = True):
@@ -317,13 +323,13 @@ class RunLog:
         self._enabled = enabled
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if enabled else None
         self._reserve = Path(run_dir) / RESERVE_FILENAME
-        self._writer = None
+        self._tensorboard: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tensorboard_failure: BaseException | None = None
         if enabled:
             _hold(self._reserve, RESERVE_BYTES)
         if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR))
+            self._tensorboard = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorboard")
+            self._writer = self._tensorboard.submit(_summary_writer, Path(run_dir) / TENSORBOARD_DIR)
 
     def write(self, record: dict[str, Any]) -> None:
         record = _finite_or_none(record)
@@ -339,28 +345,48 @@ class RunLog:
                 raise
             self._reserve.unlink()
             _append(self._fd, line)
-        if self._writer is not None:
-            self._write_scalars(record)
+        if self._tensorboard is not None:
+            self._tensorboard.submit(self._write_events, record).add_done_callback(self._note_failure)
 
-    def _write_scalars(self, record: dict[str, Any]) -> None:
+    def _write_events(self, record: dict[str, Any]) -> None:
+        writer = self._writer.result()
         kind = record["type"]
         if kind == "run":
-            self._writer.add_text("config", "```\n" + json.dumps(record["config"], indent=2) + "\n```")
+            writer.add_text("config", "```\n" + json.dumps(record["config"], indent=2) + "\n```")
             return
         step = record["step"] if "step" in record else record["steps"]
         prefix = f"eval_{record['split']}" if kind == "eval" else kind
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "steps"):
-                self._writer.add_scalar(f"{prefix}/{key}", value, step)
-        self._writer.flush()
+                writer.add_scalar(f"{prefix}/{key}", value, step)
+        writer.flush()
+
+    def _note_failure(self, done: concurrent.futures.Future) -> None:
+        if self._tensorboard_failure is None:
+            self._tensorboard_failure = done.exception()
 
     def close(self) -> None:
+        """Closes the log; returns once every TensorBoard event is written."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
             self._reserve.unlink(missing_ok=True)
-        if self._writer is not None:
-            self._writer.close()
+        if self._tensorboard is not None:
+            self._tensorboard.submit(lambda: self._writer.result().close()).add_done_callback(self._note_failure)
+            self._tensorboard.shutdown(wait=True)
+            self._tensorboard = None
+            if self._tensorboard_failure is not None:
+                print(
+                    f"warning: TensorBoard events could not be written: {self._tensorboard_failure}; the run log "
+                    f"{self.path} holds every record",
+                    file=sys.stderr,
+                )
+
+
+def _summary_writer(directory: Path) -> Any:
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(str(directory))
 
 
 def _hold(path: Path, size: int) -> None:

@@ -108,8 +108,8 @@ class StepCompiler:
         jax.block_until_ready(scratch)
 
     def xla_flops(self, key: tuple) -> float | None:
-        """XLA's FLOP count of the whole step compiled for ``key`` (`key`) over every device, waited for; None where
-        XLA has no count (or the step accumulates micro-batches)."""
+        """XLA's FLOP count of the whole step, over every device, compiled for the batches of ``key`` (`key`), waited
+        for; None where XLA has no count (or the step accumulates micro-batches)."""
         count = self._flop_counts[key]
         return None if count is None else count.result()
 

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,25 @@ def test_tensorboard_that_cannot_write_is_one_warning_and_the_run_log_keeps_ever
     warnings = [line for line in capsys.readouterr().err.splitlines() if "TensorBoard" in line]
     assert len(warnings) == 1 and str(tmp_path / runlog.LOG_FILENAME) in warnings[0]
     assert [r["type"] for r in runlog.read(tmp_path / runlog.LOG_FILENAME)] == ["interval", "interval"]
+
+
+def test_a_record_written_later_keeps_its_place_before_the_records_after_it(tmp_path):
+    """The run record is made on a thread (it waits for a count): a record written meanwhile waits for it."""
+    made = threading.Event()
+    log = runlog.RunLog(tmp_path, WMT_COUNTS, tensorboard=False)
+    log.write_later(lambda: made.wait(5) and valid_interval(step=1))
+    threading.Timer(0.2, made.set).start()
+    log.write(valid_interval(step=2))
+    log.close()
+    assert [r["step"] for r in runlog.read(tmp_path / runlog.LOG_FILENAME)] == [1, 2]
+
+
+def test_what_making_a_later_record_raised_is_raised_by_the_next_write(tmp_path):
+    def count():
+        raise RuntimeError("the optimizer step did not compile")
+
+    log = runlog.RunLog(tmp_path, WMT_COUNTS, tensorboard=False)
+    log.write_later(lambda: valid_interval(step=count()))
+    with pytest.raises(RuntimeError, match="did not compile"):
+        log.write(valid_interval(step=2))
+    log.close()

@@ -32,7 +32,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from train.errors import UsageError
 
@@ -325,13 +325,32 @@ class RunLog:
         self._reserve = Path(run_dir) / RESERVE_FILENAME
         self._tensorboard: concurrent.futures.ThreadPoolExecutor | None = None
         self._tensorboard_failure: BaseException | None = None
+        self._later: concurrent.futures.Future | None = None  # a record `write_later` has yet to write
         if enabled:
             _hold(self._reserve, RESERVE_BYTES)
         if enabled and tensorboard:
             self._tensorboard = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorboard")
             self._writer = self._tensorboard.submit(_summary_writer, Path(run_dir) / TENSORBOARD_DIR)
 
+    def write_later(self, make: Callable[[], dict[str, Any]]) -> None:
+        """Writes the record ``make()`` returns, made on a thread so that the caller goes on meanwhile (the run
+        record waits for the count of an optimizer step's kernels, which compiles on a thread); every later `write`
+        and `close` waits for it first, so the records keep their order, and raises what making or writing it
+        raised."""
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-log")
+        self._later = executor.submit(lambda: self._write(make()))
+        executor.shutdown(wait=False)
+
     def write(self, record: dict[str, Any]) -> None:
+        self._wait_for_later()
+        self._write(record)
+
+    def _wait_for_later(self) -> None:
+        later, self._later = self._later, None
+        if later is not None:
+            later.result()
+
+    def _write(self, record: dict[str, Any]) -> None:
         record = _finite_or_none(record)
         validate(record, self.counted, complete=True)
         if not self._enabled:
@@ -366,7 +385,13 @@ class RunLog:
             self._tensorboard_failure = done.exception()
 
     def close(self) -> None:
-        """Closes the log; returns once every TensorBoard event is written."""
+        """Closes the log; returns once every record and TensorBoard event is written."""
+        try:
+            self._wait_for_later()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -61,6 +61,8 @@ def warm_up_devices() -> threading.Thread:
         except Exception:  # noqa: BLE001 - the run's own first use of the device reports it
             pass
 
-    thread = threading.Thread(target=run, name="warm-up-devices", daemon=True)
+    # Not a daemon: a process ending meanwhile (a refused flag) waits for it rather than stop it mid-way through
+    # writing the program to the compilation cache.
+    thread = threading.Thread(target=run, name="warm-up-devices")
     thread.start()
     return thread

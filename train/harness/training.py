@@ -330,21 +330,22 @@ def _train(task: Task, run: Run) -> int:
         run_log = RunLog(run_dir, task.counted, enabled=jax.process_index() == 0, tensorboard=config.tensorboard)
         save_config(run_dir, {"task": task.name, "run_id": run.run_id, **config.to_dict()})
         if not config.resume:
-            record = progress.run_record(
-                task.name,
-                run,
-                hardware,
-                optimizer=optimizer_fields(config, None),
-                implementation=setup.implementation,
-                model=setup.model_name,
-                params=param_count(state.params),
-                batch=setup.batch_record,
-                data=setup.data_record,
-                config=setup.config_record,
+            # Made and written once the optimizer step's kernels are counted (compiled on a thread), before any
+            # later record.
+            run_log.write_later(
+                lambda: progress.run_record(
+                    task.name,
+                    run,
+                    hardware,
+                    optimizer=optimizer_fields(config, prepared.optimizer_kernels()),
+                    implementation=setup.implementation,
+                    model=setup.model_name,
+                    params=param_count(state.params),
+                    batch=setup.batch_record,
+                    data=setup.data_record,
+                    config=setup.config_record,
+                )
             )
-            # Written once the optimizer step's kernels are counted (compiled on a thread), before any later record.
-            count = prepared.optimizer_kernels
-            run_log.write_later(lambda: {**record, "optimizer_kernels_per_step": count()})
         run.startup.mark("run_record")
         if jax.process_index() == 0:
             _warn_profile_past_the_end(config.profile_steps, setup.steps)

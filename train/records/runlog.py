@@ -19,6 +19,7 @@ the schema-2 keys missing (`SCHEMA_2_KEYS`). Schema 3 gathered the quality keys 
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import dataclasses
 import datetime
 import errno
@@ -333,12 +334,12 @@ class RunLog:
             self._writer = self._tensorboard.submit(_summary_writer, Path(run_dir) / TENSORBOARD_DIR)
 
     def write_later(self, make: Callable[[], dict[str, Any]]) -> None:
-        """Writes the record ``make()`` returns, made on a thread so that the caller goes on meanwhile (the run
-        record waits for the count of an optimizer step's kernels, which compiles on a thread); every later `write`
-        and `close` waits for it first, so the records keep their order, and raises what making or writing it
-        raised."""
+        """Writes the record ``make()`` returns, made on a thread in the caller's context so that the caller goes on
+        meanwhile (the run record waits for the count of an optimizer step's kernels, which compiles on a thread);
+        every later `write` and `close` waits for it first, so the records keep their order, and raises what making
+        or writing it raised."""
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-log")
-        self._later = executor.submit(lambda: self._write(make()))
+        self._later = executor.submit(contextvars.copy_context().run, lambda: self._write(make()))
         executor.shutdown(wait=False)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -13,9 +13,9 @@ from train.wmt import model as wmt_model
 FLOP_TOLERANCE = 0.05  # XLA also counts elementwise work (softmax, LayerNorm, optimizer); matmuls dominate
 
 
-def tiny_transformer_step():
+def tiny_transformer_step(executables=None):
     """(compiler, state, batch, analytic FLOPs) of one transformer-tiny training step, fp32, batch 32 x 24, its rows
-    shared by every device."""
+    shared by every device; the compiler keeps its steps in ``executables`` (None: nowhere)."""
     model_cfg = TransformerConfig.preset(
         "transformer-tiny",
         256,
@@ -37,6 +37,7 @@ def tiny_transformer_step():
         ),
         StateLayout(parallel),
         state,
+        executables=executables,
     )
     shape = (1, 32, 24)
     batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32) for name in ("src", "tgt_in", "labels")}

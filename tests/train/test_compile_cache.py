@@ -1,5 +1,6 @@
 """XLA's persistent compilation cache in the training tools: a second identical run loads every compiled program
-from the cache, the tiny model's too, and its summary says so; ``--no-compile-cache`` compiles everything again."""
+from the cache, the tiny model's too, its training step without tracing it, trains as the first did, and its
+summary says so; ``--no-compile-cache`` compiles everything again."""
 
 import json
 import os
@@ -8,7 +9,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = ["--steps", "2", "--eval-every", "0", "--no-progress", "--no-tensorboard", "--backend", "xla"]
+FLAGS = [
+    "--steps",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--no-progress",
+    "--no-tensorboard",
+    "--backend",
+    "xla",
+]
 
 
 def _run(run_dir: Path, cache: Path, *extra: str) -> dict:
@@ -27,13 +39,24 @@ def _run(run_dir: Path, cache: Path, *extra: str) -> dict:
     return summary["compile_cache"] | {"output": result.stdout}
 
 
+def _losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "run.jsonl").read_text().splitlines()]
+    return [record["loss"] for record in records if record["type"] == "interval"]
+
+
 def test_a_second_run_loads_its_programs_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     first = _run(tmp_path / "first", cache)
     assert first["directory"] == str(cache) and first["requests"] > 0 and first["hits"] == 0
     second = _run(tmp_path / "second", cache)
-    assert second["hits"] == second["requests"] == first["requests"]
-    assert f"{second['hits']} of {second['requests']} compiled programs loaded from the cache" in second["output"]
+    # The training step loads whole, untraced (`train.harness.executable_cache`); the other programs from XLA's cache.
+    assert first["steps_loaded"] == 0 and second["steps_loaded"] == 1
+    assert second["hits"] == second["requests"] == first["requests"] - 1
+    assert (
+        f"{second['hits']} of {second['requests']} compiled programs loaded from the cache and the training step "
+        "without tracing" in second["output"]
+    )
+    assert _losses(tmp_path / "second") == _losses(tmp_path / "first")
     # Loading a program costs less than compiling it; both runs trace and lower every program.
     assert 0 < second["backend_compile_s"] < first["backend_compile_s"]
     assert first["trace_s"] > 0 and second["trace_s"] > 0 and second["lower_s"] > 0

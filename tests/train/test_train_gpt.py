@@ -26,6 +26,7 @@ from train.gpt import data as gpt_data
 from train.gpt import synthetic as gpt_synthetic
 from train.gpt import task as gpt
 from train.gpt.samples import SAMPLES_FILENAME
+from train.harness import compile_cache
 from train.harness.training import run_training
 from train.records import runlog
 
@@ -252,6 +253,7 @@ def test_rows_of_2048_tokens_train_with_as_many_positions(tmp_path, compilation_
 @pytest.mark.slow
 def test_resume_gives_the_same_run_as_training_straight(tmp_path, text_file, compilation_cache):  # noqa: F811
     straight, split = tmp_path / "straight", tmp_path / "split"
+    loaded = compile_cache.use().steps_loaded
     assert (
         run_training(gpt.TASK, text_job(text_file, straight, "--steps", "6", "--log-every", "1", "--eval-every", "3"))
         == 0
@@ -269,6 +271,8 @@ def test_resume_gives_the_same_run_as_training_straight(tmp_path, text_file, com
     shutil.rmtree(split / "checkpoints" / "6")
     (split / SAMPLES_FILENAME).unlink()
     assert run_training(gpt.TASK, ["--resume", str(split)]) == 0
+    # The split run and its resume load the step the straight run kept (`train.harness.executable_cache`).
+    assert compile_cache.use().steps_loaded == loaded + 2
 
     expected, resumed = state_arrays(straight, 6), state_arrays(split, 6)
     assert expected.keys() == resumed.keys()

@@ -25,6 +25,7 @@ from ls_jax.models import PRESETS
 from ls_jax.optim import master
 from train.data import tokenizer
 from train.errors import EXIT_DATA, EXIT_USAGE
+from train.harness import compile_cache
 from train.harness.config import TrainingConfig
 from train.harness.loop import progress_line
 from train.harness.training import run_training
@@ -170,6 +171,19 @@ def test_resume_gives_the_same_parameters_as_training_straight(tmp_path, corpus_
     assert records[-1]["tokens"] == straight_summary["tokens"]
     train_stats = records[0]["data"]["train"]
     assert train_stats["too_long"] >= 3 and sum(train_stats.values()) == 243  # the 3 long lines are dropped
+
+
+def test_a_rerun_loads_its_step_untraced_and_trains_alike(tmp_path, corpus_dir, compilation_cache):
+    flags = ("--steps", "2", "--log-every", "1", "--eval-every", "0")
+    assert run_training(wmt.TASK, small_job(corpus_dir, tmp_path / "first", *flags)) == 0
+    loaded = compile_cache.use().steps_loaded
+    assert run_training(wmt.TASK, small_job(corpus_dir, tmp_path / "again", *flags)) == 0
+    assert compile_cache.use().steps_loaded == loaded + 2  # a step for each of the task's two batch shapes
+
+    def losses(run_dir):
+        return [r["loss"] for r in runlog.read(run_dir / "run.jsonl") if r["type"] == "interval"]
+
+    np.testing.assert_allclose(losses(tmp_path / "again"), losses(tmp_path / "first"), rtol=1e-6)
 
 
 def test_epochs_train_whole_passes_over_the_training_pairs(tmp_path, corpus_dir, compilation_cache):

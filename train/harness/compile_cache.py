@@ -13,7 +13,8 @@ directory failing with a warning. Delete the directory to empty it.
 `CacheUse` counts, through ``jax.monitoring``, the compilations that asked the cache and those it answered, and sums
 the seconds JAX spent tracing, lowering and compiling (or loading from the cache) every program of the process, so
 the summary can say how much of the compilation came from the cache and what a cached program still costs: JAX
-traces and lowers a program before it can look it up.
+traces and lowers a program before it can look it up. The training step is also kept whole in a folder of the same
+directory (`train.harness.executable_cache`), loaded without tracing; `count_loaded_step` counts those loads.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ def enable(on: bool) -> Path | None:
 @dataclasses.dataclass
 class CacheUse:
     """The cache's ``directory`` (None: off), the compilations of this process that asked it (``requests``) and
-    that it answered (``hits``), and the seconds of `DURATION_EVENTS` over every program of the process."""
+    that it answered (``hits``), the training steps loaded whole without tracing (``steps_loaded``, not among the
+    requests), and the seconds of `DURATION_EVENTS` over every program of the process."""
 
     directory: str | None = None
     requests: int = 0
     hits: int = 0
+    steps_loaded: int = 0
     trace_s: float = 0.0
     lower_s: float = 0.0
     backend_compile_s: float = 0.0
@@ -87,6 +90,12 @@ def use() -> CacheUse:
 _use = CacheUse()
 _listening = threading.Lock()
 _registered = False
+
+
+def count_loaded_step() -> None:
+    """Counts a training step loaded from `train.harness.executable_cache`."""
+    with _listening:
+        _use.steps_loaded += 1
 
 
 def _count(event: str, **_: object) -> None:

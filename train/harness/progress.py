@@ -387,7 +387,8 @@ def _describe_cache(cache: Mapping[str, Any] | None) -> str:
         )
     if cache["directory"] is None:
         return "; compilation cache off" + spent
-    return f"; {cache['hits']} of {cache['requests']} compiled programs loaded from the cache{spent}"
+    untraced = " and the training step without tracing" if cache.get("steps_loaded") else ""
+    return f"; {cache['hits']} of {cache['requests']} compiled programs loaded from the cache{untraced}{spent}"
 
 
 def _describe_host(host: Mapping[str, Any] | None) -> list[str]:

@@ -11,6 +11,9 @@ compilation; on a GPU each compiled step then runs once on a copy of the state (
 does the one-time work of a first execution. The step takes the state (placed as `train.harness.parallel.StateLayout`
 says) and a batch sharded along its
 row axis (axis 1, after the grad-accumulation axis), runs per device inside ``shard_map``, and donates the state.
+
+Given `train.harness.executable_cache.StepExecutables`, a step found there is loaded without being traced, and a
+step compiled here is kept there (after its FLOP count, on the counting thread) for later runs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import numpy as np
 
 from ls_jax.layers import fp8
 from train.costs import metrics as metrics_lib
+from train.harness import compile_cache
+from train.harness.executable_cache import StepExecutables
 from train.harness.parallel import StateLayout
 from train.harness.step import TrainState
 
@@ -32,12 +37,19 @@ from train.harness.step import TrainState
 class StepCompiler:
     """Compiles the step once per distinct batch shape and remembers XLA's FLOP count for each."""
 
-    def __init__(self, step_fn: Callable, layout: StateLayout, state: TrainState):
+    def __init__(
+        self, step_fn: Callable, layout: StateLayout, state: TrainState, executables: StepExecutables | None = None
+    ):
         """``step_fn`` runs per device inside ``shard_map`` (`DataParallel.shard_step`); ``state`` gives the shape of
         the state's placement (whether it has a loss scale) and whether the step multiplies in FP8 (compiled with
-        `ls_jax.layers.fp8.compiler_options`), ``layout`` where each part lives."""
+        `ls_jax.layers.fp8.compiler_options`), ``layout`` where each part lives; ``executables`` the steps kept on
+        disk (None: none)."""
         parallel = layout.parallel
         shardings = layout.shardings(state)
+        self._step_fn = step_fn
+        self._shardings = shardings
+        self._executables = executables
+        self._entries: dict[tuple, str] = {}  # the executables' entry of each step compiled here
         self._jitted = jax.jit(
             parallel.shard_step(step_fn, layout.specs(state)),
             in_shardings=(shardings, parallel.rows_sharding(1)),
@@ -59,7 +71,7 @@ class StepCompiler:
 
     def compiled(self, state: TrainState, batch: Mapping[str, Any]) -> Any:
         key = self.key(batch)
-        if key not in self._compiled:
+        if key not in self._compiled and not self._load(key, state, batch):
             lowered = self.lower(state, batch)
             self._store(key, lowered, lowered.compile(self._options))
         return self._compiled[key]
@@ -77,7 +89,7 @@ class StepCompiler:
         for shapes in global_shapes:
             batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in shapes.items()}
             key = self.key(batch)
-            if key not in self._compiled and key not in lowered:
+            if key not in self._compiled and key not in lowered and not self._load(key, state, batch):
                 lowered[key] = self.lower(state, batch)
         if not lowered:
             return
@@ -127,11 +139,35 @@ class StepCompiler:
         }
         return self._jitted.lower(state, abstract)
 
+    def _load(self, key: tuple, state: TrainState, batch: Mapping[str, Any]) -> bool:
+        """Whether the step for ``batch`` came from the executables (then it is compiled, with its FLOP count)."""
+        if self._executables is None:
+            return False
+        abstract = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in batch.items()}
+        devices = list(self._parallel.mesh.devices.flat)
+        sharding = self._parallel.rows_sharding(1)
+        entry = self._entries[key] = self._executables.key(
+            self._step_fn, state, self._shardings, abstract, sharding, self._options, devices
+        )
+        loaded = self._executables.load(entry, (state, abstract), devices)
+        if loaded is None:
+            return False
+        self._compiled[key] = loaded.compiled
+        self._flop_counts[key] = counted = concurrent.futures.Future()
+        counted.set_result(loaded.flops)
+        compile_cache.count_loaded_step()
+        return True
+
     def _store(self, key: tuple, lowered: Any, compiled: Any) -> None:
         self._compiled[key] = compiled
         # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
         single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
-        self._flop_counts[key] = self._counting.submit(self._count_flops, lowered) if single_micro_batch else None
+        count = self._counting.submit(self._count_flops, lowered) if single_micro_batch else None
+        self._flop_counts[key] = count
+        if key in self._entries:  # kept for later runs once counted, on the same thread
+            self._counting.submit(
+                lambda: self._executables.store(self._entries[key], compiled, None if count is None else count.result())
+            )
 
     def _count_flops(self, lowered: Any) -> float | None:
         flops = metrics_lib.xla_flops(lowered)

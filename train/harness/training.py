@@ -38,6 +38,7 @@ from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
 from train.harness.creation import StateCreation
+from train.harness.executable_cache import StepExecutables, run_description
 from train.harness.loop import Loop, LoopConfig, TrainResult
 from train.harness.parallel import (
     DATA_AXIS,
@@ -364,6 +365,7 @@ def _train(task: Task, run: Run) -> int:
                 ),
                 layout,
                 state,
+                executables=_step_executables(task, prepared),
             ),
             parallel=layout.parallel,
             stream=prepared.stream,
@@ -390,6 +392,19 @@ def _train(task: Task, run: Run) -> int:
             creation=prepared.creation,
         ).run()
     return _finish(task, run, result, run_log, prepared.checkpoints, hardware)
+
+
+def _step_executables(task: Task, prepared: ReadyRun) -> StepExecutables | None:
+    """Where a single process keeps its training steps between runs (`train.harness.executable_cache`): in the
+    compilation cache's directory; None with the cache off."""
+    directory = compile_cache.use().directory
+    if directory is None or jax.process_count() > 1:
+        return None
+    setup = prepared.setup
+    description = run_description(
+        task.name, setup.config_record, setup.steps, prepared.signature, backend_lib.active_backend()
+    )
+    return StepExecutables(Path(directory), description)
 
 
 def _optimizer(

@@ -2,7 +2,7 @@
 
 XLA's persistent cache (`train.harness.compile_cache`) is keyed by the lowered program: a re-run loads the step's
 executable from it only after JAX has traced and lowered the step to compute that key, most of a cached BERT-base
-run's compilation window (5.2 s on an H200; 1.2-1.7 s with the step loaded from here). `StepExecutables` keys the
+run's compilation window (4.6-5.2 s on an H200; 1.2-1.7 s with the step loaded from here). `StepExecutables` keys the
 step by what its program is made of, all of it known before tracing:
 - the code: every source file of ``ls_jax``, ``ffi_kernels`` and ``train``, the versions of Python, jax, jaxlib,
   flax and optax;

@@ -57,13 +57,6 @@ def check_dropout(rate: float, seed: jax.Array | None) -> None:
             raise ValueError(f"seed must be a uint32[2] array, got {seed.dtype}{list(seed.shape)}")
 
 
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-    """The shard_map mesh axes along which ``x`` holds different values per device (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # recent jax; earlier versions expose the set as ``vma``
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
 def vary_together(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
     """Marks every array as varying along each shard_map axis that any of them varies along.
 

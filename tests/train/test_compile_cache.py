@@ -4,6 +4,7 @@ summary says so; ``--no-compile-cache`` compiles everything again."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,17 @@ def test_a_second_run_loads_its_programs_from_the_cache(tmp_path):
     assert first["trace_s"] > 0 and second["trace_s"] > 0 and second["lower_s"] > 0
     off = _run(tmp_path / "off", cache, "--no-compile-cache")
     assert off["directory"] is None and off["hits"] == 0 and "compilation cache off" in off["output"]
+
+
+def test_a_step_that_xla_loaded_from_its_cache_is_not_kept_on_a_cpu(tmp_path):
+    """XLA:CPU serializes a program it loaded from its cache without the program's functions: kept, such a step
+    would fail at the next run's first step. It is compiled from XLA's cache again instead."""
+    cache = tmp_path / "cache"
+    _run(tmp_path / "first", cache)
+    shutil.rmtree(cache / "ls_jax_steps")
+    from_xla = _run(tmp_path / "from-xla-cache", cache)
+    assert from_xla["steps_loaded"] == 0 and from_xla["hits"] == from_xla["requests"]
+    assert not list((cache / "ls_jax_steps").glob("*.pkl"))
+    again = _run(tmp_path / "again", cache)
+    assert again["steps_loaded"] == 0 and again["hits"] == again["requests"]
+    assert _losses(tmp_path / "again") == _losses(tmp_path / "first")

@@ -16,12 +16,24 @@ from train.harness.executable_cache import (
     HOST_ONLY_FIELDS,
     StepExecutables,
     describe,
+    keepable,
     run_description,
     source_digest,
 )
 from train.harness.parallel import DATA_AXIS, DataParallel, StateLayout
 from train.harness.step import TrainState, make_train_step
 from train.harness.step_compiler import StepCompiler
+
+
+@pytest.fixture(autouse=True)
+def nothing_written_to_xla_cache():
+    """These steps compile in XLA every time: one from XLA's persistent cache is not kept on a CPU (`keepable`)."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, name)
+    jax.config.update(name, 1e9)
+    yield
+    jax.config.update(name, before)
+
 
 RUN = run_description("toy", {"lr": 0.1, "run_dir": "runs/a"}, 10, {"features": 4}, "xla")
 
@@ -117,6 +129,11 @@ def test_a_description_holds_the_closed_over_constants_and_never_an_address():
     assert describe(np.arange(3)) != describe(np.arange(1, 4))
     first, second = Opaque(), Opaque()
     assert describe(lambda x, o=first: x) != describe(lambda x, o=second: x)  # never found again, never wrongly
+
+
+def test_off_a_gpu_only_a_step_xla_compiled_here_is_kept():
+    assert keepable("gpu", from_xla_cache=True) and keepable("cpu", from_xla_cache=False)
+    assert not keepable("cpu", from_xla_cache=True) and not keepable("tpu", from_xla_cache=True)
 
 
 def test_the_fields_left_out_of_the_key_are_flags_of_every_task():

@@ -13,6 +13,7 @@ signals         SIGINT and SIGTERM: where a signal stops the run at once and whe
 resume          --resume: what a checkpoint must agree on with the run restoring it
 step            the train state, fp16 loss scaling, the gradient-accumulating step
 step_compiler   the step compiled ahead of training, per batch shape
+executable_cache  the compiled step kept on disk under a key made before tracing, loaded untraced by a re-run
 creation        a new run's state, compiled on a thread while the step compiles
 parallel        the device mesh and how batches and state are placed on it
 peers           the watch over the other processes of a distributed run

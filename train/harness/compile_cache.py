@@ -88,8 +88,15 @@ def use() -> CacheUse:
 
 
 _use = CacheUse()
+_this_thread = threading.local()
 _listening = threading.Lock()
 _registered = False
+
+
+def hits_in_this_thread() -> int:
+    """How many of this thread's compilations the cache has answered: read before and after a compilation, whether
+    that one came from the cache (JAX reports a hit on the thread that compiles)."""
+    return getattr(_this_thread, "hits", 0)
 
 
 def count_loaded_step() -> None:
@@ -104,6 +111,7 @@ def _count(event: str, **_: object) -> None:
             _use.requests += 1
         elif event == HIT_EVENT:
             _use.hits += 1
+            _this_thread.hits = hits_in_this_thread() + 1
 
 
 def _add_duration(event: str, duration: float, **_: object) -> None:

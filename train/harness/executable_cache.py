@@ -19,6 +19,7 @@ An entry holds the executable (`jax.experimental.serialize_executable`), its arg
 FLOP count of the step. Entries live in a folder of the compilation cache's directory (``--no-compile-cache`` turns
 both off), written whole or not at all (a temporary file renamed). An entry that cannot be loaded, or whose
 arguments are not the step's, is one warning and a compilation; a failed write is one warning and the run goes on.
+Off a GPU a step that XLA's cache answered is not kept (`keepable`).
 Only a run of one process uses it: a step over several processes is compiled by all of them together.
 """
 
@@ -160,6 +161,13 @@ def _arguments(tree: Any, shardings: Any) -> dict[str, Any]:
         "leaves": [[list(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))] for x in leaves],
         "shardings": [str(s) for s in jax.tree.leaves(shardings)],
     }
+
+
+def keepable(platform: str, from_xla_cache: bool) -> bool:
+    """Whether a step compiled on ``platform`` can be kept: XLA:CPU serializes a program it loaded from its own cache
+    without the program's functions (such an entry fails at its first run, "Function ... not found"), so off a GPU
+    only a program XLA compiled in this process is kept; a GPU's keeps its kernels either way."""
+    return platform == "gpu" or not from_xla_cache
 
 
 class StepExecutables:

@@ -29,7 +29,7 @@ import numpy as np
 from ls_jax.layers import fp8
 from train.costs import metrics as metrics_lib
 from train.harness import compile_cache
-from train.harness.executable_cache import StepExecutables
+from train.harness.executable_cache import StepExecutables, keepable
 from train.harness.parallel import StateLayout
 from train.harness.step import TrainState
 
@@ -73,7 +73,7 @@ class StepCompiler:
         key = self.key(batch)
         if key not in self._compiled and not self._load(key, state, batch):
             lowered = self.lower(state, batch)
-            self._store(key, lowered, lowered.compile(self._options))
+            self._store(key, lowered, *self._compile(lowered))
         return self._compiled[key]
 
     def precompile(self, state: TrainState, global_shapes: Iterable[Mapping[str, tuple[tuple[int, ...], Any]]]) -> None:
@@ -94,10 +94,10 @@ class StepCompiler:
         if not lowered:
             return
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(lowered), os.cpu_count() or 1)) as pool:
-            for (key, before), compiled in zip(
-                lowered.items(), pool.map(lambda item: item.compile(self._options), lowered.values())
+            for (key, before), (compiled, from_xla_cache) in zip(
+                lowered.items(), pool.map(self._compile, lowered.values())
             ):
-                self._store(key, before, compiled)
+                self._store(key, before, compiled, from_xla_cache)
 
     def warm_up(self, state: TrainState) -> None:
         """Runs every compiled step once on a copy of ``state`` and a batch of ones, and drops the result.
@@ -158,13 +158,20 @@ class StepCompiler:
         compile_cache.count_loaded_step()
         return True
 
-    def _store(self, key: tuple, lowered: Any, compiled: Any) -> None:
+    def _compile(self, lowered: Any) -> tuple[Any, bool]:
+        """``lowered`` compiled, and whether XLA's persistent cache answered it."""
+        hits = compile_cache.hits_in_this_thread()
+        compiled = lowered.compile(self._options)
+        return compiled, compile_cache.hits_in_this_thread() > hits
+
+    def _store(self, key: tuple, lowered: Any, compiled: Any, from_xla_cache: bool) -> None:
         self._compiled[key] = compiled
         # XLA's cost analysis counts a loop body once, so it cannot count accumulated micro-batches.
         single_micro_batch = all(shape[0] == 1 for _, shape, _ in key)
         count = self._counting.submit(self._count_flops, lowered) if single_micro_batch else None
         self._flop_counts[key] = count
-        if key in self._entries:  # kept for later runs once counted, on the same thread
+        platform = self._parallel.mesh.devices.flat[0].platform
+        if key in self._entries and keepable(platform, from_xla_cache):  # kept once counted, on the same thread
             self._counting.submit(
                 lambda: self._executables.store(self._entries[key], compiled, None if count is None else count.result())
             )

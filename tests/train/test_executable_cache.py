@@ -130,6 +130,21 @@ def test_a_description_holds_the_closed_over_constants_and_never_an_address():
     first, second = Opaque(), Opaque()
     assert describe(lambda x, o=first: x) != describe(lambda x, o=second: x)  # never found again, never wrongly
 
+    class Silent:
+        __slots__ = ()
+
+        def __repr__(self):
+            raise RuntimeError("deleted")
+
+    assert describe(Silent())[0] == "unrepresentable"
+
+    def before_bound():
+        return later
+
+    assert describe(before_bound)[-1][-1] == ["list", ["list", "empty cell"]]
+    later = 1
+    assert describe(before_bound)[-1][-1] == ["list", 1]
+
 
 def test_off_a_gpu_only_a_step_xla_compiled_here_is_kept():
     assert keepable("gpu", from_xla_cache=True) and keepable("cpu", from_xla_cache=False)

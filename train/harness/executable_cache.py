@@ -136,7 +136,7 @@ def describe(value: Any, path: frozenset[int] = frozenset()) -> Any:
     if isinstance(value, dict):
         return ["dict", *sorted([repr(key), describe(item, path)] for key, item in value.items())]
     if isinstance(value, types.FunctionType):
-        closure = [cell.cell_contents for cell in value.__closure__ or ()]
+        closure = [_cell_contents(cell) for cell in value.__closure__ or ()]
         defaults = [value.__defaults__, value.__kwdefaults__, closure]
         return ["function", value.__module__, value.__qualname__, describe(defaults, path)]
     if isinstance(value, functools.partial):
@@ -150,7 +150,18 @@ def describe(value: Any, path: frozenset[int] = frozenset()) -> Any:
         return ["dataclass", repr(type(value)), fields]
     if hasattr(value, "__dict__"):
         return ["object", repr(type(value)), describe(vars(value), path)]
-    return ["repr", repr(value)]
+    try:
+        return ["repr", repr(value)]
+    except Exception:  # noqa: BLE001 - an object that cannot say what it is makes a key no later run finds
+        return ["unrepresentable", id(value)]
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    """A closure cell's value; an empty one (a name bound after the function, or never) as a marker."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return ["empty cell"]
 
 
 def _arguments(tree: Any, shardings: Any) -> dict[str, Any]:

@@ -2,18 +2,19 @@
 //
 // Target ls_optim_step(scalars f32[S], grads[N], params[N] (when has_params), low halves s16[N] (when
 //                       split_master), moments f32[W] x K)
-//          -> outputs[N], moments f32[W] x K, copies[N] (when write_copies), and with clip a f32[P] scratch of
-//             norm partials.
+//          -> outputs[N], moments f32[W] x K, copies[N] (when write_copies), with clip or write_norm a f32[P]
+//             scratch of norm partials, and with write_norm the f32[] global norm.
 // Attributes: algorithm (0 adam, 1 adam_nesterov, 2 adan), num_leaves N, has_params, write_params (outputs
-// are the new params, else the updates), proximal, clip, write_copies (the new params are also written in
-// the copies' dtype: the 16-bit params of master weights), split_master (the f32 master of bf16 params is
+// are the new params, else the updates), proximal, clip, write_norm, write_copies (the new params are also
+// written in the copies' dtype: the 16-bit params of master weights), split_master (the f32 master of bf16 params is
 // the params as high halves and the s16 low halves; the outputs are the new low halves, the copies the new
 // params: ls_jax/optim/master.py), decay (int32[N], 1 where weight decay applies).
 // The Python wrapper (ls_jax/optim/_kernel.py) aliases the moments, and the params when write_params (with
 // split_master the low halves to the outputs and the params to the copies), so the step is in place.
 //
 // The math is the XLA implementation's (ls_jax/optim/_engine.py, adam.py, adan.py) element for element; the
-// scalar vector holds lr, weight_decay, max_norm and then the algorithm's SCALARS in that module's order.
+// scalar vector holds lr, weight_decay, max_norm, grad_scale and then the algorithm's SCALARS in that module's
+// order. Every gradient element is multiplied by grad_scale as it is loaded (a training loop's 1 / tokens).
 // Moments of leaf i live at [offset_i, offset_i + size_i) of each f32 workspace, offset_i the sum of the
 // earlier leaves' sizes rounded up to 4 elements (WorkspaceLayout).
 //
@@ -24,9 +25,9 @@
 // f32 streams), all issued before the arithmetic. A leaf with a pointer that is not 16-byte aligned, and the
 // last partial group of kVec elements of a leaf, go one element at a time.
 //
-// Global-norm clipping: a first kernel writes per-block sums of g^2 into the scratch (zeroed first, so any
-// grid size works); every block of the update kernel adds all P partials in the same fixed order, so the norm,
-// and the result, are deterministic.
+// Global-norm clipping, or the norm written out: a first kernel writes per-block sums of g^2 into the scratch
+// (zeroed first, so any grid size works); every block of the update kernel adds all P partials in the same fixed
+// order, so the norm, and the result, are deterministic; block 0 writes the norm.
 //
 // Bytes per parameter with f32 params and grads: adam reads p, g, mu, nu and writes p, mu, nu (28); adan
 // reads p, g, m, v, n, g' and writes p, m, v, n, g' (44); clipping reads g once more (+4). Master weights
@@ -53,7 +54,7 @@ constexpr int kMaxMoments = 4;
 constexpr int64_t kWorkspaceAlign = 4;                   // WorkspaceLayout.ALIGN_ELEMENTS
 
 // Scalar vector positions: COMMON_SCALARS, then adam.SCALARS or adan.SCALARS.
-enum CommonScalar { kLr, kWeightDecay, kMaxNorm, kCommonScalars };
+enum CommonScalar { kLr, kWeightDecay, kMaxNorm, kGradScale, kCommonScalars };
 enum AdamScalar { kAdamB1 = kCommonScalars, kAdamOmb1, kAdamB2, kAdamOmb2, kAdamBc1, kAdamBc1Next, kAdamBc2,
                   kAdamEps, kAdamEpsRoot, kAdamScalars };
 enum AdanScalar { kAdanB1 = kCommonScalars, kAdanOmb1, kAdanB2, kAdanOmb2, kAdanB3, kAdanOmb3, kAdanBc1, kAdanBc2,
@@ -253,7 +254,8 @@ __device__ __forceinline__ void step_elements(const LeafTable& table, const Leaf
   float out[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float gi = clipped ? (g[i] / norm) * s[kMaxNorm] : g[i];
+    const float scaled = g[i] * s[kGradScale];
+    const float gi = clipped ? (scaled / norm) * s[kMaxNorm] : scaled;
     float mi[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) mi[k] = m[k][i];
@@ -308,20 +310,26 @@ __device__ float global_norm(const float* __restrict__ partials, int count) {
 }
 
 __global__ void __launch_bounds__(kThreads) norm_partials_kernel(const __grid_constant__ LeafTable table,
+                                                                 const float* __restrict__ scalars,
                                                                  float* __restrict__ partials) {
   __shared__ float scratch[kGroupReduceScratch<1>];
+  const float scale = __ldg(scalars + kGradScale);
   float total = 0.0f;
   for_each_group(table, [&](const Leaf& leaf, int64_t index, bool vector) {
     if (vector) {
       float g[kVec];
       load_any<kVec>(leaf.grad, leaf.grad_type, index, g);
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) total += g[i] * g[i];
+      for (int i = 0; i < kVec; ++i) {
+        const float scaled = g[i] * scale;
+        total += scaled * scaled;
+      }
     } else {
       for (int64_t e = index; e < index + kVec && e < leaf.size; ++e) {
         float g[1];
         load_any<1>(leaf.grad, leaf.grad_type, e, g);
-        total += g[0] * g[0];
+        const float scaled = g[0] * scale;
+        total += scaled * scaled;
       }
     }
   });
@@ -332,10 +340,12 @@ __global__ void __launch_bounds__(kThreads) norm_partials_kernel(const __grid_co
 template <Algorithm A>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     step_kernel(const __grid_constant__ LeafTable table, const float* __restrict__ scalars,
-                const float* __restrict__ norm_partials, int num_partials, StepFlags flags) {
+                const float* __restrict__ norm_partials, int num_partials, float* __restrict__ norm_out,
+                StepFlags flags) {
   const Scalars<A> s = Scalars<A>::load(scalars);
   float norm = 0.0f;
-  if (flags.clip) norm = global_norm(norm_partials, num_partials);
+  if (norm_partials != nullptr) norm = global_norm(norm_partials, num_partials);
+  if (norm_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *norm_out = norm;
   const bool clipped = flags.clip && !(norm < s[kMaxNorm]);
   for_each_group(table, [&](const Leaf& leaf, int64_t index, bool vector) {
     if (vector) {
@@ -429,7 +439,7 @@ ffi::Error fill_table(const std::vector<Leaf>& leaves, size_t first, size_t coun
 
 template <Algorithm A>
 ffi::Error launch_step(cudaStream_t stream, const LeafTable& table, const float* scalars, const float* partials,
-                       int num_partials, StepFlags flags) {
+                       int num_partials, float* norm_out, StepFlags flags) {
   // As many blocks as fit on the GPU at once (the register count, hence occupancy, differs per algorithm).
   int resident = 0;
   const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, step_kernel<A>, kThreads, 0);
@@ -437,14 +447,14 @@ ffi::Error launch_step(cudaStream_t stream, const LeafTable& table, const float*
     return ffi::Error::Internal(std::string("cannot size the optimizer grid: ") + cudaGetErrorString(status));
   int64_t blocks = 0;
   LS_RETURN_IF_ERROR(stride_grid(table.chunk_end[table.num_leaves - 1], 1, std::max(resident, 1), blocks));
-  step_kernel<A><<<blocks, kThreads, 0, stream>>>(table, scalars, partials, num_partials, flags);
+  step_kernel<A><<<blocks, kThreads, 0, stream>>>(table, scalars, partials, num_partials, norm_out, flags);
   return launch_error("optimizer step_kernel");
 }
 
 ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
                       ffi::RemainingRets rets, int32_t algorithm_id, int64_t num_leaves, bool has_params,
-                      bool write_params, bool proximal, bool clip, bool write_copies, bool split_master,
-                      ffi::Span<const int32_t> decay) {
+                      bool write_params, bool proximal, bool clip, bool write_norm, bool write_copies,
+                      bool split_master, ffi::Span<const int32_t> decay) {
   LS_RETURN_IF_ERROR(require(algorithm_id >= 0 && algorithm_id <= 2, "unknown optimizer algorithm " +
                                                                          std::to_string(algorithm_id)));
   const auto algorithm = static_cast<Algorithm>(algorithm_id);
@@ -461,10 +471,12 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
                                  (split_master ? "as many low halves, " : "") + "and " + std::to_string(k) +
                                  " moments after the scalars"));
   const int64_t copies = write_copies ? n : 0;
-  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + k + copies + (clip ? 1 : 0),
+  const bool norm_needed = clip || write_norm;
+  LS_RETURN_IF_ERROR(require(static_cast<int64_t>(rets.size()) == n + k + copies + (norm_needed ? 1 : 0) +
+                                                                       (write_norm ? 1 : 0),
                              "expected " + std::to_string(n) + " outputs, " + std::to_string(k) + " moments" +
                                  (write_copies ? ", " + std::to_string(n) + " copies" : "") +
-                                 (clip ? " and the norm scratch" : "")));
+                                 (norm_needed ? ", the norm scratch" : "") + (write_norm ? ", the norm" : "")));
   LS_RETURN_IF_ERROR(require(static_cast<int>(scalars.element_count()) == scalar_count(algorithm),
                              "expected " + std::to_string(scalar_count(algorithm)) + " scalars, got " +
                                  std::to_string(scalars.element_count())));
@@ -527,7 +539,15 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
   const int64_t groups = ceil_div(n, kMaxLeaves);
   float* partials = nullptr;
   int num_partials = 0;
-  if (clip) {
+  float* norm_out = nullptr;
+  if (write_norm) {
+    auto norm = rets.get<ffi::AnyBuffer>(n + k + copies + 1);
+    if (norm.has_error()) return norm.error();
+    LS_RETURN_IF_ERROR(require((*norm)->element_type() == ffi::DataType::F32 && (*norm)->element_count() == 1,
+                               "the norm result must be one float32"));
+    norm_out = static_cast<float*>((*norm)->untyped_data());
+  }
+  if (norm_needed) {
     auto scratch = rets.get<ffi::AnyBuffer>(n + k + copies);
     if (scratch.has_error()) return scratch.error();
     num_partials = static_cast<int>((*scratch)->element_count());
@@ -545,7 +565,7 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
       int64_t blocks = 0;
       LS_RETURN_IF_ERROR(stride_grid(table.chunk_end[table.num_leaves - 1], 1, 4, blocks));
       blocks = std::min(blocks, slots);
-      norm_partials_kernel<<<blocks, kThreads, 0, stream>>>(table, partials + group * slots);
+      norm_partials_kernel<<<blocks, kThreads, 0, stream>>>(table, scalars.typed_data(), partials + group * slots);
       LS_RETURN_IF_ERROR(launch_error("optimizer norm_partials_kernel"));
     }
   }
@@ -553,15 +573,20 @@ ffi::Error optim_step(cudaStream_t stream, ffi::Buffer<ffi::F32> scalars, ffi::R
     const size_t first = static_cast<size_t>(group * kMaxLeaves);
     LS_RETURN_IF_ERROR(fill_table(leaves, first, std::min<size_t>(kMaxLeaves, leaves.size() - first), table));
     const float* s = scalars.typed_data();
+    // Every group's launch computes the same norm; the first one writes it.
+    float* group_norm_out = group == 0 ? norm_out : nullptr;
     switch (algorithm) {
       case Algorithm::kAdam:
-        LS_RETURN_IF_ERROR(launch_step<Algorithm::kAdam>(stream, table, s, partials, num_partials, flags));
+        LS_RETURN_IF_ERROR(
+            launch_step<Algorithm::kAdam>(stream, table, s, partials, num_partials, group_norm_out, flags));
         break;
       case Algorithm::kAdamNesterov:
-        LS_RETURN_IF_ERROR(launch_step<Algorithm::kAdamNesterov>(stream, table, s, partials, num_partials, flags));
+        LS_RETURN_IF_ERROR(
+            launch_step<Algorithm::kAdamNesterov>(stream, table, s, partials, num_partials, group_norm_out, flags));
         break;
       case Algorithm::kAdan:
-        LS_RETURN_IF_ERROR(launch_step<Algorithm::kAdan>(stream, table, s, partials, num_partials, flags));
+        LS_RETURN_IF_ERROR(
+            launch_step<Algorithm::kAdan>(stream, table, s, partials, num_partials, group_norm_out, flags));
         break;
     }
   }
@@ -582,6 +607,7 @@ LS_FFI_TARGET(ls_optim_step, optim_step,
                   .Attr<bool>("write_params")
                   .Attr<bool>("proximal")
                   .Attr<bool>("clip")
+                  .Attr<bool>("write_norm")
                   .Attr<bool>("write_copies")
                   .Attr<bool>("split_master")
                   .Attr<ffi::Span<const int32_t>>("decay"));

@@ -28,7 +28,15 @@ _DRAWS_PER_CALL = 8  # four 32-bit words, two 16-bit draws each
 
 
 def dropout_seed(key: jax.Array) -> jax.Array:
-    """Draws a ``uint32[2]`` dropout seed from a JAX PRNG key."""
+    """A ``uint32[2]`` dropout seed from a JAX PRNG key: a threefry key's own two words (raw ``uint32[2]`` or typed),
+    else two words drawn from the key.
+
+    A threefry key that came out of ``fold_in`` or ``split`` (a Flax module's ``make_rng``) is already threefry's
+    output; drawing bits from it would run threefry again, a kernel launch of its own for every dropout in a step.
+    """
+    data = jax.random.key_data(key)
+    if data.shape == (2,) and data.dtype == jnp.uint32:
+        return data
     return jax.random.bits(key, (2,), jnp.uint32)
 
 

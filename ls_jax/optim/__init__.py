@@ -27,12 +27,12 @@ one buffer per moment, replicated like the parameters under plain data paralleli
 16-bit storage (``storage_dtype=jnp.bfloat16`` or ``jnp.float16``; LightSeq's memory-saving mode). Params
 and grads are kept in 16 bits, 2 + 2 bytes per parameter instead of 4 + 4, while the moments and every
 operation stay f32 (Adan: 20 instead of 24 bytes per parameter in total, AdamW: 12 instead of 16). The
-option states the contract: every param and gradient leaf must already have that dtype (a ValueError names
-the one that does not). The price is the precision of the parameters themselves: a parameter is rounded to
-16 bits after every step, so an update smaller than 2^-9 of its magnitude in bf16 (2^-12 in f16) is always
-lost and ones a few times larger are distorted. ``fused_apply`` rounds once (from the f32 result), where
-``update`` + ``apply_updates`` rounds the update and then the sum. Adam-type steps have |u| of about 1, so
-the relative update is about lr / |p|: lr 1e-3 on weights of magnitude 0.05 gives 2e-2, far above the
+option states the contract: every param leaf must already have that dtype and every gradient leaf that dtype or
+f32 (a ValueError names the one that does not). The price is the precision of the parameters themselves: a
+parameter is rounded to 16 bits after every step, so an update smaller than 2^-9 of its magnitude in bf16 (2^-12
+in f16) is always lost and ones a few times larger are distorted. ``fused_apply`` rounds once (from the f32
+result), where ``update`` + ``apply_updates`` rounds the update and then the sum. Adam-type steps have |u| of
+about 1, so the relative update is about lr / |p|: lr 1e-3 on weights of magnitude 0.05 gives 2e-2, far above the
 threshold (from-scratch Transformer training near its peak learning rate, LightSeq's fp16 WMT case: safe);
 lr 1e-5 on the same weights gives 2e-4, below even f16's 2^-12 = 2.4e-4 (fine-tuning, or the tail of a
 decaying schedule: most updates vanish). Keep f32 params there (``storage_dtype=None``, the default, which
@@ -60,7 +60,7 @@ the same 16-bit params ``apply`` writes.
 from ls_jax.optim import registry
 from ls_jax.optim.adam import AdamState, adam, adamw
 from ls_jax.optim.adan import AdanState, adan
-from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply
+from ls_jax.optim.base import FusedGradientTransformation, chain, fused_apply, fused_apply_scaled
 from ls_jax.optim.gradient_sync import GradientSync
 from ls_jax.optim.master import MasterWeightsState, master_params
 from ls_jax.optim.sharded import ShardedOptimizer, shard_optimizer
@@ -79,6 +79,7 @@ __all__ = [
     "adan",
     "chain",
     "fused_apply",
+    "fused_apply_scaled",
     "master_params",
     "registry",
     "shard_optimizer",

@@ -2,26 +2,28 @@
 
 One step, per element of every leaf, in f32 (``s`` are the per-step scalars, ``S`` the moment buffers):
 
-    g       = grad,  or  (grad / ||grad||) * max_norm  when max_norm is set and ||grad|| >= max_norm
+    g       = c * grad,  or  (c * grad / ||c * grad||) * max_norm  when max_norm is set and ||c * grad|| >= max_norm
     S'      = moments(g, S, s)                            the algorithm (adan.py, adam.py)
     u       = direction(g, S', s)
     decoupled weight decay:  update = -lr * (u + wd * p),            new_p = p + update
     proximal weight decay:   new_p = (p - lr * u) / (1 + lr * wd),   update = new_p - p
 
-``||grad||`` is the global L2 norm over all leaves; ``wd`` applies to the leaves the mask selects, the others
+``c`` is the gradient's scale (1 but in ``apply_scaled``, which also returns ``||c * grad||``), ``||.||`` the global
+L2 norm over all leaves; ``wd`` applies to the leaves the mask selects, the others
 take ``update = -lr * u``. Scalars (learning rate and weight decay from their schedules at the step count,
 bias corrections, betas) are computed once per step in XLA and handed to the implementation as one f32 vector,
 so hyperparameters may be traced values (``optax.inject_hyperparams``).
 
 Implementations (XLA here; CUDA in ffi_kernels/csrc/optim.cu through ``_kernel.step``) share:
-  step(grads, params, moments, scalars) -> (outputs, new_moments)
+  step(grads, params, moments, scalars) -> (outputs, new_moments, copies, norm)
 grads: list of leaves; params: list of leaves, or None when no leaf decays and updates are written; moments:
 tuple of f32 workspace buffers; scalars: f32[len(config.scalar_names)]; outputs: the new parameters
-(``config.output == "params"``) or the updates (``"updates"``), in ``config.out_dtypes``.
+(``config.output == "params"``) or the updates (``"updates"``), in ``config.out_dtypes``; norm: ``||c * grad||``
+(f32 scalar) with ``config.norm``, else None.
 
 With master weights, params are the master leaves, the outputs their new values, and the step also returns
-``copies``: the new params rounded to ``config.copy_dtypes`` (the model's 16-bit params), written in the same pass.
-``step(...) -> (outputs, new_moments, copies)``, copies None without master weights. With ``config.split_master``
+``copies``: the new params rounded to ``config.copy_dtypes`` (the model's 16-bit params), written in the same pass;
+copies is None without master weights. With ``config.split_master``
 (bf16 params, see ``master.py``) each param is a pair (bf16 params, int16 low halves of the master), the outputs
 are the new low halves and the copies the new params, rounded to nearest with ties away from zero.
 
@@ -49,7 +51,7 @@ from ls_jax.optim.workspace import WorkspaceLayout, check_leaves
 
 logger = logging.getLogger("ls_jax.optim")
 
-COMMON_SCALARS = ("lr", "weight_decay", "max_norm")
+COMMON_SCALARS = ("lr", "weight_decay", "max_norm", "grad_scale")
 STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMALL_LEAF_ELEMENTS = 65536
 MAX_XLA_WORKSPACE_ELEMENTS = 2**32 - 1
@@ -144,7 +146,8 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Everything static about one step: what the kernel is compiled and launched for."""
+    """Everything static about one step: what the kernel is compiled and launched for. ``norm``: the step also
+    returns the scaled gradient's global norm."""
 
     algorithm: str
     scalar_names: tuple[str, ...]
@@ -156,10 +159,14 @@ class StepConfig:
     out_dtypes: tuple[np.dtype, ...]
     copy_dtypes: tuple[np.dtype, ...] = ()
     split_master: bool = False
+    norm: bool = False
 
 
-def _clip_by_global_norm(leaves: list[jax.Array], max_norm: jax.Array) -> list[jax.Array]:
-    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in leaves))
+def _global_norm(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(g * g) for g in leaves))
+
+
+def _clip_by_global_norm(leaves: list[jax.Array], norm: jax.Array, max_norm: jax.Array) -> list[jax.Array]:
     return [jnp.where(norm < max_norm, g, (g / norm) * max_norm) for g in leaves]
 
 
@@ -303,9 +310,10 @@ def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
     Transformer-big 12e12d (367 leaves) took about twice as long; for 6e6d (187 leaves) the two are within 5%.
     """
     s = {name: scalars[i] for i, name in enumerate(config.scalar_names)}
-    g = [leaf.reshape(-1).astype(jnp.float32) for leaf in grads]
+    g = [leaf.reshape(-1).astype(jnp.float32) * s["grad_scale"] for leaf in grads]
+    norm = _global_norm(g) if config.clip or config.norm else None
     if config.clip:
-        g = _clip_by_global_norm(g, s["max_norm"])
+        g = _clip_by_global_norm(g, norm, s["max_norm"])
     new_moments = jax.lax.optimization_barrier(_update_moments(config, rule, g, moments, s))
     leaf_moments = zip(*(config.layout.views(m) for m in new_moments))
     if params is None:
@@ -317,7 +325,7 @@ def xla_step(config: StepConfig, rule: Rule, grads, params, moments, scalars):
         for g_leaf, shape, m_leaf, p, decayed in zip(g, config.layout.shapes, leaf_moments, params, config.decay)
     ]
     outputs, copies = _outputs_and_copies(config, new)
-    return outputs, tuple(new_moments), copies
+    return outputs, tuple(new_moments), copies, norm if config.norm else None
 
 
 @functools.cache
@@ -362,13 +370,14 @@ def _decay_flags(weight_decay: Any, mask: Any, tree: Any, num_leaves: int) -> tu
     return flags
 
 
-def _check_storage(kind: str, leaves: Sequence[jax.Array], dtype: jnp.dtype | None) -> None:
+def _check_storage(kind: str, leaves: Sequence[jax.Array], dtype: jnp.dtype | None, *, f32_ok: bool = False) -> None:
     if dtype is None:
         return
     for leaf in leaves:
-        if leaf.dtype != dtype:
+        if leaf.dtype != dtype and not (f32_ok and leaf.dtype == jnp.float32):
             found = f"{leaf.dtype}{list(leaf.shape)}"
-            raise ValueError(f"storage_dtype={dtype} needs every {kind} leaf in {dtype}, found {found}")
+            allowed = f"{dtype} or float32" if f32_ok else str(dtype)
+            raise ValueError(f"storage_dtype={dtype} needs every {kind} leaf in {allowed}, found {found}")
 
 
 def _check_master(leaves: Sequence[jax.Array], storage_dtype: jnp.dtype) -> None:
@@ -420,9 +429,10 @@ def workspace_transformation(
             return master_lib.MasterWeightsState(state, master_lib.initial_master(params, storage_dtype))
         return state
 
-    def step(grads, state, params, output, grad_norm_axis, mask_params):
-        """(outputs, new state): the new params or the updates, as ``output`` says; with master weights always the
-        new 16-bit params (the copies of the new master). ``grad_norm_axis`` and ``mask_params``: see ``apply``."""
+    def step(grads, state, params, output, grad_norm_axis, mask_params, grad_scale=1.0, norm=False):
+        """(outputs, new state, norm): the new params or the updates, as ``output`` says; with master weights always
+        the new 16-bit params (the copies of the new master); with ``norm`` the global norm of ``grad_scale * grads``,
+        else None. ``grad_norm_axis`` and ``mask_params``: see ``apply``."""
         master = None
         if master_weights:
             if not isinstance(state, master_lib.MasterWeightsState):
@@ -432,7 +442,7 @@ def workspace_transformation(
             expected, got = rule.state_type.__name__, type(state).__name__
             raise TypeError(f"expected a {expected} from this optimizer's init, got {got}")
         grad_leaves = check_leaves("gradient", grads)
-        _check_storage("gradient", grad_leaves, storage_dtype)
+        _check_storage("gradient", grad_leaves, storage_dtype, f32_ok=True)
         layout = WorkspaceLayout.of(grads)
         for name in moment_names:
             layout.check_buffer(name, getattr(state, name))
@@ -463,28 +473,39 @@ def workspace_transformation(
         if clip and grad_norm_axis is not None:
             grad_leaves, clip = clip_across_devices(grad_leaves, max_grad_norm, grad_norm_axis), False
         config = StepConfig(
-            rule.algorithm, scalar_names, layout, decay, proximal, clip, output, out_dtypes, copy_dtypes, split_master
+            algorithm=rule.algorithm,
+            scalar_names=scalar_names,
+            layout=layout,
+            decay=decay,
+            proximal=proximal,
+            clip=clip,
+            output=output,
+            out_dtypes=out_dtypes,
+            copy_dtypes=copy_dtypes,
+            split_master=split_master,
+            norm=norm,
         )
         count = state.count
         values = {
             "lr": _at(learning_rate, count),
             "weight_decay": _at(weight_decay, count),
             "max_norm": 0.0 if max_grad_norm is None else max_grad_norm,
+            "grad_scale": grad_scale,
             **rule.scalars(count),
         }
         moments = tuple(getattr(state, name) for name in moment_names)
         needed_params = param_leaves if output == "params" or any(decay) else None
         scalars = _pack(scalar_names, values)
-        outputs, new_moments, copies = run_step(config, rule, grad_leaves, needed_params, moments, scalars)
+        outputs, new_moments, copies, grad_norm = run_step(config, rule, grad_leaves, needed_params, moments, scalars)
         new_state = rule.state_type(optax.safe_increment(count), *new_moments)
         if master_weights:
             new_master = jax.tree.unflatten(jax.tree.structure(master), outputs)
-            return copies, master_lib.MasterWeightsState(new_state, new_master)
-        return outputs, new_state
+            return copies, master_lib.MasterWeightsState(new_state, new_master), grad_norm
+        return outputs, new_state, grad_norm
 
     def update(updates, state, params=None, *, grad_norm_axis=None, mask_params=None, **extra_args):
         del extra_args
-        outputs, new_state = step(updates, state, params, "updates", grad_norm_axis, mask_params)
+        outputs, new_state, _ = step(updates, state, params, "updates", grad_norm_axis, mask_params)
         if master_weights:  # the updates that take the params to the new 16-bit copies, exact in f32
             outputs = [
                 new.astype(jnp.float32) - old.astype(jnp.float32) for new, old in zip(outputs, jax.tree.leaves(params))
@@ -499,7 +520,15 @@ def workspace_transformation(
         del extra_args
         if params is None:
             raise ValueError("apply needs the params")
-        outputs, new_state = step(grads, state, params, "params", grad_norm_axis, mask_params)
+        outputs, new_state, _ = step(grads, state, params, "params", grad_norm_axis, mask_params)
         return jax.tree.unflatten(jax.tree.structure(params), outputs), new_state
 
-    return FusedGradientTransformation(init, update, apply)
+    def apply_scaled(grads, state, params, grad_scale):
+        """``apply`` on ``grad_scale * grads`` (the scale an f32 scalar, possibly traced), and that gradient's
+        global norm before clipping, all in the step's one pass (one reduction launch more on CUDA)."""
+        if params is None:
+            raise ValueError("apply_scaled needs the params")
+        outputs, new_state, grad_norm = step(grads, state, params, "params", None, None, grad_scale, True)
+        return jax.tree.unflatten(jax.tree.structure(params), outputs), new_state, grad_norm
+
+    return FusedGradientTransformation(init, update, apply, apply_scaled)

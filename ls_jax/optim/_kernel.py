@@ -5,15 +5,15 @@ The FFI target ``ls_optim_step`` (ffi_kernels/csrc/optim.cu) takes
     operands: scalars f32[S], grads[N], params[N] (when has_params), low halves int16[N] (with
               ``config.split_master``), moments f32[workspace] x K
     results:  outputs[N] (new params or updates; the new low halves with split_master), new moments x K,
-              copies[N] (the new params in ``config.copy_dtypes``, with master weights), and with clipping
-              f32[NORM_PARTIALS] scratch
+              copies[N] (the new params in ``config.copy_dtypes``, with master weights), with clipping or
+              ``config.norm`` f32[NORM_PARTIALS] scratch, and with ``config.norm`` the f32[] global norm
 
 and finds each leaf's workspace offset from the leaf sizes with the rule of ``WorkspaceLayout``. Moments are
 aliased to their results, and so are the params when the results are the new params (with split_master the
 low halves to the outputs and the bf16 params to the copies), so under ``jax.jit`` with donated arguments the
-update is in place. Global-norm clipping adds one reduction launch that writes
+update is in place. Global-norm clipping, or the norm asked for, adds one reduction launch that writes
 per-block partial sums into the scratch result; the update launch reduces them in a fixed order, so the
-result is deterministic.
+result is deterministic, and its first block writes the norm.
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def step(config, grads, params, moments, scalars):
     result_types += [
         jax.ShapeDtypeStruct(shape, dtype, **axes) for shape, dtype in zip(config.layout.shapes, config.copy_dtypes)
     ]
-    if config.clip:
+    if config.clip or config.norm:
         result_types.append(jax.ShapeDtypeStruct((NORM_PARTIALS,), jnp.float32, **axes))
+    if config.norm:
+        result_types.append(jax.ShapeDtypeStruct((), jnp.float32, **axes))
     first_moment = 1 + num_leaves + len(param_operands)
     aliases = {first_moment + k: num_leaves + k for k in range(num_moments)}
     if config.split_master:
@@ -97,9 +99,11 @@ def step(config, grads, params, moments, scalars):
         write_params=write_params,
         proximal=config.proximal,
         clip=config.clip,
+        write_norm=config.norm,
         write_copies=bool(config.copy_dtypes),
         split_master=config.split_master,
         decay=np.asarray(config.decay, np.int32),
     )
     copies = list(results[num_leaves + num_moments : 2 * num_leaves + num_moments]) if config.copy_dtypes else None
-    return list(results[:num_leaves]), tuple(results[num_leaves : num_leaves + num_moments]), copies
+    norm = results[-1] if config.norm else None
+    return list(results[:num_leaves]), tuple(results[num_leaves : num_leaves + num_moments]), copies, norm

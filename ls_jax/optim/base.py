@@ -15,6 +15,14 @@ loop can use ``fused_apply`` unconditionally, e.g. with a Flax ``TrainState``:
     params, opt_state = fused_apply(state.tx, grads, state.opt_state, state.params)
     state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
+A training loop that sums gradients over tokens and reports their norm (``train.harness.step``) calls
+
+    new_params, new_state, grad_norm = fused_apply_scaled(tx, summed_grads, opt_state, params, 1.0 / num_tokens)
+
+which steps on ``summed_grads / num_tokens`` and returns that gradient's global norm: for an ls_jax optimizer both
+inside its own pass over the gradients, for any other transformation by scaling, ``optax.tree.norm`` and
+``fused_apply``.
+
 Jit the step with the parameters and optimizer state donated (``donate_argnums``) so the update is in place.
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
+import jax
 import optax
 
 
@@ -32,17 +41,26 @@ class FusedApplyFn(Protocol):
         """Returns ``(new_params, new_state)``; equals ``update`` followed by ``optax.apply_updates``."""
 
 
+class FusedApplyScaledFn(Protocol):
+    def __call__(
+        self, grads: optax.Updates, state: optax.OptState, params: optax.Params, grad_scale: Any
+    ) -> tuple[optax.Params, optax.OptState, jax.Array]:
+        """Returns ``(new_params, new_state, ||grad_scale * grads||)``: ``apply`` on ``grad_scale * grads``."""
+
+
 class FusedGradientTransformation(NamedTuple):
     """An optax-compatible transformation with an extra ``apply`` that returns new parameters.
 
     ``init`` and ``update`` follow ``optax.GradientTransformationExtraArgs`` (extra keyword arguments are
     accepted and ignored), so the object works wherever optax expects a transformation: ``optax.chain``,
-    ``optax.masked``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, Flax ``TrainState``.
+    ``optax.masked``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, Flax ``TrainState``. ``apply_scaled``,
+    where present, scales the gradients and measures their norm in the same pass (``fused_apply_scaled``).
     """
 
     init: optax.TransformInitFn
     update: optax.TransformUpdateExtraArgsFn
     apply: FusedApplyFn
+    apply_scaled: FusedApplyScaledFn | None = None
 
 
 def fused_apply(
@@ -57,6 +75,23 @@ def fused_apply(
         return tx.apply(grads, opt_state, params, **extra_args)
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), new_state
+
+
+def fused_apply_scaled(
+    tx: Any, grads: optax.Updates, opt_state: optax.OptState, params: optax.Params, grad_scale: Any
+) -> tuple[optax.Params, optax.OptState, jax.Array]:
+    """One optimizer step on ``g = grad_scale * grads``, returning ``(new_params, new_opt_state, ||g||)``: ``||g||``
+    the global L2 norm over every leaf, before any clipping; ``grad_scale`` an f32 scalar, possibly traced.
+
+    ``tx.apply_scaled`` when ``tx`` has one (the ls_jax optimizers: the scaling and the norm in the step's own pass;
+    gradients may be f32 where the params are 16-bit), else ``g`` in each param's dtype, ``optax.tree.norm(g)`` and
+    ``fused_apply``.
+    """
+    if isinstance(tx, FusedGradientTransformation) and tx.apply_scaled is not None:
+        return tx.apply_scaled(grads, opt_state, params, grad_scale)
+    scaled = jax.tree.map(lambda g, p: (g * grad_scale).astype(p.dtype), grads, params)
+    new_params, new_state = fused_apply(tx, scaled, opt_state, params)
+    return new_params, new_state, optax.tree.norm(scaled)
 
 
 def chain(*transforms: Any) -> Any:

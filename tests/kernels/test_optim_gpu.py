@@ -241,3 +241,36 @@ def test_xla_step_updates_the_workspaces_in_place(name):
     ]
     assert not copies, copies
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * size * 4
+
+
+def _run_scaled(mode, tx, params, grad_fn, *, steps, grad_scale=0.25):
+    """Params, state and each step's norm after ``steps`` steps of ``fused_apply_scaled`` under kernel ``mode``."""
+    with backend.use(mode):
+        step = jax.jit(functools.partial(lo.fused_apply_scaled, tx))
+        state, norms = tx.init(params), []
+        for index in range(steps):
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grad_fn(params, index))
+            params, state, norm = step(grads, state, params, jnp.float32(grad_scale))
+            norms.append(norm)
+    return params, state, np.asarray(norms)
+
+
+@pytest.mark.parametrize("storage", [None, jnp.bfloat16], ids=["f32", "bf16_master"])
+def test_scaled_step_and_its_norm_match_xla(storage):
+    """f32 gradients scaled inside the step and clipped by their scaled norm, the norm written out: one launch pair."""
+    options = dict(weight_decay=0.05, max_grad_norm=5.0, storage_dtype=storage, master_weights=storage is not None)
+    tx = lo.adamw(1e-2, **options)
+    params = _odd_tree(jnp.float32 if storage is None else storage)
+    with backend.use("ffi"):
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), _tree_grad(params, 0))
+        text = jax.jit(functools.partial(lo.fused_apply_scaled, tx)).lower(grads, tx.init(params), params, 0.5)
+    assert re.findall(r"custom_call @(ls_\w+)", text.as_text()) == ["ls_optim_step"]
+    ffi_params, ffi_state, ffi_norms = _run_scaled("ffi", tx, params, _tree_grad, steps=4)
+    xla_params, xla_state, xla_norms = _run_scaled("xla", tx, params, _tree_grad, steps=4)
+    np.testing.assert_allclose(ffi_norms, xla_norms, rtol=1e-5)
+    assert np.all(ffi_norms > 5.0)  # every step clipped
+    if storage is not None:
+        ffi_params, xla_params = lo.master_params(ffi_state, ffi_params), lo.master_params(xla_state, xla_params)
+        ffi_state, xla_state = ffi_state.inner, xla_state.inner
+    _assert_agree(ffi_state, xla_state, F32_TOLERANCE)
+    _assert_agree(ffi_params, xla_params, F32_TOLERANCE)

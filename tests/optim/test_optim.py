@@ -23,6 +23,7 @@ import ls_jax.optim as lo
 from ls_jax import backend
 from ls_jax.optim import _engine, master
 
+STEPS_COMPARED = 12
 MAX_NORM = 0.5  # the MLP's gradient norm crosses it during the run: both clipped and unclipped steps occur
 WEIGHT_DECAY = 0.05
 
@@ -105,6 +106,50 @@ def test_fused_apply_falls_back_for_any_optax_transformation():
     fused, _ = trajectory(tx, mlp_params(), steps=5, fused=True)
     plain, _ = trajectory(tx, mlp_params(), steps=5)
     assert_trajectories_close(fused, plain)
+
+
+def _scaled_trajectory(tx, params, grad_scale, *, steps=6, grad_fn=mlp_grad):
+    """Params after every ``fused_apply_scaled`` step and each step's returned norm."""
+    step = jax.jit(lambda g, s, p: lo.fused_apply_scaled(tx, g, s, p, grad_scale))
+    state, history, norms = tx.init(params), [], []
+    for index in range(steps):
+        params, state, norm = step(grad_fn(params, index), state, params)
+        history.append(params)
+        norms.append(float(norm))
+    return history, np.asarray(norms)
+
+
+@pytest.mark.parametrize("name", ["adan", "adamw"])
+def test_fused_apply_scaled_is_optax_on_the_scaled_gradient(name, reference_trajectories):
+    """Gradients 4x too large scaled by 0.25 inside the step follow optax's trajectory on the true gradients (with
+    clipping, which sees the scaled norm), and the norm returned is the true gradient's before clipping."""
+    scaled_up = lambda params, step: jax.tree.map(lambda g: 4.0 * g, mlp_grad(params, step))  # noqa: E731
+    ours, norms = _scaled_trajectory(PAIRS[name][0](), mlp_params(), 0.25, steps=STEPS_COMPARED, grad_fn=scaled_up)
+    reference = reference_trajectories[name][:STEPS_COMPARED]
+    assert_trajectories_close(ours, reference)
+    expected = gradient_norms(mlp_params(), reference)
+    np.testing.assert_allclose(norms, expected, rtol=1e-6)
+    assert (norms > MAX_NORM).any() and (norms < MAX_NORM).any(), norms
+
+
+def test_fused_apply_scaled_falls_back_for_any_optax_transformation():
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    ours, norms = _scaled_trajectory(tx, mlp_params(), 0.5)
+    halved = lambda params, step: jax.tree.map(lambda g: 0.5 * g, mlp_grad(params, step))  # noqa: E731
+    expected, _ = trajectory(tx, mlp_params(), steps=6, grad_fn=halved)
+    assert_trajectories_close(ours, expected, rtol=0, atol=0)
+    np.testing.assert_allclose(norms, gradient_norms(mlp_params(), expected, grad_fn=halved), rtol=1e-6)
+
+
+def test_master_weights_take_f32_gradients():
+    """bf16 params with f32 gradients step as with the same gradients in bf16 when those are exact in bf16."""
+    tx = lo.adamw(1e-2, weight_decay=0.1, storage_dtype=jnp.bfloat16, master_weights=True)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
+    state = tx.init(params)
+    from_bf16, _ = lo.fused_apply(tx, _bf16_grads(params, 0), state, params)
+    f32_grads = jax.tree.map(lambda g: g.astype(jnp.float32), _bf16_grads(params, 0))
+    from_f32, _, _ = lo.fused_apply_scaled(tx, f32_grads, state, params, 1.0)
+    assert_trees_close(from_f32, from_bf16, rtol=0, atol=0)
 
 
 def test_inside_optax_multi_transform():
@@ -512,8 +557,8 @@ def test_master_weights_bad_use_raises():
         tx.update(grads, tx.init(params))
     with pytest.raises(TypeError, match="expected a MasterWeightsState from this optimizer's init, got AdanState"):
         tx.update(grads, lo.adan(1e-3).init(params), params)
-    with pytest.raises(ValueError, match="storage_dtype=bfloat16 needs every gradient leaf in bfloat16"):
-        tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), tx.init(params), params)
+    with pytest.raises(ValueError, match="storage_dtype=bfloat16 needs every gradient leaf in bfloat16 or float32"):
+        tx.update(jax.tree.map(lambda g: g.astype(jnp.float16), grads), tx.init(params), params)
     f32_master = lo.MasterWeightsState(tx.init(params).inner, jax.tree.map(lambda p: p.astype(jnp.float32), params))
     with pytest.raises(ValueError, match=r"with bfloat16 params the master weights are int16 leaves .* found float32"):
         tx.update(grads, f32_master, params)
@@ -607,6 +652,22 @@ def test_master_weights_lower_to_one_kernel_call_updating_master_and_moments_in_
     assert "write_copies = true" in text and "split_master = true" in text
     num_leaves = len(jax.tree.leaves(params))
     assert text.count("#stablehlo.output_operand_alias") == 2 * num_leaves + 4  # params, low halves, Adan's moments
+
+
+def test_fused_apply_scaled_lowers_to_the_kernel_call_alone(monkeypatch):
+    """The scaling and the norm add no XLA operation over the gradients: the call takes them as they come, writes
+    the norm, and the step's only reductions are the kernel's (no reduce in the module)."""
+    monkeypatch.setattr(backend, "kernels_enabled", lambda: True)
+    tx = lo.adamw(1e-3, weight_decay=0.1, storage_dtype=jnp.bfloat16, master_weights=True)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), mlp_params())
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), _bf16_grads(params, 0))
+    step = jax.jit(lambda g, s, p, c: lo.fused_apply_scaled(tx, g, s, p, c), donate_argnums=(1, 2))
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call("ls_optim_step")]
+    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=unchecked)
+    text = exported(grads, tx.init(params), params, jnp.float32(0.5)).mlir_module()
+    assert text.count("stablehlo.custom_call @ls_optim_step") == 1
+    assert "write_norm = true" in text and "clip = false" in text
+    assert "stablehlo.reduce" not in text and "stablehlo.multiply" not in text
 
 
 def test_kernel_declines_leaves_beyond_its_limit():

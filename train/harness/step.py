@@ -9,7 +9,8 @@ every token of the step:
 
     g = sum_i grad(loss_sum_i) / sum_i weight_i
 
-then applies the optimizer (``ls_jax.optim.fused_apply``). With fp16 the loss is multiplied by a dynamic
+then applies the optimizer (``ls_jax.optim.fused_apply_scaled``: the ls_jax optimizers divide by the weight and
+measure the gradient's norm inside their own pass over the gradients). With fp16 the loss is multiplied by a dynamic
 scale s before differentiation and the gradients by 1/s after; a step whose gradients are not finite is skipped
 (parameters and optimizer state unchanged), the scale halves, and it doubles after ``growth_interval`` finite
 steps in a row. Without loss scaling a non-finite loss or gradient is reported (``finite``) for the loop to stop.
@@ -216,20 +217,19 @@ def make_train_step(
             next_scaling = jax.lax.pmax(next_scaling, axis_name)  # every replica quantizes alike next step
         return grads, next_scaling, totals
 
-    def update(state: TrainState, grads: Any) -> tuple[Any, Any, jax.Array]:
-        """(params, opt_state, global gradient norm) after the optimizer step on the normalized summed gradients
-        (under ZeRO-1 this device's rows of them)."""
+    def update(state: TrainState, grads: Any, denominator: jax.Array) -> tuple[Any, Any, jax.Array]:
+        """(params, opt_state, global gradient norm) after the optimizer step on the summed gradients divided by
+        ``denominator`` (under ZeRO-1 this device's rows of them)."""
         if sharded_optimizer is not None:
-            return sharded_optimizer.apply_rows_with_grad_norm(grads, state.opt_state, state.params)
-        params, opt_state = ls_jax.optim.fused_apply(tx, grads, state.opt_state, state.params)
-        return params, opt_state, optax.tree.norm(grads)
+            rows = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
+            return sharded_optimizer.apply_rows_with_grad_norm(rows, state.opt_state, state.params)
+        return ls_jax.optim.fused_apply_scaled(tx, grads, state.opt_state, state.params, 1.0 / denominator)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         scale = jnp.float32(1.0) if state.loss_scale is None else state.loss_scale.scale
         grads, next_scaling, totals = gradients(state, batch, scale)
         denominator = scale * jnp.maximum(totals["weight"], 1.0)
-        grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads, state.params)
-        params, opt_state, grad_norm = update(state, grads)
+        params, opt_state, grad_norm = update(state, grads, denominator)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(totals["loss"])
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         step_metrics = {**totals, "grad_norm": grad_norm, "finite": finite, "loss_scale": scale}

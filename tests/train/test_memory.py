@@ -28,6 +28,18 @@ def test_optimizer_bytes_split_master_weights_from_moments():
     assert moments >= 36 * 8
 
 
+def test_gradients_count_in_f32_beside_bf16_params():
+    """The step sums gradients in f32 and the optimizer reads them so: bf16 params with master weights hold 2 + 4 + 2
+    (the master's low halves) + 8 bytes of state per parameter."""
+    params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones((4,), jnp.bfloat16)}
+    tx = make_optimizer(
+        "adamw", optax.constant_schedule(1e-3), weight_decay=0.0, clip_norm=None, master_dtype=jnp.bfloat16
+    )
+    result = memory.anatomy(params, tx.init(params), None, measured_peak=None)
+    assert result["params_bytes"] == 2 * 36 and result["grads_bytes"] == 4 * 36
+    assert result["state_bytes_per_param"] == pytest.approx(16.0, abs=0.2)  # the moments' counter: a few bytes more
+
+
 def test_anatomy_adds_up_and_compares_with_the_rule():
     params = {"w": jnp.ones((64, 64)), "b": jnp.ones((64,))}
     tx = make_optimizer("optax-adamw", optax.constant_schedule(1e-3), weight_decay=0.0, clip_norm=None)

@@ -3,8 +3,8 @@
     params + optimizer state (master weights, moments) + temporaries (gradients, activations kept for the
     backward, workspaces) ~ peak
 
-Parameters and optimizer state are the train state's arrays; gradients have the params' shapes and dtypes (the
-step casts them so); temporaries are XLA's buffer assignment of the compiled step (``memory_analysis()``). Inside one
+Parameters and optimizer state are the train state's arrays; gradients have the params' shapes in f32 (the step
+sums them in f32 and the optimizer reads them so, `train.harness.step`); temporaries are XLA's buffer assignment of the compiled step (``memory_analysis()``). Inside one
 jitted step the gradients are temporaries, so their bytes are reported as a part of the temporaries and are not
 added to the total a second time. Bytes
 per parameter are set against the rule for mixed-precision AdamW: 16-bit params (2) and grads (2), f32 master
@@ -51,6 +51,7 @@ def anatomy(params: Any, opt_state: Any, analysis: Any | None, measured_peak: in
     (None where XLA gives none)."""
     count = int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
     param_bytes = tree_bytes(params)
+    grad_bytes = sum(device_bytes(jax.ShapeDtypeStruct(leaf.shape, np.float32)) for leaf in jax.tree.leaves(params))
     master, moments = optimizer_bytes(opt_state)
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
     xla_peak = None if analysis is None else int(getattr(analysis, "peak_memory_in_bytes", 0)) or None
@@ -65,12 +66,12 @@ def anatomy(params: Any, opt_state: Any, analysis: Any | None, measured_peak: in
     return {
         "param_count": count,
         **parts,
-        "grads_bytes": param_bytes,
+        "grads_bytes": grad_bytes,
         "total_bytes": total,
         "xla_peak_bytes": xla_peak,
         "measured_peak_bytes": measured_peak,
         "bytes_per_param": per_param(total),
-        "state_bytes_per_param": per_param(param_bytes * 2 + master + moments),
+        "state_bytes_per_param": per_param(param_bytes + grad_bytes + master + moments),
         "measured_bytes_per_param": per_param(measured_peak),
         "rule_bytes_per_param": RULE_BYTES_PER_PARAM,
     }

@@ -169,13 +169,23 @@ def optimizer_cases() -> dict[str, Case]:
 
         return jax.jit(run), (params, jax.tree.map(lambda p: (0.1 * p).astype(p.dtype), params))
 
+    def scaled_step(tx: optax.GradientTransformation, params: Any) -> Case:
+        """``fused_apply_scaled`` with f32 gradients: the kernel's scale, its clipping and the norm it writes."""
+
+        def run(params, grads):
+            return ls_jax.optim.fused_apply_scaled(tx, grads, tx.init(params), params, 0.5)
+
+        return jax.jit(run), (params, jax.tree.map(lambda p: 0.1 * p.astype(jnp.float32), params))
+
     master = ls_jax.optim.adamw(1e-3, weight_decay=0.01, storage_dtype=jnp.bfloat16, master_weights=True)
+    clipped_master = ls_jax.optim.adamw(1e-3, max_grad_norm=0.01, storage_dtype=jnp.bfloat16, master_weights=True)
     return {
         "adan+clip": step(
             optax.chain(optax.clip_by_global_norm(1.0), ls_jax.optim.adan(1e-3, weight_decay=0.01)), mixed
         ),
         "adamw": step(ls_jax.optim.adamw(1e-3, weight_decay=0.01), mixed),
         "adamw+master": step(master, bf16),
+        "adamw+master scaled and clipped": scaled_step(clipped_master, bf16),
     }
 
 

@@ -113,6 +113,32 @@ def test_overflows_name_the_tensors_a_too_small_scale_clipped():
     assert bool(jnp.all(jnp.isfinite(y)))
 
 
+def test_amax_ratios_come_from_one_vector_computation():
+    """Each ratio is its tensor's newest amax over fp8_max * scale (e4m3's 448, e5m2's 57344 for gradients), and the
+    whole vector is one division however many tensors there are, so a step does not launch one kernel per tensor."""
+    scaling = {
+        layer: {
+            "fp8": {
+                "input_scale": jnp.array([0.5 + index]),
+                "input_amax_history": jnp.array([448.0, 1.0]),
+                "output_grad_scale": jnp.array([2.0]),
+                "output_grad_amax_history": jnp.array([57344.0 * 4.0, 0.0]),
+            }
+        }
+        for index, layer in enumerate(["a", "b", "c"])
+    }
+    names, ratios = fp8.amax_ratio_vector(scaling)
+    expected = {
+        "a/fp8/input": 1 / 0.5, "b/fp8/input": 1 / 1.5, "c/fp8/input": 1 / 2.5,
+        **{f"{layer}/fp8/output_grad": 2.0 for layer in "abc"},
+    }  # fmt: skip
+    assert sorted(names) == sorted(expected)
+    np.testing.assert_allclose(np.asarray(ratios), [expected[name] for name in names], rtol=1e-7)
+    assert {name: float(value) for name, value in fp8.amax_ratios(scaling).items()} == pytest.approx(expected)
+    jaxpr = jax.make_jaxpr(lambda s: fp8.amax_ratio_vector(s)[1])(scaling)
+    assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns].count("div") == 1
+
+
 def test_micro_batches_and_replicas_combine_scaling_by_the_maximum():
     a = {"fp8": {"input_scale": jnp.array([0.5]), "input_amax_history": jnp.array([3.0, 1.0])}}
     b = {"fp8": {"input_scale": jnp.array([0.25]), "input_amax_history": jnp.array([4.0, 0.5])}}

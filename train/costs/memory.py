@@ -4,11 +4,11 @@
     backward, workspaces) ~ peak
 
 Parameters and optimizer state are the train state's arrays; gradients have the params' shapes in f32 (the step
-sums them in f32 and the optimizer reads them so, `train.harness.step`); temporaries are XLA's buffer assignment of the compiled step (``memory_analysis()``). Inside one
-jitted step the gradients are temporaries, so their bytes are reported as a part of the temporaries and are not
-added to the total a second time. Bytes
-per parameter are set against the rule for mixed-precision AdamW: 16-bit params (2) and grads (2), f32 master
-weights (4) and two f32 moments (8), 16 bytes, plus about 2 for activations at small batch: 18 bytes/param.
+sums them in f32 and the optimizer reads them so, `train.harness.step`); temporaries are XLA's buffer assignment of
+the compiled step (``memory_analysis()``). Inside one jitted step the gradients are temporaries, so their bytes are
+reported as a part of the temporaries and are not added to the total a second time. Bytes per parameter are set
+against the rule for mixed-precision AdamW: 16-bit params (2) and grads (2), f32 master weights (4) and two f32
+moments (8), 16 bytes, plus about 2 for activations at small batch: 18 bytes/param.
 """
 
 from __future__ import annotations

@@ -249,8 +249,8 @@ def make_train_step(
 
 
 def fp8_metrics(scaling: Any) -> dict[str, jax.Array]:
-    """What a step's FP8 quantization clipped, from the scaling state it left (`ls_jax.layers.fp8.amax_ratios`):
+    """What a step's FP8 quantization clipped, from the scaling state it left (`ls_jax.layers.fp8.amax_ratio_vector`):
     ``fp8_overflows``, how many quantized tensors held a value beyond what their scale let FP8 hold (a ratio above
     1), and ``fp8_amax_ratio``, the largest ratio."""
-    ratios = jnp.stack(list(fp8.amax_ratios(scaling).values()))
+    _, ratios = fp8.amax_ratio_vector(scaling)
     return {"fp8_overflows": jnp.sum(ratios > 1.0, dtype=jnp.int32), "fp8_amax_ratio": jnp.max(ratios)}

@@ -25,10 +25,11 @@ one buffer per moment, replicated like the parameters under plain data paralleli
 ``ls_jax.optim.sharded``) splits it, and the master weights, over the devices of a mesh axis instead.
 
 16-bit storage (``storage_dtype=jnp.bfloat16`` or ``jnp.float16``; LightSeq's memory-saving mode). Params
-and grads are kept in 16 bits, 2 + 2 bytes per parameter instead of 4 + 4, while the moments and every
-operation stay f32 (Adan: 20 instead of 24 bytes per parameter in total, AdamW: 12 instead of 16). The
-option states the contract: every param leaf must already have that dtype and every gradient leaf that dtype or
-f32 (a ValueError names the one that does not). The price is the precision of the parameters themselves: a
+and grads are kept in 16 bits, 2 + 2 bytes per parameter instead of 4 + 4 (grads where the caller keeps them so:
+``fused_apply_scaled`` also reads f32 gradient sums), while the moments and every operation stay f32 (Adan: 20
+instead of 24 bytes per parameter in total, AdamW: 12 instead of 16). The option states the contract: every
+param leaf must already have that dtype and every gradient leaf that dtype or f32 (a ValueError names the one
+that does not). The price is the precision of the parameters themselves: a
 parameter is rounded to 16 bits after every step, so an update smaller than 2^-9 of its magnitude in bf16 (2^-12
 in f16) is always lost and ones a few times larger are distorted. ``fused_apply`` rounds once (from the f32
 result), where ``update`` + ``apply_updates`` rounds the update and then the sum. Adam-type steps have |u| of

@@ -525,7 +525,8 @@ def workspace_transformation(
 
     def apply_scaled(grads, state, params, grad_scale):
         """``apply`` on ``grad_scale * grads`` (the scale an f32 scalar, possibly traced), and that gradient's
-        global norm before clipping, all in the step's one pass (one reduction launch more on CUDA)."""
+        global norm before clipping, all in the step's one pass (on CUDA the clipping's reduction launch, run also
+        without clipping)."""
         if params is None:
             raise ValueError("apply_scaled needs the params")
         outputs, new_state, grad_norm = step(grads, state, params, "params", None, None, grad_scale, True)

@@ -66,7 +66,8 @@ SPLIT_METHOD = {
     "backward_ms": "the gradients of that loss jitted alone on one device, minus forward_ms",
     "allreduce_ms": "psum under shard_map over the N devices of a tree with the gradients' shapes and dtype, "
     "jitted alone (0 at N = 1)",
-    "optimizer_ms": "ls_jax.optim.fused_apply (clipping included) and the gradient norm, state donated, one device",
+    "optimizer_ms": "ls_jax.optim.fused_apply_scaled on f32 gradients (clipping and the gradient norm included), "
+    "state donated, one device",
     "rest_ms": "step time minus the four pieces: negative where the step overlaps them",
 }
 ESTIMATE_METHOD = (

@@ -8,6 +8,7 @@ import re
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import ls_jax.optim
@@ -34,10 +35,12 @@ def _abstract(tree: Any) -> Any:
 
 
 def optimizer_step_kernels(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> int:
-    """Kernels one optimizer step (``ls_jax.optim.fused_apply``: update and apply, gradients shaped as ``params``)
-    launches on this platform's default device, counted in the compiled HLO (`entry_kernels`)."""
-    step = jax.jit(lambda grads, state, weights: ls_jax.optim.fused_apply(tx, grads, state, weights))
-    compiled = step.lower(_abstract(params), _abstract(opt_state), _abstract(params)).compile()
+    """Kernels one optimizer step launches on this platform's default device as the training step runs it
+    (``ls_jax.optim.fused_apply_scaled`` on f32 gradients shaped as ``params``: the division by the tokens, the
+    update and apply, the gradient norm), counted in the compiled HLO (`entry_kernels`)."""
+    step = jax.jit(lambda grads, state, weights: ls_jax.optim.fused_apply_scaled(tx, grads, state, weights, 0.5))
+    f32_grads = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.float32), params)
+    compiled = step.lower(f32_grads, _abstract(opt_state), _abstract(params)).compile()
     return entry_kernels(compiled.as_text())
 
 

@@ -9,8 +9,9 @@ every token of the step:
 
     g = sum_i grad(loss_sum_i) / sum_i weight_i
 
-then applies the optimizer (``ls_jax.optim.fused_apply_scaled``: the ls_jax optimizers divide by the weight and
-measure the gradient's norm inside their own pass over the gradients). With fp16 the loss is multiplied by a dynamic
+then applies the optimizer (``ls_jax.optim.fused_apply_scaled``: an ls_jax optimizer divides by the weight and
+measures the gradient's norm inside its own pass over the gradients; other transformations, and ZeRO-1, divide
+and measure in XLA first). With fp16 the loss is multiplied by a dynamic
 scale s before differentiation and the gradients by 1/s after; a step whose gradients are not finite is skipped
 (parameters and optimizer state unchanged), the scale halves, and it doubles after ``growth_interval`` finite
 steps in a row. Without loss scaling a non-finite loss or gradient is reported (``finite``) for the loop to stop.

@@ -9,8 +9,8 @@ Pieces of a step (`step_pieces`), on one device with one device's batch (on N de
 this per-device computation; only the gradient all-reduce depends on N):
   forward           the loss (dropout on) of the micro-batch;
   forward_backward  the gradients of the loss (no all-reduce);
-  optimizer         the optimizer update as the replicated step runs it (ls_jax.optim.fused_apply with gradient
-                    clipping, and the global gradient norm), state donated;
+  optimizer         the optimizer update as the replicated step runs it (ls_jax.optim.fused_apply_scaled on f32
+                    gradients: the division by the tokens, clipping and the global gradient norm), state donated;
   backward          forward_backward - forward.
 The all-reduce (`allreduce`) sums a tree shaped like the gradients (the params' shapes and dtype, as the step
 all-reduces them) over N devices under ``shard_map``, as the step does, with nothing else in the program.
@@ -71,11 +71,10 @@ def step_pieces(key: tuple, model: BenchModel, state: Any, tx: optax.GradientTra
     batch = jax.tree.map(lambda x: jnp.asarray(x[0]), model.batch)
     rng = jax.random.PRNGKey(2)
     loss = lambda params, batch, rng: model.loss_fn({"params": params}, batch, rng)[0]  # noqa: E731
-    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)  # the update's time ignores values
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state.params)  # values do not matter
 
     def update(grads, opt_state, params):
-        params, opt_state = ls_jax.optim.fused_apply(tx, grads, opt_state, params)
-        return params, opt_state, optax.tree.norm(grads)
+        return ls_jax.optim.fused_apply_scaled(tx, grads, opt_state, params, jnp.float32(0.5))
 
     # The update donates its state: copies, so the other pieces keep theirs.
     holder = jax.tree.map(jnp.copy, {"opt_state": state.opt_state, "params": state.params})

@@ -51,7 +51,7 @@ def anatomy(params: Any, opt_state: Any, analysis: Any | None, measured_peak: in
     (None where XLA gives none)."""
     count = int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
     param_bytes = tree_bytes(params)
-    grad_bytes = sum(device_bytes(jax.ShapeDtypeStruct(leaf.shape, np.float32)) for leaf in jax.tree.leaves(params))
+    grad_bytes = count * np.dtype(np.float32).itemsize
     master, moments = optimizer_bytes(opt_state)
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
     xla_peak = None if analysis is None else int(getattr(analysis, "peak_memory_in_bytes", 0)) or None

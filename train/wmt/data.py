@@ -16,7 +16,8 @@ pairs with an empty side; both are counted.
 Batches. Every example is padded to a bucket length L: the smallest of `bucket_lengths` (multiples of 8 that
 grow by about 10%) that holds it, so the compiled step sees few distinct shapes. A micro-batch holds examples of
 one bucket only, ``rows = num_shards * (max_tokens // L)`` of them, so each device gets at most ``max_tokens``
-padded tokens (``--max-tokens`` is per device, as in fairseq). An optimizer step takes ``grad_accum``
+padded tokens (``--max-tokens`` is per device, as in fairseq), one row fewer where that makes a device's tokens a
+multiple of `TOKEN_MULTIPLE`. An optimizer step takes ``grad_accum``
 micro-batches of the same bucket, stacked: arrays have shape (grad_accum, rows, L). Each epoch shuffles the
 examples within each bucket and the order of the steps, from ``(seed, epoch)`` alone; the last step of a bucket
 is filled up with empty (all-PAD) rows. Every example appears exactly once per epoch.
@@ -44,6 +45,10 @@ from train.wmt import synthetic as wmt_synthetic
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
 LENGTH_MULTIPLE = 8
+# A device's padded tokens per micro-batch are a multiple of this where a row fewer makes them one: the step's matrix
+# products then have every dimension a multiple of 16, which cuBLASLt's FP8 GEMMs need (XLA pads their operands
+# otherwise: transformer-big's fp8 step at 341 x 24 tokens launched 1,231 kernels against 947 at 1024 x 8).
+TOKEN_MULTIPLE = 16
 BUCKET_GROWTH = 1.1
 SYNTHETIC_TRAIN_PAIRS = 20_000
 SYNTHETIC_MAX_PAIRS = 2_000_000  # generated in memory: about a minute on one CPU core
@@ -263,13 +268,18 @@ def padded_lengths(example_lengths: np.ndarray) -> np.ndarray:
 
 
 def rows_per_micro_batch(length: int, max_tokens: int, num_shards: int) -> int:
-    """``num_shards * (max_tokens // length)``: as many rows as fit ``max_tokens`` padded tokens per device."""
+    """``num_shards * rows``, ``rows`` as many as fit ``max_tokens`` padded tokens per device, rounded down to a
+    multiple of ``TOKEN_MULTIPLE / gcd(TOKEN_MULTIPLE, length)`` when at least that many fit, so that ``rows *
+    length`` is a multiple of `TOKEN_MULTIPLE` (8192 tokens at length 24: 340 rows, not 341)."""
     per_shard = max_tokens // length
     if per_shard == 0:
         raise UsageError(
             f"--max-tokens {max_tokens} is smaller than the longest padded sentence length {length} "
             f"(lengths are padded to a multiple of {LENGTH_MULTIPLE}); raise --max-tokens or lower --max-len"
         )
+    aligned = TOKEN_MULTIPLE // math.gcd(TOKEN_MULTIPLE, length)
+    if per_shard >= aligned:
+        per_shard -= per_shard % aligned
     return num_shards * per_shard
 
 

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ls_jax.layers import fp8
 from ls_jax.layers.attention import MultiHeadAttention
 from ls_jax.layers.common import DeferredResidual, LayerNorm, dense
 from ls_jax.layers.config import LayerConfig
@@ -168,15 +169,19 @@ def _in_layer_order(call):
     """``call(layer, *arguments)`` whose backward hands the gradient of its inputs on only once the layer's parameter
     gradients exist too (one optimization barrier over both), so the backward of the layers below waits for them:
     a data-parallel step's collective of this layer's gradients then runs under that backward
-    (`ls_jax.optim.gradient_sync.backward_in_layer_order`). The values are the same as ``call``'s."""
+    (`ls_jax.optim.gradient_sync.backward_in_layer_order`). The values are the same as ``call``'s.
+
+    The FP8 scaling state is differentiated with the parameters (its "gradient" is its next value, `fp8.SCALING`):
+    left out, the layer's VJP would close over the step's scaling tracers and leak them."""
+    differentiated = ["params", fp8.SCALING]
 
     def forward(layer, *arguments):
-        return nn.vjp(call, layer, *arguments)
+        return nn.vjp(call, layer, *arguments, vjp_variables=differentiated)
 
     def backward(vjp_fn, cotangent):
         return _barrier(vjp_fn(cotangent))
 
-    return nn.custom_vjp(call, forward_fn=forward, backward_fn=backward)
+    return nn.custom_vjp(call, forward_fn=forward, backward_fn=backward, grad_vars=differentiated)
 
 
 def _barrier(tree):

@@ -1,6 +1,7 @@
 """FP8 GEMMs of the layers (``LayerConfig.fp8``, `ls_jax.layers.fp8`) on a CPU, which emulates them: the products
 stay close to bf16's yet are quantized, a training step's scaling state is the gradient of its collection, the
-backward quantizes to e5m2, overflows are flagged, and devices without FP8 are refused by name."""
+backward quantizes to e5m2, overflows are flagged, data-parallel steps' layer-ordered backward takes the scaling state
+too, and devices without FP8 are refused by name."""
 
 import types
 
@@ -11,7 +12,8 @@ import optax
 import pytest
 from flax.linen import fp8_ops as flax_fp8_ops
 
-from ls_jax.layers import Dense, LayerConfig, TransformerEmbedding, TransformerEncoderLayer, fp8
+from ls_jax.layers import Dense, LayerConfig, TransformerEmbedding, TransformerEncoder, TransformerEncoderLayer, fp8
+from ls_jax.optim import gradient_sync
 
 E4M3_MAX = 448.0
 
@@ -137,6 +139,30 @@ def test_amax_ratios_come_from_one_vector_computation():
     assert {name: float(value) for name, value in fp8.amax_ratios(scaling).items()} == pytest.approx(expected)
     jaxpr = jax.make_jaxpr(lambda s: fp8.amax_ratio_vector(s)[1])(scaling)
     assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns].count("div") == 1
+
+
+def test_a_layer_ordered_backward_gives_the_same_gradients_and_next_scaling():
+    """Data-parallel steps trace their loss in `gradient_sync.backward_in_layer_order`, where each layer of a stack
+    has a VJP of its own: the FP8 scaling state is differentiated there too (it once stayed a closed-over tracer of
+    the step and leaked), and the gradients and next scaling state are those of the plain backward."""
+    x = jax.random.normal(jax.random.PRNGKey(9), (4, 16, 32), jnp.bfloat16)
+    cfg = LayerConfig.preset(
+        "transformer-base", hidden_size=32, intermediate_size=64, nhead=4, max_seq_len=16, fp8=True
+    )
+    stack = TransformerEncoder(cfg, num_layers=2)
+    rest, scaling = fp8.split_scaling(stack.init(jax.random.PRNGKey(11), x, None))
+
+    def loss(params, scaling):
+        y = stack.apply({"params": params, fp8.SCALING: scaling}, x, None)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    plain = gradients(rest["params"], scaling)
+    with gradient_sync.backward_in_layer_order():
+        ordered = jax.jit(jax.grad(loss, argnums=(0, 1)))(rest["params"], scaling)
+    jax.tree.map(np.testing.assert_array_equal, ordered, plain)
+    next_history = ordered[1]["layer_1"]["feed_forward"]["fc1"]["fp8"]["input_amax_history"]
+    assert float(next_history[0]) > 0  # this step's amax, rolled in
 
 
 def test_micro_batches_and_replicas_combine_scaling_by_the_maximum():

@@ -1,5 +1,6 @@
 """Data parallelism end to end: `python -m train.imdb` on 1 device, 2 devices of one process (with and without the
-sharded optimizer), 2 processes on localhost, and a resume on another device count, each in its own process.
+sharded optimizer), 2 processes on localhost, a resume on another device count and FP8 on 2 devices, each in its own
+process.
 
 Dropout is off and everything is f32, so every way of splitting the same global batch must give the losses of one
 device (to f32 rounding of sums taken in another order)."""
@@ -89,6 +90,17 @@ def test_two_devices_match_one_device(one_device, tmp_path, sharded):
     reference = _losses(one_device)
     assert len(reference) == 6
     np.testing.assert_allclose(_losses(run_dir), reference, rtol=1e-5)
+
+
+def test_fp8_trains_on_two_devices(tmp_path):
+    """FP8 with data parallelism: the layers' ordered backward takes the scaling state (it failed to trace), and
+    every interval logs its amax ratio."""
+    run_dir = tmp_path / "fp8"
+    _train(run_dir, "--steps", "3", "--precision", "fp8", devices=2)
+    assert _device_count(run_dir) == 2
+    intervals = [r for r in _records(run_dir) if r["type"] == "interval"]
+    assert len(intervals) == 3
+    assert all(np.isfinite(r["loss"]) and r["fp8_amax_ratio"] > 0 for r in intervals)
 
 
 def _free_port() -> int:

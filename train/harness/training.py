@@ -33,7 +33,7 @@ from train.costs.hardware import Hardware, detect_hardware
 from train.costs.precision import gradient_comm_dtype, master_dtype, precision_signature
 from train.data.stream import EpochStream
 from train.errors import Interrupted
-from train.harness import allocator, cli, compile_cache, peers, progress, resume
+from train.harness import cli, compile_cache, peers, progress, resume
 from train.harness import config as config_lib
 from train.harness import optimizer as optimizer_lib
 from train.harness.config import Run, TrainingConfig
@@ -145,11 +145,9 @@ def _start(task: Task, argv: list[str], clock: StartupClock) -> int:
     """Parses and checks the flags, joins the distributed job, prepares the run directory, then trains.
 
     The backend is selected (and, for ``--backend ffi``, the kernels loaded) before anything compiles, so a
-    missing kernel library fails at once rather than mid-compilation; the GPU memory allocator
-    (`allocator.choose_allocator`) before anything touches a device.
+    missing kernel library fails at once rather than mid-compilation.
     """
     clock.mark("imports")
-    allocator.choose_allocator()  # before anything creates the GPU client
     started_utc = runlog.utc_now()
     given = vars(task.build_parser().parse_args(argv))
     saved, saved_path = None, None

@@ -51,18 +51,26 @@ def test_token_budget_per_device_padding_and_bucket_fit():
         assert (ip.padded_lengths(lengths)[real] == step.length).all()  # one bucket per step
 
 
-def test_a_devices_tokens_are_a_multiple_of_16_where_a_row_fewer_does_it():
-    """8192 tokens at length 24 fit 341 rows, 8,184 tokens; the batch takes 340 (8,160) so that every dimension of
-    the step's matrix products is a multiple of 16, as cuBLASLt's FP8 GEMMs need. A row is dropped only when at
-    least two fit."""
-    assert ip.rows_per_micro_batch(24, 8192, 1) == 340
-    assert ip.rows_per_micro_batch(24, 8192, 4) == 4 * 340
-    assert ip.rows_per_micro_batch(16, 8192, 1) == 512  # a multiple already: nothing dropped
-    assert ip.rows_per_micro_batch(40, 40, 1) == 1  # one row fits: kept, though 40 is not a multiple of 16
+def test_fp8_batches_hold_a_multiple_of_16_tokens_per_device_where_a_row_fewer_does_it():
+    """8192 tokens at length 24 fit 341 rows, 8,184 tokens; an FP8 run's batch takes 340 (8,160) so that every
+    dimension of the step's matrix products is a multiple of 16, as cuBLASLt's FP8 GEMMs need. A row is dropped
+    only when at least two fit; other precisions keep every row that fits."""
+    fp8 = ip.token_multiple("fp8")
+    assert fp8 == 16 and ip.token_multiple("bf16") == 8
+    assert ip.rows_per_micro_batch(24, 8192, 1, fp8) == 340
+    assert ip.rows_per_micro_batch(24, 8192, 1, ip.token_multiple("bf16")) == 341
+    assert ip.rows_per_micro_batch(24, 8192, 4, fp8) == 4 * 340
+    assert ip.rows_per_micro_batch(16, 8192, 1, fp8) == 512  # a multiple already: nothing dropped
+    assert ip.rows_per_micro_batch(40, 40, 1, fp8) == 1  # one row fits: kept, though 40 is not a multiple of 16
     for length in ip.bucket_lengths(1024):
-        rows = ip.rows_per_micro_batch(int(length), 8192, 1)
+        rows = ip.rows_per_micro_batch(int(length), 8192, 1, fp8)
         assert rows * length <= 8192 and (rows * length) % 16 == 0
         assert rows >= 8192 // length - 1
+    data = random_data()
+    steps = plan(data, max_tokens=8192, num_shards=1, grad_accum=1, multiple=fp8)
+    assert all(step.indices.size * step.length % 16 == 0 for step in steps)
+    real = np.concatenate([step.indices.ravel() for step in steps])
+    assert sorted(real[real >= 0].tolist()) == list(range(len(data)))  # every example still once
 
 
 def test_plan_is_deterministic_in_seed_and_epoch():

@@ -16,8 +16,8 @@ pairs with an empty side; both are counted.
 Batches. Every example is padded to a bucket length L: the smallest of `bucket_lengths` (multiples of 8 that
 grow by about 10%) that holds it, so the compiled step sees few distinct shapes. A micro-batch holds examples of
 one bucket only, ``rows = num_shards * (max_tokens // L)`` of them, so each device gets at most ``max_tokens``
-padded tokens (``--max-tokens`` is per device, as in fairseq), one row fewer where that makes a device's tokens a
-multiple of `TOKEN_MULTIPLE`. An optimizer step takes ``grad_accum``
+padded tokens (``--max-tokens`` is per device, as in fairseq); in FP8 runs one row fewer where that makes a device's
+tokens a multiple of 16 (`token_multiple`). An optimizer step takes ``grad_accum``
 micro-batches of the same bucket, stacked: arrays have shape (grad_accum, rows, L). Each epoch shuffles the
 examples within each bucket and the order of the steps, from ``(seed, epoch)`` alone; the last step of a bucket
 is filled up with empty (all-PAD) rows. Every example appears exactly once per epoch.
@@ -45,10 +45,10 @@ from train.wmt import synthetic as wmt_synthetic
 PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.SPECIAL_IDS[name] for name in ("pad", "bos", "eos"))
 SPLITS = ("train", "valid", "test")
 LENGTH_MULTIPLE = 8
-# A device's padded tokens per micro-batch are a multiple of this where a row fewer makes them one: the step's matrix
-# products then have every dimension a multiple of 16, which cuBLASLt's FP8 GEMMs need (XLA pads their operands
-# otherwise: transformer-big's fp8 step at 341 x 24 tokens launched 1,231 kernels against 947 at 1024 x 8).
-TOKEN_MULTIPLE = 16
+# In FP8 runs a device's padded tokens per micro-batch are a multiple of this where a row fewer makes them one: the
+# step's matrix products then have every dimension a multiple of 16, which cuBLASLt's FP8 GEMMs need (XLA pads their
+# operands otherwise: transformer-big's fp8 step at 341 x 24 tokens launched 1,231 kernels against 947 at 1024 x 8).
+FP8_TOKEN_MULTIPLE = 16
 BUCKET_GROWTH = 1.1
 SYNTHETIC_TRAIN_PAIRS = 20_000
 SYNTHETIC_MAX_PAIRS = 2_000_000  # generated in memory: about a minute on one CPU core
@@ -267,17 +267,23 @@ def padded_lengths(example_lengths: np.ndarray) -> np.ndarray:
     return buckets[np.searchsorted(buckets, example_lengths)]
 
 
-def rows_per_micro_batch(length: int, max_tokens: int, num_shards: int) -> int:
+def token_multiple(precision: str) -> int:
+    """What a device's padded tokens per micro-batch are a multiple of where a row fewer does it: `FP8_TOKEN_MULTIPLE`
+    in FP8, else `LENGTH_MULTIPLE` (which every bucket length is: every row fits)."""
+    return FP8_TOKEN_MULTIPLE if precision == "fp8" else LENGTH_MULTIPLE
+
+
+def rows_per_micro_batch(length: int, max_tokens: int, num_shards: int, multiple: int = LENGTH_MULTIPLE) -> int:
     """``num_shards * rows``, ``rows`` as many as fit ``max_tokens`` padded tokens per device, rounded down to a
-    multiple of ``TOKEN_MULTIPLE / gcd(TOKEN_MULTIPLE, length)`` when at least that many fit, so that ``rows *
-    length`` is a multiple of `TOKEN_MULTIPLE` (8192 tokens at length 24: 340 rows, not 341)."""
+    multiple of ``multiple / gcd(multiple, length)`` when at least that many fit, so that ``rows * length`` is a
+    multiple of ``multiple`` (`token_multiple`; in FP8, 8192 tokens at length 24: 340 rows, not 341)."""
     per_shard = max_tokens // length
     if per_shard == 0:
         raise UsageError(
             f"--max-tokens {max_tokens} is smaller than the longest padded sentence length {length} "
             f"(lengths are padded to a multiple of {LENGTH_MULTIPLE}); raise --max-tokens or lower --max-len"
         )
-    aligned = TOKEN_MULTIPLE // math.gcd(TOKEN_MULTIPLE, length)
+    aligned = multiple // math.gcd(multiple, length)
     if per_shard >= aligned:
         per_shard -= per_shard % aligned
     return num_shards * per_shard
@@ -300,8 +306,10 @@ def plan_epoch(
     seed: int,
     epoch: int,
     shuffle: bool = True,
+    multiple: int = LENGTH_MULTIPLE,
 ) -> list[PlannedStep]:
-    """The steps of one epoch (see the module docstring); deterministic in ``(seed, epoch)``."""
+    """The steps of one epoch (see the module docstring); deterministic in ``(seed, epoch)``. A device's tokens per
+    micro-batch are a multiple of ``multiple`` where a row fewer does it (`rows_per_micro_batch`)."""
     padded = padded_lengths(example_lengths)
     rng = np.random.default_rng([seed, epoch])
     steps = []
@@ -309,7 +317,7 @@ def plan_epoch(
         members = np.flatnonzero(padded == length)
         if shuffle:
             members = rng.permutation(members)
-        rows = rows_per_micro_batch(int(length), max_tokens, num_shards)
+        rows = rows_per_micro_batch(int(length), max_tokens, num_shards, multiple)
         per_step = rows * grad_accum
         filled = np.full(math.ceil(len(members) / per_step) * per_step, -1, dtype=np.int64)
         filled[: len(members)] = members
@@ -367,6 +375,7 @@ class BatchStream(EpochStream):
     max_tokens: int
     num_shards: int
     grad_accum: int
+    multiple: int = LENGTH_MULTIPLE  # a device's tokens per micro-batch, where a row fewer does it (`token_multiple`)
 
     def _plan_for(self, epoch: int) -> list[PlannedStep]:
         return plan_epoch(
@@ -376,6 +385,7 @@ class BatchStream(EpochStream):
             grad_accum=self.grad_accum,
             seed=self.seed,
             epoch=epoch,
+            multiple=self.multiple,
         )
 
     def _batch(self, step: PlannedStep) -> tuple[dict[str, np.ndarray], dict[str, int]]:
@@ -386,7 +396,11 @@ class BatchStream(EpochStream):
         """The distinct (grad_accum, rows, length) batch shapes any epoch produces, longest first."""
         lengths = np.unique(padded_lengths(self.data.example_lengths))
         return [
-            (self.grad_accum, rows_per_micro_batch(int(length), self.max_tokens, self.num_shards), int(length))
+            (
+                self.grad_accum,
+                rows_per_micro_batch(int(length), self.max_tokens, self.num_shards, self.multiple),
+                int(length),
+            )
             for length in lengths[::-1]
         ]
 

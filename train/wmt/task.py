@@ -124,6 +124,7 @@ def setup(run: Run, precision: str, parallel: DataParallel) -> TaskSetup:
         seed=config.seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
+        multiple=wmt_data.token_multiple(precision),
     )
 
     def init_variables(key: jax.Array) -> Any:

@@ -50,27 +50,39 @@ class Fp8Dot(fp8_ops.Fp8DotGeneralBase):
 
     def __call__(self, x: jax.Array, kernel: jax.Array, contract: int) -> jax.Array:
         """``x (rows, K)`` times the 2-D ``kernel``, contracted over the kernel's axis ``contract`` (0: (K, N); 1: a
-        transposed (N, K) table), in FP8; in x's dtype. The kernel is cast to x's dtype first: it is quantized from
-        the compute dtype, as Flax's ops do."""
+        transposed (N, K) table), in FP8; in x's dtype. The kernel is quantized from its own dtype (`fp8_product`)."""
         return fp8_product(
             x,
-            kernel.astype(x.dtype),
+            kernel,
             contract,
             (self.input_scale.value, self.kernel_scale.value, self.output_grad_scale.value),
             (self.input_amax_history.value, self.kernel_amax_history.value, self.output_grad_amax_history.value),
         )
 
 
-def _nt(a: jax.Array, b: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``(a @ b.T) * scale`` in ``dtype``: both FP8 operands with the contracted axis innermost, the one layout
-    cuBLASLt's FP8 GEMMs take, so XLA inserts no transpose."""
-    product = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
-    return fp8_ops.dequantize(product, dtype, scale)
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T: both operands' contracted axis innermost, as cuBLASLt's FP8 GEMMs take them
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _nt(a: jax.Array, b: jax.Array, scales: tuple[jax.Array, jax.Array], dtype: Any) -> jax.Array:
+    """``(a @ b.T) * s_a * s_b`` in ``dtype`` for FP8 ``a``, ``b`` and float32[1] scales ``(s_a, s_b)``; XLA inserts no
+    transpose.
+
+    In float32 (the gradient of an f32 kernel) each operand is dequantized in f32 by its scale as a scalar, which
+    XLA hands to cuBLASLt as it is. In a 16-bit dtype the product is scaled after the GEMM by ``s_a * s_b`` rounded
+    to that dtype, as Flax's ops scale it: cuBLASLt takes f32 scales, so XLA computes that one in a kernel of its
+    own, as it would a 16-bit scale of each operand.
+    """
+    scale_a, scale_b = scales
+    if jnp.dtype(dtype) == jnp.float32:
+        a, b = (q.astype(jnp.float32) * s.reshape(()) for q, s in ((a, scale_a), (b, scale_b)))
+        return jax.lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+    product = jax.lax.dot_general(a, b, _NT, preferred_element_type=dtype)
+    return fp8_ops.dequantize(product, dtype, scale_a * scale_b)
+
+
 def fp8_product(x, kernel, contract, scales, histories):
-    """``x (rows, K)`` times ``kernel`` ((K, N), contract 0; (N, K), contract 1) in FP8 with delayed scaling.
+    """``x (rows, K)`` times ``kernel`` ((K, N), contract 0; (N, K), contract 1) in FP8 with delayed scaling; in
+    x's dtype.
 
     Forward: x and the kernel quantized to e4m3 (`ls_jax.ops.fp8_quantize`: each in both layouts, its scale and
     next history from one pass), their product an FP8 GEMM. Backward: dy quantized to e5m2 the same way; dx and
@@ -78,18 +90,27 @@ def fp8_product(x, kernel, contract, scales, histories):
     ``scales`` and ``histories`` (input, kernel, output gradient) get their next values as their "gradients", as
     Flax's FP8 ops give them (``flax.linen.fp8_ops``: the scale from the history before this step, the history
     with this step's amax added).
+
+    The kernel is quantized from its own dtype and its gradient comes out of the GEMM in that dtype: f32
+    parameters are rounded once, to FP8, where Flax's ops round them to the compute dtype first, and the step
+    converts neither the kernel nor its gradient.
     """
-    return _fp8_product_forward(x, kernel, contract, scales, histories)[0]
+    return _product(x, kernel, contract, jnp.dtype(kernel.dtype), scales, histories)
 
 
-def _fp8_product_forward(x, kernel, contract, scales, histories):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(x, kernel, contract, kernel_dtype, scales, histories):
+    return _product_forward(x, kernel, contract, kernel_dtype, scales, histories)[0]
+
+
+def _product_forward(x, kernel, contract, kernel_dtype, scales, histories):
     (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = scales, histories
     q_x, q_x_t, x_scale, x_history = ops.fp8_quantize(x, x_history, x_scale, FORWARD_DTYPE)
     q_kernel, q_kernel_t, kernel_scale, kernel_history = ops.fp8_quantize(
         kernel, kernel_history, kernel_scale, FORWARD_DTYPE
     )
     forward_kernel, backward_kernel = (q_kernel_t, q_kernel) if contract == 0 else (q_kernel, q_kernel_t)
-    y = _nt(q_x, forward_kernel, x_scale * kernel_scale, x.dtype)
+    y = _nt(q_x, forward_kernel, (x_scale, kernel_scale), x.dtype)
     saved = (
         q_x_t,
         backward_kernel,
@@ -99,18 +120,20 @@ def _fp8_product_forward(x, kernel, contract, scales, histories):
     return y, saved
 
 
-def _fp8_product_backward(contract, saved, dy):
+def _product_backward(contract, kernel_dtype, saved, dy):
     q_x_t, backward_kernel, (x_scale, kernel_scale, grad_scale), (x_history, kernel_history, grad_history) = saved
     q_dy, q_dy_t, grad_scale, grad_history = ops.fp8_quantize(dy, grad_history, grad_scale, GRADIENT_DTYPE)
-    dx = _nt(q_dy, backward_kernel, kernel_scale * grad_scale, dy.dtype)
-    operands = (q_x_t, q_dy_t) if contract == 0 else (q_dy_t, q_x_t)
-    dkernel = _nt(*operands, x_scale * grad_scale, dy.dtype)
+    dx = _nt(q_dy, backward_kernel, (grad_scale, kernel_scale), dy.dtype)
+    if contract == 0:  # (K, N): x_t (K, rows) @ dy_t (N, rows).T
+        dkernel = _nt(q_x_t, q_dy_t, (x_scale, grad_scale), kernel_dtype)
+    else:  # (N, K): dy_t (N, rows) @ x_t (K, rows).T
+        dkernel = _nt(q_dy_t, q_x_t, (grad_scale, x_scale), kernel_dtype)
     scales = (x_scale, kernel_scale, grad_scale)
     histories = (x_history, kernel_history, grad_history)
     return dx, dkernel, scales, histories
 
 
-fp8_product.defvjp(_fp8_product_forward, _fp8_product_backward)
+_product.defvjp(_product_forward, _product_backward)
 
 
 def split_scaling(variables: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

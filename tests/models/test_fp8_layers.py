@@ -247,8 +247,9 @@ def test_an_fp8_encoder_layer_trains_like_bf16():
 @pytest.mark.parametrize("contract", [0, 1], ids=["kernel (K, N)", "table (N, K)"])
 def test_the_product_is_as_close_as_flaxs_with_the_same_next_scaling_state(contract):
     """`fp8.Fp8Dot` against Flax's Fp8DirectDotGeneralOp from the same variables, with a history of earlier
-    amaxes: the next scales and histories are equal; y, dx and the kernel's gradient are as close to the exact
-    products as Flax's (the two differ where Flax's rounding of x / s to bf16 first moves an FP8 rounding)."""
+    amaxes: the next scales and histories are equal but for the kernel's newest amax, which ours takes of the f32
+    kernel it quantizes and Flax's of the bf16 copy it is given; y, dx and the kernel's gradient are as close to the
+    exact products as Flax's (the two differ where a rounding to bf16 first moves an FP8 rounding)."""
     rows, k, n = 64, 96, 80
     key = jax.random.PRNGKey(3)
     x = jax.random.normal(key, (rows, k), jnp.bfloat16) * 3
@@ -270,7 +271,13 @@ def test_the_product_is_as_close_as_flaxs_with_the_same_next_scaling_state(contr
     (flax_dx, flax_dw, flax_next), flax_y = product_and_grads(
         lambda v, x, w: flax_op.apply(v, x, w.astype(x.dtype), dims)
     )
-    jax.tree.map(np.testing.assert_array_equal, ours_next, flax_next)
+    ours_state, flax_state = dict(ours_next[fp8.SCALING]), dict(flax_next[fp8.SCALING])
+    newest_kernel_amax = ours_state["kernel_amax_history"][0]
+    assert float(newest_kernel_amax) == float(jnp.max(jnp.abs(kernel)))
+    assert float(flax_state["kernel_amax_history"][0]) == float(jnp.max(jnp.abs(kernel.astype(x.dtype))))
+    flax_state["kernel_amax_history"] = flax_state["kernel_amax_history"].at[0].set(newest_kernel_amax)
+    jax.tree.map(np.testing.assert_array_equal, ours_state, flax_state)
+    assert ours_dw.dtype == kernel.dtype  # from the GEMM in the kernel's dtype
     exact_y, exact_vjp = jax.vjp(lambda x, w: jax.lax.dot_general(x, w, dims), x.astype(jnp.float32), kernel)
     exact_dx, exact_dw = exact_vjp(dy.astype(jnp.float32))
     for got, flax_value, exact in (

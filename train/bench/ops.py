@@ -274,13 +274,18 @@ CASES: list[Case] = [
 # ---- measurement ----------------------------------------------------------------------------------------
 
 
+def timed_pass(workload: Workload) -> tuple[Callable[[Any, Any], Any], Any]:
+    """``(fn, cotangent)``: ``fn(workload.primals, cotangent)`` runs one forward + backward of ``workload`` (its
+    forward alone if ``forward_only``), jitted; it compiles for the kernel mode in use at its first call."""
+    if workload.forward_only:
+        return jax.jit(lambda primals, _: workload.op(*primals)), None
+    return common.forward_backward(workload.op, workload.primals)
+
+
 def measure(workload: Workload, mode: backend.KernelMode, copy_bandwidth: float, quick: bool) -> dict[str, Any]:
     """Times one forward + backward of ``workload`` (its forward alone if ``forward_only``) compiled in kernel
     mode ``mode``."""
-    if workload.forward_only:
-        fn, cotangent = jax.jit(lambda primals, _: workload.op(*primals)), None
-    else:
-        fn, cotangent = common.forward_backward(workload.op, workload.primals)
+    fn, cotangent = timed_pass(workload)
     sampling = dict(warmup=2, samples=5, inner=2) if quick else dict(warmup=5, samples=30, inner=5)
     with backend.use(mode):  # the mode is read when the function is traced, i.e. at its first call
         hlo = fn.lower(workload.primals, cotangent).as_text()

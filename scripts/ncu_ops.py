@@ -1,7 +1,8 @@
 """Runs the ops benchmark's fused kernels a few times for Nsight Compute: ``ncu ... python3 scripts/ncu_ops.py OP...``.
 
 Each named case of ``train.bench.ops`` (Transformer-big shapes) runs forward + backward (``ops.timed_pass``),
-compiled in ffi mode, ``--calls`` times, so ``ncu --kernel-name ...`` finds every kernel of the op that many times.
+compiled in ffi mode (``--mode xla``: XLA's ops), ``--calls`` times, so ``ncu --kernel-name ...`` finds every kernel
+of the op that many times.
 """
 
 from __future__ import annotations

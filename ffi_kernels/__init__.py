@@ -43,7 +43,6 @@ __all__ = [
     "KernelBuildError",
     "KernelImportError",
     "NvccNotFoundError",
-    "column_partials",
     "cudnn_attention_missing",
     "import_library",
     "load",
@@ -114,17 +113,3 @@ def sm_count() -> int:
     load()
     assert _library is not None
     return int(_library.multiprocessor_count(0))
-
-
-# Blocks per SM of the backward kernels that reduce over rows; scripts/partials_probe.py times other values.
-PARTIAL_BLOCKS_PER_SM = 2
-
-
-def column_partials(rows: int) -> int:
-    """Rows of the f32 scratch in which a backward kernel leaves per-block column sums (one per block).
-
-    Kernels that reduce over rows (LayerNorm's dgamma/dbeta, bias gradients) run this many blocks,
-    ``PARTIAL_BLOCKS_PER_SM`` per SM, each summing its rows into one partial row; a small kernel then adds the
-    partials in a fixed order, so the gradients are deterministic.
-    """
-    return max(1, min(rows, PARTIAL_BLOCKS_PER_SM * sm_count()))

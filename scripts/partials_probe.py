@@ -2,7 +2,7 @@
 
     python3 scripts/partials_probe.py [--blocks-per-sm 2,4,8,16] [--out DIR]
 
-The backward kernels that reduce over rows run ``ffi_kernels.column_partials`` blocks (``PARTIAL_BLOCKS_PER_SM``
+The backward kernels that reduce over rows run ``ls_jax.ops._common.column_partials`` blocks (``PARTIAL_BLOCKS_PER_SM``
 per SM), which also sets how many rows are in flight: at hidden 1024 a block's 256 threads cover two rows, so two
 blocks per SM leave three quarters of its threads idle. Each value is set in turn and every case of
 ``train.bench ops`` that has such a backward is compiled and timed again in ffi mode (device time of forward +
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ffi_kernels  # noqa: E402
 from ls_jax import backend  # noqa: E402
+from ls_jax.ops import _common as op_common  # noqa: E402
 from train.bench import common, ops  # noqa: E402
 
 CASES = (
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for case in cases:
         timings = {}
         for factor in factors:
-            ffi_kernels.PARTIAL_BLOCKS_PER_SM = factor
+            op_common.PARTIAL_BLOCKS_PER_SM = factor
             timings[factor] = ops.run_case(case, ("ffi",), copy, quick=False)["ffi"]
         cells = " ".join(
             f"{t['device_ms']:8.4f} ({t['device_fraction_of_copy_bandwidth']:4.0%})" for t in timings.values()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+import ffi_kernels
 from ls_jax import backend
 
 logger = logging.getLogger("ls_jax.ops")
@@ -104,6 +105,20 @@ def rows(x: jax.Array) -> int:
     for dim in x.shape[:-1]:
         count *= dim
     return count
+
+
+# Blocks per SM of the backward kernels that reduce over rows; scripts/partials_probe.py times other values.
+PARTIAL_BLOCKS_PER_SM = 2
+
+
+def column_partials(rows: int) -> int:
+    """Rows of the f32 scratch in which a backward kernel leaves per-block column sums (one per block).
+
+    Kernels that reduce over rows (LayerNorm's dgamma/dbeta, bias gradients) run this many blocks,
+    ``PARTIAL_BLOCKS_PER_SM`` per SM of CUDA device 0, each summing its rows into one partial row; a small kernel
+    then adds the partials in a fixed order, so the gradients are deterministic.
+    """
+    return max(1, min(rows, PARTIAL_BLOCKS_PER_SM * ffi_kernels.sm_count()))
 
 
 @functools.cache

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ffi_kernels
 from ls_jax.ops import _common, random
 
 _f32 = jnp.float32
@@ -75,7 +74,7 @@ def _row_sum(x: jax.Array) -> jax.Array:
 def _bias_grad_outputs(dy: jax.Array, bias_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Outputs of a bias-op backward kernel: dx, dbias and the f32 (blocks, 1, H) scratch of column partials."""
     hidden = dy.shape[-1]
-    partials = (ffi_kernels.column_partials(_common.rows(dy)), 1, hidden)
+    partials = (_common.column_partials(_common.rows(dy)), 1, hidden)
     return (
         jax.ShapeDtypeStruct(dy.shape, dy.dtype),
         jax.ShapeDtypeStruct((hidden,), bias_dtype),

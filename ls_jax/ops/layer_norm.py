@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ffi_kernels
 from ls_jax.ops import _common, random
 from ls_jax.ops.bias import bias_dropout_residual_backward_xla, bias_dropout_residual_forward_xla
 
@@ -100,7 +99,7 @@ def _add_forward_ffi(x, residual, gamma, beta, *, eps):
 
 def _partials(s: jax.Array, outputs: int) -> jax.ShapeDtypeStruct:
     """The f32 (blocks, outputs, H) scratch of a backward kernel's column sums."""
-    return jax.ShapeDtypeStruct((ffi_kernels.column_partials(_common.rows(s)), outputs, s.shape[-1]), _f32)
+    return jax.ShapeDtypeStruct((_common.column_partials(_common.rows(s)), outputs, s.shape[-1]), _f32)
 
 
 def _backward_call(target: str, s: jax.Array, gamma: jax.Array):

@@ -12,7 +12,7 @@
 // writes one partial row of the bias gradient and sum_partials adds the partials in a fixed order.
 //
 // Targets (x, residual, y, dy, dx (..., H) of one dtype; bias, dbias (H,) f32 or that dtype; seed uint32[2];
-// partials f32 (blocks, 1, H) scratch whose first axis sets the backward grid; attributes threshold: u32 and
+// partials f32 (blocks, 1, H) scratch whose first axis bounds the backward grid; attributes threshold: u32 and
 // scale: f32 as in dropout.cu, with threshold 0 and scale 1 meaning no dropout):
 //   ls_bias_dropout_residual_fwd(x, bias, residual, seed) -> y
 //   ls_bias_dropout_residual_bwd(dy, seed) -> (dx, dbias, partials)
@@ -30,14 +30,17 @@ namespace {
 constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kForwardBlocksPerSm = 4;
-// Minimum resident blocks per SM for the register allocator: the forward fits 64 registers (1024 threads per
-// SM); the backward of an activation needs more to hold two rows of dy and x without spilling.
-constexpr int kForwardMinBlocks = 4;
-constexpr int kBackwardMinBlocks = 3;
 
 // Matches ls_jax/ops/bias.py ACTIVATIONS order; kIdentity is bias_dropout_residual's; kReluMask is the
 // relu backward that reads the forward's mask of y > 0 (never sent from Python as an activation code).
 enum class Activation : int32_t { kRelu = 0, kGelu = 1, kGeluTanh = 2, kIdentity = 3, kReluMask = 4 };
+
+// Minimum resident blocks per SM for the register allocator: the forward fits 64 registers (1024 threads per
+// SM), and so do the backwards that read no x (bias_dropout_residual's, relu's from its mask); the backward of an
+// activation needs more to hold two rows of dy and x without spilling.
+constexpr int kForwardMinBlocks = 4;
+template <Activation A>
+inline constexpr int kBackwardMinBlocks = A == Activation::kIdentity || A == Activation::kReluMask ? 4 : 3;
 
 // The largest f32 that rounds to zero in T: half of T's smallest subnormal (the halfway point rounds to the even
 // neighbour, zero).
@@ -225,7 +228,7 @@ ffi::Error forward(cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyB
 // dx = dy * m * act'(x + bias) (x and bias unused for kIdentity; for kReluMask only the mask of y > 0 is read,
 // dx = dy * (y > 0 ? scale : 0)); this block's column sums of dx go to partials[blockIdx.x].
 template <typename T, typename P, int W, Activation A>
-__global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
+__global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks<A>)
     bias_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint8_t* __restrict__ positive,
                     const P* __restrict__ bias, T* __restrict__ dx, float* __restrict__ partials, int64_t rows,
                     int64_t cols, DropoutParams params) {
@@ -283,14 +286,18 @@ __global__ void __launch_bounds__(kBlockThreads, kBackwardMinBlocks)
 
 template <typename T, typename P, int W, Activation A>
 ffi::Error launch_backward(cudaStream_t stream, const T* dy, const T* x, const uint8_t* positive, const P* bias,
-                           T* dx, P* dbias, float* partials, int64_t blocks, int64_t rows, int64_t cols,
+                           T* dx, P* dbias, float* partials, int64_t partial_rows, int64_t rows, int64_t cols,
                            DropoutParams params) {
   dim3 block;
   unsigned chunks = 0;
   LS_RETURN_IF_ERROR(strip_layout(cols / W, kBlockThreads, block, chunks));
   const size_t shared = static_cast<size_t>(block.x) * block.y * W * sizeof(float);
-  bias_bwd_kernel<T, P, W, A><<<dim3(static_cast<unsigned>(blocks), chunks), block, shared, stream>>>(
-      dy, x, positive, bias, dx, partials, rows, cols, params);
+  const auto kernel = bias_bwd_kernel<T, P, W, A>;
+  int64_t blocks = 0;
+  LS_RETURN_IF_ERROR(
+      resident_row_blocks(kernel, block, shared, chunks, partial_rows, ceil_div(rows, block.y), blocks));
+  kernel<<<dim3(static_cast<unsigned>(blocks), chunks), block, shared, stream>>>(dy, x, positive, bias, dx, partials,
+                                                                                rows, cols, params);
   LS_RETURN_IF_ERROR(launch_error("bias_bwd_kernel"));
   return sum_partials<P>(stream, partials, blocks, cols, {{dbias}, 1});
 }
@@ -315,8 +322,8 @@ ffi::Error backward(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::An
   const int64_t rows = leading_rows(dy.dimensions());
   const int64_t cols = last_dim(dy.dimensions());
   if (cols == 0) return ffi::Error::Success();
-  int64_t blocks = 0;
-  LS_RETURN_IF_ERROR(require_partials(partials, 1, cols, blocks));
+  int64_t partial_rows = 0;
+  LS_RETURN_IF_ERROR(require_partials(partials, 1, cols, partial_rows));
   return dispatch_float(dy.element_type(), "dy", [&](auto act) {
     using T = decltype(act);
     return dispatch_param<T>(bias.element_type(), "bias", [&](auto param) {
@@ -329,9 +336,9 @@ ffi::Error backward(cudaStream_t stream, const ffi::AnyBuffer& dy, const ffi::An
       P* db = static_cast<P*>(dbias.untyped_data());
       float* scratch = static_cast<float*>(partials.untyped_data());
       if (vectorizable<T>(cols, {grad, in, b, out}))
-        return launch_backward<T, P, kVecWidth<T>, A>(stream, grad, in, mask, b, out, db, scratch, blocks, rows,
+        return launch_backward<T, P, kVecWidth<T>, A>(stream, grad, in, mask, b, out, db, scratch, partial_rows, rows,
                                                        cols, params);
-      return launch_backward<T, P, 1, A>(stream, grad, in, mask, b, out, db, scratch, blocks, rows, cols, params);
+      return launch_backward<T, P, 1, A>(stream, grad, in, mask, b, out, db, scratch, partial_rows, rows, cols, params);
     });
   });
 }

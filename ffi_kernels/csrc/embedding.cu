@@ -6,10 +6,10 @@
 // Backward, deterministic and without atomics: the Python wrapper sorts the clipped ids (XLA's stable sort),
 // giving the permutation `order` and the tokens in that order (sorted_tokens, for the padding test), and marks
 // where each run of equal ids ends (run_end). The sorted positions are cut into chunks of at most kChunk: a chunk
-// starts where a run starts and at every multiple of kChunk inside a run. embed_chunk_kernel gives each chunk
-// start one warp, which adds the chunk's gradient rows in token order (f32 registers) into that position of an
-// (n, H) f32 output; embed_merge_kernel then adds, in order, the later chunk sums of every run longer than its
-// first chunk into the run's first position. The wrapper scatters the run sums into the table, where XLA adds
+// starts where a run starts and at every multiple of kChunk inside a run. embed_chunk_kernel gives each window of
+// kChunk sorted positions one warp, which adds each of the window's chunks' gradient rows in token order (f32
+// registers) into the chunk's first position of an (n, H) f32 output; embed_merge_kernel then adds, in order, the
+// later chunk sums of every run longer than its first chunk into the run's first position. The wrapper scatters the run sums into the table, where XLA adds
 // them in place to the table's other gradients (a tied output projection's). Cost: one pass over dy, one (n, H)
 // write and a read of the later chunk sums; no table-sized buffer per lookup. A token occurring k times costs
 // one warp at most kChunk rows plus k / kChunk chunk sums in the merge: BERT's segment embedding, one id at
@@ -33,12 +33,16 @@ namespace {
 constexpr int kBlockThreads = 256;
 constexpr int kRowUnroll = 2;
 constexpr int kBlocksPerSm = 4;
-// The backward gives a warp to each sorted position (slot), a lane a 16-byte column vector (grid.y covers rows
-// wider than a warp), and launches all of them. Lane j of a slot reads entry slot + j's token position, token and
-// whether a chunk starts after it, all at once; one ballot then gives the chunk's length and the entries reach
-// every lane by shuffles: two memory latencies before the dy rows, not a chain run end -> position -> row.
-constexpr int kChunk = 32;                // entries summed by one warp: one per lane
-constexpr int kGradEntriesInFlight = 4;   // dy rows of a chunk loaded before they are added, in order
+// The backward gives a warp to each window of kChunk sorted positions, a lane a 16-byte column vector (grid.y
+// covers rows wider than a warp). Lane j reads entry j's token position, token and run end at once; a ballot
+// gives the window's chunk starts and shuffles hand the entries to every lane: one memory latency before the dy
+// rows, not a chain run end -> position -> row.
+constexpr int kChunk = 32;                // entries of a window: one per lane
+constexpr int kWindowThreads = 64;        // two windows a block: a few thousand tokens still fill every SM
+// dy rows of a window loaded before they are added, in order: 4 KB a warp for 16-bit rows; f32 rows and odd
+// widths keep 4 (with 8, ptxas spills them).
+template <typename D, int W>
+inline constexpr int kWindowRowsInFlight = sizeof(D) == 2 && W > 1 ? 8 : 4;
 constexpr int kMergeSumsInFlight = 4;     // chunk sums of a run loaded before they are added, in order
 constexpr unsigned kFullWarp = 0xffffffffu;
 
@@ -186,28 +190,39 @@ ffi::Error embed_pos_fwd(cudaStream_t stream, ffi::AnyBuffer tokens, ffi::AnyBuf
 
 // ---- backward -------------------------------------------------------------------------------------------
 
-// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows order[k..chunk end) when a chunk
-// starts at k (k starts a run or is a multiple of kChunk), added in that (token) order; zeros elsewhere (the
-// wrapper converts every row). A chunk ends at the next run start or multiple of kChunk. One warp per k;
-// blockDim.x == 32.
+// Stores token_scale * sum (a chunk's sum) and clears sum for the next chunk.
+template <int W>
+__device__ __forceinline__ void write_chunk_sum(float* __restrict__ out, float (&sum)[W], float token_scale) {
+#pragma unroll
+  for (int e = 0; e < W; ++e) sum[e] *= token_scale;
+  store_floats<W>(out, sum);
+#pragma unroll
+  for (int e = 0; e < W; ++e) sum[e] = 0.0f;
+}
+
+// sums[k] = token_scale * sum of the (dropout-masked, non-padding) dy rows order[k..chunk end) where a chunk
+// starts at k (a run start, or a multiple of kChunk), added in that (token) order; other rows are not written. A
+// window is the kChunk sorted positions from a multiple of kChunk: it starts a chunk, and no chunk crosses its end.
+// One warp per window (blockDim.x == 32): lane j loads entry j's token position, token and whether a run starts
+// there, one ballot marks the window's chunk starts, and the warp walks the entries in order, its lanes over
+// column vectors, kWindowRowsInFlight dy rows loaded before they are added; a chunk's sum is written when the
+// next chunk starts. The index loads and their latency come once per window, not once per sorted position.
 template <typename D, int W>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kWindowThreads)
     embed_chunk_kernel(const D* __restrict__ dy, const int32_t* __restrict__ sorted_tokens,
                        const int32_t* __restrict__ order, const int32_t* __restrict__ run_end,
                        float* __restrict__ sums, int64_t n, int64_t cols, float token_scale, Padding padding,
                        DropoutParams params) {
-  constexpr int kE = kGradEntriesInFlight;
+  constexpr int kE = kWindowRowsInFlight<D, W>;
   const int lane = static_cast<int>(threadIdx.x);
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (slot >= n) return;  // the whole warp: slot depends on threadIdx.y only
-  const int64_t entry = slot + lane;
-  const int32_t entry_position = entry < n ? order[entry] : 0;
-  const int32_t entry_token = entry < n ? sorted_tokens[entry] : 0;
-  const int64_t after = entry + 1;
-  const bool boundary_after = after >= n || after % kChunk == 0 || run_end[after] > after;
-  const bool starts = slot % kChunk == 0 || run_end[slot] > slot;
-  // Among the 32 positions after slot one is a multiple of kChunk, so the ballot is never empty.
-  const int length = __ffs(__ballot_sync(kFullWarp, boundary_after));
+  const int64_t window = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kChunk;
+  if (window >= n) return;  // the whole warp: window depends on threadIdx.y only
+  const int64_t entry = window + lane;
+  const bool valid = entry < n;
+  const int32_t entry_position = valid ? order[entry] : 0;
+  const int32_t entry_token = valid ? sorted_tokens[entry] : 0;
+  const unsigned starts = __ballot_sync(kFullWarp, valid && (lane == 0 || run_end[entry] > entry));
+  const int length = static_cast<int>(n - window < kChunk ? n - window : kChunk);
   const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + lane;
   const bool has_columns = vector < cols / W;
   const bool drop = params.enabled();
@@ -215,7 +230,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   float sum[W];
 #pragma unroll
   for (int e = 0; e < W; ++e) sum[e] = 0.0f;
-  for (int first = 0; starts && first < length; first += kE) {  // warp-uniform bounds: all lanes shuffle
+  int64_t chunk_start = window;
+  for (int first = 0; first < length; first += kE) {  // warp-uniform bounds: all lanes shuffle
     int64_t index[kE];
     bool used[kE];
     float d[kE][W];
@@ -230,48 +246,57 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
 #pragma unroll
     for (int u = 0; u < kE; ++u) {
+      const int j = first + u;
+      if (j > 0 && j < length && (starts >> j & 1u)) {  // entry j starts the next chunk: write this one's sum
+        if (has_columns) write_chunk_sum<W>(sums + chunk_start * cols + vector * W, sum, token_scale);
+        chunk_start = window + j;
+      }
       if (!used[u]) continue;
       if (drop) dropout.apply<W>(static_cast<uint64_t>(index[u]), d[u]);
 #pragma unroll
       for (int e = 0; e < W; ++e) sum[e] += d[u][e];
     }
   }
-  if (!has_columns) return;
-#pragma unroll
-  for (int e = 0; e < W; ++e) sum[e] *= token_scale;
-  store_floats<W>(sums + slot * cols + vector * W, sum);
+  if (has_columns) write_chunk_sum<W>(sums + chunk_start * cols + vector * W, sum, token_scale);
 }
 
-// For each run start k whose run reaches past its first chunk: sums[k] += sums[m] for the later chunk starts m
-// (the multiples of kChunk in (k, run_end[k])), in order. Other rows are left as they are (the wrapper's scatter
-// keeps only run starts). One warp per k.
+// For the run that starts last in each window, if it reaches past the window: sums[k] += sums[m] for the later
+// window starts m in (k, run_end[k]) (its other chunk sums), in order. Only that run of a window can reach past
+// its end. One warp per window; rows that are no run start are left as they are (the wrapper's scatter keeps
+// only run starts).
 template <int W>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kWindowThreads)
     embed_merge_kernel(const int32_t* __restrict__ run_end, float* __restrict__ sums, int64_t n, int64_t cols) {
   constexpr int kM = kMergeSumsInFlight;
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (slot >= n) return;
-  const int64_t end = run_end[slot];
-  const int64_t later = (slot / kChunk + 1) * kChunk;
+  const int64_t window = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kChunk;
+  if (window >= n) return;
+  const int64_t entry = window + threadIdx.x;
+  const int64_t later = window + kChunk;
+  const int64_t end = entry < n ? run_end[entry] : 0;
+  const unsigned crossing = __ballot_sync(kFullWarp, end > later);  // a run start whose run leaves the window
+  if (crossing == 0) return;
+  const int owner = 31 - __clz(crossing);
+  const int64_t start = window + owner;
+  const int64_t run_stop = __shfl_sync(kFullWarp, end, owner);
   const int64_t vector = static_cast<int64_t>(blockIdx.y) * 32 + threadIdx.x;
-  if (later >= end || vector >= cols / W) return;  // not a run start, or its run is one chunk
+  if (vector >= cols / W) return;
   float total[W];
-  load_floats<W>(sums + slot * cols + vector * W, total);
-  for (int64_t first = later; first < end; first += kM * kChunk) {
+  load_floats<W>(sums + start * cols + vector * W, total);
+  for (int64_t first = later; first < run_stop; first += kM * kChunk) {
     float partial[kM][W];
 #pragma unroll
     for (int u = 0; u < kM; ++u) {
       const int64_t m = first + u * kChunk;
-      if (m < end) load_floats<W>(sums + m * cols + vector * W, partial[u]);
+      if (m < run_stop) load_floats<W>(sums + m * cols + vector * W, partial[u]);
     }
 #pragma unroll
     for (int u = 0; u < kM; ++u) {
-      if (first + u * kChunk >= end) continue;
+      if (first + u * kChunk >= run_stop) continue;
 #pragma unroll
       for (int e = 0; e < W; ++e) total[e] += partial[u][e];
     }
   }
-  store_floats<W>(sums + slot * cols + vector * W, total);
+  store_floats<W>(sums + start * cols + vector * W, total);
 }
 
 // Blocks of 32 lanes across rows of `vectors` column vectors (grid.y).
@@ -286,22 +311,22 @@ template <typename D, int W>
 ffi::Error launch_grad(cudaStream_t stream, const D* dy, const int32_t* sorted_tokens, const int32_t* order,
                        const int32_t* run_end, float* sums, int64_t n, int64_t cols, float token_scale,
                        Padding padding, DropoutParams params) {
-  const dim3 block(32, kBlockThreads / 32);
-  const auto slot_blocks = static_cast<unsigned>(ceil_div(n, int64_t{block.y}));  // n < 2**31 was checked
+  const dim3 block(32, kWindowThreads / 32);
+  const auto window_blocks = static_cast<unsigned>(ceil_div(ceil_div(n, kChunk), int64_t{block.y}));
   unsigned chunk_columns = 0;
   LS_RETURN_IF_ERROR(column_blocks(cols / W, cols, chunk_columns));
-  embed_chunk_kernel<D, W><<<dim3(slot_blocks, chunk_columns), block, 0, stream>>>(
+  embed_chunk_kernel<D, W><<<dim3(window_blocks, chunk_columns), block, 0, stream>>>(
       dy, sorted_tokens, order, run_end, sums, n, cols, token_scale, padding, params);
   LS_RETURN_IF_ERROR(launch_error("embed_chunk_kernel"));
-  if (n <= kChunk) return ffi::Error::Success();  // every run is one chunk
+  if (n <= kChunk) return ffi::Error::Success();  // one window: every run is one chunk
   constexpr int kF = kVecWidth<float>;           // the merge reads f32 rows, in 16-byte vectors where they allow
   const bool vector = cols % kF == 0 && is_aligned(sums, 16);
   unsigned merge_columns = 0;
   LS_RETURN_IF_ERROR(column_blocks(vector ? cols / kF : cols, cols, merge_columns));
   if (vector)
-    embed_merge_kernel<kF><<<dim3(slot_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
+    embed_merge_kernel<kF><<<dim3(window_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
   else
-    embed_merge_kernel<1><<<dim3(slot_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
+    embed_merge_kernel<1><<<dim3(window_blocks, merge_columns), block, 0, stream>>>(run_end, sums, n, cols);
   return launch_error("embed_merge_kernel");
 }
 

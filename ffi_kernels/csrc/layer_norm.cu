@@ -21,7 +21,7 @@
 //       -> (ds, dx, dgamma, dbeta, dbias, partials)                        attributes threshold, scale
 // with x, residual, y, s, dy, dsum, ds, dx (..., H) of one dtype; gamma, beta, bias, dgamma, dbeta, dbias (H,)
 // f32 or that dtype, all one; mean, rstd f32 (...); seed uint32[2]; partials f32 (blocks, 2 or 3 with dbias, H)
-// scratch whose first axis sets the backward grid.
+// scratch whose first axis bounds the backward grid.
 #include "rows.cuh"
 
 namespace ls {
@@ -322,11 +322,16 @@ struct BackwardArgs {
 };
 
 template <typename T, typename P, int W, bool kBiasDropout>
-ffi::Error launch_backward(cudaStream_t stream, const BackwardArgs& a, int64_t rows, int64_t cols, int64_t blocks) {
+ffi::Error launch_backward(cudaStream_t stream, const BackwardArgs& a, int64_t rows, int64_t cols,
+                           int64_t partial_rows) {
   const RowLayout layout = row_layout(cols, W, kBackwardBlockThreads);
   const size_t shared = static_cast<size_t>(layout.block.x) * layout.block.y * kPartialSharedBytes;
   float* partials = static_cast<float*>(a.partials.untyped_data());
-  layer_norm_bwd_kernel<T, P, W, kBiasDropout><<<blocks, layout.block, shared, stream>>>(
+  const auto kernel = layer_norm_bwd_kernel<T, P, W, kBiasDropout>;
+  int64_t blocks = 0;
+  LS_RETURN_IF_ERROR(
+      resident_row_blocks(kernel, layout.block, shared, 1, partial_rows, ceil_div(rows, layout.block.y), blocks));
+  kernel<<<static_cast<unsigned>(blocks), layout.block, shared, stream>>>(
       static_cast<const T*>(a.dy.untyped_data()), a.dsum ? static_cast<const T*>(a.dsum->untyped_data()) : nullptr,
       static_cast<const T*>(a.s.untyped_data()), static_cast<const float*>(a.mean.untyped_data()),
       static_cast<const float*>(a.rstd.untyped_data()), static_cast<const P*>(a.gamma.untyped_data()),
@@ -351,19 +356,19 @@ ffi::Error backward(cudaStream_t stream, const BackwardArgs& a) {
   }
   const int64_t rows = leading_rows(a.s.dimensions());
   const int64_t cols = last_dim(a.s.dimensions());
-  int64_t blocks = 0;
-  LS_RETURN_IF_ERROR(require_partials(a.partials, a.dbias ? 3 : 2, cols, blocks));
+  int64_t partial_rows = 0;
+  LS_RETURN_IF_ERROR(require_partials(a.partials, a.dbias ? 3 : 2, cols, partial_rows));
   return dispatch_float(a.s.element_type(), "s", [&](auto act) {
     using T = decltype(act);
     return dispatch_param<T>(a.gamma.element_type(), "gamma", [&](auto param) {
       using P = decltype(param);
       const bool vector = vectorizable<T>(cols, {&a.dy, a.dsum, &a.s, &a.gamma, &a.ds, a.dx});
       if (a.dbias) {
-        if (vector) return launch_backward<T, P, kVecWidth<T>, true>(stream, a, rows, cols, blocks);
-        return launch_backward<T, P, 1, true>(stream, a, rows, cols, blocks);
+        if (vector) return launch_backward<T, P, kVecWidth<T>, true>(stream, a, rows, cols, partial_rows);
+        return launch_backward<T, P, 1, true>(stream, a, rows, cols, partial_rows);
       }
-      if (vector) return launch_backward<T, P, kVecWidth<T>, false>(stream, a, rows, cols, blocks);
-      return launch_backward<T, P, 1, false>(stream, a, rows, cols, blocks);
+      if (vector) return launch_backward<T, P, kVecWidth<T>, false>(stream, a, rows, cols, partial_rows);
+      return launch_backward<T, P, 1, false>(stream, a, rows, cols, partial_rows);
     });
   });
 }

@@ -1,6 +1,8 @@
 // Thread layouts for kernels over (rows, cols) tensors and the deterministic second stage of column sums.
 #pragma once
 
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace ls {
@@ -116,6 +118,25 @@ ffi::Error sum_partials(cudaStream_t stream, const float* partials, int64_t num_
   sum_partials_kernel<OutT>
       <<<grid, dim3(kSumPartialsCols, kSumPartialsLanes), 0, stream>>>(partials, num_partials, cols, outputs);
   return launch_error("sum_partials_kernel");
+}
+
+// Row blocks of a column-reducing backward: as many as the GPU runs at once (CUDA's occupancy calculator for
+// `kernel` at this block size and shared memory, shared by the `column_chunks` blocks of a row block), but no more
+// than the scratch's `partial_rows` nor than the `row_groups` of block.y rows there are to visit. One full wave: a
+// grid past it leaves a partial second wave that holds every SM up for its few blocks (the bias_act_dropout
+// backward at 8192 x 4096 ran 1.33 waves), and a grid below it leaves threads idle.
+template <typename Kernel>
+ffi::Error resident_row_blocks(Kernel kernel, dim3 block, size_t shared, unsigned column_chunks,
+                               int64_t partial_rows, int64_t row_groups, int64_t& blocks) {
+  int sms = 0;
+  LS_RETURN_IF_ERROR(sm_count(sms));
+  int per_sm = 0;
+  const int threads = static_cast<int>(block.x * block.y);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared) != cudaSuccess)
+    return ffi::Error::Internal("cannot query the occupancy of a column-reducing kernel");
+  const int64_t resident = static_cast<int64_t>(per_sm) * sms / column_chunks;
+  blocks = std::max<int64_t>(1, std::min({resident, partial_rows, row_groups}));
+  return ffi::Error::Success();
 }
 
 // The f32 scratch output of a column-reducing kernel: [blocks, outputs, cols] with blocks >= 1.

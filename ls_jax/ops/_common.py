@@ -107,18 +107,20 @@ def rows(x: jax.Array) -> int:
     return count
 
 
-# Blocks per SM of the backward kernels that reduce over rows; scripts/partials_probe.py times other values.
-PARTIAL_BLOCKS_PER_SM = 2
+# Most blocks of 256 threads an SM holds at once (2048 threads): the bound on a column-reducing kernel's blocks.
+PARTIAL_ROWS_PER_SM = 8
 
 
 def column_partials(rows: int) -> int:
     """Rows of the f32 scratch in which a backward kernel leaves per-block column sums (one per block).
 
-    Kernels that reduce over rows (LayerNorm's dgamma/dbeta, bias gradients) run this many blocks,
-    ``PARTIAL_BLOCKS_PER_SM`` per SM of CUDA device 0, each summing its rows into one partial row; a small kernel
-    then adds the partials in a fixed order, so the gradients are deterministic.
+    Kernels that reduce over rows (LayerNorm's dgamma/dbeta, bias gradients) run as many blocks as fit on the GPU
+    at once (one wave, from CUDA's occupancy calculator), at most this many, each summing its rows into one
+    partial row; a small kernel then adds the partials in a fixed order, so the gradients are deterministic.
+    ``PARTIAL_ROWS_PER_SM`` per SM of CUDA device 0 covers every kernel's wave; scripts/partials_probe.py times
+    smaller bounds.
     """
-    return max(1, min(rows, PARTIAL_BLOCKS_PER_SM * ffi_kernels.sm_count()))
+    return max(1, min(rows, PARTIAL_ROWS_PER_SM * ffi_kernels.sm_count()))
 
 
 @functools.cache

@@ -264,9 +264,9 @@ def test_layer_norm_lowers_to_its_kernels_below_the_hidden_limit(kernels_enabled
     plain = lambda x, g, b: _forward_and_backward(lambda x, g, b: ops.layer_norm(x, g, b), x, g, b)
     assert _targets(_cuda_module(plain, x, gamma, gamma)) == {"ls_layer_norm_fwd", "ls_layer_norm_bwd"}
     add = lambda x, g, b: _forward_and_backward(lambda x, r, g, b: ops.layer_norm(x, g, b, residual=r), x, x, g, b)
-    text = _cuda_module(add, x, gamma, gamma)
+    text = _cuda_module(add, normal(2, (2000, 8192), jnp.bfloat16), gamma, gamma)
     assert _targets(text) == {"ls_layer_norm_add_fwd", "ls_layer_norm_add_bwd"}
-    assert re.search(r"tensor<264x2x8192xf32>", text), "backward scratch: 2 partial rows per SM"
+    assert re.search(r"tensor<1056x2x8192xf32>", text), "backward scratch: at most 8 partial rows per SM"
     wide = jnp.ones((8193,), jnp.float32)
     assert _targets(_cuda_module(plain, normal(1, (2, 8193), jnp.float32), wide, wide)) == set()
 
@@ -278,7 +278,7 @@ def test_bias_dropout_residual_layer_norm_lowers_to_one_kernel_each_way(kernels_
     fused = lambda x, b, r, g, be: ops.layer_norm(x, g, be, residual=r, bias=b, dropout_rate=0.1, seed=seed)
     text = _cuda_module(lambda *p: _forward_and_backward(fused, *p), x, gamma, x, gamma, gamma)
     assert _targets(text) == {"ls_bias_dropout_residual_layer_norm_fwd", "ls_bias_dropout_residual_layer_norm_bwd"}
-    assert re.search(r"tensor<264x3x8192xf32>", text), "backward scratch: dgamma, dbeta and dbias partial rows"
+    assert re.search(r"tensor<300x3x8192xf32>", text), "backward scratch: dgamma, dbeta, dbias; a row per row"
     assert f"threshold = {random.keep_threshold(0.1)} : ui32" in text
 
 

@@ -29,7 +29,7 @@ def test_cudnn_attention_reference_matches_its_xla_attention(name):
 
 
 @pytest.mark.slow  # a whole model step per implementation
-@pytest.mark.parametrize("implementation", zoo_steps.IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", zoo_steps.JAX_IMPLEMENTATIONS)
 def test_each_zoo_step_trains(implementation):
     from ls_jax import backend
 

@@ -80,16 +80,24 @@ def device_slug(device_kind: str | None = None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", kind).strip("-") or "device"
 
 
-def time_call(fn: Callable[[], Any], *, warmup: int = 5, samples: int = 30, inner: int = 5) -> dict[str, float]:
-    """Median, 10th and 90th percentile seconds per call of ``fn`` (no arguments; returns JAX arrays)."""
+def time_call(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 5,
+    samples: int = 30,
+    inner: int = 5,
+    wait: Callable[[Any], Any] = jax.block_until_ready,
+) -> dict[str, float]:
+    """Median, 10th and 90th percentile seconds per call of ``fn`` (no arguments); ``wait(out)`` returns once the
+    device has computed ``fn``'s result ``out`` (JAX's ``block_until_ready`` for JAX arrays)."""
     for _ in range(warmup):
-        jax.block_until_ready(fn())
+        wait(fn())
     per_call = []
     for _ in range(samples):
         start = time.perf_counter()
         for _ in range(inner):
             out = fn()
-        jax.block_until_ready(out)
+        wait(out)
         per_call.append((time.perf_counter() - start) / inner)
     per_call.sort()
     return {

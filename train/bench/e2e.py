@@ -1,4 +1,5 @@
-"""End-to-end training-step benchmark over the model zoo: plain Flax references vs ls_jax (xla and ffi backends).
+"""End-to-end training-step benchmark over the model zoo: plain Flax and PyTorch references vs ls_jax (xla and ffi
+backends).
 
 ``python -m train.bench e2e [--models wmt,bert,gpt] [--tokens 1024,8192] [--seq-lens 512] [--steps 20] [--fit]
 [--quick]``
@@ -9,17 +10,22 @@ One process builds each model several ways and trains each on the same random ba
   BERT-base sequence classification (128 and 512 tokens, 32 rows) and GPT-2 small (1024 tokens, 8 rows)
     (`train.bench.steps.zoo_steps`; sizes are sequence lengths): ``flax`` (einsum attention with dropout, as Flax
     and Hugging Face Flax write it), ``flax_cudnn`` (cuDNN's fused attention, without attention dropout),
-    ``ls_jax_xla`` and ``ls_jax_ffi``;
+    ``ls_jax_xla``, ``ls_jax_ffi`` and ``torch_compile`` (Hugging Face transformers' PyTorch model under
+    ``torch.compile``, bf16 autocast, fused AdamW; `train.bench.steps.torch_steps`; needs torch and transformers,
+    runs on the GPU when PyTorch sees CUDA, else on the CPU);
   named in ``--implementations`` only, the FP8 rows (GPUs with FP8 GEMMs, or a CPU): ``reference_fp8`` (WMT) and
     ``ls_jax_ffi_fp8``, every Dense and the tied logits through Flax's FP8 op.
 Per (model, size, implementation), a row ``<model>/<size>/<implementation>``, it records the median step time over
 ``--steps`` samples of 20 consecutive steps after warm-up, the host's time to dispatch one step, tokens/s, model
 TFLOP/s and MFU (against the datasheet peak, against a bf16 GEMM measured in the same run and, on an H100 or H200,
 against the 790 TFLOP/s the project's targets state MFU by) and the compiled step's memory (XLA memory analysis:
-arguments + outputs - aliased + temporaries); per WMT (model, implementation) with two or more measured batch
+arguments + outputs - aliased + temporaries; ``torch_compile`` records the peak of PyTorch's CUDA allocator
+instead, none on a CPU, and no host dispatch time); per WMT (model, implementation) with two or more measured batch
 sizes, the largest trainable batch predicted from their memory (``--fit`` also verifies it by running one step).
 Results merge into docs/results/e2e-<device>.json after every measurement (so runs split over several invocations
-build one file), and a speedup plot is written next to it.
+build one file), with the speedups over plain Flax, over Flax with cuDNN attention and over ``torch_compile``, and
+a plot of them is written next to it. In one process JAX holds the GPU memory it preallocates (75% by default), so
+the PyTorch step has the rest; ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` leaves it more.
 
 One module on purpose: the suite's rows, its timing protocol and its report are one benchmark; the steps it
 times live in `train.bench.steps`.
@@ -77,12 +83,29 @@ def host_dispatch_seconds(train_step: TrainStep, batch, repeats: int = 5) -> flo
     return float(np.median(elapsed))
 
 
+def timed_record(workload: workloads.Workload, timing: dict[str, float], steps: int) -> dict[str, Any]:
+    """The fields every record has: ``workload``'s shape and its step time from ``common.time_call``'s ``timing``
+    over ``steps`` samples."""
+    return {
+        **workload.describe(),
+        "step_time_s": timing["median_s"],
+        "p10_s": timing["p10_s"],
+        "p90_s": timing["p90_s"],
+        "steps_timed": steps * STEPS_PER_SAMPLE,
+        "steps_per_sample": STEPS_PER_SAMPLE,
+    }
+
+
 def measure(
     implementation: str, workload: workloads.Workload, steps: int, profile_steps: int = 0, trace_dir: Path | None = None
 ) -> dict[str, Any]:
     """Median step time and memory of one implementation of ``workload``; with ``profile_steps``, also the
     per-category breakdown of that many traced steps (`kernel_trace.step_breakdown`), whose trace stays in
-    ``trace_dir/<implementation>`` when given."""
+    ``trace_dir/<implementation>`` when given. The PyTorch rows are measured by `measure_torch`."""
+    if implementation in workloads.TORCH_IMPLEMENTATIONS:
+        if profile_steps:
+            raise ValueError(f"{implementation} is a PyTorch step: the JAX profiler cannot break it down")
+        return measure_torch(workload, steps)
     batch = workload.batch()
     with backend.use(workload.kernel_mode(implementation)):
         start = time.perf_counter()
@@ -95,12 +118,7 @@ def measure(
         dispatch_s = host_dispatch_seconds(train_step, batch)
         last_loss = float(train_step.run(batch))
         record = {
-            **workload.describe(),
-            "step_time_s": timing["median_s"],
-            "p10_s": timing["p10_s"],
-            "p90_s": timing["p90_s"],
-            "steps_timed": steps * STEPS_PER_SAMPLE,
-            "steps_per_sample": STEPS_PER_SAMPLE,
+            **timed_record(workload, timing, steps),
             "host_dispatch_s": dispatch_s,
             "init_compile_and_first_step_s": compile_s,
             "memory_bytes": train_step.memory_bytes(),
@@ -112,6 +130,32 @@ def measure(
                 train_step, batch, profile_steps, None if trace_dir is None else trace_dir / implementation
             )
     return record
+
+
+def measure_torch(workload: workloads.Workload, steps: int) -> dict[str, Any]:
+    """`measure` of the ``torch_compile`` row (`torch_steps`) on the same batch, by the same protocol: build and
+    compile with the first step, 3 warm-up steps, then ``steps`` samples of ``STEPS_PER_SAMPLE`` steps, each closed
+    by waiting for the device. Its memory is the peak of PyTorch's CUDA allocator over all of that (None on a CPU);
+    it has no host dispatch time."""
+    from train.bench.steps import torch_steps
+
+    batch = workload.batch()
+    start = time.perf_counter()
+    train_step = torch_steps.build_step(workload.model, batch)
+    first_loss = float(train_step.run())
+    compile_s = time.perf_counter() - start
+    timing = common.time_call(train_step.run, warmup=3, samples=steps, inner=STEPS_PER_SAMPLE, wait=train_step.wait)
+    last_loss = float(train_step.run())
+    return {
+        **timed_record(workload, timing, steps),
+        "host_dispatch_s": None,
+        "init_compile_and_first_step_s": compile_s,
+        "memory_bytes": train_step.memory_bytes(),
+        "first_loss": first_loss,
+        "loss_after_timing": last_loss,
+        "torch_device": train_step.device_name(),
+        "versions": torch_steps.versions(),
+    }
 
 
 def predict_largest_batch(memory_by_tokens: dict[int, int], capacity: int) -> int:
@@ -135,7 +179,7 @@ def predicted_largest_batches(results: dict[str, Any], capacity: int | None) -> 
     memory: dict[tuple[str, str], dict[int, int]] = {}
     for key, record in results.items():
         name, tokens, implementation = key.split("/")
-        if name not in zoo_steps.MODELS and tokens.isdigit() and "memory_bytes" in record:
+        if name not in zoo_steps.MODELS and tokens.isdigit() and record.get("memory_bytes") is not None:
             memory.setdefault((name, implementation), {})[int(tokens)] = record["memory_bytes"]
     table: dict[str, dict[str, Any]] = {}
     for (name, implementation), by_tokens in sorted(memory.items()):
@@ -199,6 +243,7 @@ class ResultFile:
         self.results[key] = {**record, "run": self.run, "commit": self.commit}
         table = speedups(self.results)
         cudnn_table = speedups(self.results, ("flax_cudnn",))
+        torch_table = speedups(self.results, workloads.TORCH_IMPLEMENTATIONS)
         largest = predicted_largest_batches(self.results, self.header["memory_capacity_bytes"])
         written = common.write_result(
             "e2e",
@@ -207,11 +252,12 @@ class ResultFile:
                 "results": self.results,
                 "speedup_vs_reference": table,
                 "speedup_vs_flax_cudnn": cudnn_table,
+                "speedup_vs_torch_compile": torch_table,
                 "largest_batch_tokens_predicted": largest,
             },
             self.path.parent,
         )
-        plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind, cudnn_table)
+        plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind, cudnn_table, torch_table)
 
 
 def run(
@@ -231,7 +277,7 @@ def run(
             memory_by_tokens = {}
             for workload in group:
                 record = measure_one(implementation, workload, steps, out, profile_steps, trace_dir)
-                if record is not None:
+                if record is not None and record["memory_bytes"] is not None:
                     memory_by_tokens[workload.size] = record["memory_bytes"]
             capacity = out.header["memory_capacity_bytes"]
             if fit_batch and workloads.is_wmt(model) and capacity and len(memory_by_tokens) >= 2:
@@ -275,8 +321,9 @@ def measure_one(
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.3f}"
     if target_basis is not None:
         mfu += f" ({record['mfu_vs_target_basis']:.3f} against {target_basis:.0f} TFLOP/s)"
+    memory = "n/a" if record["memory_bytes"] is None else f"{record['memory_bytes'] / 2**30:.1f} GiB"
     print(
-        f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  memory {record['memory_bytes'] / 2**30:.1f} GiB  "
+        f"{key}: {record['step_time_s'] * 1e3:.2f} ms  MFU {mfu}  memory {memory}  "
         f"compile {record['init_compile_and_first_step_s']:.1f} s",
         flush=True,
     )
@@ -319,6 +366,14 @@ def header(gemm_size: int = 8192) -> dict[str, Any]:
             "gpt": "next-token loss on full rows",
             "flax_attention": "flax.linen.dot_product_attention, dropout broadcast over batch and heads",
             "flax_cudnn_attention": "jax.nn.dot_product_attention(implementation='cudnn'), no dropout",
+            "torch_compile": "Hugging Face transformers PyTorch model under torch.compile, bf16 autocast, fused AdamW",
+            "torch_compile_setup": (
+                "BertForSequenceClassification / GPT2LMHeadModel from a transformers config of the same shape "
+                "(random init), f32 params, torch.optim.AdamW (fused on CUDA) at the Flax steps' learning rate and "
+                "weight decay, the whole step under torch.compile's default mode, on the GPU when PyTorch sees CUDA"
+            ),
+            "torch_compile_attention": "transformers' sdpa (torch scaled_dot_product_attention), dropout per element",
+            "torch_compile_memory": "torch.cuda.max_memory_allocated over build, compile and timing (None on a CPU)",
             "ls_jax_attention_dropout": "per element",
             "fp8": FP8_SETUP,
         },
@@ -339,7 +394,8 @@ def speedups(
     """A reference's step time over each other implementation's, per (model, size), where both were measured in
     the same run: the reference's speed depends on the host that dispatches its kernels, so a ratio across runs
     (or machines) is not a measurement. The reference is the first of ``against`` the model has (the WMT
-    Transformers' "reference", BERT's and GPT-2's "flax"; ``("flax_cudnn",)`` for the cuDNN-attention one)."""
+    Transformers' "reference", BERT's and GPT-2's "flax"; ``("flax_cudnn",)`` for the cuDNN-attention one,
+    ``("torch_compile",)`` for PyTorch)."""
     table: dict[str, dict[str, float]] = {}
     for key, record in results.items():
         name, size, implementation = key.split("/")
@@ -361,7 +417,13 @@ def _sort_key(label: str) -> tuple[int, int]:
 
 def _bar_panel(ax, table: dict[str, dict[str, float]], ylabel: str) -> None:
     labels = sorted(table, key=_sort_key)
-    colors = {"flax": "tab:gray", "flax_cudnn": "tab:blue", "ls_jax_xla": "tab:orange", "ls_jax_ffi": "tab:green"}
+    colors = {
+        "flax": "tab:gray",
+        "flax_cudnn": "tab:blue",
+        "ls_jax_xla": "tab:orange",
+        "ls_jax_ffi": "tab:green",
+        "torch_compile": "tab:red",
+    }
     shown = [i for i in colors if any(i in table[k] for k in labels)]
     width = 0.8 / max(len(shown), 1)
     for index, implementation in enumerate(shown):
@@ -384,9 +446,10 @@ def plot_speedups(
     path: Path,
     device_kind: str,
     cudnn_table: dict[str, dict[str, float]] | None = None,
+    torch_table: dict[str, dict[str, float]] | None = None,
 ) -> None:
-    """Bars of ``table`` (speedups over plain Flax) and, where given, of ``cudnn_table`` (over Flax with cuDNN
-    attention) in a second panel."""
+    """Bars of ``table`` (speedups over plain Flax) and, each where given, of ``cudnn_table`` (over Flax with cuDNN
+    attention) and ``torch_table`` (over PyTorch under torch.compile) in panels beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,6 +460,8 @@ def plot_speedups(
     panels = [(table, "speedup over plain Flax (step time ratio)")]
     if cudnn_table:
         panels.append((cudnn_table, "speedup over Flax with cuDNN attention"))
+    if torch_table:
+        panels.append((torch_table, "speedup over PyTorch under torch.compile"))
     fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * max(6, 0.7 * len(table)), 4), squeeze=False)
     for ax, (values, ylabel) in zip(axes[0], panels):
         _bar_panel(ax, values, ylabel)
@@ -444,7 +509,10 @@ def main(argv: list[str]) -> int:
         + ", ".join(implementations_known)
         + " (default: all but the FP8 rows, "
         + ", ".join(workloads.FP8_IMPLEMENTATIONS)
-        + ", which need a GPU with FP8 GEMMs or a CPU)",
+        + ", which need a GPU with FP8 GEMMs or a CPU); "
+        + ", ".join(workloads.TORCH_IMPLEMENTATIONS)
+        + " needs torch and transformers (pip install torch transformers) and runs on the GPU when PyTorch sees "
+        "CUDA, else on the CPU",
     )
     parser.add_argument(
         "--steps",
@@ -460,7 +528,8 @@ def main(argv: list[str]) -> int:
         help="a smoke run (CPU): each family of --models as its tiny model ("
         + ", ".join(workloads.QUICK_MODELS.values())
         + f"), WMT at {QUICK_TOKENS} tokens, 2 samples; "
-        "without a GPU, no ls_jax_ffi or flax_cudnn",
+        "without a GPU, no ls_jax_ffi or flax_cudnn (torch_compile runs, compiling for the CPU in about a minute "
+        "a model)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -498,6 +567,7 @@ def main(argv: list[str]) -> int:
     for title, table in (
         ("over plain Flax", speedups(out.results)),
         ("over Flax with cuDNN attention", speedups(out.results, ("flax_cudnn",))),
+        ("over PyTorch under torch.compile", speedups(out.results, workloads.TORCH_IMPLEMENTATIONS)),
         ("over plain Flax in FP8", speedups(out.results, ("reference_fp8",))),
         ("over ls_jax ffi in bf16", speedups(out.results, ("ls_jax_ffi",))),
     ):

@@ -3,11 +3,12 @@
 
 Suites: ops (fused kernels vs XLA), gemm (the FFN GEMMs alone and with their epilogues), attention (self-attention
 vs cuDNN's as JAX calls it), optim (fused optimizers vs optax), e2e (training step vs plain Flax: the WMT
-Transformers, BERT-base, GPT-2 small), profile (per-category and per-stage step breakdown), scaling (data parallel),
-counters (Nsight Compute counters vs plain Flax), flops (hand-counted FLOPs and DRAM bytes against measured);
-timeline (where each device's time went in a trace of a training run's steps, ``--profile-steps``), cli-scaling
-(weak scaling of the training commands themselves, their own summaries at 1, 2, 4 ... devices), schedule (where
-a compiled step's all-reduces sit among its matrix products, from XLA's scheduled HLO).
+Transformers, BERT-base, GPT-2 small; the last two also vs Hugging Face PyTorch under torch.compile), profile
+(per-category and per-stage step breakdown), scaling (data parallel), counters (Nsight Compute counters vs plain
+Flax), flops (hand-counted FLOPs and DRAM bytes against measured); timeline (where each device's time went in a
+trace of a training run's steps, ``--profile-steps``), cli-scaling (weak scaling of the training commands
+themselves, their own summaries at 1, 2, 4 ... devices), schedule (where a compiled step's all-reduces sit among
+its matrix products, from XLA's scheduled HLO).
 """
 
 from __future__ import annotations

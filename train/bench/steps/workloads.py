@@ -28,10 +28,12 @@ DEFAULT_IMPLEMENTATIONS = tuple(i for i in ALL_IMPLEMENTATIONS if i not in FP8_I
 """What ``train.bench e2e`` runs unless told: the FP8 rows only when named."""
 QUICK_MODELS = {"wmt": transformer_steps.QUICK_MODEL, **zoo_steps.QUICK_MODELS}
 MODEL_ORDER = (*transformer_steps.MODELS, *zoo_steps.MODELS)
-REFERENCES = ("reference", "flax", "flax_cudnn")
+REFERENCES = ("reference", "flax", "flax_cudnn", *zoo_steps.TORCH_IMPLEMENTATIONS)
 PRIMARY_REFERENCES = ("reference", zoo_steps.REFERENCE)
 """Each model's first reference: the WMT Transformers' plain Flax "reference", BERT's and GPT-2's "flax"."""
 NEEDS_GPU = ("ls_jax_ffi", "ls_jax_ffi_fp8", "flax_cudnn")
+TORCH_IMPLEMENTATIONS = zoo_steps.TORCH_IMPLEMENTATIONS
+"""Rows timed as PyTorch steps (`train.bench.steps.torch_steps`), not as JAX `TrainStep`s."""
 
 
 def check_fp8_device(implementations: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""BERT and GPT-2 training steps the end-to-end benchmark compares, built four ways on the same batches.
+"""BERT and GPT-2 training steps the end-to-end benchmark compares, built several ways on the same batches.
 
 BERT-base fine-tuning for sequence classification (2 labels, rows padded at the end to the sequence length) and
 GPT-2 language modelling (full rows, next-token loss); dropout 0.1, AdamW, bf16 compute with f32 params:
@@ -10,7 +10,9 @@ GPT-2 language modelling (full rows, next-token loss); dropout 0.1, AdamW, bf16 
               weights, every op on its XLA implementation (attention dropout 0.1);
   ls_jax_ffi  the same with the CUDA kernels;
   ls_jax_ffi_fp8  the same with every Dense and the tied logits in FP8 (`ls_jax.layers.fp8`; named in
-              ``--implementations`` only).
+              ``--implementations`` only);
+  torch_compile  Hugging Face transformers' PyTorch model of the same config under ``torch.compile``, bf16
+              autocast, fused AdamW (`train.bench.steps.torch_steps` builds it: not a JAX step).
 The loss runs under the ``criterion`` name scope and the optimizer under ``optimizer`` (`kernel_trace` reads them).
 """
 
@@ -29,7 +31,10 @@ from train.bench.steps.transformer_steps import kernel_mode as kernel_mode  # th
 from train.reference.zoo import ReferenceBert, ReferenceGPT, ZooConfig
 
 FP8_IMPLEMENTATIONS = ("ls_jax_ffi_fp8",)
-IMPLEMENTATIONS = ("flax", "flax_cudnn", "ls_jax_xla", "ls_jax_ffi", *FP8_IMPLEMENTATIONS)
+TORCH_IMPLEMENTATIONS = ("torch_compile",)
+"""Rows of PyTorch steps (`train.bench.steps.torch_steps`): `build_step` builds the others."""
+IMPLEMENTATIONS = ("flax", "flax_cudnn", "ls_jax_xla", "ls_jax_ffi", *TORCH_IMPLEMENTATIONS, *FP8_IMPLEMENTATIONS)
+JAX_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if i not in TORCH_IMPLEMENTATIONS)
 REFERENCE = "flax"
 """The implementation the speedups of `train.bench.e2e` are stated against first."""
 DROPOUT = 0.1
@@ -203,7 +208,10 @@ def ls_jax_step(name: str, batch, fp8_gemms: bool = False) -> TrainStep:
 
 
 def build_step(implementation: str, name: str, batch) -> TrainStep:
-    """The compiled step of ``implementation`` (one of IMPLEMENTATIONS) for model ``name`` at ``batch``'s shape."""
+    """The compiled step of ``implementation`` (one of JAX_IMPLEMENTATIONS) for model ``name`` at ``batch``'s
+    shape."""
+    if implementation in TORCH_IMPLEMENTATIONS:
+        raise ValueError(f"{implementation} is a PyTorch step: train.bench.steps.torch_steps builds it")
     if implementation == "flax":
         return reference_step(name, "einsum", batch)
     if implementation == "flax_cudnn":

@@ -158,7 +158,7 @@ def test_zoo_workloads_use_each_models_lengths_and_rows():
     assert rows == {("bert-base", 128, 32), ("bert-base", 512, 32), ("gpt2-small", 1024, 8), ("base-6e6d", 8192, 128)}
     bert = workloads.zoo_workload("bert-base", 512)
     assert bert.key("ls_jax_ffi") == "bert-base/512/ls_jax_ffi"
-    assert bert.describe() == {"batch_rows": 32, "seq_len": 512, "tokens_per_step": 32 * 512}
+    assert bert.describe() == {"batch_rows": 32, "seq_len": 512, "tokens_per_step": 32 * 512, "token_ids": "uniform"}
     # 6 N t + 12 layers L H t, the pooler and classifier (docs/flops.md)
     assert bert.flops() > 6 * 85e6 * 32 * 512
     with pytest.raises(ValueError, match="sequence length 1024 is outside 1..512"):

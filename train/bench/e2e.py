@@ -2,9 +2,10 @@
 backends).
 
 ``python -m train.bench e2e [--models wmt,bert,gpt] [--tokens 1024,8192] [--seq-lens 512] [--steps 20] [--fit]
-[--quick]``
+[--token-ids uniform|zipf] [--quick]``
 
-One process builds each model several ways and trains each on the same random batches:
+One process builds each model several ways and trains each on the same random batches (token ids uniform over the
+vocabulary, or with ``--token-ids zipf`` as frequent as in text: `train.bench.steps.token_ids`):
   the WMT Transformers (`train.bench.steps.transformer_steps`; sizes are target tokens per step): the plain Flax
     ``reference``, ``ls_jax_xla`` and ``ls_jax_ffi``;
   BERT-base sequence classification (128 and 512 tokens, 32 rows) and GPT-2 small (1024 tokens, 8 rows)
@@ -22,10 +23,11 @@ against the 790 TFLOP/s the project's targets state MFU by) and the compiled ste
 arguments + outputs - aliased + temporaries; ``torch_compile`` records the peak of PyTorch's CUDA allocator
 instead, none on a CPU, and no host dispatch time); per WMT (model, implementation) with two or more measured batch
 sizes, the largest trainable batch predicted from their memory (``--fit`` also verifies it by running one step).
-Results merge into docs/results/e2e-<device>.json after every measurement (so runs split over several invocations
-build one file), with the speedups over plain Flax, over Flax with cuDNN attention and over ``torch_compile``, and
-a plot of them is written next to it. In one process JAX holds the GPU memory it preallocates (75% by default), so
-the PyTorch step has the rest; ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` leaves it more.
+Results merge into docs/results/e2e-<device>.json (e2e-zipf-<device>.json with Zipf ids) after every measurement
+(so runs split over several invocations build one file), with the speedups over plain Flax, over Flax with cuDNN
+attention and over ``torch_compile``, and a plot of them is written next to it. In one process JAX holds the GPU
+memory it preallocates (75% by default), so the PyTorch step has the rest; ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+leaves it more.
 
 One module on purpose: the suite's rows, its timing protocol and its report are one benchmark; the steps it
 times live in `train.bench.steps`.
@@ -46,6 +48,7 @@ import numpy as np
 
 from ls_jax import backend
 from train.bench import common
+from train.bench.steps import token_ids as token_ids_lib
 from train.bench.steps import workloads, zoo_steps
 from train.bench.steps.transformer_steps import LABEL_SMOOTHING, SEQ_LEN, VOCAB, TrainStep
 from train.bench.tracing import kernel_trace
@@ -234,8 +237,13 @@ class ResultFile:
     commit: str | None
 
     @classmethod
-    def open(cls, out_dir: Path, header: dict[str, Any], fresh: bool) -> "ResultFile":
-        path = out_dir / f"e2e-{common.device_slug()}.json"
+    def open(
+        cls, out_dir: Path, header: dict[str, Any], fresh: bool, token_ids: str = token_ids_lib.DEFAULT
+    ) -> "ResultFile":
+        """The results file of ``out_dir`` for batches of ``token_ids``: ``e2e-<device>.json`` for the default
+        uniform ids, ``e2e-<token_ids>-<device>.json`` otherwise (their rows measure other batches)."""
+        stem = "e2e" if token_ids == token_ids_lib.DEFAULT else f"e2e-{token_ids}"
+        path = out_dir / f"{stem}-{common.device_slug()}.json"
         results = {} if fresh or not path.exists() else json.loads(path.read_text())["results"]
         return cls(path, header, results, runlog.utc_now(), runlog.git_commit())
 
@@ -256,6 +264,7 @@ class ResultFile:
                 "largest_batch_tokens_predicted": largest,
             },
             self.path.parent,
+            stem=self.path.name.removesuffix(f"-{common.device_slug()}.json"),
         )
         plot_speedups(table, written.with_suffix(".png"), jax.devices()[0].device_kind, cudnn_table, torch_table)
 
@@ -520,6 +529,13 @@ def main(argv: list[str]) -> int:
         default=10,
         help=f"timed samples of {STEPS_PER_SAMPLE} consecutive steps (after 3 warm-up steps)",
     )
+    parser.add_argument(
+        "--token-ids",
+        choices=token_ids_lib.DISTRIBUTIONS,
+        default=token_ids_lib.DEFAULT,
+        help="how the batches' token ids are drawn: uniform over the vocabulary (default), or zipf, the k-th "
+        "most frequent id 1/k as often as the first, as in text (its rows go to e2e-zipf-<device>.json)",
+    )
     parser.add_argument("--fit", action="store_true", help="also find the largest trainable batch per WMT model")
     common.add_out_argument(parser, "e2e")
     parser.add_argument(
@@ -550,7 +566,9 @@ def main(argv: list[str]) -> int:
         models = workloads.expand_models(args.models.split(","), quick=args.quick)
         token_counts = [QUICK_TOKENS] if args.quick else [int(t) for t in args.tokens.split(",")]
         seq_lens = None if args.quick or not args.seq_lens else [int(n) for n in args.seq_lens.split(",")]
-        workload_list = workloads.workloads(models, token_counts, seq_lens, None if args.quick else args.rows)
+        workload_list = workloads.workloads(
+            models, token_counts, seq_lens, None if args.quick else args.rows, token_ids=args.token_ids
+        )
     except ValueError as err:
         parser.error(str(err))
     try:
@@ -562,7 +580,7 @@ def main(argv: list[str]) -> int:
         gpu = jax.default_backend() == "gpu" and backend.cuda_visible()
         implementations = [i for i in implementations if gpu or i not in workloads.NEEDS_GPU]
 
-    out = ResultFile.open(args.out, header(gemm_size=1024 if args.quick else 8192), fresh=args.quick)
+    out = ResultFile.open(args.out, header(gemm_size=1024 if args.quick else 8192), args.quick, args.token_ids)
     run(workload_list, implementations, args.steps, out, fit_batch=args.fit)
     for title, table in (
         ("over plain Flax", speedups(out.results)),

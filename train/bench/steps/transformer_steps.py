@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from ls_jax.layers import fp8
+from train.bench.steps import token_ids as token_ids_lib
 from train.costs import metrics
 from train.reference.losses import label_smoothed_sums
 from train.reference.transformer import ReferenceConfig, ReferenceTransformer
@@ -109,10 +110,11 @@ def compile_step(step: Callable[..., Any], state: Any, batch, fp8_gemms: bool = 
     return TrainStep(lowered.compile(options), state, lowered, options)
 
 
-def make_batch(num_sentences: int, seed: int) -> dict[str, jax.Array]:
-    """Random ``src``, ``tgt_in`` and ``labels`` of (num_sentences, SEQ_LEN) tokens; ``tgt_in`` is BOS + labels."""
+def make_batch(num_sentences: int, seed: int, token_ids: str = token_ids_lib.DEFAULT) -> dict[str, jax.Array]:
+    """Random ``src``, ``tgt_in`` and ``labels`` of (num_sentences, SEQ_LEN) tokens, ids drawn from ``token_ids``
+    (`token_ids.DISTRIBUTIONS`) above the special ones; ``tgt_in`` is BOS + labels."""
     rng = np.random.default_rng(seed)
-    tokens = lambda: jnp.asarray(rng.integers(4, VOCAB, (num_sentences, SEQ_LEN), dtype=np.int32))
+    tokens = lambda: jnp.asarray(token_ids_lib.draw(rng, (num_sentences, SEQ_LEN), 4, VOCAB, token_ids))  # noqa: E731
     target = tokens()
     bos = jnp.ones((num_sentences, 1), jnp.int32)
     return {"src": tokens(), "tgt_in": jnp.concatenate([bos, target[:, :-1]], axis=1), "labels": target}

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from ls_jax.layers import fp8
+from train.bench.steps import token_ids as token_ids_lib
 from train.bench.steps import transformer_steps, zoo_steps
 from train.bench.steps.transformer_steps import TrainStep
 
@@ -57,6 +58,7 @@ class Workload:
     model: str
     size: int
     rows: int
+    token_ids: str = token_ids_lib.DEFAULT
 
     def key(self, implementation: str) -> str:
         return f"{self.model}/{self.size}/{implementation}"
@@ -68,8 +70,8 @@ class Workload:
     def batch(self, seed: int | None = None) -> dict[str, jax.Array]:
         seed = self.size if seed is None else seed
         if is_wmt(self.model):
-            return transformer_steps.make_batch(self.rows, seed=seed)
-        return zoo_steps.make_batch(self.model, self.rows, self.size, seed=seed)
+            return transformer_steps.make_batch(self.rows, seed=seed, token_ids=self.token_ids)
+        return zoo_steps.make_batch(self.model, self.rows, self.size, seed=seed, token_ids=self.token_ids)
 
     def build(self, implementation: str, batch) -> TrainStep:
         if is_wmt(self.model):
@@ -90,25 +92,30 @@ class Workload:
 
     def describe(self) -> dict[str, Any]:
         """The shape a record is measured at."""
-        return {"batch_rows": self.rows, "seq_len": self.seq_len, "tokens_per_step": self.tokens()}
+        return {
+            "batch_rows": self.rows,
+            "seq_len": self.seq_len,
+            "tokens_per_step": self.tokens(),
+            "token_ids": self.token_ids,
+        }
 
 
-def wmt_workload(model: str, target_tokens: int) -> Workload:
-    """``model`` at ``target_tokens`` per step (rows of SEQ_LEN target tokens)."""
+def wmt_workload(model: str, target_tokens: int, token_ids: str = token_ids_lib.DEFAULT) -> Workload:
+    """``model`` at ``target_tokens`` per step (rows of SEQ_LEN target tokens), ids drawn from ``token_ids``."""
     rows = target_tokens // transformer_steps.SEQ_LEN
     if rows < 1:
         raise ValueError(
             f"{model}: {target_tokens} target tokens is less than one {transformer_steps.SEQ_LEN}-token "
             "sentence; give --tokens of at least that"
         )
-    return Workload(model, target_tokens, rows)
+    return Workload(model, target_tokens, rows, token_ids)
 
 
-def zoo_workload(model: str, seq_len: int, rows: int | None = None) -> Workload:
-    """``model`` at ``seq_len`` with ``rows`` rows (default: the model's)."""
+def zoo_workload(model: str, seq_len: int, rows: int | None = None, token_ids: str = token_ids_lib.DEFAULT) -> Workload:
+    """``model`` at ``seq_len`` with ``rows`` rows (default: the model's), ids drawn from ``token_ids``."""
     rows = zoo_steps.MODELS[model].rows if rows is None else rows
     zoo_steps.check_shape(model, seq_len, rows)
-    return Workload(model, seq_len, rows)
+    return Workload(model, seq_len, rows, token_ids)
 
 
 def expand_models(names: list[str], quick: bool = False) -> list[str]:
@@ -128,15 +135,19 @@ def expand_models(names: list[str], quick: bool = False) -> list[str]:
 
 
 def workloads(
-    models: list[str], token_counts: list[int], seq_lens: list[int] | None = None, rows: int | None = None
+    models: list[str],
+    token_counts: list[int],
+    seq_lens: list[int] | None = None,
+    rows: int | None = None,
+    token_ids: str = token_ids_lib.DEFAULT,
 ) -> list[Workload]:
     """Every (model, size): WMT models at each of ``token_counts``, the others at ``seq_lens`` (default: the
-    model's own lengths) and ``rows`` (default: the model's)."""
+    model's own lengths) and ``rows`` (default: the model's); every batch's ids drawn from ``token_ids``."""
     out = []
     for model in models:
         if is_wmt(model):
-            out.extend(wmt_workload(model, tokens) for tokens in token_counts)
+            out.extend(wmt_workload(model, tokens, token_ids) for tokens in token_counts)
         else:
             lengths = seq_lens or zoo_steps.MODELS[model].seq_lens
-            out.extend(zoo_workload(model, length, rows) for length in lengths)
+            out.extend(zoo_workload(model, length, rows, token_ids) for length in lengths)
     return out

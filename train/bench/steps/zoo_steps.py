@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from train.bench.steps import token_ids as token_ids_lib
 from train.bench.steps.transformer_steps import TrainStep, ls_jax_adamw_step, optax_adamw_step
 from train.bench.steps.transformer_steps import kernel_mode as kernel_mode  # the same ls_jax_ffi* rule
 from train.reference.zoo import ReferenceBert, ReferenceGPT, ZooConfig
@@ -74,15 +75,17 @@ def check_shape(name: str, seq_len: int, rows: int) -> None:
         raise ValueError(f"{name}: the batch needs at least one row, got {rows}")
 
 
-def make_batch(name: str, rows: int, seq_len: int, seed: int) -> dict[str, jax.Array]:
-    """Random tokens (rows, seq_len) int32 and labels.
+def make_batch(
+    name: str, rows: int, seq_len: int, seed: int, token_ids: str = token_ids_lib.DEFAULT
+) -> dict[str, jax.Array]:
+    """Random tokens (rows, seq_len) int32, ids drawn from ``token_ids`` (`token_ids.DISTRIBUTIONS`), and labels.
 
     BERT: ``attention_mask`` (rows, seq_len) with each row's real tokens first (between half and all of the
     length; the last row is full) and a class label (rows,) in {0, 1}. GPT-2: ``labels`` (rows, seq_len), the
     next token of every position."""
     model = MODELS[name]
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, model.vocab, (rows, seq_len + 1), dtype=np.int32)
+    tokens = token_ids_lib.draw(rng, (rows, seq_len + 1), 1, model.vocab, token_ids)
     if model.kind == "gpt":
         return {"input_ids": jnp.asarray(tokens[:, :-1]), "labels": jnp.asarray(tokens[:, 1:])}
     lengths = rng.integers(seq_len // 2 + 1, seq_len + 1, rows)

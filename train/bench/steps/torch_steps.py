@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ls_jax.models import hf
 from train.bench.steps import zoo_steps
 from train.bench.steps.transformer_steps import LEARNING_RATE, WEIGHT_DECAY
 
@@ -40,44 +41,15 @@ def import_torch() -> tuple[Any, Any]:
 
 
 def hf_config(name: str):
-    """The transformers BertConfig or GPT2Config of zoo model ``name``, as `zoo_steps.reference_config` sets it."""
+    """The transformers BertConfig or GPT2Config of zoo model ``name``: ls_jax's model of it
+    (`zoo_steps.ls_jax_config`) as `ls_jax.models.hf.config_to_hf` exports it, with attention through "sdpa"; GPT-2
+    keeps no key/value cache and takes its last id as BOS and EOS, as GPT-2's own vocabulary does."""
     _, transformers = import_torch()
     model = zoo_steps.MODELS[name]
-    if model.kind == "bert":
-        return transformers.BertConfig(
-            vocab_size=model.vocab,
-            hidden_size=model.hidden,
-            num_hidden_layers=model.layers,
-            num_attention_heads=model.heads,
-            intermediate_size=model.intermediate,
-            hidden_act="gelu",
-            hidden_dropout_prob=zoo_steps.DROPOUT,
-            attention_probs_dropout_prob=zoo_steps.DROPOUT,
-            max_position_embeddings=model.max_positions,
-            type_vocab_size=2,
-            layer_norm_eps=1e-12,
-            initializer_range=0.02,
-            num_labels=2,
-            attn_implementation="sdpa",
-        )
-    return transformers.GPT2Config(
-        vocab_size=model.vocab,
-        n_positions=model.max_positions,
-        n_embd=model.hidden,
-        n_layer=model.layers,
-        n_head=model.heads,
-        n_inner=model.intermediate,
-        activation_function="gelu_new",
-        resid_pdrop=zoo_steps.DROPOUT,
-        embd_pdrop=zoo_steps.DROPOUT,
-        attn_pdrop=zoo_steps.DROPOUT,
-        layer_norm_epsilon=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=True,
-        use_cache=False,
-        bos_token_id=model.vocab - 1,
-        eos_token_id=model.vocab - 1,
-        attn_implementation="sdpa",
+    exported = hf.config_to_hf(zoo_steps.ls_jax_config(name))
+    gpt = {"use_cache": False, "bos_token_id": model.vocab - 1, "eos_token_id": model.vocab - 1}
+    return transformers.AutoConfig.for_model(
+        **exported, **(gpt if model.kind == "gpt" else {}), attn_implementation="sdpa"
     )
 
 
